@@ -1,0 +1,1711 @@
+"""KCoral server: HTTP front-end, request validation, blob caches and the worker pool.
+
+    python -m kcoral [server] [--port 8000] [--device auto|cpu|gpu] ...
+
+`POST /execute` takes a multipart request (a JSON program plus blob parts),
+validates it completely, resolves its blobs against the memory and disk
+caches, and hands it to a worker process (kcoral_worker.py) forked from a
+warm template; `GET /health` reports load, target and versions.  Everything
+here runs on the standard library: `http.server` threads, a hand-written
+multipart parser, `multiprocessing` pipes.  The wire contract is
+shared/spec/PROTOCOL.md; this file's section comments cite it as P§n.
+
+The client lives in client.py; `from kcoral import Client, Program` works
+when that file is importable (it is loaded lazily, so the server needs only
+this file and kcoral_worker.py).
+"""
+
+import argparse
+import collections
+import ctypes
+import dataclasses
+import datetime
+import fcntl
+import hashlib
+import hmac
+import http.server
+import importlib.metadata
+import importlib.util
+import json
+import math
+import multiprocessing
+import os
+import re
+import secrets
+import selectors
+import shutil
+import signal
+import stat
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from multiprocessing import reduction
+
+import kcoral_worker
+from kcoral_worker import DTYPE_SIZES, ValidationError, normalize_path, recv_raw, send_raw
+
+__version__ = "0.2.0"
+CLIENT_NAMES = ("Client", "KCoralError", "Program", "ProgramResult", "ProtocolError", "Register",
+                "RemoteExecutionError", "RemoteFunction", "ReturnedFile", "ReturnedFolder",
+                "TransportError")
+__all__ = sorted(CLIENT_NAMES + ("ServerConfig", "create_app", "parse_program"))
+
+
+def __getattr__(name):
+    """Client names come from client.py on first use, so the server never needs it."""
+    if name in CLIENT_NAMES:
+        import client
+        return getattr(client, name)
+    raise AttributeError(f"module 'kcoral' has no attribute {name!r}")
+
+
+def default_disk_cache_dir():
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = xdg if os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "kcoral", "files")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """Server settings; field names and defaults follow the reference (SERVER.md §9.1)."""
+    gpus: tuple = (0,)
+    log_dir: str | None = None
+    log_console: bool = True
+    log_programs: bool = True
+    cache_capacity_bytes: int = 16 << 30
+    disk_cache_dir: str | None = dataclasses.field(default_factory=default_disk_cache_dir)
+    disk_cache_capacity_mbytes: int = 16384
+    default_timeout_seconds: float = 300.0
+    max_timeout_seconds: float = 900.0
+    worker_wait_timeout_seconds: float = 1800.0
+    workers_per_gpu: int = 1
+    max_requests_per_worker: int = 1
+    sandbox: str = "none"
+    worker_termination_grace_seconds: float = 5.0
+    max_request_bytes: int = 256 << 20
+    max_response_bytes: int = 256 << 20
+    output_limit_bytes: int = 1 << 20
+    max_output_limit_bytes: int = 16 << 20
+    device: str = "auto"
+    num_workers: int = 1
+    host: str = "127.0.0.1"
+    port: int = 8000
+    token: str | None = None
+
+
+# --- strict JSON and multipart (P§4.3-4.6, 5.1) ------------------------------
+
+def strict_json(data):
+    """Decode UTF-8 JSON, refusing a BOM, duplicate keys and NaN/Infinity."""
+    def pairs(items):
+        obj = dict(items)
+        if len(obj) != len(items):
+            raise ValidationError("duplicate key in JSON object")
+        return obj
+
+    def constant(name):
+        raise ValidationError(f"{name} is not valid JSON")
+
+    try:
+        text = bytes(data).decode("utf-8")
+        if text.startswith("\ufeff"):
+            raise ValidationError("JSON must not start with a byte-order mark")
+        return json.loads(text, object_pairs_hook=pairs, parse_constant=constant)
+    except RecursionError:
+        raise ValidationError("JSON is nested too deeply") from None
+    except UnicodeDecodeError:
+        raise ValidationError("JSON is not valid UTF-8") from None
+    except ValidationError:
+        raise
+    except ValueError as exc:  # also integers beyond the interpreter's digit limit
+        raise ValidationError(f"invalid JSON: {exc}") from None
+
+
+TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+
+
+def parse_header_params(value):
+    """`type; k=v; k="quoted"` -> (lower-cased type, {lower-cased k: v})."""
+    pieces, current, quoted, escaped = [], [], False, False
+    for ch in value:
+        if escaped:
+            escaped = False
+        elif ch == "\\" and quoted:
+            escaped = True
+        elif ch == '"':
+            quoted = not quoted
+        elif ch == ";" and not quoted:
+            pieces.append("".join(current))
+            current = []
+            continue
+        current.append(ch)
+    if quoted:
+        raise ValidationError("unterminated quoted string in header")
+    pieces.append("".join(current))
+    media = pieces[0].strip().lower()
+    params = {}
+    for piece in pieces[1:]:
+        if not piece.strip():
+            continue
+        key, eq, raw = piece.partition("=")
+        key, raw = key.strip().lower(), raw.strip()
+        if not eq or not TOKEN.fullmatch(key):
+            raise ValidationError(f"malformed header parameter {piece.strip()!r}")
+        if raw.startswith('"'):
+            if len(raw) < 2 or not raw.endswith('"'):
+                raise ValidationError("malformed quoted header parameter")
+            raw = re.sub(r"\\(.)", r"\1", raw[1:-1])
+        elif not TOKEN.fullmatch(raw):
+            raise ValidationError(f"malformed header parameter {piece.strip()!r}")
+        if key in params:
+            raise ValidationError(f"header parameter {key!r} given twice")
+        params[key] = raw
+    return media, params
+
+
+def request_boundary(content_type):
+    if not content_type or not content_type.lower().startswith("multipart/form-data"):
+        raise ValidationError("expected a multipart/form-data request")
+    media, params = parse_header_params(content_type)
+    if media != "multipart/form-data":
+        raise ValidationError("expected a multipart/form-data request")
+    boundary = params.get("boundary", "")
+    if not boundary or "\r" in boundary or "\n" in boundary:
+        raise ValidationError("multipart request needs a non-empty boundary")
+    return boundary.encode("latin-1", "replace")
+
+
+def find_delimiter(body, delimiter, start):
+    """Position of the next real delimiter line (P§4.4), or -1."""
+    while True:
+        i = body.find(delimiter, start)
+        if i < 0:
+            return -1
+        if i == 0 or body[i - 1] == 0x0A:
+            j = i + len(delimiter)
+            if body[j:j + 2] == b"--":
+                return i
+            while j < len(body) and body[j] in b" \t":
+                j += 1
+            if body[j:j + 1] == b"\n" or body[j:j + 2] == b"\r\n":
+                return i
+        start = i + 1
+
+
+def parse_multipart(body, boundary):
+    """Split a multipart body into [(headers, payload memoryview)] without copying payloads."""
+    delimiter = b"--" + boundary
+    view = memoryview(body)
+    pos = find_delimiter(body, delimiter, 0)
+    if pos < 0:
+        raise ValidationError("multipart body has no delimiter")
+    parts = []
+    while True:
+        j = pos + len(delimiter)
+        if body[j:j + 2] == b"--":
+            if not parts:
+                raise ValidationError("multipart body has no parts")
+            return parts
+        j = body.index(b"\n", j) + 1
+        following = find_delimiter(body, delimiter, j)
+        if following < 0:
+            raise ValidationError("multipart body has no closing delimiter")
+        end = following - 1
+        if end > j and body[end - 1] == 0x0D:
+            end -= 1
+        headers, payload_start = parse_part_headers(body, j, end)
+        parts.append((headers, view[payload_start:end]))
+        pos = following
+
+
+def parse_part_headers(body, start, end):
+    """Header block up to the first empty line -> ({lower name: [values]}, payload start)."""
+    headers, last = {}, None
+    while True:
+        nl = body.find(b"\n", start, end)
+        if nl < 0:
+            raise ValidationError("multipart part has no end of headers")
+        line = bytes(body[start:nl]).rstrip(b"\r").decode("utf-8", "surrogateescape")
+        start = nl + 1
+        if not line:
+            return headers, start
+        if line[0] in " \t" and last is not None:
+            headers[last][-1] += " " + line.strip()
+            continue
+        name, colon, value = line.partition(":")
+        if not colon or not TOKEN.fullmatch(name):
+            raise ValidationError(f"malformed multipart header line {line[:80]!r}")
+        last = name.lower()
+        headers.setdefault(last, []).append(value.strip())
+
+
+def check_part_headers(headers):
+    """P§4.5 -> the part's name and media type."""
+    for required in ("content-disposition", "content-type"):
+        if len(headers.get(required, ())) != 1:
+            raise ValidationError(f"each part needs exactly one {required} header")
+    disposition, params = parse_header_params(headers["content-disposition"][0])
+    if disposition != "form-data":
+        raise ValidationError("part disposition must be form-data")
+    if not params.get("name"):
+        raise ValidationError("part needs a non-empty name")
+    media, _ = parse_header_params(headers["content-type"][0])
+    if media.startswith("multipart/"):
+        raise ValidationError("nested multipart parts are not supported")
+    encodings = headers.get("content-transfer-encoding", [])
+    if len(encodings) > 1 or any(e.strip().lower() not in ("binary", "8bit") for e in encodings):
+        raise ValidationError("content-transfer-encoding must be binary or 8bit")
+    return params["name"], media
+
+
+BLOB_PART = re.compile(r"blob:([0-9a-f]{64})")
+HASH = re.compile(r"[0-9a-f]{64}")
+
+
+def split_request(body, content_type):
+    """P§4.3-4.6 -> (program JSON bytes, {hash: payload}) in the reference's check order."""
+    parts = [(check_part_headers(h), payload)
+             for h, payload in parse_multipart(body, request_boundary(content_type))]
+    program, blobs = None, {}
+    for (name, media), payload in parts:
+        if name == "program":
+            if program is not None:
+                raise ValidationError("duplicate 'program' part")
+            if media != "application/json":
+                raise ValidationError("'program' part must be application/json")
+            program = payload
+            continue
+        match = BLOB_PART.fullmatch(name)
+        if not match:
+            raise ValidationError(f"unexpected part name {name[:80]!r}")
+        digest = match.group(1)
+        if digest in blobs:
+            raise ValidationError(f"duplicate blob part {digest}")
+        if media != "application/octet-stream":
+            raise ValidationError(f"blob part {digest} must be application/octet-stream")
+        if hashlib.sha256(payload).hexdigest() != digest:
+            raise ValidationError(f"blob hash mismatch for part {digest}")
+        blobs[digest] = payload
+    if program is None:
+        raise ValidationError("missing 'program' part")
+    return program, blobs
+
+
+# --- program validation (P§5, 6) --------------------------------------------
+
+UPLOAD_FIELDS = {"module": {"source"}, "tensor": {"blob", "dtype", "shape"}, "bytes": {"blob"},
+                 "library": {"blob"}, "file": {"blob", "path"}}
+
+
+@dataclasses.dataclass
+class ValidProgram:
+    instructions: list
+    options: dict
+    blob_kinds: dict        # hash -> {"file", "memory"}, in order of first reference
+    tensor_sizes: list      # (instruction id, hash, expected byte count)
+
+
+def is_integer(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_ref(v):
+    return isinstance(v, dict) and len(v) == 1 and isinstance(v.get("$ref"), str) and v["$ref"] != ""
+
+
+def parse_program(body):
+    """Validate a decoded program object; ValidationError names the offending field."""
+    if not isinstance(body, dict):
+        raise ValidationError("program must be a JSON object")
+    unknown = set(body) - {"instructions", "options"}
+    if unknown:
+        raise ValidationError(f"unknown program field(s): {sorted(unknown)}")
+    instructions = body.get("instructions")
+    if not isinstance(instructions, list) or not instructions:
+        raise ValidationError("'instructions' must be a non-empty array")
+    options = check_options(body.get("options", {}))
+    program = ValidProgram(instructions, options, {}, [])
+    ids, keys, paths = set(), set(), []
+    for index, ins in enumerate(instructions):
+        where = f"instruction {index}"
+        if not isinstance(ins, dict):
+            raise ValidationError(f"{where} must be an object")
+        op = ins.get("op")
+        if op not in ("upload", "get_function", "run", "return"):
+            raise ValidationError(f"{where}: unknown op {op!r}")
+        if op != "return":
+            check_id(ins, ids, where)
+        check_instruction(program, ins, op, ids, keys, paths, f"{where} ({op})")
+        if op != "return":
+            ids.add(ins["id"])
+    return program
+
+
+def check_options(options):
+    if not isinstance(options, dict):
+        raise ValidationError("'options' must be an object")
+    unknown = set(options) - {"timeout_seconds", "output_limit_bytes", "gpu_count"}
+    if unknown:
+        raise ValidationError(f"unknown option(s): {sorted(unknown)}")
+    if "timeout_seconds" in options:
+        t = options["timeout_seconds"]
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t <= 0:
+            raise ValidationError("options.timeout_seconds must be a finite number > 0")
+    if "output_limit_bytes" in options:
+        n = options["output_limit_bytes"]
+        if not is_integer(n) or n < 0:
+            raise ValidationError("options.output_limit_bytes must be an integer >= 0")
+    if "gpu_count" in options:
+        n = options["gpu_count"]
+        if not is_integer(n) or not 1 <= n <= 8:
+            raise ValidationError("options.gpu_count must be an integer from 1 to 8")
+    return options
+
+
+def check_id(ins, ids, where):
+    if "id" not in ins:
+        raise ValidationError(f"{where}: missing field 'id'")
+    value = ins["id"]
+    if not isinstance(value, str) or not value:
+        raise ValidationError(f"{where}: 'id' must be a non-empty string")
+    if value in ids:
+        raise ValidationError(f"{where}: duplicate instruction id {value!r}")
+
+
+def check_fields(ins, required, optional, where):
+    unknown = set(ins) - required - optional
+    if unknown:
+        raise ValidationError(f"{where}: unknown field(s) {sorted(unknown)}")
+    missing = required - set(ins)
+    if missing:
+        raise ValidationError(f"{where}: missing field(s) {sorted(missing)}")
+
+
+def check_ref(value, ids, where, field):
+    if not is_ref(value):
+        raise ValidationError(f"{where}: '{field}' must be {{'$ref': id}}")
+    if value["$ref"] not in ids:
+        raise ValidationError(f"{where}: '{field}' references unknown/forward handle {value['$ref']!r}")
+
+
+def check_path(value, where):
+    try:
+        return normalize_path(value)
+    except ValidationError as exc:
+        raise ValidationError(f"{where}: invalid 'path': {exc}") from None
+
+
+def check_instruction(program, ins, op, ids, keys, paths, where):
+    if op == "upload":
+        kind = ins.get("kind")
+        if kind not in UPLOAD_FIELDS:
+            raise ValidationError(f"{where}: unknown kind {kind!r}")
+        check_fields(ins, {"op", "id", "kind"} | UPLOAD_FIELDS[kind], set(), where)
+        check_upload(program, ins, kind, paths, where)
+    elif op == "get_function":
+        check_fields(ins, {"op", "id", "module", "name"}, {"cpu_only"}, where)
+        check_ref(ins["module"], ids, where, "module")
+        if not isinstance(ins["name"], str) or not ins["name"]:
+            raise ValidationError(f"{where}: 'name' must be a non-empty string")
+        if not isinstance(ins.get("cpu_only", False), bool):
+            raise ValidationError(f"{where}: 'cpu_only' must be a boolean")
+    elif op == "run":
+        check_fields(ins, {"op", "id", "fn"}, {"args"}, where)
+        check_ref(ins["fn"], ids, where, "fn")
+        args = ins.get("args", [])
+        if not isinstance(args, list):
+            raise ValidationError(f"{where}: 'args' must be an array")
+        for position, arg in enumerate(args):
+            if is_ref(arg):
+                check_ref(arg, ids, where, f"args[{position}]")
+    else:
+        check_return(ins, ids, keys, where)
+
+
+def check_upload(program, ins, kind, paths, where):
+    if kind == "module":
+        if not isinstance(ins["source"], str):
+            raise ValidationError(f"{where}: 'source' must be a string")
+        return
+    blob = ins["blob"]
+    if not isinstance(blob, str) or not HASH.fullmatch(blob):
+        raise ValidationError(f"{where}: 'blob' must be a lowercase SHA-256 hex string")
+    program.blob_kinds.setdefault(blob, set()).add("file" if kind == "file" else "memory")
+    if kind == "tensor":
+        dtype, shape = ins["dtype"], ins["shape"]
+        if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+            raise ValidationError(f"{where}: unsupported dtype {str(dtype)[:40]!r}")
+        if not isinstance(shape, list) or not all(is_integer(d) and d >= 0 for d in shape):
+            raise ValidationError(f"{where}: 'shape' must be an array of non-negative integers")
+        program.tensor_sizes.append((ins["id"], blob, math.prod(shape) * DTYPE_SIZES[dtype]))
+    elif kind == "file":
+        path = check_path(ins["path"], where)
+        for other in paths:
+            if other == path:
+                raise ValidationError(f"{where}: duplicate file upload path {path!r}")
+            if other.startswith(path + "/") or path.startswith(other + "/"):
+                raise ValidationError(f"{where}: conflicting file upload paths {other!r} and {path!r}")
+        paths.append(path)
+        ins["path"] = path
+
+
+def check_return(ins, ids, keys, where):
+    if "kind" in ins:
+        check_fields(ins, {"op", "key", "kind", "path"}, set(), where)
+        if ins["kind"] not in ("file", "folder"):
+            raise ValidationError(f"{where}: 'kind' must be 'file' or 'folder'")
+    else:
+        check_fields(ins, {"op", "key", "value"}, set(), where)
+    key = ins["key"]
+    if not isinstance(key, str) or not key:
+        raise ValidationError(f"{where}: 'key' must be a non-empty string")
+    if key in keys:
+        raise ValidationError(f"{where}: duplicate return key {key!r}")
+    keys.add(key)
+    if "kind" not in ins:
+        check_ref(ins["value"], ids, where, "value")
+    elif isinstance(ins["path"], dict):
+        check_ref(ins["path"], ids, where, "path")
+    else:
+        ins["path"] = check_path(ins["path"], where)
+
+
+# --- blob caches (P§7.4, 7.5) -----------------------------------------------
+
+class MemoryCache:
+    """LRU of blob bytes by SHA-256; pinned entries are never evicted."""
+
+    def __init__(self, capacity):
+        self.capacity = capacity
+        self.entries = collections.OrderedDict()
+        self.size = 0
+        self.pins = collections.Counter()
+        self.lock = threading.Lock()
+
+    def get(self, digest):
+        with self.lock:
+            data = self.entries.get(digest)
+            if data is not None:
+                self.entries.move_to_end(digest)
+            return data
+
+    def put(self, digest, data):
+        if len(data) * 4 > self.capacity:
+            return
+        with self.lock:
+            if digest in self.entries:
+                self.entries.move_to_end(digest)
+                return
+            self.entries[digest] = data
+            self.size += len(data)
+            for old in [d for d in self.entries if not self.pins[d]]:
+                if self.size <= self.capacity:
+                    break
+                self.size -= len(self.entries.pop(old))
+
+    def pin(self, digests):
+        with self.lock:
+            self.pins.update(digests)
+
+    def unpin(self, digests):
+        with self.lock:
+            self.pins.subtract(digests)
+            for d in digests:
+                if self.pins[d] <= 0:
+                    del self.pins[d]
+
+
+class DiskCache:
+    """Blobs of file uploads under <dir>/v1/<ab>/<hash>; persistent, verified on read.
+
+    Every disk problem is a miss or an ignored write: the cache can never
+    make a request fail.
+    """
+
+    def __init__(self, directory, capacity_bytes):
+        self.root = os.path.join(directory, "v1")
+        self.capacity = capacity_bytes
+        self.total = 0
+        self.lock = threading.Lock()
+        try:
+            os.makedirs(self.root, mode=0o700, exist_ok=True)
+            self.evict()
+        except OSError:
+            pass
+
+    def path(self, digest):
+        return os.path.join(self.root, digest[:2], digest)
+
+    def get(self, digest):
+        try:
+            fd = os.open(self.path(digest), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            with open(fd, "rb") as f:
+                info = os.fstat(fd)
+                if not stat.S_ISREG(info.st_mode):
+                    return None
+                data = bytearray(info.st_size)
+                if f.readinto(data) != info.st_size or hashlib.sha256(data).hexdigest() != digest:
+                    return None
+                os.utime(fd)
+            return data
+        except OSError:
+            return None
+
+    def put(self, digest, data):
+        if len(data) > self.capacity:
+            return
+        try:
+            target = self.path(digest)
+            if os.path.exists(target):
+                os.utime(target)
+                return
+            os.makedirs(os.path.dirname(target), mode=0o700, exist_ok=True)
+            fd, staging = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".tmp-")
+            try:
+                with open(fd, "wb") as f:
+                    f.write(data)
+                os.replace(staging, target)
+            except BaseException:
+                os.unlink(staging)
+                raise
+            with self.lock:
+                self.total += len(data)
+                over = self.total > self.capacity
+            if over:
+                self.evict()
+        except OSError:
+            pass
+
+    def evict(self):
+        """Remove least recently used entries until within budget (writers serialised by a lock file)."""
+        with self.lock, open(os.path.join(self.root, ".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            entries = []
+            for sub in os.scandir(self.root):
+                if sub.is_dir(follow_symlinks=False):
+                    for entry in os.scandir(sub.path):
+                        if entry.is_file(follow_symlinks=False):
+                            info = entry.stat(follow_symlinks=False)
+                            entries.append((info.st_mtime_ns, info.st_size, entry.path))
+            entries.sort()
+            self.total = sum(size for _, size, _ in entries)
+            for _, size, path in entries:
+                if self.total <= self.capacity:
+                    break
+                try:
+                    os.unlink(path)
+                    self.total -= size
+                except OSError:
+                    pass
+
+
+# --- process groups ---------------------------------------------------------
+
+def become_subreaper():
+    """Orphaned grandchildren of workers get re-parented here, so we can reap them."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+
+
+def group_members(pgid, exclude=()):
+    """Live processes in a process group; zombies of ours found on the way are reaped."""
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return []
+    members, me = [], os.getpid()
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in exclude:
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rpartition(b")")[2].split()
+        except OSError:
+            continue
+        state, ppid, pgrp = fields[0], int(fields[1]), int(fields[2])
+        if pgrp != pgid:
+            continue
+        if state == b"Z":
+            if ppid == me:
+                try:
+                    os.waitpid(int(name), os.WNOHANG)
+                except ChildProcessError:
+                    pass
+        else:
+            members.append(int(name))
+    return members
+
+
+def kill_group(pgid, grace, exclude=()):
+    """SIGTERM the group, SIGKILL what is left after the grace period; wait until it is gone."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        deadline = time.monotonic() + wait
+        while group_members(pgid, exclude) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not group_members(pgid, exclude):
+            return
+
+
+# --- GPUs -----------------------------------------------------------------
+
+def nvml_gpu_ids():
+    """UUIDs of the visible NVIDIA GPUs through NVML, without importing torch; [] if none."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return []
+    if nvml.nvmlInit_v2() != 0:
+        return []
+    count = ctypes.c_uint()
+    if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+        return []
+    uuids = []
+    for index in range(count.value):
+        handle, buf = ctypes.c_void_p(), ctypes.create_string_buffer(96)
+        ok = (nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) == 0 and
+              nvml.nvmlDeviceGetUUID(handle, buf, 96) == 0)
+        uuids.append(buf.value.decode() if ok else str(index))
+    return uuids
+
+
+class LeaseArbiter:
+    """One exclusive lease per GPU, granted strictly in arrival order (SERVER.md §2.1).
+
+    Workers ask over their pipe and the request thread blocks here, so a
+    killed holder cannot leak a lease: the thread that served it releases it.
+    A request for "any n GPUs" that cannot be met blocks every GPU for later
+    waiters, so the big job is not starved.
+    """
+
+    def __init__(self, gpu_ids):
+        self.gpu_ids = list(gpu_ids)
+        self.holder = {g: None for g in self.gpu_ids}
+        self.queue = collections.deque()
+        self.history = {g: collections.deque(maxlen=256) for g in self.gpu_ids}
+        self.cond = threading.Condition()
+
+    def acquire(self, owner, gpus=None, count=None):
+        """Block until `gpus` (or any `count` GPUs) are ours; returns (granted GPUs, wait ms)."""
+        start = time.monotonic()
+        ticket = (owner, gpus, count)
+        with self.cond:
+            self.queue.append(ticket)
+            while True:
+                granted = self.grantable(ticket)
+                if granted is not None:
+                    break
+                self.cond.wait()
+            self.queue.remove(ticket)
+            now = time.time()
+            for g in granted:
+                self.holder[g] = owner
+                self.history[g].append((now, None, owner))
+            self.cond.notify_all()
+        return granted, (time.monotonic() - start) * 1e3
+
+    def grantable(self, ticket):
+        blocked = set()
+        for waiter in self.queue:
+            _, gpus, count = waiter
+            free = [g for g in self.gpu_ids if self.holder[g] is None and g not in blocked]
+            wanted = free[:count] if count else [g for g in gpus if g in free]
+            enough = len(wanted) == (count or len(gpus))
+            if waiter is ticket:
+                return wanted if enough else None
+            blocked.update(self.gpu_ids if count else gpus)
+
+    def release(self, owner, gpus):
+        with self.cond:
+            now = time.time()
+            for g in gpus:
+                if self.holder[g] == owner:
+                    self.holder[g] = None
+                    start, _, who = self.history[g].pop()
+                    self.history[g].append((start, now, who))
+            self.cond.notify_all()
+
+    def holder_at(self, gpus, when):
+        """Who held any of `gpus` at wall-clock time `when` (for gpu_access reports)."""
+        with self.cond:
+            for g in gpus:
+                for start, end, who in self.history[g]:
+                    if start <= when and (end is None or when <= end):
+                        return who
+        return None
+
+
+# --- workers and the pool ---------------------------------------------------
+
+class WorkerCrashed(Exception):
+    """The worker process died or stopped talking the protocol."""
+
+
+class Worker:
+    """One worker process forked from the template, with its pipe."""
+
+    def __init__(self, pool, gpus):
+        self.gpus = gpus
+        self.conn, child = pool.context.Pipe()
+        visible = [pool.gpu_names[g] for g in gpus]
+        self.process = pool.context.Process(target=kcoral_worker.worker_main,
+                                            args=(child, pool.device, visible), name="kcoral-worker")
+        self.process.start()
+        child.close()
+        self.pid = self.process.pid
+        self.served = 0
+        if not self.conn.poll(60) or self.conn.recv()[0] != "ready":
+            self.kill(0)
+            raise WorkerCrashed("worker did not start")
+
+    def kill(self, grace):
+        kill_group(self.pid, grace)
+        self.process.join(5)
+        self.conn.close()
+
+    def stop(self, grace):
+        """Tell an idle worker to exit; kill its group if it does not."""
+        try:
+            self.conn.send(None)
+        except OSError:
+            pass
+        self.process.join(grace)
+        self.kill(grace)
+
+
+class Slot:
+    def __init__(self, name, gpus):
+        self.name = name
+        self.gpus = gpus
+        self.worker = None
+
+
+@dataclasses.dataclass
+class Job:
+    request_id: str
+    program: ValidProgram
+    blobs: dict          # hash -> buffer, everything the program references
+    timeout: float
+    output_limit: int
+
+
+@dataclasses.dataclass
+class Outcome:
+    http_status: int = 200
+    kind: str = ""                 # error kind of a non-200 answer
+    message: str = ""
+    body: dict = None              # COMPLETED/FAILED JSON
+    parts: list = dataclasses.field(default_factory=list)
+    worker_id: str = ""
+
+
+class OutputDrain:
+    """Reads a worker's stdout/stderr pipes, keeping the first `limit` + 1 bytes of each."""
+
+    def __init__(self, out_fd, err_fd, limit):
+        self.limit = limit
+        self.data = {out_fd: bytearray(), err_fd: bytearray()}
+        self.fds = (out_fd, err_fd)
+        self.thread = threading.Thread(target=self.drain, daemon=True)
+        self.thread.start()
+
+    def drain(self):
+        with selectors.DefaultSelector() as sel:
+            for fd in self.fds:
+                sel.register(fd, selectors.EVENT_READ)
+            open_fds = len(self.fds)
+            while open_fds:
+                for key, _ in sel.select():
+                    chunk = os.read(key.fd, 1 << 16)
+                    if not chunk:
+                        sel.unregister(key.fd)
+                        os.close(key.fd)
+                        open_fds -= 1
+                    elif len(self.data[key.fd]) <= self.limit:
+                        self.data[key.fd] += chunk[:self.limit + 1 - len(self.data[key.fd])]
+
+    def result(self, wait):
+        """(stdout, stderr, stdout_truncated, stderr_truncated) once the writers are gone.
+
+        A process that escaped the group may hold a pipe open; then the
+        thread keeps draining (and closes the pipe) on its own.
+        """
+        self.thread.join(wait)
+        texts = []
+        for fd in self.fds:
+            data = bytes(self.data[fd])
+            texts.append((data[:self.limit].decode("utf-8", "replace"), len(data) > self.limit))
+        return texts[0][0], texts[1][0], texts[0][1], texts[1][1]
+
+
+class Pool:
+    """Worker slots, FIFO scheduling, execution of jobs, and worker replacement."""
+
+    def __init__(self, config, device, gpu_ids, gpu_names):
+        self.config = config
+        self.device = device
+        self.gpu_names = gpu_names
+        self.context = multiprocessing.get_context("forkserver")
+        preload = ["kcoral", "kcoral_worker", "numpy"]
+        if device == "cpu":  # GPU workers must set CUDA_VISIBLE_DEVICES before importing torch
+            preload += [m for m in ("torch", "tvm_ffi") if importlib.util.find_spec(m)]
+        self.context.set_forkserver_preload(preload)
+        if device == "cuda":
+            self.arbiter = LeaseArbiter(gpu_ids)
+            self.slots = [Slot(f"gpu{g}/w{i}", [g]) for g in gpu_ids
+                          for i in range(config.workers_per_gpu)]
+        else:
+            self.arbiter = None
+            self.slots = [Slot(f"cpu/w{i}", []) for i in range(config.num_workers)]
+        self.cond = threading.Condition()
+        self.idle = []
+        self.waiters = collections.deque()
+        self.in_progress = 0
+        self.replacing = 0
+        self.closing = False
+        self.replacements = []
+        for slot in self.slots:
+            slot.worker = self.start_worker(slot.gpus)
+            self.idle.append(slot)
+
+    def start_worker(self, gpus):
+        if self.arbiter is None or not gpus:
+            return Worker(self, gpus)
+        # context creation must not overlap someone else's measurement
+        self.arbiter.acquire("worker-startup", gpus)
+        try:
+            return Worker(self, gpus)
+        finally:
+            self.arbiter.release("worker-startup", gpus)
+
+    def load(self):
+        with self.cond:
+            capacity = 0 if self.closing else len(self.slots) - self.replacing
+            return {"request_capacity": capacity, "requests_in_progress": self.in_progress,
+                    "requests_waiting": len(self.waiters)}
+
+    def acquire(self, timeout):
+        """Wait (FIFO) for an idle slot; None when closing or after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        ticket = object()
+        with self.cond:
+            self.waiters.append(ticket)
+            try:
+                while not self.closing and not (self.idle and self.waiters[0] is ticket):
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0 or not self.cond.wait(remaining):
+                        if not (self.idle and self.waiters[0] is ticket):
+                            return None
+                if self.closing:
+                    return None
+                slot = min(self.idle, key=self.gpu_load)
+                self.idle.remove(slot)
+                self.in_progress += 1
+                return slot
+            finally:
+                self.waiters.remove(ticket)
+                self.cond.notify_all()
+
+    def gpu_load(self, slot):
+        """Prefer the GPU with the fewest assigned requests (ties: configured order)."""
+        busy = [s for s in self.slots if s not in self.idle]
+        return sum(1 for s in busy if s.gpus == slot.gpus), self.slots.index(slot)
+
+    def release(self, slot, retire):
+        if retire:
+            with self.cond:
+                self.replacing += 1
+                self.in_progress -= 1
+            thread = threading.Thread(target=self.replace, args=(slot,), daemon=True)
+            self.replacements.append(thread)
+            thread.start()
+        else:
+            with self.cond:
+                self.in_progress -= 1
+                self.idle.append(slot)
+                self.cond.notify_all()
+
+    def replace(self, slot):
+        """Start the slot's next worker off the request's critical path."""
+        try:
+            slot.worker = self.start_worker(slot.gpus)
+        except Exception as exc:
+            slot.worker = None
+            log_event("worker_replace_failed", "ERROR", worker_id=slot.name, error=str(exc))
+        with self.cond:
+            self.replacing -= 1
+            self.idle.append(slot)
+            self.cond.notify_all()
+
+    def execute(self, job):
+        """Run a job on the next free slot -> Outcome (503 when none frees up in time)."""
+        start = time.monotonic()
+        slot = self.acquire(self.config.worker_wait_timeout_seconds)
+        if slot is None:
+            return Outcome(503, "busy", "server saturated" if not self.closing else "server is shutting down")
+        queue_ms = (time.monotonic() - start) * 1e3
+        retire = True
+        try:
+            if slot.worker is None:
+                return Outcome(500, "engine", "worker crashed", worker_id=slot.name)
+            gpu_count = job.program.options.get("gpu_count")
+            if gpu_count:
+                outcome, retire = self.run_multi_gpu(slot, job, gpu_count, queue_ms), False
+            else:
+                outcome, retire = Execution(self, slot.worker, slot.gpus, job, queue_ms).run()
+            outcome.worker_id = slot.name
+            return outcome
+        finally:
+            if retire and slot.worker is not None:
+                slot.worker.kill(0)
+            self.release(slot, retire)
+
+    def run_multi_gpu(self, slot, job, count, queue_ms):
+        """P§8.9: a dedicated worker that sees `count` GPUs, started under all their leases."""
+        owner = f"{job.request_id}/startup"
+        gpus, wait_ms = self.arbiter.acquire(owner, count=count)
+        started = time.monotonic()
+        try:
+            worker = Worker(self, gpus)
+        except WorkerCrashed:
+            return Outcome(500, "engine", "multi-GPU worker failed to start")
+        finally:
+            self.arbiter.release(owner, gpus)
+        startup_s = time.monotonic() - started
+        if startup_s >= job.timeout:
+            worker.kill(0)
+            return Outcome(504, "timeout", "execution timed out")
+        job.timeout -= startup_s
+        execution = Execution(self, worker, gpus, job, queue_ms)
+        execution.lease_wait_ms, execution.lease_held_ms = wait_ms, startup_s * 1e3
+        outcome, _ = execution.run()
+        worker.kill(0)
+        if outcome.body is not None:
+            outcome.body["gpu_ids"] = list(gpus)
+            outcome.body["gpu_count"] = len(gpus)
+        return outcome
+
+    def close(self):
+        with self.cond:
+            self.closing = True
+            self.cond.notify_all()
+
+    def shutdown(self):
+        for thread in self.replacements:
+            thread.join()
+        for slot in self.slots:
+            if slot.worker is not None:
+                slot.worker.stop(self.config.worker_termination_grace_seconds)
+
+
+class Execution:
+    """One job on one worker: the message loop, timeout, crash attribution, teardown."""
+
+    def __init__(self, pool, worker, gpus, job, queue_ms):
+        self.pool = pool
+        self.config = pool.config
+        self.worker = worker
+        self.gpus = gpus
+        self.job = job
+        self.queue_ms = queue_ms
+        self.lease_wait_ms = 0.0
+        self.lease_held_ms = 0.0
+        self.lease_since = None
+        self.last_index = None
+        self.results = {}
+        self.parts = []
+        self.workspace = tempfile.mkdtemp(prefix="kcoral-program-")
+
+    def run(self):
+        """-> (Outcome, whether the worker must be retired)."""
+        started = time.monotonic()
+        self.deadline = started + self.job.timeout
+        drain = None
+        try:
+            drain = self.send_job()
+            error, retire = self.converse(), False
+            self.worker.served += 1
+            if self.retiring:
+                error, retire = self.retire_worker(error), True
+            elif group_members(self.worker.pid, exclude=(self.worker.pid,)):
+                error, retire = self.background_processes(error), True
+        except TimeoutError:
+            self.kill_worker()
+            return Outcome(504, "timeout", "execution timed out"), True
+        except WorkerCrashed:
+            self.kill_worker()
+            if self.last_index is None:
+                return Outcome(500, "engine", "worker crashed"), True
+            error, retire = self.crash_error(), True
+        finally:
+            self.release_lease()
+            output = drain.result(wait=2.0) if drain else ("", "", False, False)
+            remove_tree(self.workspace)
+        body = {"status": "FAILED" if error else "COMPLETED", "request_id": self.job.request_id,
+                "queue_ms": self.queue_ms, "elapsed_ms": (time.monotonic() - started) * 1e3,
+                "lease_wait_ms": self.lease_wait_ms, "lease_held_ms": self.lease_held_ms,
+                "stdout": output[0], "stderr": output[1],
+                "stdout_truncated": output[2], "stderr_truncated": output[3],
+                "results": self.results}
+        if error:
+            body["error"] = error
+        return Outcome(body=body, parts=self.parts), retire
+
+    def send_job(self):
+        program = self.job.program
+        limit = self.config.max_requests_per_worker
+        request = {"request_id": self.job.request_id, "instructions": program.instructions,
+                   "retire": bool(limit) and self.worker.served + 1 >= limit,
+                   "workspace": self.workspace, "capture": self.job.output_limit > 0,
+                   "max_response_bytes": self.config.max_response_bytes,
+                   "blobs": [(h, len(self.job.blobs[h])) for h in program.blob_kinds]}
+        self.retiring = request["retire"]
+        conn, drain = self.worker.conn, None
+        try:
+            conn.send(request)
+            for digest in program.blob_kinds:
+                send_raw(conn, self.job.blobs[digest])
+            if request["capture"]:
+                out_r, out_w = os.pipe()
+                err_r, err_w = os.pipe()
+                drain = OutputDrain(out_r, err_r, self.job.output_limit)
+                for fd in (out_w, err_w):
+                    reduction.send_handle(conn, fd, self.worker.pid)
+                    os.close(fd)
+        except OSError as exc:
+            raise WorkerCrashed(str(exc)) from exc
+        return drain
+
+    def converse(self):
+        """Follow the worker's messages until it reports the program done; -> error or None."""
+        conn = self.worker.conn
+        try:
+            while True:
+                remaining = self.deadline - time.monotonic()
+                if remaining <= 0 or not conn.poll(remaining):
+                    raise TimeoutError
+                message = conn.recv()
+                tag = message[0]
+                if tag == "start":
+                    self.last_index = message[1]
+                elif tag == "return":
+                    _, key, encoded, sizes = message
+                    self.parts.extend(recv_raw(conn, n) for n in sizes)
+                    self.results[key] = encoded
+                elif tag == "lease":
+                    self.lease(message[1])
+                elif tag == "done":
+                    return message[1]
+                else:
+                    raise WorkerCrashed(f"unexpected worker message {tag!r}")
+        except (EOFError, OSError) as exc:
+            raise WorkerCrashed(str(exc)) from exc
+
+    def lease(self, action):
+        if action == "acquire":
+            granted_at = time.monotonic()
+            _, wait_ms = self.pool.arbiter.acquire(self.job.request_id, self.gpus)
+            self.lease_wait_ms += wait_ms
+            self.deadline += time.monotonic() - granted_at  # lease waits do not consume the timeout
+            self.lease_since = time.monotonic()
+            self.worker.conn.send(("lease", "granted"))
+        else:
+            self.release_lease()
+
+    def release_lease(self):
+        if self.lease_since is not None:
+            self.pool.arbiter.release(self.job.request_id, self.gpus)
+            self.lease_held_ms += (time.monotonic() - self.lease_since) * 1e3
+            self.lease_since = None
+
+    def retire_worker(self, error):
+        """The worker exits after its last request; teardown counts toward the timeout."""
+        self.worker.process.join(max(0.0, self.deadline - time.monotonic()))
+        if self.worker.process.exitcode is None:
+            raise TimeoutError
+        if group_members(self.worker.pid):
+            return self.background_processes(error)
+        code = self.worker.process.exitcode
+        if code != 0 and error is None:
+            return self.teardown_error(f"worker exited with code {code} during teardown")
+        return error
+
+    def background_processes(self, error):
+        kill_group(self.worker.pid, self.config.worker_termination_grace_seconds, exclude=(self.worker.pid,))
+        if error is None:
+            return self.teardown_error("program left background processes running; they were terminated")
+        return error
+
+    def teardown_error(self, message):
+        index = self.last_index or 0
+        ins = self.job.program.instructions[index]
+        return {"kind": "runtime", "message": message, "instruction_index": index,
+                "instruction_op": ins["op"], "instruction_id": ins.get("id"), "traceback": ""}
+
+    def crash_error(self):
+        error = self.teardown_error("worker exited while executing the instruction")
+        error["instruction_index"] = self.last_index
+        return error
+
+    def kill_worker(self):
+        self.worker.kill(self.config.worker_termination_grace_seconds)
+
+
+def remove_tree(path):
+    """Remove a workspace whatever the program did to its permissions."""
+    def make_writable(func, failed, _exc):
+        parent = os.path.dirname(failed)
+        try:
+            os.chmod(parent, 0o700)
+            os.chmod(failed, 0o700, follow_symlinks=False)
+        except OSError:
+            pass
+        func(failed)
+
+    try:
+        shutil.rmtree(path, onerror=make_writable)
+    except OSError:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# --- logging (SERVER.md §10) ---------------------------------------------------
+
+LOG = {"console": True, "file": None, "programs": None, "lock": threading.Lock()}
+
+
+def utc_now():
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+def log_event(event, level="INFO", **fields):
+    """One JSON line per event in the run's events.jsonl; request and lifecycle lines on stderr."""
+    record = {"timestamp": utc_now().isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+              "level": level, "event": event, **fields}
+    with LOG["lock"]:
+        if LOG["file"] is not None:
+            try:
+                LOG["file"].write(json.dumps(record, default=str) + "\n")
+                LOG["file"].flush()
+            except OSError:
+                pass
+        if LOG["console"] and event not in ("request_received",):
+            shown = " ".join(f"{k}={round(v, 1) if isinstance(v, float) else v}"
+                             for k, v in fields.items()
+                             if v is not None and k not in ("traceback", "versions", "config"))
+            print(f"{record['timestamp']} {level} {event} {shown}"[:600], file=sys.stderr, flush=True)
+
+
+def open_log(config):
+    LOG["console"] = config.log_console
+    if not config.log_dir:
+        return None
+    stamp = utc_now().strftime("%Y%m%dT%H%M%S.%fZ")
+    run_dir = os.path.join(config.log_dir, "runs", stamp)
+    try:
+        os.makedirs(os.path.join(run_dir, "programs"), exist_ok=True)
+        LOG["file"] = open(os.path.join(run_dir, "events.jsonl"), "a", encoding="utf-8")
+        LOG["programs"] = os.path.join(run_dir, "programs") if config.log_programs else None
+    except OSError as exc:
+        print(f"kcoral: cannot write logs under {config.log_dir}: {exc}", file=sys.stderr)
+        return None
+    return run_dir
+
+
+def save_program(request_id, data):
+    if LOG["programs"] is not None:
+        try:
+            with open(os.path.join(LOG["programs"], f"{request_id}.json"), "wb") as f:
+                f.write(data)
+        except OSError:
+            pass
+
+
+# --- the server ---------------------------------------------------------------
+
+class KCoralServer:
+    """Caches, pool and HTTP server of one instance.  `create_app(config)` builds one.
+
+    start() serves on a background thread (embedding, tests); serve_forever()
+    blocks until SIGTERM/SIGINT and then shuts down gracefully.
+    """
+
+    def __init__(self, config=None):
+        config = config or ServerConfig()
+        validate_config(config)
+        self.config = config
+        self.instance_id = str(uuid.uuid4())
+        self.started_at = utc_now().isoformat(timespec="microseconds").replace("+00:00", "Z")
+        self.memory_cache = MemoryCache(config.cache_capacity_bytes)
+        self.disk_cache = (DiskCache(config.disk_cache_dir, config.disk_cache_capacity_mbytes << 20)
+                           if config.disk_cache_dir and config.disk_cache_capacity_mbytes > 0 else None)
+        self.in_flight = 0
+        self.in_flight_cond = threading.Condition()
+        self.closing = False
+        self.pool = None
+        self.httpd = None
+
+    def start(self):
+        """Start workers and listen; returns once requests are accepted."""
+        run_dir = open_log(self.config)
+        become_subreaper()
+        device, gpu_ids, gpu_names = resolve_device(self.config)
+        self.device = device
+        self.pool = Pool(self.config, device, gpu_ids, gpu_names)
+        self.target, self.versions = describe_runtime(device, self.pool)
+        self.gpu_count = len(gpu_ids)
+        self.httpd = HTTPServer((self.config.host, self.config.port), RequestHandler)
+        self.httpd.app = self
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+        log_event("server_started", url=self.url, device=device, workers=len(self.pool.slots),
+                  run_dir=run_dir, instance_id=self.instance_id)
+        return self
+
+    @property
+    def url(self):
+        host, port = self.httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def serve_forever(self):
+        """Serve until SIGTERM/SIGINT, then drain in-flight requests and exit cleanly."""
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        self.start()
+        while not stop.wait(0.5):
+            pass
+        self.close()
+
+    def close(self):
+        """Graceful shutdown: capacity 0, new programs 503, in-flight ones finish."""
+        self.closing = True
+        self.pool.close()
+        with self.in_flight_cond:
+            log_event("shutdown_started", remaining=self.in_flight)
+            while self.in_flight:
+                self.in_flight_cond.wait()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.pool.shutdown()
+        log_event("server_stopped")
+
+    def health(self):
+        return {"status": "ok", "instance_id": self.instance_id, "started_at": self.started_at,
+                "gpu_count": self.gpu_count, "load": self.pool.load(),
+                "target": self.target, "versions": self.versions}
+
+    def execute(self, request_id, body, content_type):
+        """A read request body -> Outcome (P§4.7 order of checks)."""
+        data, supplied = split_request(body, content_type)
+        program = parse_program(strict_json(data))
+        referenced = program.blob_kinds
+        extra = [h for h in supplied if h not in referenced]
+        if extra:
+            raise ValidationError(f"unreferenced blob part(s): {', '.join(extra)}")
+        blobs, missing = self.resolve_blobs(program, supplied)
+        for ident, digest, expected in program.tensor_sizes:
+            if digest in blobs and len(blobs[digest]) != expected:
+                raise ValidationError(f"tensor upload {ident!r} expects {expected} bytes, "
+                                      f"got {len(blobs[digest])}")
+        if missing:
+            return Outcome(body={"status": "CACHE_MISS", "request_id": request_id, "missing_blobs": missing})
+        gpu_count = program.options.get("gpu_count")
+        if gpu_count and gpu_count > self.gpu_count:
+            raise ValidationError("gpu_count exceeds this GPU server's configured capacity")
+        if self.closing:
+            return Outcome(503, "busy", "server is shutting down")
+        save_program(request_id, data)
+        options, config = program.options, self.config
+        job = Job(request_id, program, blobs,
+                  timeout=min(options.get("timeout_seconds", config.default_timeout_seconds),
+                              config.max_timeout_seconds),
+                  output_limit=min(options.get("output_limit_bytes", config.output_limit_bytes),
+                                   config.max_output_limit_bytes))
+        memory = [h for h, kinds in referenced.items() if "memory" in kinds]
+        self.memory_cache.pin(memory)
+        try:
+            return self.pool.execute(job)
+        finally:
+            self.memory_cache.unpin(memory)
+
+    def resolve_blobs(self, program, supplied):
+        """P§7.1: supplied parts go into the caches, then every referenced blob is looked up."""
+        for digest, data in supplied.items():
+            kinds = program.blob_kinds[digest]
+            if "memory" in kinds:
+                # a small blob must not keep a large request body alive in the cache
+                keep = data if len(data) * 2 >= len(data.obj) else bytes(data)
+                self.memory_cache.put(digest, keep)
+            if "file" in kinds and self.disk_cache is not None:
+                self.disk_cache.put(digest, data)
+        blobs, missing = {}, []
+        for digest, kinds in program.blob_kinds.items():
+            data = supplied.get(digest)
+            if data is None and "file" in kinds and self.disk_cache is not None:
+                data = self.disk_cache.get(digest)
+            if data is None and "memory" in kinds:
+                data = self.memory_cache.get(digest)
+            if data is None:
+                missing.append(digest)
+            else:
+                blobs[digest] = data
+        return blobs, missing
+
+
+def create_app(config=None):
+    """A server for embedding and tests: `create_app(cfg).start()`, then `.url`, then `.close()`."""
+    return KCoralServer(config)
+
+
+def validate_config(config):
+    if config.device not in ("auto", "cpu", "gpu"):
+        raise ValueError("device must be 'auto', 'cpu' or 'gpu'")
+    if config.sandbox != "none":
+        raise ValueError("the bubblewrap sandbox is not implemented; use --sandbox none")
+    checks = [(config.disk_cache_capacity_mbytes >= 0, "disk_cache_capacity_mbytes must be >= 0"),
+              (config.num_workers >= 1, "num_workers must be >= 1"),
+              (config.workers_per_gpu >= 1, "workers_per_gpu must be >= 1"),
+              (config.max_requests_per_worker >= 0, "max_requests_per_worker must be >= 0"),
+              (len(config.gpus) > 0, "gpus must not be empty"),
+              (config.default_timeout_seconds > 0 and config.max_timeout_seconds > 0,
+               "timeouts must be positive"),
+              (1 <= config.port <= 65535 or config.port == 0, "port must be 1-65535")]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+
+
+def resolve_device(config):
+    """-> ("cpu" | "cuda", configured GPU ids, {id: CUDA_VISIBLE_DEVICES name})."""
+    uuids = nvml_gpu_ids() if config.device != "cpu" else []
+    if config.device == "gpu" and not uuids:
+        raise SystemExit("kcoral: --device gpu but no NVIDIA GPU is visible")
+    if not uuids:
+        if config.device == "auto":
+            print("kcoral: no CUDA device found; serving on CPU workers", file=sys.stderr)
+        return "cpu", [], {}
+    if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
+        print("kcoral: ignoring CUDA_VISIBLE_DEVICES; --gpus takes physical ids", file=sys.stderr)
+    gpu_ids = list(dict.fromkeys(config.gpus))
+    bad = [g for g in gpu_ids if not 0 <= g < len(uuids)]
+    if bad:
+        raise SystemExit(f"kcoral: no such GPU(s): {bad}")
+    return "cuda", gpu_ids, {g: uuids[g] for g in gpu_ids}
+
+
+def describe_runtime(device, pool):
+    """/health `target` and `versions` (P§3)."""
+    def version(dist):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    if device == "cpu":
+        tvm_ffi = version("apache-tvm-ffi")
+        return {}, ({"tvm_ffi": tvm_ffi} if tvm_ffi else {})
+    targets = set()
+    for gpu in pool.arbiter.gpu_ids:
+        targets.add(probe_gpu(pool, gpu))
+    if len(targets) != 1:
+        raise SystemExit(f"kcoral: the configured GPUs disagree on the target: {sorted(targets)}")
+    arch, cuda = targets.pop()
+    versions = {"torch": version("torch"), "cuda": cuda, "tvm": version("apache-tvm") or version("tvm"),
+                "tvm_ffi": version("apache-tvm-ffi"), "triton": version("triton"),
+                "cutlass": version("nvidia-cutlass-dsl"), "flashinfer": version("flashinfer-python")}
+    return {"arch": arch}, {k: v for k, v in versions.items() if v}
+
+
+def probe_gpu(pool, gpu):
+    """Ask a throwaway worker on `gpu` for its compute capability and CUDA version."""
+    worker = Worker(pool, [gpu])
+    try:
+        worker.conn.send({"probe": True})
+        arch, cuda = worker.conn.recv()
+        return arch, cuda
+    finally:
+        worker.kill(0)
+
+
+class HTTPServer(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 128
+
+
+class RequestHandler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "kcoral/" + __version__
+    timeout = 300  # a client that stops sending mid-upload does not hold a thread forever
+
+    def log_message(self, format, *args):  # one structured line per request instead
+        pass
+
+    @property
+    def app(self):
+        return self.server.app
+
+    def do_GET(self):
+        if not self.authorized(""):
+            return
+        if self.path != "/health":
+            return self.route_error()
+        self.send_json(200, self.app.health())
+
+    def do_POST(self):
+        request_id = self.request_id()
+        if not self.authorized(request_id):
+            return
+        if self.path != "/execute":
+            return self.route_error()
+        app = self.app
+        with app.in_flight_cond:
+            app.in_flight += 1
+        started = time.monotonic()
+        outcome = Outcome(500, "engine", "internal server error")
+        try:
+            outcome = self.execute(request_id)
+        except ValidationError as exc:
+            outcome = Outcome(400, "parse", str(exc))
+        except (ConnectionError, TimeoutError):
+            self.close_connection = True
+            return
+        except Exception as exc:  # never let a bug take the connection down silently
+            log_event("server_error", "ERROR", request_id=request_id, error=repr(exc))
+        finally:
+            with app.in_flight_cond:
+                app.in_flight -= 1
+                app.in_flight_cond.notify_all()
+        try:
+            size = self.respond(request_id, outcome)
+        except (ConnectionError, TimeoutError):
+            self.close_connection = True
+            size = None
+        body = outcome.body or {}
+        log_event("request_finished", request_id=request_id, http_status=outcome.http_status,
+                  status=body.get("status", "ERROR"), error_kind=(body.get("error") or {}).get("kind") or outcome.kind or None,
+                  worker_id=outcome.worker_id or None, queue_ms=body.get("queue_ms"),
+                  elapsed_ms=body.get("elapsed_ms"), total_ms=(time.monotonic() - started) * 1e3,
+                  response_bytes=size)
+
+    do_PUT = do_DELETE = do_PATCH = lambda self: self.route_error()
+
+    def route_error(self):
+        self.drain_body()
+        if self.path in ("/health", "/execute"):
+            allow = "GET" if self.path == "/health" else "POST"
+            self.send_json(405, {"detail": "Method Not Allowed"}, {"Allow": allow})
+        else:
+            self.send_json(404, {"detail": "Not Found"})
+
+    def request_id(self):
+        """P§4.2: the client's X-Request-ID if it is exactly one canonical UUID."""
+        values = self.headers.get_all("X-Request-ID") or []
+        if len(values) == 1:
+            try:
+                if str(uuid.UUID(values[0])) == values[0]:
+                    return values[0]
+            except ValueError:
+                pass
+        return str(uuid.uuid4())
+
+    def authorized(self, request_id):
+        token = self.app.config.token
+        if token is None:
+            return True
+        given = self.headers.get("Authorization", "")
+        if hmac.compare_digest(given.encode("utf-8", "replace"), f"Bearer {token}".encode()):
+            return True
+        self.drain_body()
+        self.send_error_body(401, request_id, "unauthorized", "missing or invalid bearer token",
+                             {"WWW-Authenticate": "Bearer"})
+        return False
+
+    def drain_body(self):
+        """Skip a small unread body so the connection stays usable; close it otherwise."""
+        length = self.headers.get("Content-Length", "")
+        if length.isdigit() and int(length) <= 1 << 16:
+            self.rfile.read(int(length))
+        elif length or self.headers.get("Transfer-Encoding"):
+            self.close_connection = True
+
+    def execute(self, request_id):
+        limit = self.app.config.max_request_bytes
+        length = self.headers.get("Content-Length")
+        chunked = "chunked" in self.headers.get("Transfer-Encoding", "").lower()
+        if length is not None and not chunked:
+            if not length.isdigit():
+                self.close_connection = True
+                raise ValidationError("invalid Content-Length header")
+            if int(length) > limit:
+                self.close_connection = True  # the body stays unread
+                return Outcome(413, "request_too_large", "request exceeds the configured size limit")
+        body = self.read_chunked(limit) if chunked else self.read_exact(int(length or 0))
+        if body is None:
+            return Outcome(413, "request_too_large", "request exceeds the configured size limit")
+        return self.app.execute(request_id, body, self.headers.get("Content-Type"))
+
+    def read_exact(self, size):
+        body = bytearray(size)
+        view = memoryview(body)
+        while view:
+            n = self.rfile.readinto(view)
+            if not n:
+                raise ConnectionError("client closed the connection mid-body")
+            view = view[n:]
+        return body
+
+    def read_chunked(self, limit):
+        body = bytearray()
+        while True:
+            line = self.rfile.readline(1024)
+            try:
+                size = int(line.split(b";")[0].strip(), 16)
+            except ValueError:
+                self.close_connection = True
+                raise ValidationError("malformed chunked request body") from None
+            if size == 0:
+                while self.rfile.readline(1024) not in (b"\r\n", b"\n", b""):
+                    pass
+                return body
+            if len(body) + size > limit:
+                self.close_connection = True
+                return None
+            body += self.read_exact(size)
+            self.rfile.readline(1024)
+
+    def respond(self, request_id, outcome):
+        """Send an Outcome; -> bytes sent."""
+        if outcome.http_status != 200:
+            return self.send_error_body(outcome.http_status, request_id, outcome.kind, outcome.message,
+                                        {"Retry-After": "1"} if outcome.http_status == 503 else {})
+        if not outcome.parts:
+            encoded = json_bytes(outcome.body)
+            if len(encoded) > self.app.config.max_response_bytes:
+                return self.too_large(request_id)
+            return self.send_json(200, outcome.body, {"X-Request-ID": request_id}, encoded)
+        boundary = "kcoral-" + secrets.token_hex(16)  # 128 random bits: no payload can contain it by chance
+        pieces = [b"--" + boundary.encode() + b'\r\nContent-Disposition: form-data; name="result"\r\n'
+                  b"Content-Type: application/json\r\n\r\n" + json_bytes(outcome.body) + b"\r\n"]
+        for number, part in enumerate(outcome.parts):
+            pieces.append(f'--{boundary}\r\nContent-Disposition: form-data; name="return:{number}"\r\n'
+                          f"Content-Type: application/octet-stream\r\n\r\n".encode())
+            pieces.append(part)
+            pieces.append(b"\r\n")
+        pieces.append(f"--{boundary}--\r\n".encode())
+        total = sum(len(p) for p in pieces)
+        if total > self.app.config.max_response_bytes:
+            return self.too_large(request_id)
+        self.send_response(200)
+        self.send_common_headers(f"multipart/form-data; boundary={boundary}", total, {"X-Request-ID": request_id})
+        for piece in pieces:
+            self.wfile.write(piece)
+        return total
+
+    def too_large(self, request_id):
+        return self.send_error_body(500, request_id, "response_too_large",
+                                    "results exceed the configured response-size limit")
+
+    def send_error_body(self, status, request_id, kind, message, headers=()):
+        body = {"status": "ERROR", "request_id": request_id, "error": {"kind": kind, "message": message}}
+        return self.send_json(status, body, {"X-Request-ID": request_id, **dict(headers)})
+
+    def send_json(self, status, body, headers=(), encoded=None):
+        encoded = encoded if encoded is not None else json_bytes(body)
+        self.send_response(status)
+        self.send_common_headers("application/json", len(encoded), dict(headers))
+        self.wfile.write(encoded)
+        return len(encoded)
+
+    def send_common_headers(self, content_type, length, headers):
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(length))
+        self.send_header("X-KCoral-Instance", self.app.instance_id)
+        for name, value in headers.items():
+            self.send_header(name, value)
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+
+
+def json_bytes(value):
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+# --- command line (SERVER.md §9.2) -------------------------------------------------
+
+def parse_args(argv):
+    env = os.environ.get
+    p = argparse.ArgumentParser(prog="kcoral", allow_abbrev=False,
+                                description="KCoral server: runs uploaded programs on GPU or CPU workers. "
+                                            "It executes arbitrary code by design; bind it to trusted networks.")
+    p.add_argument("--host", default=env("KCORAL_SERVER_HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(env("KCORAL_SERVER_PORT", "8000")))
+    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default=env("KCORAL_SERVER_DEVICE", "auto"))
+    p.add_argument("--gpus", default=env("KCORAL_SERVER_GPUS", "0"))
+    p.add_argument("--num-workers", type=int, default=1)
+    p.add_argument("--workers-per-gpu", type=int, default=1)
+    p.add_argument("--max-requests-per-worker", type=int, default=1)
+    p.add_argument("--cache-capacity-bytes", type=int, default=16 << 30)
+    p.add_argument("--disk-cache-dir", default=default_disk_cache_dir())
+    p.add_argument("--disk-cache-capacity-mbytes", type=int, default=16384)
+    p.add_argument("--log-dir", default=env("KCORAL_LOG_DIR", "logs"))
+    p.add_argument("--no-log-console", action="store_true")
+    p.add_argument("--no-log-programs", action="store_true")
+    p.add_argument("--default-timeout-seconds", type=float, default=300.0)
+    p.add_argument("--max-timeout-seconds", type=float, default=900.0)
+    p.add_argument("--worker-wait-timeout-seconds", type=float, default=1800.0)
+    p.add_argument("--worker-termination-grace-seconds", type=float, default=5.0)
+    p.add_argument("--max-request-bytes", type=int, default=256 << 20)
+    p.add_argument("--max-response-bytes", type=int, default=256 << 20)
+    p.add_argument("--output-limit-bytes", type=int, default=1 << 20)
+    p.add_argument("--max-output-limit-bytes", type=int, default=16 << 20)
+    p.add_argument("--token", default=env("KCORAL_TOKEN"),
+                   help="require 'Authorization: Bearer <token>' on every endpoint")
+    p.add_argument("--sandbox", choices=("none", "bubblewrap"), default="none")
+    p.add_argument("--sandbox-readonly-path", action="append", default=[])
+    for flag in ("--router", "--node-id", "--node-token"):
+        p.add_argument(flag)
+    args = p.parse_args(argv)
+    if args.sandbox != "none" or args.sandbox_readonly_path:
+        p.error("the bubblewrap sandbox is not implemented in this server; run with --sandbox none")
+    if args.router or args.node_id or args.node_token:
+        p.error("router mode is not implemented in this server")
+    try:
+        gpus = tuple(int(g) for g in args.gpus.split(",") if g.strip())
+    except ValueError:
+        p.error("--gpus takes comma-separated physical GPU ids")
+    config = ServerConfig(
+        gpus=gpus, log_dir=args.log_dir or None, log_console=not args.no_log_console,
+        log_programs=not args.no_log_programs, cache_capacity_bytes=args.cache_capacity_bytes,
+        disk_cache_dir=args.disk_cache_dir or None, disk_cache_capacity_mbytes=args.disk_cache_capacity_mbytes,
+        default_timeout_seconds=args.default_timeout_seconds, max_timeout_seconds=args.max_timeout_seconds,
+        worker_wait_timeout_seconds=args.worker_wait_timeout_seconds, workers_per_gpu=args.workers_per_gpu,
+        max_requests_per_worker=args.max_requests_per_worker,
+        worker_termination_grace_seconds=args.worker_termination_grace_seconds,
+        max_request_bytes=args.max_request_bytes, max_response_bytes=args.max_response_bytes,
+        output_limit_bytes=args.output_limit_bytes, max_output_limit_bytes=args.max_output_limit_bytes,
+        device=args.device, num_workers=args.num_workers, host=args.host, port=args.port, token=args.token)
+    try:
+        validate_config(config)
+    except ValueError as exc:
+        p.error(str(exc))
+    return config
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["server"]:  # the reference's `kcoral server ...` spelling
+        argv = argv[1:]
+    KCoralServer(parse_args(argv)).serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,880 @@
+"""KCoral worker: the process that runs programs, and the wire helpers it shares.
+
+The front-end (kcoral.py) forks one worker per request from a warm template
+process; the worker runs the program's instructions in order and streams what
+happens back over a multiprocessing pipe:
+
+    front-end -> worker   ("run", request)  then every blob as raw bytes
+    worker -> front-end   ("start", index)  before each instruction
+                          ("return", key, encoded, part sizes, part hashes)
+                                            then the parts as raw bytes
+                          ("lease", "acquire" | "release")   GPU workers only
+                          ("done", error-or-None)
+
+Streaming returns as they happen is what lets the front-end keep them when
+uploaded native code later kills the process.  Output is captured at the
+file-descriptor level into pipes whose read ends the front-end holds, for
+the same reason.  Importing this module must stay cheap (the front-end does):
+torch, numpy and tvm_ffi are imported by the template process or on first use.
+"""
+
+import hashlib
+import io
+import linecache
+import os
+import stat
+import sys
+import time
+import traceback
+import types
+from multiprocessing import reduction
+
+DTYPE_SIZES = {
+    "bool": 1, "uint8": 1, "int8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "int16": 2, "float16": 2, "bfloat16": 2,
+    "int32": 4, "float32": 4, "int64": 8, "float64": 8,
+}
+ERROR_KINDS = frozenset({"parse", "compile", "runtime", "gpu_access", "correctness",
+                         "serialization", "unavailable", "engine"})
+TRACEBACK_CHARS = 8192
+RAW_CHUNK = 1 << 20
+
+
+class ValidationError(ValueError):
+    """A request or path that breaks the protocol's rules (answered 400 parse)."""
+
+
+class ExecutionError(Exception):
+    """Raised (also by uploaded code) to fail an instruction with a chosen kind."""
+
+    def __init__(self, kind, message):
+        super().__init__(kind, message)
+        self.kind = kind
+        self.message = message
+
+    def __str__(self):
+        return f"{self.kind}: {self.message}"
+
+
+def normalize_path(raw):
+    """P§6.7: the canonical relative form of a workspace path, or ValidationError."""
+    if not isinstance(raw, str) or not raw:
+        raise ValidationError("path must be a non-empty string")
+    if "\0" in raw:
+        raise ValidationError("path must not contain NUL")
+    if "\\" in raw:
+        raise ValidationError("path must not contain a backslash")
+    if raw.startswith("/"):
+        raise ValidationError("path must be relative")
+    parts = raw.split("/")
+    if ".." in parts:
+        raise ValidationError("path must not contain '..'")
+    parts = [p for p in parts if p not in ("", ".")]
+    if not parts:
+        raise ValidationError("path names nothing")
+    if any(len(p.encode("utf-8", "surrogatepass")) > 255 for p in parts):
+        raise ValidationError("path component longer than 255 bytes")
+    path = "/".join(parts)
+    if len(path.encode("utf-8", "surrogatepass")) > 4096:
+        raise ValidationError("path longer than 4096 bytes")
+    return path
+
+
+def send_raw(conn, data):
+    """Write a buffer straight to the pipe: no pickling, no intermediate copy."""
+    view = memoryview(data).cast("B")
+    fd = conn.fileno()
+    while view:
+        view = view[os.write(fd, view[:RAW_CHUNK * 8]):]
+
+
+def recv_raw(conn, size):
+    """Read exactly `size` raw bytes from the pipe into a new bytearray."""
+    buf = bytearray(size)
+    view = memoryview(buf)
+    fd = conn.fileno()
+    while view:
+        n = os.readv(fd, [view])
+        if n == 0:
+            raise EOFError("pipe closed")
+        view = view[n:]
+    return buf
+
+
+# --- what uploaded code imports -------------------------------------------
+
+def install_kcoral_modules():
+    """Publish `kcoral.errors` and `kcoral.builtins` for uploaded code."""
+    errors = types.ModuleType("kcoral.errors")
+    errors.ExecutionError = ExecutionError
+    errors.ValidationError = ValidationError
+    builtins_mod = types.ModuleType("kcoral.builtins")
+    builtins_mod.benchmark = benchmark
+    builtins_mod.compile_tirx = compile_tirx
+    builtins_mod.__all__ = ["benchmark", "compile_tirx"]
+    sys.modules["kcoral.errors"] = errors
+    sys.modules["kcoral.builtins"] = builtins_mod
+    try:
+        import kcoral
+        kcoral.errors, kcoral.builtins = errors, builtins_mod
+    except ImportError:  # only the worker file was copied: submodules still resolve
+        pass
+
+
+def shorten(text, limit=600):
+    """Keep the head and the tail of a long diagnostic."""
+    if len(text) <= limit:
+        return text
+    head = limit // 3
+    return text[:head] + " …[truncated]… " + text[-(limit - head):]
+
+
+_compiled = {}
+
+
+def compile_tirx(fn, bindings=None):
+    """Compile a TVM TIRx kernel for CUDA (SERVER.md §5.1); cached by structural hash."""
+    try:
+        import tvm
+        from tvm import tirx
+    except ImportError:
+        raise ExecutionError("unavailable", "server-side compilation requires tvm, "
+                             "which is not installed on this server") from None
+    if bindings is not None and not isinstance(bindings, dict):
+        raise ExecutionError("compile", "compile_tirx bindings must be a dict")
+    if isinstance(fn, tirx.PrimFunc):
+        if bindings:
+            raise ExecutionError("compile", "a @T.prim_func takes no bindings")
+        prim_func = fn
+    elif hasattr(fn, "specialize"):
+        try:
+            prim_func = fn.specialize(**(bindings or {}))
+        except TypeError as exc:
+            raise ExecutionError("compile", shorten(f"bad bindings: {exc}")) from exc
+        except Exception as exc:
+            if type(exc).__name__ == "DiagnosticError":
+                raise ExecutionError("parse", shorten(str(exc))) from exc
+            raise
+    else:
+        raise ExecutionError("compile", "compile_tirx expects a @T.jit or @T.prim_func kernel handle")
+    import tvm_ffi
+    key = tvm_ffi.structural_hash(prim_func)
+    if key in _compiled:
+        _compiled[key] = _compiled.pop(key)
+        return _compiled[key]
+    try:
+        executable = tvm.compile(tvm.IRModule({"main": prim_func}),
+                                 target=tvm.target.Target("cuda"), tir_pipeline="tirx")
+    except Exception as exc:
+        if type(exc).__name__ in ("InternalError", "RuntimeError", "TVMError"):
+            raise ExecutionError("compile", shorten(str(exc))) from exc
+        raise
+    _compiled[key] = executable
+    while len(_compiled) > 32:
+        _compiled.pop(next(iter(_compiled)))
+    return executable
+
+
+def benchmark(mod, *args):
+    """Per-call latency of mod(*args) (SERVER.md §5.2).
+
+    On CUDA workers each call is timed with CUDA events around it (CUPTI when
+    cupti-python is installed would also see host gaps; events are the
+    portable floor).  On CPU workers a host timer is used and the result says
+    so with "timer": "host".
+    """
+    config = dict(args[-1]) if args and isinstance(args[-1], dict) else {}
+    if config:
+        args = args[:-1]
+    if not callable(mod):
+        raise ExecutionError("runtime", "benchmark expects a compiled module handle")
+    unknown = set(config) - {"flush_l2", "warmup_ms", "repeat_ms", "warmup", "repeat"}
+    if unknown:
+        raise ExecutionError("runtime", f"unknown benchmark option(s): {sorted(unknown)}")
+    flush_l2 = bool(config.get("flush_l2", True))
+    timer = CudaTimer(flush_l2) if RUNTIME.device == "cuda" else HostTimer(flush_l2)
+    try:
+        warmup, repeat = config.get("warmup"), config.get("repeat")
+        if warmup is None or repeat is None:
+            timer.call(mod, args)
+            estimate = sum(timer.timed(mod, args) for _ in range(5)) / 5
+            derive = (lambda budget: max(1, int(budget / estimate)) if estimate > 0 else 1000)
+            warmup = derive(config.get("warmup_ms", 25)) if warmup is None else warmup
+            repeat = derive(config.get("repeat_ms", 100)) if repeat is None else repeat
+        warmup, repeat = max(1, int(warmup)), max(1, int(repeat))
+        for _ in range(warmup):
+            timer.call(mod, args)
+        samples = sorted(timer.timed(mod, args) for _ in range(repeat))
+    except RuntimeError as exc:
+        raise ExecutionError("runtime", shorten(f"{type(exc).__name__}: {exc}")) from exc
+    mid = len(samples) // 2
+    median = samples[mid] if len(samples) % 2 else (samples[mid - 1] + samples[mid]) / 2
+    result = {"latency_ms_median": median, "latency_ms_mean": sum(samples) / len(samples),
+              "latency_ms_min": samples[0], "latency_ms_max": samples[-1],
+              "activities_stable": True, "flush_l2": flush_l2,
+              "warmup": warmup, "repeat": repeat}
+    if isinstance(timer, HostTimer):
+        result["timer"] = "host"
+    return result
+
+
+class HostTimer:
+    """Wall-clock timing for CPU workers; the L2 flush touches a last-level-cache-sized buffer."""
+
+    def __init__(self, flush_l2):
+        self.scratch = bytearray(64 << 20) if flush_l2 else None
+
+    def flush(self):
+        if self.scratch is not None:
+            self.scratch[::64] = bytes(len(self.scratch) // 64)
+
+    def call(self, mod, args):
+        self.flush()
+        mod(*args)
+
+    def timed(self, mod, args):
+        self.flush()
+        start = time.perf_counter()
+        mod(*args)
+        return (time.perf_counter() - start) * 1e3
+
+
+class CudaTimer:
+    """CUDA-event timing around each call, with the device's L2 flushed before it."""
+
+    def __init__(self, flush_l2):
+        import torch
+        self.torch = torch
+        self.scratch = None
+        if flush_l2:
+            l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 64 << 20)
+            self.scratch = torch.empty(2 * l2, dtype=torch.int8, device="cuda")
+
+    def call(self, mod, args):
+        if self.scratch is not None:
+            self.scratch.zero_()
+        mod(*args)
+
+    def timed(self, mod, args):
+        cuda = self.torch.cuda
+        if self.scratch is not None:
+            self.scratch.zero_()
+        start, end = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
+        cuda.synchronize()
+        start.record()
+        mod(*args)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+
+# --- runtimes --------------------------------------------------------------
+
+class Runtime:
+    """Device-specific pieces: tensors, libraries, synchronisation.
+
+    `device` is "cpu" or "cuda".  Tensors become torch tensors when torch is
+    installed (numpy arrays otherwise); libraries load with tvm_ffi on both.
+    """
+
+    def __init__(self, device="cpu"):
+        self.device = device
+        self.libraries = {}
+
+    def load_tensor(self, data, dtype, shape):
+        try:
+            import torch
+        except ImportError:
+            return numpy_dtype_array(data, dtype, shape)
+        try:
+            if not data:
+                return torch.empty(shape, dtype=torch_dtype(dtype), device=self.device)
+            flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            return flat.view(torch_dtype(dtype)).reshape(shape).to(self.device)
+        except Exception as exc:
+            raise ExecutionError("runtime", f"malformed tensor: {exc}") from exc
+
+    def load_library(self, blob_hash, data):
+        if blob_hash in self.libraries:
+            self.libraries[blob_hash] = module = self.libraries.pop(blob_hash)
+            return module
+        try:
+            import tvm_ffi
+        except ImportError:
+            raise ExecutionError("unavailable", "library uploads need apache-tvm-ffi "
+                                 "in the worker environment") from None
+        import tempfile
+        fd, path = tempfile.mkstemp(prefix=f"{blob_hash}-", suffix=".so")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            module = tvm_ffi.load_module(path)
+        except Exception as exc:
+            raise ExecutionError("compile", shorten(f"cannot load the uploaded library: {exc}")) from exc
+        finally:
+            os.unlink(path)  # the mapping outlives the file
+        self.libraries[blob_hash] = module
+        while len(self.libraries) > 32:
+            self.libraries.pop(next(iter(self.libraries)))
+        return module
+
+    def library_function(self, module, name):
+        try:
+            exported = module.implements_function(name)
+        except Exception as exc:
+            raise ExecutionError("runtime", f"cannot inspect the uploaded library: {exc}") from exc
+        if not exported:
+            raise ExecutionError("compile", f"the uploaded library exports no function {name!r}")
+        try:
+            return module.get_function(name)
+        except Exception as exc:
+            raise ExecutionError("compile", shorten(f"cannot bind {name!r}: {exc}")) from exc
+
+    def is_library(self, value):
+        tvm_ffi = sys.modules.get("tvm_ffi")
+        return tvm_ffi is not None and isinstance(value, tvm_ffi.Module)
+
+    def synchronize(self):
+        if self.device == "cuda":
+            import torch
+            for index in range(torch.cuda.device_count()):
+                torch.cuda.synchronize(index)
+
+
+RUNTIME = Runtime("cpu")
+
+
+def torch_dtype(name):
+    import torch
+    return getattr(torch, name)
+
+
+def numpy_dtype(name):
+    import numpy
+    if name in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
+        import ml_dtypes
+        return numpy.dtype(getattr(ml_dtypes, name))
+    return numpy.dtype(name).newbyteorder("<")
+
+
+def numpy_dtype_array(data, dtype, shape):
+    import numpy
+    return numpy.frombuffer(bytearray(data), dtype=numpy_dtype(dtype)).reshape(shape)
+
+
+# --- value encoding (P§9.5) -------------------------------------------------
+
+class Encoder:
+    """Encodes returned values depth-first, collecting binary parts in order."""
+
+    def __init__(self, first_part, byte_budget):
+        self.next_part = first_part
+        self.byte_budget = byte_budget
+        self.parts = []
+
+    def part(self, data):
+        data = memoryview(data).cast("B")
+        if data.nbytes > self.byte_budget:
+            raise ExecutionError("serialization", "returned data exceeds the response-size limit")
+        self.byte_budget -= data.nbytes
+        self.parts.append(data)
+        name = f"return:{self.next_part}"
+        self.next_part += 1
+        return name, hashlib.sha256(data).hexdigest()
+
+    def value(self, v, depth=0):
+        if depth > 900:
+            raise ExecutionError("serialization", "returned value is nested too deeply")
+        if v is None:
+            return {"type": "null"}
+        if isinstance(v, bool):
+            return {"type": "boolean", "value": v}
+        if isinstance(v, int):
+            return {"type": "integer", "value": int(v)}
+        if isinstance(v, float):
+            if v != v or v in (float("inf"), float("-inf")):
+                raise ExecutionError("serialization", "cannot return a non-finite number")
+            return {"type": "number", "value": float(v)}
+        if isinstance(v, str):
+            return {"type": "string", "value": str(v)}
+        if isinstance(v, (bytes, bytearray, memoryview)):
+            name, digest = self.part(v)
+            return {"type": "bytes", "part": name, "sha256": digest}
+        if isinstance(v, (list, tuple)):
+            return {"type": "array", "value": [self.value(x, depth + 1) for x in v]}
+        if isinstance(v, dict):
+            if not all(isinstance(k, str) for k in v):
+                raise ExecutionError("serialization", "returned objects must have string keys")
+            return {"type": "object", "value": {str(k): self.value(x, depth + 1) for k, x in v.items()}}
+        tensor = tensor_bytes(v)
+        if tensor is not None:
+            dtype, shape, data = tensor
+            name, digest = self.part(data)
+            return {"type": "tensor", "dtype": dtype, "shape": shape, "part": name, "sha256": digest}
+        raise ExecutionError("serialization", f"cannot return value of type {type(v).__name__}")
+
+    def file(self, data):
+        name, digest = self.part(data)
+        return {"type": "file", "part": name, "sha256": digest, "size": len(data)}
+
+
+def tensor_bytes(v):
+    """(dtype, shape, little-endian bytes) for torch tensors and numpy arrays/scalars, else None."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(v, torch.Tensor):
+        dtype = str(v.dtype).removeprefix("torch.")
+        if dtype not in DTYPE_SIZES:
+            raise ExecutionError("serialization", f"cannot return tensor dtype {dtype}")
+        try:
+            flat = v.detach().to("cpu").contiguous().reshape(-1)
+            return dtype, list(v.shape), flat.view(torch.uint8).numpy()
+        except Exception as exc:
+            raise ExecutionError("serialization", f"failed to export tensor: {exc}") from exc
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(v, (numpy.ndarray, numpy.generic)):
+        array = numpy.asarray(v)
+        dtype = array.dtype.name
+        if dtype not in DTYPE_SIZES or array.dtype.kind in "OSUV":
+            raise ExecutionError("serialization", f"cannot return tensor dtype {array.dtype}")
+        little = array.astype(array.dtype.newbyteorder("<"), copy=False)
+        return dtype, list(array.shape), numpy.ascontiguousarray(little).reshape(-1).view(numpy.uint8)
+    return None
+
+
+# --- workspace files (P§8.3, 8.6) ------------------------------------------
+
+NOFOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def open_parent(root_fd, path, create):
+    """Open the directory holding `path`'s last component without following links."""
+    parts = path.split("/")
+    fd = os.dup(root_fd)
+    try:
+        for name in parts[:-1]:
+            if create:
+                try:
+                    os.mkdir(name, 0o700, dir_fd=fd)
+                except FileExistsError:
+                    pass
+            child = os.open(name, NOFOLLOW_DIR, dir_fd=fd)
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, parts[-1]
+
+
+def materialize(root_fd, path, data):
+    try:
+        dir_fd, name = open_parent(root_fd, path, create=True)
+        try:
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o600, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
+        with open(fd, "wb") as f:
+            os.fchmod(fd, 0o600)
+            f.write(data)
+    except OSError as exc:
+        raise ExecutionError("runtime", f"cannot materialize file {path!r}: {exc.strerror or exc}") from exc
+
+
+def read_regular(dir_fd, name, budget, what):
+    """Read a regular file (never a link or special file) that must not change meanwhile."""
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        before = os.fstat(fd)
+        if not stat.S_ISREG(before.st_mode):
+            raise ExecutionError("serialization", f"cannot return {what}: {name!r} is not a regular file")
+        if before.st_size > budget:
+            raise ExecutionError("serialization", f"cannot return {what}: exceeds the response-size limit")
+        data = bytearray(before.st_size)
+        got = os.readv(fd, [data]) if data else 0
+        after = os.fstat(fd)
+        if (got != before.st_size or os.read(fd, 1) or
+                (before.st_size, before.st_mtime_ns, before.st_ctime_ns) !=
+                (after.st_size, after.st_mtime_ns, after.st_ctime_ns)):
+            raise ExecutionError("serialization", f"cannot return {what}: {name!r} changed while being read")
+        return data
+    finally:
+        os.close(fd)
+
+
+def collect_file(root_fd, path, budget):
+    try:
+        dir_fd, name = open_parent(root_fd, path, create=False)
+        try:
+            return read_regular(dir_fd, name, budget, "file")
+        finally:
+            os.close(dir_fd)
+    except OSError as exc:
+        raise ExecutionError("serialization", f"cannot return file {path!r}: {exc.strerror or exc}") from exc
+
+
+def collect_folder(root_fd, path, budget):
+    """Snapshot a directory tree: ({relpath: bytes}, [dirs]) sorted by path."""
+    files, dirs, seen = {}, [], set()
+
+    def walk(fd, prefix):
+        info = os.fstat(fd)
+        if (info.st_dev, info.st_ino) in seen:
+            raise ExecutionError("serialization", "cannot return folder: a directory is reached twice")
+        seen.add((info.st_dev, info.st_ino))
+        for entry in os.scandir(fd):
+            rel = prefix + entry.name
+            if entry.is_symlink():
+                raise ExecutionError("serialization", f"cannot return folder: {rel!r} is a symbolic link")
+            if entry.is_dir(follow_symlinks=False):
+                dirs.append(rel)
+                child = os.open(entry.name, NOFOLLOW_DIR, dir_fd=fd)
+                try:
+                    walk(child, rel + "/")
+                finally:
+                    os.close(child)
+            elif entry.is_file(follow_symlinks=False):
+                nonlocal budget
+                files[rel] = read_regular(fd, entry.name, budget, "folder")
+                budget -= len(files[rel])
+            else:
+                raise ExecutionError("serialization", f"cannot return folder: {rel!r} is a special file")
+
+    try:
+        dir_fd, name = open_parent(root_fd, path, create=False)
+        try:
+            top = os.open(name, NOFOLLOW_DIR, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
+        try:
+            walk(top, "")
+        finally:
+            os.close(top)
+    except OSError as exc:
+        raise ExecutionError("serialization", f"cannot return folder {path!r}: {exc.strerror or exc}") from exc
+    return dict(sorted(files.items())), sorted(dirs)
+
+
+# --- output capture ---------------------------------------------------------
+
+class Capture:
+    """Points fds 1 and 2 (and sys.stdout/err) at the front-end's pipes for one request."""
+
+    def __init__(self, out_fd, err_fd):
+        for stream in (sys.stdout, sys.stderr):
+            flush_quietly(stream)
+        self.saved = (os.dup(1), os.dup(2), sys.stdout, sys.stderr)
+        os.dup2(out_fd, 1)
+        os.dup2(err_fd, 2)
+        os.close(out_fd)
+        os.close(err_fd)
+        sys.stdout = text_stream(1)
+        sys.stderr = text_stream(2)
+
+    def restore(self):
+        saved_out, saved_err, sys_out, sys_err = self.saved
+        for stream in (sys.stdout, sys.stderr):
+            flush_quietly(stream)
+        os.dup2(saved_out, 1)
+        os.dup2(saved_err, 2)
+        os.close(saved_out)
+        os.close(saved_err)
+        sys.stdout, sys.stderr = sys_out, sys_err
+
+
+def text_stream(fd):
+    return io.TextIOWrapper(open(fd, "wb", closefd=False), encoding="utf-8", errors="replace")
+
+
+def flush_quietly(stream):
+    try:
+        stream.flush()
+    except (OSError, ValueError, AttributeError):  # user code may have closed the fd
+        pass
+
+
+# --- the engine ---------------------------------------------------------------
+
+class UploadedModule:
+    """The namespace of an uploaded Python module."""
+
+    def __init__(self, namespace):
+        self.namespace = namespace
+
+
+def load_module(source):
+    filename = f"<uploaded:{hashlib.sha1(source.encode('utf-8', 'surrogatepass')).hexdigest()[:16]}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    try:
+        code = compile(source, filename, "exec", dont_inherit=True)
+    except (SyntaxError, ValueError) as exc:
+        raise ExecutionError("parse", f"syntax error: {exc}") from exc
+    namespace = {}
+    try:
+        exec(code, namespace)
+    except Exception as exc:
+        raise ExecutionError("parse", f"{type(exc).__name__}: {exc}") from exc
+    return UploadedModule(namespace)
+
+
+class Program:
+    """One request's execution: handles, returns streamed to the front-end, the error."""
+
+    def __init__(self, conn, request, blobs, root_fd, lease):
+        self.conn = conn
+        self.request = request
+        self.blobs = blobs
+        self.root_fd = root_fd
+        self.lease = lease
+        self.handles = {}
+        self.cpu_only = set()
+        self.encoder = Encoder(0, request["max_response_bytes"])
+
+    def run(self):
+        for index, ins in enumerate(self.request["instructions"]):
+            self.last_index = index
+            self.conn.send(("start", index))
+            try:
+                self.lease.before(ins, self.cpu_only)
+                getattr(self, "op_" + ins["op"])(ins)
+            except ExecutionError as exc:
+                kind, message = exc.kind, exc.message
+                if kind not in ERROR_KINDS:
+                    kind, message = "engine", f"ExecutionError with unknown kind {exc.kind!r}: {exc.message}"
+                return error_object(kind, message, index, ins, traceback_text(exc))
+            except Exception as exc:
+                return error_object("engine", f"{type(exc).__name__}: {exc}", index, ins, traceback_text(exc))
+        return None
+
+    def ref(self, value):
+        return self.handles[value["$ref"]]
+
+    def op_upload(self, ins):
+        kind = ins["kind"]
+        if kind == "module":
+            value = load_module(ins["source"])
+        elif kind == "bytes":
+            value = bytes(self.blobs[ins["blob"]])
+        elif kind == "tensor":
+            value = RUNTIME.load_tensor(self.blobs[ins["blob"]], ins["dtype"], ins["shape"])
+        elif kind == "library":
+            value = RUNTIME.load_library(ins["blob"], self.blobs[ins["blob"]])
+        else:
+            materialize(self.root_fd, ins["path"], self.blobs[ins["blob"]])
+            value = ins["path"]
+        self.handles[ins["id"]] = value
+
+    def op_get_function(self, ins):
+        target, name = self.ref(ins["module"]), ins["name"]
+        if isinstance(target, UploadedModule):
+            if name not in target.namespace:
+                raise ExecutionError("parse", f"the uploaded Python module defines no name {name!r}")
+            value = target.namespace[name]
+        elif RUNTIME.is_library(target):
+            value = RUNTIME.library_function(target, name)
+        elif RUNTIME.device == "cpu":
+            raise ExecutionError("unavailable", "get_function needs an uploaded module or library")
+        else:
+            raise ExecutionError("runtime", "get_function needs an uploaded module or library")
+        if ins.get("cpu_only"):
+            self.cpu_only.add(ins["id"])
+        self.handles[ins["id"]] = value
+
+    def op_run(self, ins):
+        fn = self.ref(ins["fn"])
+        if not callable(fn):
+            raise ExecutionError("runtime", f"handle {ins['fn']['$ref']!r} is not callable")
+        args = [self.ref(a) if is_ref(a) else a for a in ins.get("args", [])]
+        self.handles[ins["id"]] = fn(*args)
+
+    def op_return(self, ins):
+        self.encoder.parts = []
+        first_part = self.encoder.next_part
+        try:
+            encoded = self.encode_return(ins)
+        except RecursionError as exc:
+            raise ExecutionError("serialization", "returned value is nested too deeply") from exc
+        except BaseException:
+            # a failing return contributes nothing: give its part numbers back
+            self.encoder.byte_budget += sum(p.nbytes for p in self.encoder.parts)
+            self.encoder.next_part = first_part
+            raise
+        parts = self.encoder.parts
+        self.conn.send(("return", ins["key"], encoded, [p.nbytes for p in parts]))
+        for part in parts:
+            send_raw(self.conn, part)
+
+    def encode_return(self, ins):
+        kind = ins.get("kind")
+        if kind is None:
+            return self.encoder.value(self.ref(ins["value"]))
+        path = ins["path"]
+        if is_ref(path):
+            try:
+                path = normalize_path(self.ref(path))
+            except ValidationError as exc:
+                raise ExecutionError("serialization", f"cannot return {kind}: {exc}") from exc
+        if kind == "file":
+            return self.encoder.file(collect_file(self.root_fd, path, self.encoder.byte_budget))
+        files, dirs = collect_folder(self.root_fd, path, self.encoder.byte_budget)
+        return {"type": "folder", "files": {rel: self.encoder.file(data) for rel, data in files.items()},
+                "directories": dirs}
+
+
+def is_ref(value):
+    return isinstance(value, dict) and len(value) == 1 and isinstance(value.get("$ref"), str) and value["$ref"] != ""
+
+
+def error_object(kind, message, index, ins, tb):
+    return {"kind": kind, "message": message, "instruction_index": index,
+            "instruction_op": ins["op"], "instruction_id": ins.get("id"), "traceback": tb}
+
+
+def traceback_text(exc):
+    return "".join(traceback.format_exception(exc))[-TRACEBACK_CHARS:]
+
+
+class NoLease:
+    """CPU workers have no GPU lease to take or give back."""
+
+    def before(self, ins, cpu_only):
+        pass
+
+    def finish(self):
+        pass
+
+
+class GpuLease:
+    """The worker's side of the front-end's lease on its GPU(s) (SERVER.md §2.2)."""
+
+    def __init__(self, conn):
+        self.conn = conn
+        self.held = False
+
+    def before(self, ins, cpu_only):
+        op, kind = ins["op"], ins.get("kind")
+        if (op == "upload" and kind == "file") or (op == "return" and kind in ("file", "folder")) \
+                or (op == "run" and ins["fn"]["$ref"] in cpu_only):
+            self.release()
+        elif not (op == "upload" and kind == "bytes"):
+            self.acquire()
+
+    def acquire(self):
+        if not self.held:
+            self.conn.send(("lease", "acquire"))
+            reply = self.conn.recv()
+            assert reply == ("lease", "granted"), reply
+            self.held = True
+
+    def release(self):
+        if self.held:
+            RUNTIME.synchronize()
+            import torch
+            torch.cuda.empty_cache()
+            self.conn.send(("lease", "release"))
+            self.held = False
+
+    def finish(self):
+        """End-of-request drain under the lease; a CUDA error here fails the program."""
+        self.acquire()
+        RUNTIME.synchronize()
+
+
+# --- the worker process -------------------------------------------------------
+
+def worker_main(conn, device, visible_gpus):
+    """Entry point of a worker process forked from the template.
+
+    It leads its own process group so that the front-end can kill everything
+    a program started with one signal.
+    """
+    os.setsid()
+    global RUNTIME
+    if device == "cuda":
+        prepare_gpu(visible_gpus)
+    RUNTIME = Runtime(device)
+    install_kcoral_modules()
+    import gc
+    gc.freeze()  # the template's objects are permanent: later collections skip them
+    env = dict(os.environ)
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            os._exit(0)
+        if message is None:
+            os._exit(0)
+        if "probe" in message:
+            conn.send(describe_gpu())
+            continue
+        serve_request(conn, message)
+        if message["retire"]:
+            os._exit(0)
+        reset_process_state(env)
+
+
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                      "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+                      "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID")
+
+
+def prepare_gpu(visible_gpus):
+    """Pin the worker to its GPU(s) before torch is imported, then create the CUDA context."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpus)
+    for name in TORCHRUN_VARIABLES:
+        os.environ.pop(name, None)
+    import torch
+    torch.cuda.init()
+    torch.cuda.synchronize()
+    major, minor = torch.cuda.get_device_capability(0)
+    # later CPU-only compiles then need not query the driver
+    os.environ.setdefault("TVM_FFI_CUDA_ARCH_LIST", f"{major}.{minor}" + ("a" if major >= 9 else ""))
+
+
+def describe_gpu():
+    """(arch like "sm_90a", CUDA version torch was built with) for /health."""
+    import torch
+    major, minor = torch.cuda.get_device_capability(0)
+    return f"sm_{major}{minor}" + ("a" if major >= 9 else ""), torch.version.cuda
+
+
+def serve_request(conn, request):
+    blobs = {h: recv_raw(conn, size) for h, size in request["blobs"]}
+    capture = None
+    if request["capture"]:
+        out_fd = reduction.recv_handle(conn)
+        err_fd = reduction.recv_handle(conn)
+        capture = Capture(out_fd, err_fd)
+    lease = GpuLease(conn) if RUNTIME.device == "cuda" else NoLease()
+    root_fd = os.open(request["workspace"], NOFOLLOW_DIR)
+    os.chdir(request["workspace"])
+    try:
+        program = Program(conn, request, blobs, root_fd, lease)
+        error = program.run()
+        try:
+            lease.finish()
+        except Exception as exc:
+            if error is None:
+                index = program.last_index
+                error = error_object("runtime", f"{type(exc).__name__}: {exc}", index,
+                                     request["instructions"][index], "")
+    finally:
+        os.close(root_fd)
+        os.chdir("/")
+        if capture is not None:
+            capture.restore()
+    conn.send(("done", error))
+
+
+def reset_process_state(env):
+    """Between requests of a reused worker: environment, source cache, garbage."""
+    import gc
+    for key in set(os.environ) - set(env):
+        del os.environ[key]
+    for key, value in env.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
+    for name in [n for n in linecache.cache if n.startswith("<uploaded:")]:
+        del linecache.cache[name]
+    gc.collect()
