@@ -44,7 +44,7 @@ import uuid
 from multiprocessing import reduction
 
 import kcoral_worker
-from kcoral_worker import DTYPE_SIZES, ValidationError, normalize_path, recv_raw, send_raw
+from kcoral_worker import DTYPE_SIZES, ValidationError, normalize_path, recv_raw
 
 __version__ = "0.2.0"
 CLIENT_NAMES = ("Client", "KCoralError", "Program", "ProgramResult", "ProtocolError", "Register",
@@ -157,7 +157,7 @@ def parse_header_params(value):
             if len(raw) < 2 or not raw.endswith('"'):
                 raise ValidationError("malformed quoted header parameter")
             raw = re.sub(r"\\(.)", r"\1", raw[1:-1])
-        elif not TOKEN.fullmatch(raw):
+        elif not raw or re.search(r'[\s"]', raw):  # lenient: senders leave `name=blob:<hex>` unquoted
             raise ValidationError(f"malformed header parameter {piece.strip()!r}")
         if key in params:
             raise ValidationError(f"header parameter {key!r} given twice")
@@ -1021,7 +1021,10 @@ class Execution:
         self.last_index = None
         self.results = {}
         self.parts = []
-        self.workspace = tempfile.mkdtemp(prefix="kcoral-program-")
+        # <root>/work is the program's working directory; <root>/blobs stages its blobs
+        self.root = tempfile.mkdtemp(prefix="kcoral-program-")
+        self.workspace = os.path.join(self.root, "work")
+        self.blob_dir = os.path.join(self.root, "blobs")
 
     def run(self):
         """-> (Outcome, whether the worker must be retired)."""
@@ -1047,7 +1050,7 @@ class Execution:
         finally:
             self.release_lease()
             output = drain.result(wait=2.0) if drain else ("", "", False, False)
-            remove_tree(self.workspace)
+            remove_tree(self.root)
         body = {"status": "FAILED" if error else "COMPLETED", "request_id": self.job.request_id,
                 "queue_ms": self.queue_ms, "elapsed_ms": (time.monotonic() - started) * 1e3,
                 "lease_wait_ms": self.lease_wait_ms, "lease_held_ms": self.lease_held_ms,
@@ -1063,15 +1066,14 @@ class Execution:
         limit = self.config.max_requests_per_worker
         request = {"request_id": self.job.request_id, "instructions": program.instructions,
                    "retire": bool(limit) and self.worker.served + 1 >= limit,
-                   "workspace": self.workspace, "capture": self.job.output_limit > 0,
-                   "max_response_bytes": self.config.max_response_bytes,
-                   "blobs": [(h, len(self.job.blobs[h])) for h in program.blob_kinds]}
+                   "workspace": self.workspace, "blob_dir": self.blob_dir,
+                   "capture": self.job.output_limit > 0,
+                   "max_response_bytes": self.config.max_response_bytes}
+        self.stage_blobs()
         self.retiring = request["retire"]
         conn, drain = self.worker.conn, None
         try:
             conn.send(request)
-            for digest in program.blob_kinds:
-                send_raw(conn, self.job.blobs[digest])
             if request["capture"]:
                 out_r, out_w = os.pipe()
                 err_r, err_w = os.pipe()
@@ -1082,6 +1084,19 @@ class Execution:
         except OSError as exc:
             raise WorkerCrashed(str(exc)) from exc
         return drain
+
+    def stage_blobs(self):
+        """Write the job's blobs as files: the worker reads each straight into its final object."""
+        os.mkdir(self.workspace, 0o700)
+        os.mkdir(self.blob_dir, 0o700)
+        for digest, data in self.job.blobs.items():
+            fd = os.open(os.path.join(self.blob_dir, digest), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                view = memoryview(data).cast("B")
+                while view:
+                    view = view[os.write(fd, view[:1 << 30]):]
+            finally:
+                os.close(fd)
 
     def converse(self):
         """Follow the worker's messages until it reports the program done; -> error or None."""
@@ -1443,6 +1458,7 @@ class HTTPServer(http.server.ThreadingHTTPServer):
 class RequestHandler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "kcoral/" + __version__
+    disable_nagle_algorithm = True  # headers and body are separate writes
     timeout = 300  # a client that stops sending mid-upload does not hold a thread forever
 
     def log_message(self, format, *args):  # one structured line per request instead

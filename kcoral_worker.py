@@ -88,6 +88,37 @@ def send_raw(conn, data):
         view = view[os.write(fd, view[:RAW_CHUNK * 8]):]
 
 
+class StagedBlobs:
+    """The request's blobs, staged by the front-end as files named by their hash.
+
+    Reading a file of known size gives a `bytes` object in one copy, and file
+    uploads are copied by the kernel: a blob never sits twice in worker memory.
+    """
+
+    def __init__(self, directory):
+        self.directory = directory
+
+    def path(self, digest):
+        return os.path.join(self.directory, digest)
+
+    def read(self, digest):
+        with open(self.path(digest), "rb", buffering=0) as f:
+            return f.read()
+
+    def read_writable(self, digest):
+        with open(self.path(digest), "rb", buffering=0) as f:
+            data = bytearray(os.fstat(f.fileno()).st_size)
+            if f.readinto(data) != len(data):
+                raise OSError("staged blob changed size")
+            return data
+
+    def copy_to(self, digest, out_fd):
+        with open(self.path(digest), "rb", buffering=0) as f:
+            remaining = os.fstat(f.fileno()).st_size
+            while remaining:
+                remaining -= os.sendfile(out_fd, f.fileno(), None, remaining)
+
+
 def recv_raw(conn, size):
     """Read exactly `size` raw bytes from the pipe into a new bytearray."""
     buf = bytearray(size)
@@ -282,6 +313,7 @@ class Runtime:
         self.libraries = {}
 
     def load_tensor(self, data, dtype, shape):
+        """`data` is a private writable buffer: the tensor may keep it."""
         try:
             import torch
         except ImportError:
@@ -289,7 +321,7 @@ class Runtime:
         try:
             if not data:
                 return torch.empty(shape, dtype=torch_dtype(dtype), device=self.device)
-            flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            flat = torch.frombuffer(data, dtype=torch.uint8)
             return flat.view(torch_dtype(dtype)).reshape(shape).to(self.device)
         except Exception as exc:
             raise ExecutionError("runtime", f"malformed tensor: {exc}") from exc
@@ -359,7 +391,7 @@ def numpy_dtype(name):
 
 def numpy_dtype_array(data, dtype, shape):
     import numpy
-    return numpy.frombuffer(bytearray(data), dtype=numpy_dtype(dtype)).reshape(shape)
+    return numpy.frombuffer(data, dtype=numpy_dtype(dtype)).reshape(shape)
 
 
 # --- value encoding (P§9.5) -------------------------------------------------
@@ -466,7 +498,7 @@ def open_parent(root_fd, path, create):
     return fd, parts[-1]
 
 
-def materialize(root_fd, path, data):
+def materialize(root_fd, path, blobs, digest):
     try:
         dir_fd, name = open_parent(root_fd, path, create=True)
         try:
@@ -474,9 +506,11 @@ def materialize(root_fd, path, data):
                          0o600, dir_fd=dir_fd)
         finally:
             os.close(dir_fd)
-        with open(fd, "wb") as f:
+        try:
             os.fchmod(fd, 0o600)
-            f.write(data)
+            blobs.copy_to(digest, fd)
+        finally:
+            os.close(fd)
     except OSError as exc:
         raise ExecutionError("runtime", f"cannot materialize file {path!r}: {exc.strerror or exc}") from exc
 
@@ -654,13 +688,13 @@ class Program:
         if kind == "module":
             value = load_module(ins["source"])
         elif kind == "bytes":
-            value = bytes(self.blobs[ins["blob"]])
+            value = self.blobs.read(ins["blob"])
         elif kind == "tensor":
-            value = RUNTIME.load_tensor(self.blobs[ins["blob"]], ins["dtype"], ins["shape"])
+            value = RUNTIME.load_tensor(self.blobs.read_writable(ins["blob"]), ins["dtype"], ins["shape"])
         elif kind == "library":
-            value = RUNTIME.load_library(ins["blob"], self.blobs[ins["blob"]])
+            value = RUNTIME.load_library(ins["blob"], self.blobs.read(ins["blob"]))
         else:
-            materialize(self.root_fd, ins["path"], self.blobs[ins["blob"]])
+            materialize(self.root_fd, ins["path"], self.blobs, ins["blob"])
             value = ins["path"]
         self.handles[ins["id"]] = value
 
@@ -840,7 +874,7 @@ def describe_gpu():
 
 
 def serve_request(conn, request):
-    blobs = {h: recv_raw(conn, size) for h, size in request["blobs"]}
+    blobs = StagedBlobs(request["blob_dir"])
     capture = None
     if request["capture"]:
         out_fd = reduction.recv_handle(conn)
