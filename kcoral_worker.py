@@ -823,6 +823,7 @@ def worker_main(conn, device, visible_gpus):
     a program started with one signal.
     """
     os.setsid()
+    die_with_parent()
     global RUNTIME
     if device == "cuda":
         prepare_gpu(visible_gpus)
@@ -846,6 +847,16 @@ def worker_main(conn, device, visible_gpus):
         if message["retire"]:
             os._exit(0)
         reset_process_state(env)
+
+
+def die_with_parent():
+    """If the server dies hard, its template exits and takes the workers with it."""
+    try:
+        import ctypes
+        import signal
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
