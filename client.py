@@ -1,0 +1,1622 @@
+"""KCoral reference client: build programs, run them on a KCoral server, decode the results.
+
+One self-contained file that can be vendored: it imports only the standard library and
+NumPy at import time (``ml_dtypes`` when a bfloat16/float8 tensor is decoded; torch only
+when the caller already uses it). The contract is CLIENT.md; the wire format is
+PROTOCOL.md ("P§n" below).
+
+    from client import Client, Program
+
+    program = Program()
+    module = program.upload(kind="module", source="def add(a, b):\\n    return a + b\\n")
+    add = program.get_function(module=module, name="add")
+    program.return_(key="sum", value=program.run(fn=add, args=[1, 2]))
+    with Client("http://127.0.0.1:8000") as client:
+        print(client.execute(program)["sum"])
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import collections
+import dataclasses
+import errno
+import functools
+import hashlib
+import http.client
+import inspect
+import json
+import math
+import operator
+import os
+import pathlib
+import re
+import secrets
+import select
+import stat
+import symtable
+import sys
+import textwrap
+import threading
+import types
+import urllib.parse
+from collections.abc import Callable, Mapping
+from typing import Any, Generic, ParamSpec, TypeVar
+
+import numpy as np
+
+__all__ = [
+    "Client",
+    "KCoralError",
+    "Program",
+    "ProgramResult",
+    "ProtocolError",
+    "Register",
+    "RemoteExecutionError",
+    "RemoteFunction",
+    "ReturnedFile",
+    "ReturnedFolder",
+    "TransportError",
+    "ValidationError",
+]
+
+
+# ---------------------------------------------------------------------------
+# Exceptions (CLIENT.md §8)
+
+
+class KCoralError(Exception):
+    """The server answered with an HTTP status other than 200."""
+
+    def __init__(self, status_code: int, message: str, *, kind: str | None = None,
+                 request_id: str | None = None) -> None:
+        super().__init__(f"HTTP {status_code}: {message}")
+        self.status_code = status_code
+        self.message = message
+        self.kind = kind
+        self.request_id = request_id
+
+
+class TransportError(Exception):
+    """No HTTP response could be obtained; an execute may or may not have run."""
+
+
+class ProtocolError(Exception):
+    """The server's response violates the protocol."""
+
+
+class ValidationError(ValueError):
+    """A path or program is invalid (raised while building a Program)."""
+
+
+class RemoteExecutionError(RuntimeError):
+    """RemoteFunction.remote got a FAILED result; the whole result is in ``.result``."""
+
+    def __init__(self, result: ProgramResult) -> None:
+        error = result.error or {}
+        kind = error.get("kind") or "unknown"
+        message = error.get("message") or "no error details"
+        super().__init__(f"Remote execution {result.request_id} failed: {kind}: {message}")
+        self.result = result
+
+
+# ---------------------------------------------------------------------------
+# Protocol tables and shared rules
+
+# P§6.3: the only tensor dtypes, with their item sizes.
+_ITEMSIZE = {
+    "bool": 1, "uint8": 1, "int8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "int16": 2, "float16": 2, "bfloat16": 2, "int32": 4, "float32": 4,
+    "int64": 8, "float64": 8,
+}
+_NUMPY_DTYPES = {
+    "bool": "bool", "uint8": "u1", "int8": "i1", "int16": "<i2", "int32": "<i4",
+    "int64": "<i8", "float16": "<f2", "float32": "<f4", "float64": "<f8",
+}
+_ML_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+_RETURN_PART = re.compile(r"return:(0|[1-9][0-9]*)")
+_ERROR_KINDS = frozenset({"parse", "compile", "runtime", "gpu_access", "correctness",
+                          "serialization", "unavailable", "engine"})
+_ERROR_KEYS = frozenset({"kind", "message", "instruction_index", "instruction_op",
+                         "instruction_id", "traceback"})
+_GPU_ACCESS_KEYS = _ERROR_KEYS | {"cuda_call", "location", "interfered_request_id"}
+_TIMINGS = ("queue_ms", "elapsed_ms", "lease_wait_ms", "lease_held_ms")
+
+
+def _normalize_path(path: object) -> str:
+    """Canonical form of a workspace path (P§6.7), or ValidationError."""
+    if not isinstance(path, str) or not path:
+        raise ValidationError("path must be a non-empty string")
+    if "\0" in path:
+        raise ValidationError(f"path {path!r} contains NUL")
+    if "\\" in path:
+        raise ValidationError(f"path {path!r} contains a backslash")
+    if path.startswith("/"):
+        raise ValidationError(f"path {path!r} must be relative")
+    components = path.split("/")
+    if ".." in components:  # checked on the raw components: 'a/../b' is rejected, not simplified
+        raise ValidationError(f"path {path!r} contains '..'")
+    components = [c for c in components if c not in ("", ".")]
+    if not components:
+        raise ValidationError(f"path {path!r} names nothing")
+    try:
+        if any(len(c.encode("utf-8")) > 255 for c in components):
+            raise ValidationError(f"path {path!r} has a component longer than 255 bytes")
+        normalized = "/".join(components)
+        if len(normalized.encode("utf-8")) > 4096:
+            raise ValidationError(f"path {path!r} is longer than 4096 bytes")
+    except UnicodeEncodeError:
+        raise ValidationError(f"path {path!r} is not valid Unicode") from None
+    return normalized
+
+
+def _strict_json(data: bytes | bytearray | memoryview) -> Any:
+    """Decode JSON the way the protocol demands (P§5.1): UTF-8, no BOM, no duplicate
+    keys, no NaN/Infinity, no trailing data. Raises ValueError."""
+    if bytes(data[:3]) == b"\xef\xbb\xbf":
+        raise ValueError("JSON starts with a byte order mark")
+    try:
+        return json.loads(str(data, "utf-8"), object_pairs_hook=_object_without_duplicates,
+                          parse_constant=_reject_constant)
+    except RecursionError:
+        raise ValueError("JSON is nested too deeply") from None
+
+
+def _object_without_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        raise ValueError("duplicate key in JSON object")
+    return result
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"JSON constant {name} is not allowed")
+
+
+def _compact_json(value: Any) -> bytes:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False,
+                      separators=(",", ":")).encode("utf-8")
+
+
+def _bytes_snapshot(value: object, error_message: str) -> bytes:
+    """The bytes of a bytes-like value, copied so later mutation cannot change them."""
+    if type(value) is bytes:  # immutable: sharing it is as good as a copy, and free
+        return value
+    try:
+        view = memoryview(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(error_message) from None
+    return view.tobytes()
+
+
+# ---------------------------------------------------------------------------
+# Program builder (CLIENT.md §2-3)
+
+
+@dataclasses.dataclass(frozen=True)
+class Register:
+    """A request-local reference to the value an earlier instruction produced."""
+
+    id: str
+
+
+class Program:
+    """Builder for one self-contained program. Every method validates locally and either
+    appends its instruction(s) or raises and leaves the program unchanged."""
+
+    def __init__(self) -> None:
+        self._instructions: list[dict[str, Any]] = []
+        self._ids: set[str] = set()
+        self._counter = 0
+        self._return_keys: set[str] = set()
+        self._file_paths: set[str] = set()  # normalised file-upload paths
+        self._file_dirs: set[str] = set()   # every proper directory prefix of those paths
+        self._blobs: dict[str, bytes] = {}  # sha256 -> bytes, in order of first reference
+
+    @property
+    def instructions(self) -> list[dict[str, Any]]:
+        """A shallow copy of the wire instructions (treat the dicts as read-only)."""
+        return list(self._instructions)
+
+    # -- value-producing instructions
+
+    def upload(self, *, id: str | None = None, kind: str, source: str | None = None,
+               value: Any = None, dtype: str | None = None, shape: Any = None) -> Register:
+        """Upload a module source, a tensor, raw bytes or a TVM FFI library."""
+        self._check_custom_id(id)  # first, so a bad id records nothing (CLIENT.md §3.1)
+        if kind == "module":
+            if not isinstance(source, str):
+                raise TypeError("module upload requires a str 'source'")
+            if value is not None or dtype is not None or shape is not None:
+                raise TypeError("module upload takes only 'source'")
+            return self._append("upload", id, {"kind": "module", "source": source})
+        if kind == "tensor":
+            if source is not None:
+                raise TypeError("tensor upload takes no 'source'")
+            dtype, shape, data = _tensor_payload(value, dtype, shape)
+            digest = hashlib.sha256(data).hexdigest()
+            fields = {"kind": "tensor", "blob": digest, "dtype": dtype, "shape": shape}
+            return self._append("upload", id, fields, blob=(digest, data))
+        if kind in ("bytes", "library"):
+            if source is not None or dtype is not None or shape is not None:
+                raise TypeError(f"{kind} upload takes only 'value'")
+            data = _bytes_snapshot(value, f"{kind} upload requires a bytes-like 'value'")
+            digest = hashlib.sha256(data).hexdigest()
+            return self._append("upload", id, {"kind": kind, "blob": digest}, blob=(digest, data))
+        raise ValueError("upload kind must be 'module', 'tensor', 'bytes', or 'library'")
+
+    def upload_file(self, *, blob: Any, path: str, id: str | None = None) -> Register:
+        """Upload bytes that the server writes to ``path`` in the request's workspace."""
+        self._check_custom_id(id)
+        path = _normalize_path(path)
+        data = _bytes_snapshot(blob, "file upload requires a bytes-like 'blob'")
+        file_paths, file_dirs = self._with_file_paths([path])
+        digest = hashlib.sha256(data).hexdigest()
+        fields = {"kind": "file", "blob": digest, "path": path}
+        register = self._append("upload", id, fields, blob=(digest, data))
+        self._file_paths, self._file_dirs = file_paths, file_dirs
+        return register
+
+    def upload_folder(self, folder: str | os.PathLike[str], *, path: str) -> None:
+        """Snapshot a local directory tree as file uploads under ``path``, all or nothing."""
+        base = _normalize_path(path)
+        files = sorted((_normalize_path(f"{base}/{rel}"), data)
+                       for rel, data in _snapshot_folder(folder))
+        file_paths, file_dirs = self._with_file_paths([dest for dest, _ in files])
+        # Nothing can fail from here on, so the program changes only if everything succeeded.
+        for dest, data in files:
+            digest = hashlib.sha256(data).hexdigest()
+            self._append("upload", None, {"kind": "file", "blob": digest, "path": dest},
+                         blob=(digest, data))
+        self._file_paths, self._file_dirs = file_paths, file_dirs
+
+    def get_function(self, *, id: str | None = None, module: Register | dict[str, str],
+                     name: str, cpu_only: bool = False) -> Register:
+        """Select ``name`` from an uploaded module (or library)."""
+        module_id = self._existing_ref(module)
+        if not isinstance(name, str) or not name:
+            raise ValueError("get_function requires a non-empty str 'name'")
+        if not isinstance(cpu_only, bool):
+            raise TypeError("cpu_only must be a bool")
+        self._check_custom_id(id)
+        fields: dict[str, Any] = {"module": {"$ref": module_id}, "name": name}
+        if cpu_only:
+            fields["cpu_only"] = True
+        return self._append("get_function", id, fields)
+
+    def run(self, *, id: str | None = None, fn: Register, args: list[Any] | None = None) -> Register:
+        """Call ``fn`` with ``args``; top-level Registers become references, the rest are
+        JSON literals (not validated until execute serialises them, as in the reference)."""
+        if not isinstance(fn, Register):
+            raise TypeError("run requires a Register 'fn'")
+        if fn.id not in self._ids:
+            raise ValueError(f"unknown instruction id {fn.id!r}")
+        if args is None:
+            args = []
+        if not isinstance(args, (list, tuple)):
+            raise TypeError("run 'args' must be a list")
+        wire_args = [{"$ref": arg.id} if isinstance(arg, Register) else arg for arg in args]
+        self._check_custom_id(id)
+        return self._append("run", id, {"fn": {"$ref": fn.id}, "args": wire_args})
+
+    # -- returns
+
+    def return_(self, *, key: str, value: Register | dict[str, str]) -> None:
+        """Return the value of an earlier instruction under ``key``."""
+        self._check_return_key(key)
+        ref = self._existing_ref(value)
+        self._append_return({"op": "return", "key": key, "value": {"$ref": ref}})
+
+    def return_file(self, *, key: str, path: str | Register) -> None:
+        """Return the workspace file at ``path`` (as it is when this instruction runs)."""
+        self._return_path("file", key, path)
+
+    def return_folder(self, *, key: str, path: str | Register) -> None:
+        """Return the workspace folder at ``path`` (as it is when this instruction runs)."""
+        self._return_path("folder", key, path)
+
+    # -- internals
+
+    def _return_path(self, kind: str, key: str, path: str | Register) -> None:
+        self._check_return_key(key)
+        if isinstance(path, Register):
+            if path.id not in self._ids:
+                raise ValueError(f"unknown instruction id {path.id!r}")
+            wire_path: str | dict[str, str] = {"$ref": path.id}
+        else:
+            wire_path = _normalize_path(path)
+        self._append_return({"op": "return", "key": key, "kind": kind, "path": wire_path})
+
+    def _check_custom_id(self, id: str | None) -> None:
+        if id is None:
+            return
+        if not isinstance(id, str) or not id:
+            raise ValueError("instruction id must be a non-empty str")
+        if id in self._ids:
+            raise ValueError(f"duplicate instruction id {id!r}")
+
+    def _check_return_key(self, key: str) -> None:
+        if not isinstance(key, str) or not key:
+            raise ValueError("return key must be a non-empty str")
+        if key in self._return_keys:
+            raise ValueError(f"duplicate return key {key!r}")
+
+    def _existing_ref(self, ref: Register | dict[str, str]) -> str:
+        if isinstance(ref, Register):
+            ref_id = ref.id
+        elif isinstance(ref, dict) and ref.keys() == {"$ref"} and isinstance(ref["$ref"], str):
+            ref_id = ref["$ref"]
+        else:
+            raise TypeError("expected a Register or {'$ref': id}")
+        if ref_id not in self._ids:
+            raise ValueError(f"unknown instruction id {ref_id!r}")
+        return ref_id
+
+    def _with_file_paths(self, paths: list[str]) -> tuple[set[str], set[str]]:
+        """The file-path sets after adding ``paths``, or ValidationError on a conflict
+        (P§6.8). The program's own sets are left untouched."""
+        taken, dirs = set(self._file_paths), set(self._file_dirs)
+        for path in paths:
+            if path in taken:
+                raise ValidationError(f"duplicate file upload path {path!r}")
+            prefixes = list(_directory_prefixes(path))
+            if path in dirs or any(prefix in taken for prefix in prefixes):
+                raise ValidationError(f"conflicting file upload paths at {path!r}")
+            taken.add(path)
+            dirs.update(prefixes)
+        return taken, dirs
+
+    def _append(self, op: str, id: str | None, fields: dict[str, Any],
+                blob: tuple[str, bytes] | None = None) -> Register:
+        if id is None:
+            n = self._counter
+            while f"{op}_{n}" in self._ids:
+                n += 1
+            self._counter = n + 1
+            id = f"{op}_{n}"
+        self._ids.add(id)
+        self._instructions.append({"op": op, "id": id, **fields})
+        if blob is not None:
+            self._blobs.setdefault(*blob)
+        return Register(id)
+
+    def _append_return(self, instruction: dict[str, Any]) -> None:
+        self._return_keys.add(instruction["key"])
+        self._instructions.append(instruction)
+
+
+def _directory_prefixes(path: str) -> collections.abc.Iterator[str]:
+    """'a/b/c' -> 'a', 'a/b'."""
+    index = path.find("/")
+    while index != -1:
+        yield path[:index]
+        index = path.find("/", index + 1)
+
+
+def _tensor_payload(value: Any, dtype: Any, shape: Any) -> tuple[str, list[int], bytes]:
+    """(wire dtype, shape, little-endian C-order bytes) for a tensor upload (CLIENT.md §3.4)."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        if dtype is None or shape is None:
+            raise TypeError("raw tensor bytes require 'dtype' and 'shape'")
+        wire_dtype, wire_shape = dtype, _shape_list(shape)
+        data = _bytes_snapshot(value, "")
+    else:
+        wire_dtype, wire_shape, data = _array_payload(value)
+        if dtype is not None and dtype != wire_dtype:
+            raise ValueError(f"dtype {dtype!r} does not match the value's dtype {wire_dtype!r}")
+        if shape is not None and list(shape) != wire_shape:
+            raise ValueError(f"shape {list(shape)!r} does not match the value's shape {wire_shape!r}")
+    if not isinstance(wire_dtype, str) or wire_dtype not in _ITEMSIZE:
+        raise ValueError(f"unsupported tensor dtype {wire_dtype!r}")
+    expected = math.prod(wire_shape) * _ITEMSIZE[wire_dtype]
+    if len(data) != expected:
+        raise ValueError(f"tensor of shape {wire_shape} and dtype {wire_dtype} needs "
+                         f"{expected} bytes, got {len(data)}")
+    return wire_dtype, wire_shape, data
+
+
+def _shape_list(shape: Any) -> list[int]:
+    try:
+        dims = [operator.index(d) for d in shape if not isinstance(d, bool)]
+    except TypeError:
+        dims = []
+    if len(dims) != len(list(shape)) or any(d < 0 for d in dims):
+        raise ValueError(f"tensor shape must be a sequence of non-negative ints, got {shape!r}")
+    return dims
+
+
+def _array_payload(value: Any) -> tuple[str, list[int], bytes]:
+    torch = sys.modules.get("torch")  # a torch.Tensor can only exist if torch is imported
+    if torch is not None and isinstance(value, torch.Tensor):
+        tensor = value.detach().cpu().contiguous()
+        # Viewed as bytes so that dtypes NumPy lacks (bfloat16, float8) convert too.
+        data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+        return str(tensor.dtype).removeprefix("torch."), list(tensor.shape), data
+    if not isinstance(value, np.ndarray) and hasattr(value, "__dlpack__"):
+        try:
+            value = np.from_dlpack(value)
+        except Exception:  # e.g. a device NumPy cannot read: the duck-typed rule may still apply
+            pass
+    if isinstance(value, np.ndarray):
+        array = np.ascontiguousarray(value)  # note: makes a 0-d array 1-d, as the reference does
+        if array.dtype.byteorder == ">" or (array.dtype.byteorder == "=" and sys.byteorder == "big"):
+            array = array.astype(array.dtype.newbyteorder("<"))
+        return array.dtype.name, list(array.shape), array.tobytes()
+    if all(hasattr(value, name) for name in ("dtype", "shape", "tobytes")):
+        return str(value.dtype), [int(d) for d in value.shape], value.tobytes()
+    raise TypeError(f"cannot upload {type(value).__name__!r} as a tensor")
+
+
+def _snapshot_folder(folder: str | os.PathLike[str]) -> list[tuple[str, bytes]]:
+    """(relative path, contents) of every regular file under ``folder``, read without
+    following symbolic links; each directory is opened relative to its parent so that a
+    path swapped during the walk cannot redirect it."""
+    st = os.lstat(folder)
+    if stat.S_ISLNK(st.st_mode):
+        raise ValueError(f"upload_folder: {os.fspath(folder)!r} is a symbolic link")
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(errno.ENOTDIR, "not a directory", os.fspath(folder))
+    fd = _open_same(folder, None, st, os.O_DIRECTORY)
+    files: list[tuple[str, bytes]] = []
+    try:
+        _walk_folder(fd, "", {(st.st_dev, st.st_ino)}, files)
+    finally:
+        os.close(fd)
+    return files
+
+
+def _walk_folder(dir_fd: int, prefix: str, seen: set[tuple[int, int]],
+                 files: list[tuple[str, bytes]]) -> None:
+    for name in sorted(os.listdir(dir_fd)):
+        rel = prefix + name
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if stat.S_ISDIR(st.st_mode):
+            if (st.st_dev, st.st_ino) in seen:
+                raise ValueError(f"upload_folder: repeated directory {rel!r}")
+            seen.add((st.st_dev, st.st_ino))
+            sub_fd = _open_same(name, dir_fd, st, os.O_DIRECTORY)
+            try:
+                _walk_folder(sub_fd, rel + "/", seen, files)
+            finally:
+                os.close(sub_fd)
+        elif stat.S_ISREG(st.st_mode):
+            fd = _open_same(name, dir_fd, st, os.O_NONBLOCK)  # O_NONBLOCK: a swapped-in FIFO must not hang us
+            try:
+                with open(fd, "rb", closefd=False) as f:
+                    data = f.read()
+                if not _same_version(st, os.fstat(fd)) or len(data) != st.st_size:
+                    raise ValueError(f"upload_folder: {rel!r} changed while being read")
+            finally:
+                os.close(fd)
+            files.append((rel, data))
+        else:
+            raise ValueError(f"upload_folder: {rel!r} is a symbolic link or special file")
+
+
+def _open_same(name: str | os.PathLike[str], dir_fd: int | None, expected: os.stat_result,
+               flags: int) -> int:
+    """Open ``name`` without following a link, and check it is still what was listed."""
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | flags, dir_fd=dir_fd)
+    if not _same_version(expected, os.fstat(fd)):
+        os.close(fd)
+        raise ValueError(f"upload_folder: {os.fspath(name)!r} changed while being read")
+    return fd
+
+
+def _same_version(a: os.stat_result, b: os.stat_result) -> bool:
+    return ((a.st_dev, a.st_ino, a.st_mode, a.st_size, a.st_mtime_ns, a.st_ctime_ns)
+            == (b.st_dev, b.st_ino, b.st_mode, b.st_size, b.st_mtime_ns, b.st_ctime_ns))
+
+
+# ---------------------------------------------------------------------------
+# Returned files and folders (CLIENT.md §6)
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class ReturnedFile:
+    """An in-memory snapshot of a file the program returned."""
+
+    _data: bytes
+
+    def __post_init__(self) -> None:
+        if not isinstance(self._data, bytes):
+            raise TypeError("ReturnedFile holds bytes")
+
+    def __repr__(self) -> str:
+        return f"ReturnedFile(size={len(self._data)})"
+
+    def read_bytes(self) -> bytes:
+        return self._data
+
+    def save(self, destination: str | os.PathLike[str], *, overwrite: bool = False) -> pathlib.Path:
+        """Write the contents to ``destination`` (mode 0600) atomically. An existing
+        destination is an error unless ``overwrite`` is true and it is a regular file."""
+        parent_fd, name = _open_parent(destination)
+        try:
+            try:
+                st: os.stat_result | None = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                st = None
+            if st is not None and not overwrite:
+                raise FileExistsError(errno.EEXIST, "destination exists", os.fspath(destination))
+            if st is not None and not stat.S_ISREG(st.st_mode):
+                raise ValueError("overwrite requires a regular file destination")
+            staging = _write_new_file(parent_fd, f".kcoral-{secrets.token_hex(16)}", self._data)
+            try:
+                if overwrite:
+                    # rename replaces whatever is at the name now, even a symlink swapped in
+                    # after the check, and never follows it.
+                    os.rename(staging, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
+                    staging = None
+                else:
+                    # link fails if the name appeared after the check: no silent overwrite.
+                    os.link(staging, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd,
+                            follow_symlinks=False)
+            finally:
+                if staging is not None:
+                    os.unlink(staging, dir_fd=parent_fd)
+        finally:
+            os.close(parent_fd)
+        return pathlib.Path(destination)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReturnedFolder:
+    """An in-memory snapshot of a folder the program returned. Paths are relative to
+    the folder; ``directories`` lists every sub-directory, empty ones included."""
+
+    files: Mapping[str, ReturnedFile]
+    directories: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        files, directories = dict(self.files), tuple(self.directories)
+        names = list(files) + list(directories)
+        for name in names:
+            if not isinstance(name, str) or _normalize_path(name) != name:
+                raise ValueError(f"folder entry {name!r} is not a canonical path")
+        if list(files) != sorted(files) or list(directories) != sorted(directories):
+            raise ValueError("folder entries are not in sorted order")
+        if len(set(names)) != len(names):
+            raise ValueError("folder lists an entry twice")
+        listed = set(directories)
+        for name in names:
+            parent = name.rpartition("/")[0]
+            if parent and parent not in listed:
+                raise ValueError(f"folder entry {name!r} has an unlisted parent directory")
+        if not all(isinstance(f, ReturnedFile) for f in files.values()):
+            raise TypeError("folder files must be ReturnedFile values")
+        object.__setattr__(self, "files", types.MappingProxyType(files))
+        object.__setattr__(self, "directories", directories)
+
+    def save(self, destination: str | os.PathLike[str]) -> pathlib.Path:
+        """Create ``destination`` (which must not exist) and write the tree into it.
+        On failure the partial tree is removed and the exception re-raised."""
+        parent_fd, name = _open_parent(destination)
+        try:
+            os.mkdir(name, 0o700, dir_fd=parent_fd)
+            try:
+                root_fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent_fd)
+                try:
+                    os.fchmod(root_fd, 0o700)  # the umask may have narrowed it
+                    for directory in self.directories:
+                        _in_directory(root_fd, directory, _make_directory)
+                    for path, file in self.files.items():
+                        _in_directory(root_fd, path, functools.partial(_write_new_file, data=file._data))
+                finally:
+                    os.close(root_fd)
+            except BaseException:
+                _remove_tree(parent_fd, name)
+                raise
+        finally:
+            os.close(parent_fd)
+        return pathlib.Path(destination)
+
+
+def _open_parent(destination: str | os.PathLike[str]) -> tuple[int, str]:
+    """(fd of the destination's parent directory, final name), opening every component
+    without following symbolic links. The caller closes the fd."""
+    path = os.fspath(destination)
+    if not isinstance(path, str):
+        raise TypeError("destination must be a str or path-like")
+    components = path.split("/")
+    name = components[-1]
+    if ".." in components or name in ("", ".", ".."):
+        raise ValueError(f"destination {path!r} must name a file without '..' components")
+    fd = os.open("/" if path.startswith("/") else ".", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for component in components[:-1]:
+            if component in ("", "."):
+                continue
+            try:
+                next_fd = os.open(component, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise NotADirectoryError(errno.ENOTDIR, "symbolic link in destination path", path) from None
+                raise
+            os.close(fd)
+            fd = next_fd
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, name
+
+
+def _in_directory(root_fd: int, path: str, action: Callable[[int, str], object]) -> None:
+    """Run ``action(dir_fd, name)`` for ``path`` under root_fd, opening each parent
+    without following links (the tree is visible, so it could be tampered with)."""
+    *parents, name = path.split("/")
+    fd = root_fd
+    try:
+        for parent in parents:
+            next_fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            if fd != root_fd:
+                os.close(fd)
+            fd = next_fd
+        action(fd, name)
+    finally:
+        if fd != root_fd:
+            os.close(fd)
+
+
+def _make_directory(dir_fd: int, name: str) -> None:
+    os.mkdir(name, 0o700, dir_fd=dir_fd)
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+    try:
+        os.fchmod(fd, 0o700)  # the umask may have narrowed it
+    finally:
+        os.close(fd)
+
+
+def _write_new_file(dir_fd: int, name: str, data: bytes) -> str:
+    """Create ``name`` exclusively with mode 0600 and write ``data``; return the name."""
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd)
+    try:
+        os.fchmod(fd, 0o600)  # the umask may have narrowed it
+        with open(fd, "wb", closefd=False) as f:
+            f.write(data)
+    except BaseException:
+        os.close(fd)
+        _remove_tree(dir_fd, name)
+        raise
+    os.close(fd)
+    return name
+
+
+def _remove_tree(dir_fd: int, name: str) -> None:
+    """Best-effort removal of ``name`` under dir_fd, never following symbolic links."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if stat.S_ISDIR(st.st_mode):
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+            try:
+                for child in os.listdir(fd):
+                    _remove_tree(fd, child)
+            finally:
+                os.close(fd)
+            os.rmdir(name, dir_fd=dir_fd)
+        else:
+            os.unlink(name, dir_fd=dir_fd)
+    except OSError:
+        pass  # cleanup after a failure: the original exception is what matters
+
+
+# ---------------------------------------------------------------------------
+# Results and response decoding (CLIENT.md §5)
+
+
+@dataclasses.dataclass
+class ProgramResult:
+    """The decoded answer to a COMPLETED or FAILED execution."""
+
+    status: str
+    request_id: str
+    queue_ms: float
+    elapsed_ms: float
+    lease_wait_ms: float
+    lease_held_ms: float
+    results: dict[str, Any]
+    stdout: str
+    stderr: str
+    stdout_truncated: bool
+    stderr_truncated: bool
+    error: dict[str, Any] | None = None
+    gpu_ids: tuple[int, ...] = ()
+
+    @property
+    def completed(self) -> bool:
+        return self.status == "COMPLETED"
+
+    def __getitem__(self, key: str) -> Any:
+        return self.results[key]
+
+
+def _malformed(message: str) -> ProtocolError:
+    return ProtocolError(f"malformed execution response: {message}")
+
+
+def _decode_result(payload: dict[str, Any], parts: dict[str, memoryview]) -> ProgramResult:
+    """Validate a COMPLETED/FAILED body strictly (CLIENT.md §5.3) and decode its values."""
+    status = payload.get("status")
+    if status not in ("COMPLETED", "FAILED"):
+        raise _malformed(f"unexpected status {status!r}")
+    request_id = payload.get("request_id")
+    if not isinstance(request_id, str) or not request_id:
+        raise _malformed("request_id must be a non-empty string")
+    timings = {name: _finite_number(payload.get(name), name) for name in _TIMINGS}
+    for name in ("stdout", "stderr"):
+        if not isinstance(payload.get(name), str):
+            raise _malformed(f"{name} must be a string")
+    for name in ("stdout_truncated", "stderr_truncated"):
+        if not isinstance(payload.get(name, False), bool):
+            raise _malformed(f"{name} must be a boolean")
+    gpu_ids = _gpu_ids(payload)
+    results = payload.get("results")
+    if not isinstance(results, dict):
+        raise _malformed("results must be an object")
+    reader = _PartReader(parts)
+    try:
+        decoded = {key: reader.decode(value) for key, value in results.items()}
+    except RecursionError:
+        raise _malformed("results are nested too deeply") from None
+    error = None
+    if status == "COMPLETED" and "error" in payload:
+        raise _malformed("a COMPLETED response must not carry 'error'")
+    if status == "FAILED":
+        if "error" not in payload:
+            raise _malformed("a FAILED response must carry 'error'")
+        error = _validated_error(payload["error"])
+    if reader.used != len(parts):
+        raise _malformed("unreferenced binary response parts")
+    return ProgramResult(
+        status=status, request_id=request_id, **timings, results=decoded,
+        stdout=payload["stdout"], stderr=payload["stderr"],
+        stdout_truncated=payload.get("stdout_truncated", False),
+        stderr_truncated=payload.get("stderr_truncated", False),
+        error=error, gpu_ids=gpu_ids)
+
+
+def _finite_number(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _malformed(f"{what} must be a number")
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise _malformed(f"{what} must be finite")
+    return number
+
+
+def _gpu_ids(payload: dict[str, Any]) -> tuple[int, ...]:
+    if ("gpu_ids" in payload) != ("gpu_count" in payload):
+        raise _malformed("gpu_ids and gpu_count must come together")
+    if "gpu_ids" not in payload:
+        return ()
+    ids, count = payload["gpu_ids"], payload["gpu_count"]
+    if (not isinstance(ids, list) or not 0 < len(ids) <= 8
+            or any(type(i) is not int or i < 0 for i in ids) or len(set(ids)) != len(ids)):
+        raise _malformed("gpu_ids must be 1 to 8 distinct non-negative integers")
+    if type(count) is not int or count != len(ids):
+        raise _malformed("gpu_count must equal the number of gpu_ids")
+    return tuple(ids)
+
+
+def _validated_error(error: Any) -> dict[str, Any]:
+    if not isinstance(error, dict):
+        raise _malformed("error must be an object")
+    kind = error.get("kind")
+    if not isinstance(kind, str) or kind not in _ERROR_KINDS:
+        raise _malformed(f"unknown error kind {kind!r}")
+    if error.keys() != (_GPU_ACCESS_KEYS if kind == "gpu_access" else _ERROR_KEYS):
+        raise _malformed(f"error fields {sorted(error)} are not the protocol's")
+    strings = ["message", "traceback"] + (["cuda_call", "location"] if kind == "gpu_access" else [])
+    if not all(isinstance(error[name], str) for name in strings):
+        raise _malformed(f"error fields {strings} must be strings")
+    if type(error["instruction_index"]) is not int:
+        raise _malformed("error instruction_index must be an integer")
+    if error["instruction_op"] not in ("upload", "get_function", "run", "return"):
+        raise _malformed(f"unknown error instruction_op {error['instruction_op']!r}")
+    optional = ["instruction_id"] + (["interfered_request_id"] if kind == "gpu_access" else [])
+    if not all(error[name] is None or isinstance(error[name], str) for name in optional):
+        raise _malformed(f"error fields {optional} must be strings or null")
+    return error
+
+
+# Exact key sets of encoded values (P§9.5).
+_VALUE_KEYS = {
+    "null": {"type"}, "boolean": {"type", "value"}, "integer": {"type", "value"},
+    "number": {"type", "value"}, "string": {"type", "value"}, "array": {"type", "value"},
+    "object": {"type", "value"}, "bytes": {"type", "part", "sha256"},
+    "file": {"type", "size", "part", "sha256"}, "folder": {"type", "files", "directories"},
+    "tensor": {"type", "dtype", "shape", "part", "sha256"},
+}
+
+
+class _PartReader:
+    """Decodes encoded values, handing out the binary parts in depth-first order."""
+
+    def __init__(self, parts: dict[str, memoryview]) -> None:
+        self._parts = parts
+        self.used = 0
+
+    def decode(self, encoded: Any) -> Any:
+        if not isinstance(encoded, dict) or not isinstance(encoded.get("type"), str):
+            raise _malformed("an encoded value must be an object with a string 'type'")
+        kind = encoded["type"]
+        if kind not in _VALUE_KEYS:
+            raise _malformed(f"unknown value type {kind!r}")
+        if encoded.keys() != _VALUE_KEYS[kind]:
+            raise _malformed(f"a {kind} value must have exactly the keys {sorted(_VALUE_KEYS[kind])}")
+        value = encoded.get("value")
+        if kind == "null":
+            return None
+        if kind == "number":
+            return _finite_number(value, "a number value")
+        expected_type = {"boolean": bool, "integer": int, "string": str, "array": list,
+                         "object": dict}.get(kind)
+        if expected_type is not None:
+            if type(value) is not expected_type:  # exact: a bool is not an integer
+                raise _malformed(f"a {kind} value has a {type(value).__name__} payload")
+            if kind == "array":
+                return [self.decode(item) for item in value]
+            if kind == "object":
+                return {key: self.decode(item) for key, item in value.items()}
+            return value
+        if kind == "bytes":
+            return bytes(self._take(encoded))
+        if kind == "file":
+            return self._file(encoded)
+        if kind == "folder":
+            return self._folder(encoded)
+        return self._tensor(encoded)
+
+    def _take(self, encoded: dict[str, Any]) -> memoryview:
+        name, digest = encoded["part"], encoded["sha256"]
+        if not isinstance(name, str) or not _RETURN_PART.fullmatch(name):
+            raise _malformed(f"bad binary part name {name!r}")
+        if int(name.partition(":")[2]) != self.used:
+            raise _malformed(f"binary part {name} is not numbered in depth-first order")
+        data = self._parts.get(name)
+        if data is None:
+            raise _malformed(f"binary part {name} is missing")
+        if not isinstance(digest, str) or not _SHA256_HEX.fullmatch(digest):
+            raise _malformed(f"bad sha256 for {name}")
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise _malformed(f"sha256 mismatch for {name}")
+        self.used += 1
+        return data
+
+    def _file(self, encoded: dict[str, Any]) -> ReturnedFile:
+        size = encoded["size"]
+        if type(size) is not int or size < 0:
+            raise _malformed("a file size must be a non-negative integer")
+        data = self._take(encoded)
+        if len(data) != size:
+            raise _malformed(f"file size {size} does not match its part ({len(data)} bytes)")
+        return ReturnedFile(bytes(data))
+
+    def _folder(self, encoded: dict[str, Any]) -> ReturnedFolder:
+        files, directories = encoded["files"], encoded["directories"]
+        if not isinstance(files, dict) or not isinstance(directories, list):
+            raise _malformed("a folder needs a 'files' object and a 'directories' list")
+        decoded = {}
+        for path, child in files.items():
+            if not isinstance(child, dict) or child.get("type") != "file":
+                raise _malformed(f"folder entry {path!r} is not a file")
+            decoded[path] = self.decode(child)
+        try:
+            return ReturnedFolder(decoded, tuple(directories))
+        except (TypeError, ValueError) as exc:
+            raise _malformed(f"invalid folder manifest: {exc}") from None
+
+    def _tensor(self, encoded: dict[str, Any]) -> np.ndarray:
+        dtype, shape = encoded["dtype"], encoded["shape"]
+        if not isinstance(dtype, str) or dtype not in _ITEMSIZE:
+            raise _malformed(f"unsupported tensor dtype {dtype!r}")
+        if not isinstance(shape, list) or any(type(d) is not int or d < 0 for d in shape):
+            raise _malformed("a tensor shape must be a list of non-negative integers")
+        data = self._take(encoded)
+        if len(data) != math.prod(shape) * _ITEMSIZE[dtype]:
+            raise _malformed(f"tensor part has {len(data)} bytes, not what {dtype}{shape} needs")
+        if dtype == "bool":  # via uint8, so that bytes other than 0/1 become proper bools
+            return np.frombuffer(data, np.uint8).reshape(shape).astype(bool)
+        return np.frombuffer(data, _numpy_dtype(dtype)).reshape(shape).copy()
+
+
+def _numpy_dtype(name: str) -> np.dtype:
+    if name in _ML_DTYPES:
+        import ml_dtypes  # only needed for these dtypes; keeps the import-time deps to NumPy
+        return np.dtype(getattr(ml_dtypes, name))
+    return np.dtype(_NUMPY_DTYPES[name])
+
+
+# -- multipart (P§4.4-4.5): responses are parsed with the rules servers apply to requests
+
+_TOKEN = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
+_HEADER_VALUE = re.compile(rf"\s*({_TOKEN}(?:/{_TOKEN})?)\s*")
+_HEADER_PARAM = re.compile(rf';\s*(?:({_TOKEN})\s*=\s*(?:({_TOKEN})|"((?:[^"\\\r\n]|\\.)*)")\s*)?')
+_HEADER_LINE = re.compile(rb"([!-9;-~]+):[ \t]*(.*?)[ \t]*")  # field name: printable ASCII but ':'
+
+
+def _parse_header_value(value: str) -> tuple[str, list[tuple[str, str]]]:
+    """'type/sub; a=1; b="x"' -> ('type/sub', [('a', '1'), ('b', 'x')]), names lower-cased."""
+    match = _HEADER_VALUE.match(value)
+    if not match:
+        raise ValueError(f"malformed header value {value!r}")
+    params = []
+    position = match.end()
+    while position < len(value):
+        param = _HEADER_PARAM.match(value, position)
+        if not param:
+            raise ValueError(f"malformed header parameters in {value!r}")
+        if param.group(1):
+            raw = param.group(2) if param.group(2) is not None else re.sub(r"\\(.)", r"\1", param.group(3))
+            params.append((param.group(1).lower(), raw))
+        position = param.end()
+    return match.group(1).lower(), params
+
+
+def _multipart_boundary(content_type: str) -> str:
+    media_type, params = _parse_header_value(content_type)
+    boundaries = [v for k, v in params if k == "boundary"]
+    if media_type != "multipart/form-data" or len(boundaries) != 1 or not boundaries[0] \
+            or "\r" in boundaries[0] or "\n" in boundaries[0]:
+        raise ValueError(f"bad multipart content type {content_type!r}")
+    return boundaries[0]
+
+
+def _parse_multipart(body: bytes | bytearray, boundary: str) -> list[tuple[str, str, memoryview]]:
+    """Split a multipart/form-data body into (name, media type, payload view) parts.
+    Raises ValueError on any framing or part-header violation."""
+    delimiter = b"--" + boundary.encode("utf-8")
+    view = memoryview(body)
+    found = _next_delimiter(body, delimiter, 0)
+    if found is None:
+        raise ValueError("no multipart delimiter")
+    if found[2]:
+        raise ValueError("multipart body has no parts")
+    parts = []
+    start = found[1]
+    while True:
+        found = _next_delimiter(body, delimiter, start)
+        if found is None:
+            raise ValueError("multipart body has no closing delimiter")
+        end = found[0]
+        if end == start:  # the line break before this delimiter belongs to the previous one
+            raise ValueError("empty multipart part")
+        end -= 2 if body[end - 2:end] == b"\r\n" else 1
+        parts.append(_parse_part(body, view, start, end))
+        if found[2]:
+            return parts
+        start = found[1]
+
+
+def _next_delimiter(body: bytes | bytearray, delimiter: bytes, start: int) -> tuple[int, int, bool] | None:
+    """(position, end of its line, is closing) of the next delimiter line at or after start.
+    A delimiter counts only at the body start or after LF, followed by optional spaces/tabs
+    and a line break (or, for the closing one, the end of the body)."""
+    position = start
+    while (position := body.find(delimiter, position)) != -1:
+        if position == 0 or body[position - 1] == 0x0A:
+            cursor = position + len(delimiter)
+            closing = body[cursor:cursor + 2] == b"--"
+            cursor += 2 if closing else 0
+            while cursor < len(body) and body[cursor] in b" \t":
+                cursor += 1
+            if body[cursor:cursor + 2] == b"\r\n":
+                return position, cursor + 2, closing
+            if body[cursor:cursor + 1] == b"\n":
+                return position, cursor + 1, closing
+            if closing and cursor == len(body):
+                return position, cursor, closing
+        position += 1
+    return None
+
+
+def _parse_part(body: bytes | bytearray, view: memoryview, start: int, end: int) -> tuple[str, str, memoryview]:
+    headers: list[list[str]] = []
+    cursor = start
+    while True:
+        line_end = body.find(b"\n", cursor, end)
+        if line_end == -1:
+            raise ValueError("multipart part has no blank line after its headers")
+        line = bytes(body[cursor:line_end]).removesuffix(b"\r")
+        cursor = line_end + 1
+        if not line:
+            break
+        if line[:1] in (b" ", b"\t"):  # folded continuation of the previous header
+            if not headers:
+                raise ValueError("multipart part starts with a continuation line")
+            headers[-1][1] += " " + line.strip(b" \t").decode("utf-8")
+            continue
+        match = _HEADER_LINE.fullmatch(line)
+        if not match:
+            raise ValueError(f"malformed multipart header line {line!r}")
+        headers.append([match.group(1).decode("ascii").lower(), match.group(2).decode("utf-8")])
+    dispositions = [v for k, v in headers if k == "content-disposition"]
+    content_types = [v for k, v in headers if k == "content-type"]
+    encodings = [v for k, v in headers if k == "content-transfer-encoding"]
+    if len(dispositions) != 1 or len(content_types) != 1:
+        raise ValueError("a multipart part needs exactly one Content-Disposition and one Content-Type")
+    disposition, params = _parse_header_value(dispositions[0])
+    names = [v for k, v in params if k == "name"]
+    if disposition != "form-data" or len(names) != 1 or not names[0]:
+        raise ValueError(f"bad multipart Content-Disposition {dispositions[0]!r}")
+    media_type = _parse_header_value(content_types[0])[0]
+    if media_type.startswith("multipart/"):
+        raise ValueError("nested multipart parts are not allowed")
+    if any(e.strip().lower() not in ("binary", "8bit") for e in encodings):
+        raise ValueError("multipart Content-Transfer-Encoding must be binary or 8bit")
+    return names[0], media_type, view[cursor:end]
+
+
+def _response_body(content_type: str, body: bytes | bytearray) -> tuple[dict[str, Any], dict[str, memoryview]]:
+    """(JSON object, binary parts by name) of a 200 /execute response (CLIENT.md §5.2)."""
+    media_type = content_type.partition(";")[0].strip().lower()
+    try:
+        if media_type == "application/json":
+            payload = _strict_json(body)
+            parts: dict[str, memoryview] = {}
+        elif media_type == "multipart/form-data":
+            payload, parts = _split_result_parts(_parse_multipart(body, _multipart_boundary(content_type)))
+        else:
+            raise ProtocolError(f"unexpected response content type {content_type!r}")
+    except ValueError as exc:
+        raise ProtocolError(f"malformed execution response: {exc}") from None
+    if not isinstance(payload, dict):
+        raise _malformed("the response JSON is not an object")
+    return payload, parts
+
+
+def _split_result_parts(parts: list[tuple[str, str, memoryview]]) -> tuple[Any, dict[str, memoryview]]:
+    results = [p for p in parts if p[0] == "result"]
+    if len(results) != 1 or results[0][1] != "application/json":
+        raise ValueError("a multipart response needs exactly one application/json 'result' part")
+    binary = {}
+    for name, media_type, payload in parts:
+        if name == "result":
+            continue
+        if name in binary or media_type != "application/octet-stream":
+            raise ValueError(f"binary part {name!r} is duplicated or not application/octet-stream")
+        binary[name] = payload
+    return _strict_json(results[0][2]), binary
+
+
+# ---------------------------------------------------------------------------
+# HTTP client (CLIENT.md §4)
+
+_MAX_IDLE_CONNECTIONS = 8
+_REMEMBERED_BLOBS_PER_INSTANCE = 4096
+_REMEMBERED_INSTANCES = 4
+
+
+class _NoReadTimeout:
+    """Limit only connection establishment: execution may legitimately take as long as
+    the server allows, so reads must never time out on the client side."""
+
+    sock: Any
+
+    def connect(self) -> None:
+        super().connect()  # type: ignore[misc]
+        self.sock.settimeout(None)
+
+
+class _HTTPConnection(_NoReadTimeout, http.client.HTTPConnection):
+    pass
+
+
+class _HTTPSConnection(_NoReadTimeout, http.client.HTTPSConnection):
+    pass
+
+
+@dataclasses.dataclass
+class _Response:
+    status: int
+    content_type: str
+    instance: str | None  # X-KCoral-Instance: which server process answered
+    node: str | None      # X-KCoral-Node: router affinity to echo on the next attempt
+    body: bytes | bytearray
+
+
+class _BlobMemory:
+    """Which blobs each recently seen server instance has confirmed holding, so that a
+    client talking to a server that names its instance can skip the ask-first round trip.
+
+    Entries are (hash, cache) pairs: a server keeps file blobs and in-memory blobs in
+    separate caches (P§7.1), so holding a hash for one kind of upload says nothing about
+    the other. Bounded: a few instances, an LRU of hashes each."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: collections.OrderedDict[str, collections.OrderedDict[tuple[str, str], None]] = \
+            collections.OrderedDict()
+        self._current: str | None = None  # the instance of the latest response, if it named one
+
+    def observe(self, instance: str | None) -> None:
+        with self._lock:
+            self._current = instance
+
+    def not_held(self, needs: dict[str, set[str]]) -> set[str] | None:
+        """Hashes the current instance is not known to hold in every cache the program
+        needs them in; None when the server does not name its instance."""
+        with self._lock:
+            if self._current is None:
+                return None
+            held = self._held.get(self._current, {})
+            return {h for h, caches in needs.items() if any((h, c) not in held for c in caches)}
+
+    def confirm(self, instance: str | None, needs: dict[str, set[str]], hashes: collections.abc.Iterable[str]) -> None:
+        if instance is None:
+            return
+        with self._lock:
+            held = self._held.pop(instance, None) or collections.OrderedDict()
+            self._held[instance] = held
+            if len(self._held) > _REMEMBERED_INSTANCES:
+                self._held.popitem(last=False)
+            for digest in hashes:
+                for cache in needs[digest]:
+                    held[(digest, cache)] = None
+                    held.move_to_end((digest, cache))
+            while len(held) > _REMEMBERED_BLOBS_PER_INSTANCE:
+                held.popitem(last=False)
+
+    def forget(self, instance: str | None, needs: dict[str, set[str]], hashes: collections.abc.Iterable[str]) -> None:
+        with self._lock:
+            held = self._held.get(instance) if instance is not None else None
+            for digest in hashes if held is not None else ():
+                for cache in needs[digest]:
+                    held.pop((digest, cache), None)
+
+
+class Client:
+    """A connection to one KCoral server. Safe to share between threads; connections
+    are kept alive and reused.
+
+    ``eager_upload_bytes``: when the server names its instance (X-KCoral-Instance), blobs
+    it is not known to hold are sent with the first attempt if they total at most this
+    many bytes, saving the CACHE_MISS round trip; 0 always asks first, as the reference
+    client does."""
+
+    def __init__(self, base_url: str, *, headers: dict[str, str] | None = None,
+                 connect_timeout_seconds: float = 10.0,
+                 eager_upload_bytes: int = 8 * 1024 * 1024) -> None:
+        self.base_url = base_url.rstrip("/")
+        url = urllib.parse.urlsplit(self.base_url)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"base_url must be an http:// or https:// URL, got {base_url!r}")
+        if type(eager_upload_bytes) is not int or eager_upload_bytes < 0:
+            raise ValueError("eager_upload_bytes must be a non-negative int")
+        self._connection_class = _HTTPSConnection if url.scheme == "https" else _HTTPConnection
+        self._host, self._port, self._path = url.hostname, url.port, url.path
+        self._headers = dict(headers or {})
+        self._connect_timeout = connect_timeout_seconds
+        self._eager_upload_bytes = eager_upload_bytes
+        self._lock = threading.Lock()
+        self._idle: list[http.client.HTTPConnection] = []
+        self._closed = False
+        self._memory = _BlobMemory()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release pooled connections; the client cannot be used afterwards."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    def health(self) -> dict[str, Any]:
+        """GET /health; the whole body, which must say status "ok"."""
+        response = self._request("GET", "/health")
+        if response.status != 200:
+            raise _http_error(response)
+        try:
+            body = _strict_json(response.body)
+        except ValueError as exc:
+            raise ProtocolError(f"malformed health response: {exc}") from None
+        if not isinstance(body, dict):
+            raise ProtocolError("malformed health response: not a JSON object")
+        if body.get("status") != "ok":
+            raise ProtocolError(f"health status is not ok: {body.get('status')!r}")
+        return body
+
+    def target(self) -> dict[str, str]:
+        """The server's compilation target, e.g. {"arch": "sm_100a"}."""
+        target = self.health().get("target")
+        if not isinstance(target, dict) or "arch" not in target:
+            raise ProtocolError("the server reported no compilation target")
+        return target
+
+    def function(self, *, timeout: float | None = None, output_limit_bytes: int | None = None,
+                 cpu_only: bool = False) -> Callable[[Callable[P, R]], RemoteFunction[P, R]]:
+        """Decorator: turn a plain function into a RemoteFunction bound to this client."""
+        def decorate(fn: Callable[P, R]) -> RemoteFunction[P, R]:
+            return RemoteFunction(fn, client=self, timeout=timeout,
+                                  output_limit_bytes=output_limit_bytes, cpu_only=cpu_only)
+        return decorate
+
+    def execute(self, program: Program, *, timeout_seconds: float | None = None,
+                gpu_count: int | None = None, output_limit_bytes: int | None = None) -> ProgramResult:
+        """Run ``program``; returns its COMPLETED or FAILED result. Blobs the server lacks
+        are negotiated with at most three attempts (CLIENT.md §4.2)."""
+        if not isinstance(program, Program):
+            raise TypeError("execute expects a Program")
+        if gpu_count is not None and (type(gpu_count) is not int or not 1 <= gpu_count <= 8):
+            raise ValueError("gpu_count must be an int from 1 to 8")
+        options = {name: value for name, value in (("gpu_count", gpu_count),
+                                                   ("timeout_seconds", timeout_seconds),
+                                                   ("output_limit_bytes", output_limit_bytes))
+                   if value is not None}
+        body: dict[str, Any] = {"instructions": program.instructions}
+        if options:
+            body["options"] = options
+        program_json = _compact_json(body)
+        blobs = program._blobs
+        needs = _blob_caches(program)
+        unknown = self._memory.not_held(needs)
+        eager = unknown is not None and sum(len(blobs[h]) for h in unknown) <= self._eager_upload_bytes
+        send = [h for h in blobs if h in unknown] if eager else []  # type: ignore[operator]
+        node = None
+        for attempt in (1, 2, 3):
+            response = self._post_execute(program_json, [(h, blobs[h]) for h in send], node)
+            if response.status != 200:
+                raise _http_error(response)
+            payload, parts = _response_body(response.content_type, response.body)
+            if payload.get("status") != "CACHE_MISS":
+                result = _decode_result(payload, parts)
+                self._memory.confirm(response.instance, needs, needs)
+                return result
+            if attempt == 1:
+                missing = _missing_blobs(payload, parts, blobs)
+                self._memory.forget(response.instance, needs, missing)
+                self._memory.confirm(response.instance, needs, [h for h in needs if h not in missing])
+                send = [h for h in blobs if h in missing]
+            else:  # the cache changed under us: send everything (the reference's step 3)
+                self._memory.forget(response.instance, needs, needs)
+                send = list(blobs)
+            node = response.node
+        raise ProtocolError("the server still reports missing blobs after every blob was sent")
+
+    # -- HTTP plumbing
+
+    def _post_execute(self, program_json: bytes, blobs: list[tuple[str, bytes]],
+                      node: str | None) -> _Response:
+        boundary = f"kcoral-{secrets.token_hex(16)}"
+        chunks = _multipart_chunks(boundary, program_json, blobs)
+        headers = {"Content-Type": f"multipart/form-data; boundary={boundary}",
+                   "Content-Length": str(sum(memoryview(c).nbytes for c in chunks))}
+        if node is not None:
+            headers["X-KCoral-Node"] = node
+        return self._request("POST", "/execute", headers, chunks)
+
+    def _request(self, method: str, path: str, headers: dict[str, str] | None = None,
+                 chunks: list[bytes | memoryview] | None = None) -> _Response:
+        conn = self._checkout()
+        try:
+            response, body, reusable = _exchange(conn, method, self._path + path,
+                                                 _merge_headers(self._headers, headers or {}), chunks or [])
+        except (OSError, http.client.HTTPException) as exc:
+            conn.close()
+            raise TransportError(str(exc) or type(exc).__name__) from exc
+        except BaseException:
+            conn.close()
+            raise
+        self._checkin(conn, reusable)
+        instance = (response.getheader("X-KCoral-Instance") or "").strip() or None
+        self._memory.observe(instance)
+        node = response.getheader("X-KCoral-Node")
+        return _Response(response.status, response.getheader("Content-Type") or "", instance,
+                         node if node and len(node) <= 512 else None, body)
+
+    def _checkout(self) -> http.client.HTTPConnection:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("Cannot send a request, as the client has been closed.")
+            while self._idle:
+                conn = self._idle.pop()
+                if conn.sock is not None and not _peer_closed(conn.sock):
+                    return conn
+                conn.close()
+        conn = self._connection_class(self._host, self._port, timeout=self._connect_timeout)
+        try:
+            conn.connect()
+        except OSError as exc:
+            conn.close()
+            raise TransportError(str(exc) or type(exc).__name__) from exc
+        return conn
+
+    def _checkin(self, conn: http.client.HTTPConnection, reusable: bool) -> None:
+        with self._lock:
+            if reusable and not self._closed and len(self._idle) < _MAX_IDLE_CONNECTIONS:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+
+def _merge_headers(user: dict[str, str], ours: dict[str, str]) -> dict[str, str]:
+    """The user's headers, except where the request's own framing headers must win."""
+    overridden = {name.lower() for name in ours}
+    return {**{k: v for k, v in user.items() if k.lower() not in overridden}, **ours}
+
+
+def _exchange(conn: http.client.HTTPConnection, method: str, url: str, headers: dict[str, str],
+              chunks: list[bytes | memoryview]) -> tuple[http.client.HTTPResponse, bytes | bytearray, bool]:
+    """Send one request and read the whole response: (response, body, connection reusable)."""
+    conn.putrequest(method, url, skip_host="host" in {k.lower() for k in headers},
+                    skip_accept_encoding=True)
+    for name, value in headers.items():
+        conn.putheader(name, value)
+    try:
+        conn.endheaders()
+        for chunk in chunks:  # each blob straight from its own buffer: nothing is concatenated
+            conn.send(chunk)
+    except OSError as send_error:
+        # A server may answer (e.g. 413) and close without reading the whole body; its
+        # answer explains more than the broken pipe does.
+        try:
+            response = conn.getresponse()
+            return response, _read_body(response), False
+        except (OSError, http.client.HTTPException):
+            raise send_error from None
+    response = conn.getresponse()
+    return response, _read_body(response), not response.will_close
+
+
+def _read_body(response: http.client.HTTPResponse) -> bytes | bytearray:
+    """The whole body, read into one preallocated buffer when its length is known, so
+    that binary parts can be views of it rather than copies."""
+    if response.chunked or response.length is None:
+        return response.read()
+    body = bytearray(response.length)
+    view = memoryview(body)
+    filled = 0
+    while filled < len(body):
+        count = response.readinto(view[filled:])
+        if not count:
+            raise http.client.IncompleteRead(b"", len(body) - filled)
+        filled += count
+    return body
+
+
+def _peer_closed(sock: Any) -> bool:
+    """An idle keep-alive socket that is readable has been closed by the server (or holds
+    junk); either way it must not carry the next request."""
+    if hasattr(select, "poll"):  # poll, unlike select, works for descriptors >= 1024
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        return bool(poller.poll(0))
+    return bool(select.select([sock], [], [], 0)[0])
+
+
+def _multipart_chunks(boundary: str, program_json: bytes,
+                      blobs: list[tuple[str, bytes]]) -> list[bytes | memoryview]:
+    """The request body as a list of pieces: framing as small bytes, each blob as a view of
+    its own buffer. The boundary holds 128 random bits drawn per request, so no payload can
+    contain it by accident, and scanning every blob for it would cost a pass over the data."""
+    framing = [f'--{boundary}\r\nContent-Disposition: form-data; name="program"\r\n'
+               f"Content-Type: application/json\r\n\r\n".encode() + program_json]
+    chunks: list[bytes | memoryview] = []
+    for digest, data in blobs:
+        framing.append(f'\r\n--{boundary}\r\nContent-Disposition: form-data; name="blob:{digest}"\r\n'
+                       f"Content-Type: application/octet-stream\r\n\r\n".encode())
+        chunks += [b"".join(framing), memoryview(data)]
+        framing = []
+    framing.append(f"\r\n--{boundary}--\r\n".encode())
+    chunks.append(b"".join(framing))
+    return chunks
+
+
+def _blob_caches(program: Program) -> dict[str, set[str]]:
+    """hash -> the server caches the program needs it in ("file" and/or "memory")."""
+    needs: dict[str, set[str]] = {}
+    for instruction in program._instructions:
+        if instruction["op"] == "upload" and "blob" in instruction:
+            cache = "file" if instruction["kind"] == "file" else "memory"
+            needs.setdefault(instruction["blob"], set()).add(cache)
+    return needs
+
+
+def _missing_blobs(payload: dict[str, Any], parts: dict[str, memoryview],
+                   blobs: dict[str, bytes]) -> set[str]:
+    """Validate the first CACHE_MISS answer (CLIENT.md §4.2) and return what it lists."""
+    missing = payload.get("missing_blobs")
+    if parts:
+        raise ProtocolError("a CACHE_MISS response must not carry binary parts")
+    if (not isinstance(missing, list) or not missing
+            or not all(isinstance(h, str) and _SHA256_HEX.fullmatch(h) for h in missing)
+            or len(set(missing)) != len(missing)):
+        raise ProtocolError("CACHE_MISS missing_blobs must be a non-empty list of distinct sha256 hashes")
+    if any(h not in blobs for h in missing):
+        raise ProtocolError("server misses blobs with no local bytes to send")
+    return set(missing)
+
+
+def _http_error(response: _Response) -> KCoralError:
+    """A KCoralError from a non-200 response's body, whatever shape it has (CLIENT.md §4.6)."""
+    try:
+        body = _strict_json(response.body)
+    except ValueError:
+        body = {}
+    if not isinstance(body, dict):
+        body = {}
+    error = body.get("error")
+    if isinstance(error, dict):
+        message, kind = str(error.get("message", "server error")), error.get("kind")
+    else:
+        message, kind = (str(error) if error else f"HTTP {response.status}"), None
+    return KCoralError(response.status, message, kind=kind, request_id=body.get("request_id"))
+
+
+# ---------------------------------------------------------------------------
+# Remote functions (CLIENT.md §7)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+# The entry point uploaded next to the user's function (CLIENT.md §7.3). The function is
+# bound as a default at definition time, so no parameter name can shadow it.
+_INVOKER = '''
+def {invoker}(nargs, names, literals, *values, _function={name}):
+    values = [value["value"] if literal else value for value, literal in zip(values, literals)]
+    return _function(*values[:nargs], **dict(zip(names, values[nargs:])))
+'''
+
+
+class RemoteFunction(Generic[P, R]):
+    """A plain function that can also run on the server. Calling it runs it locally;
+    ``remote``/``execute`` upload its source and arguments and run it there."""
+
+    def __init__(self, fn: Callable[P, R], *, client: Client, timeout: float | None = None,
+                 output_limit_bytes: int | None = None, cpu_only: bool = False) -> None:
+        self._source, self._entry_point = _capture_source(fn)
+        if not isinstance(cpu_only, bool):
+            raise TypeError("cpu_only must be a bool")
+        functools.update_wrapper(self, fn)
+        self._signature = inspect.signature(fn)
+        self._client = client
+        self._timeout = timeout
+        self._output_limit_bytes = output_limit_bytes
+        self._cpu_only = cpu_only
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        return self.__wrapped__(*args, **kwargs)  # type: ignore[attr-defined]
+
+    def build_program(self, *args: P.args, **kwargs: P.kwargs) -> Program:
+        """The program that calls the function with these arguments (CLIENT.md §7.4)."""
+        bound = self._signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        values = (*bound.args, *bound.kwargs.values())
+        program = Program()
+        module = program.upload(id="module", kind="module", source=self._source)
+        function = program.get_function(id="function", module=module, name=self._entry_point,
+                                        cpu_only=self._cpu_only)
+        encoded: list[Any] = []
+        for index, value in enumerate(values):
+            if isinstance(value, (bytes, bytearray, memoryview)):
+                encoded.append(program.upload(id=f"arg_{index}", kind="bytes", value=value))
+            elif isinstance(value, np.ndarray) or hasattr(value, "__dlpack__"):
+                encoded.append(program.upload(id=f"arg_{index}", kind="tensor", value=value))
+            else:
+                # Wrapped, so that a user dict shaped like {"$ref": ...} stays a literal.
+                encoded.append({"value": _json_literal(value)})
+        literals = [not isinstance(value, Register) for value in encoded]
+        output = program.run(id="output", fn=function,
+                             args=[len(bound.args), list(bound.kwargs), literals, *encoded])
+        program.return_(key="output", value=output)
+        return program
+
+    def execute(self, *args: P.args, **kwargs: P.kwargs) -> ProgramResult:
+        """Run remotely and return the full ProgramResult (COMPLETED or FAILED)."""
+        return self._client.execute(self.build_program(*args, **kwargs), timeout_seconds=self._timeout,
+                                    output_limit_bytes=self._output_limit_bytes)
+
+    def remote(self, *args: P.args, **kwargs: P.kwargs) -> Any:
+        """Run remotely and return the decoded return value; RemoteExecutionError if it failed."""
+        result = self.execute(*args, **kwargs)
+        if not result.completed:
+            raise RemoteExecutionError(result)
+        if "output" not in result.results:
+            raise ProtocolError("the remote function's result has no 'output'")
+        return result.results["output"]
+
+
+def _capture_source(fn: Any) -> tuple[str, str]:
+    """(module source, entry point name) for a remote function, per CLIENT.md §7.2."""
+    if (not inspect.isfunction(fn) or inspect.iscoroutinefunction(fn)
+            or inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn)):
+        raise TypeError(f"a remote function must be a plain def function, not {type(fn).__name__}")
+    if fn.__closure__:
+        raise ValueError(f"remote function {fn.__qualname__} cannot capture variables of an "
+                         "enclosing function; pass them as arguments")
+    if hasattr(fn, "__wrapped__"):
+        raise ValueError(f"remote function {fn.__qualname__} is wrapped by another decorator")
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError) as exc:
+        raise ValueError(f"cannot read the source of remote function {fn.__qualname__} "
+                         f"(define it with def in a file): {exc}") from None
+    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.FunctionDef):
+        raise ValueError(f"the source of remote function {fn.__qualname__} is not a single def statement")
+    node = tree.body[0]
+    if len(node.decorator_list) > 1:
+        raise ValueError(f"remote function {fn.__qualname__} cannot have other decorators")
+    _strip_local_only_syntax(node)
+    source = "from __future__ import annotations\n\n" + ast.unparse(node) + "\n"
+    _check_free_names(fn, source, node.name)
+    entry_point = f"_kcoral_invoke_{node.name}"
+    return source + _INVOKER.format(invoker=entry_point, name=node.name), entry_point
+
+
+def _strip_local_only_syntax(node: ast.FunctionDef) -> None:
+    """Remove what is evaluated in the caller's module: decorators, defaults (they are
+    bound locally and sent as arguments) and annotations."""
+    node.decorator_list = []
+    node.returns = None
+    arguments = node.args
+    arguments.defaults = []
+    arguments.kw_defaults = [None] * len(arguments.kwonlyargs)
+    for arg in (*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs,
+                arguments.vararg, arguments.kwarg):
+        if arg is not None:
+            arg.annotation = None
+
+
+def _check_free_names(fn: Any, source: str, name: str) -> None:
+    """Reject names that would resolve to the caller's module globals: on the server the
+    module is empty, so only builtins (and the function itself) exist there."""
+    module_table = symtable.symtable(source, "<remote function>", "exec")
+    pending = [t for t in module_table.get_children() if t.get_name() == name]
+    rejected = set()
+    while pending:
+        table = pending.pop()
+        pending.extend(table.get_children())
+        for symbol in table.get_symbols():
+            symbol_name = symbol.get_name()
+            if symbol.is_declared_global():
+                rejected.add(symbol_name)
+            elif (symbol.is_global() and symbol.is_referenced() and symbol_name != name
+                  and not _is_unshadowed_builtin(fn, symbol_name)):
+                rejected.add(symbol_name)
+    if rejected:
+        raise ValueError(f"remote function references external globals: {', '.join(sorted(rejected))}; "
+                         "import dependencies inside the function and pass values as arguments")
+
+
+def _is_unshadowed_builtin(fn: Any, name: str) -> bool:
+    if not hasattr(builtins, name):
+        return False
+    builtin = getattr(builtins, name)
+    return fn.__globals__.get(name, builtin) is builtin
+
+
+def _json_literal(value: Any) -> Any:
+    """A JSON round trip of a literal argument, after checking it holds only JSON types."""
+    _check_literal(value, set())
+    return json.loads(json.dumps(value, allow_nan=False))
+
+
+def _check_literal(value: Any, containers: set[int]) -> None:
+    if value is None or type(value) in (bool, int, float, str):
+        return
+    if type(value) not in (list, dict):
+        raise TypeError(f"remote function arguments must be JSON values, bytes or arrays; "
+                        f"got {type(value).__name__} (binary values must be whole arguments)")
+    if id(value) in containers:
+        raise ValueError("remote function argument contains itself")
+    containers.add(id(value))
+    if type(value) is dict:
+        for key, item in value.items():
+            if type(key) is not str:
+                raise TypeError(f"remote function argument has a non-string dict key {key!r}")
+            _check_literal(item, containers)
+    else:
+        for item in value:
+            _check_literal(item, containers)
+    containers.discard(id(value))
