@@ -28,7 +28,6 @@ import http.client
 import inspect
 import json
 import math
-import operator
 import os
 import pathlib
 import re
@@ -47,18 +46,9 @@ from typing import Any, Generic, ParamSpec, TypeVar
 import numpy as np
 
 __all__ = [
-    "Client",
-    "KCoralError",
-    "Program",
-    "ProgramResult",
-    "ProtocolError",
-    "Register",
-    "RemoteExecutionError",
-    "RemoteFunction",
-    "ReturnedFile",
-    "ReturnedFolder",
-    "TransportError",
-    "ValidationError",
+    "Client", "KCoralError", "Program", "ProgramResult", "ProtocolError", "Register",
+    "RemoteExecutionError", "RemoteFunction", "ReturnedFile", "ReturnedFolder",
+    "TransportError", "ValidationError",
 ]
 
 
@@ -110,8 +100,8 @@ _ITEMSIZE = {
     "int16": 2, "float16": 2, "bfloat16": 2, "int32": 4, "float32": 4,
     "int64": 8, "float64": 8,
 }
-_NUMPY_DTYPES = {
-    "bool": "bool", "uint8": "u1", "int8": "i1", "int16": "<i2", "int32": "<i4",
+_NUMPY_DTYPES = {  # bool is decoded via uint8 (see _PartReader._tensor)
+    "uint8": "u1", "int8": "i1", "int16": "<i2", "int32": "<i4",
     "int64": "<i8", "float16": "<f2", "float32": "<f4", "float64": "<f8",
 }
 _ML_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
@@ -418,13 +408,10 @@ def _tensor_payload(value: Any, dtype: Any, shape: Any) -> tuple[str, list[int],
 
 
 def _shape_list(shape: Any) -> list[int]:
-    try:
-        dims = [operator.index(d) for d in shape if not isinstance(d, bool)]
-    except TypeError:
-        dims = []
-    if len(dims) != len(list(shape)) or any(d < 0 for d in dims):
+    dims = list(shape)
+    if not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in dims):
         raise ValueError(f"tensor shape must be a sequence of non-negative ints, got {shape!r}")
-    return dims
+    return [int(d) for d in dims]
 
 
 def _array_payload(value: Any) -> tuple[str, list[int], bytes]:
@@ -936,7 +923,8 @@ def _numpy_dtype(name: str) -> np.dtype:
 
 _TOKEN = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
 _HEADER_VALUE = re.compile(rf"\s*({_TOKEN}(?:/{_TOKEN})?)\s*")
-_HEADER_PARAM = re.compile(rf';\s*(?:({_TOKEN})\s*=\s*(?:({_TOKEN})|"((?:[^"\\\r\n]|\\.)*)")\s*)?')
+# Unquoted values are taken leniently (up to ';' or space), as MIME parsers commonly do.
+_HEADER_PARAM = re.compile(rf';\s*(?:({_TOKEN})\s*=\s*(?:([^\s;"]+)|"((?:[^"\\\r\n]|\\.)*)")\s*)?')
 _HEADER_LINE = re.compile(rb"([!-9;-~]+):[ \t]*(.*?)[ \t]*")  # field name: printable ASCII but ':'
 
 
@@ -1164,8 +1152,10 @@ class _BlobMemory:
 
     def forget(self, instance: str | None, needs: dict[str, set[str]], hashes: collections.abc.Iterable[str]) -> None:
         with self._lock:
-            held = self._held.get(instance) if instance is not None else None
-            for digest in hashes if held is not None else ():
+            held = self._held.get(instance)  # type: ignore[arg-type]
+            if held is None:
+                return
+            for digest in hashes:
                 for cache in needs[digest]:
                     held.pop((digest, cache), None)
 
@@ -1177,7 +1167,7 @@ class Client:
     ``eager_upload_bytes``: when the server names its instance (X-KCoral-Instance), blobs
     it is not known to hold are sent with the first attempt if they total at most this
     many bytes, saving the CACHE_MISS round trip; 0 always asks first, as the reference
-    client does."""
+    client does. Larger uploads always ask first: the server may hold them already."""
 
     def __init__(self, base_url: str, *, headers: dict[str, str] | None = None,
                  connect_timeout_seconds: float = 10.0,
@@ -1261,7 +1251,8 @@ class Client:
         blobs = program._blobs
         needs = _blob_caches(program)
         unknown = self._memory.not_held(needs)
-        eager = unknown is not None and sum(len(blobs[h]) for h in unknown) <= self._eager_upload_bytes
+        eager = (unknown is not None and self._eager_upload_bytes > 0
+                 and sum(len(blobs[h]) for h in unknown) <= self._eager_upload_bytes)
         send = [h for h in blobs if h in unknown] if eager else []  # type: ignore[operator]
         node = None
         for attempt in (1, 2, 3):

@@ -40,6 +40,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 import uuid
 from multiprocessing import reduction
 
@@ -327,20 +328,57 @@ def parse_program(body):
         raise ValidationError("'instructions' must be a non-empty array")
     options = check_options(body.get("options", {}))
     program = ValidProgram(instructions, options, {}, [])
-    ids, keys, paths = set(), set(), []
+    ids, keys, paths = set(), set(), {}
     for index, ins in enumerate(instructions):
         where = f"instruction {index}"
         if not isinstance(ins, dict):
             raise ValidationError(f"{where} must be an object")
         op = ins.get("op")
         if op not in ("upload", "get_function", "run", "return"):
-            raise ValidationError(f"{where}: unknown op {op!r}")
+            raise ValidationError(f"{where}: unknown op {brief(op)}")
         if op != "return":
             check_id(ins, ids, where)
         check_instruction(program, ins, op, ids, keys, paths, f"{where} ({op})")
         if op != "return":
             ids.add(ins["id"])
     return program
+
+
+MAX_ARG_DEPTH = 400  # programs reach the worker pickled, and pickle recurses twice per level
+
+
+def check_literals(args, where):
+    """Run arguments hold finite numbers only (1e400 decodes to inf, P§5.1) and nest at
+    most MAX_ARG_DEPTH levels; walked without recursion."""
+    stack = [(args, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValidationError(f"{where}: 'args' holds a number that is not finite")
+        if isinstance(v, (list, dict)):
+            if depth > MAX_ARG_DEPTH:
+                raise ValidationError(f"{where}: 'args' nested deeper than {MAX_ARG_DEPTH} levels")
+            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+
+
+def brief(value):
+    """A value for an error message: repr() of a deeply nested one would overflow the stack."""
+    if isinstance(value, (str, int, float, bool, type(None))):
+        return repr(value)[:80]
+    return f"<{type(value).__name__}>"
+
+
+def tensor_byte_count(shape, itemsize):
+    """product(shape) * itemsize, stopping at 2**64: no blob is that long, and the exact
+    product of 100 000 huge dimensions takes seconds and has too many digits to print."""
+    if 0 in shape:
+        return 0
+    total = itemsize
+    for d in shape:
+        total *= d
+        if total >= 1 << 64:
+            return 1 << 64
+    return total
 
 
 def check_options(options):
@@ -400,8 +438,8 @@ def check_path(value, where):
 def check_instruction(program, ins, op, ids, keys, paths, where):
     if op == "upload":
         kind = ins.get("kind")
-        if kind not in UPLOAD_FIELDS:
-            raise ValidationError(f"{where}: unknown kind {kind!r}")
+        if not isinstance(kind, str) or kind not in UPLOAD_FIELDS:  # a list is unhashable
+            raise ValidationError(f"{where}: unknown kind {brief(kind)}")
         check_fields(ins, {"op", "id", "kind"} | UPLOAD_FIELDS[kind], set(), where)
         check_upload(program, ins, kind, paths, where)
     elif op == "get_function":
@@ -420,6 +458,7 @@ def check_instruction(program, ins, op, ids, keys, paths, where):
         for position, arg in enumerate(args):
             if is_ref(arg):
                 check_ref(arg, ids, where, f"args[{position}]")
+        check_literals(args, where)
     else:
         check_return(ins, ids, keys, where)
 
@@ -436,19 +475,31 @@ def check_upload(program, ins, kind, paths, where):
     if kind == "tensor":
         dtype, shape = ins["dtype"], ins["shape"]
         if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
-            raise ValidationError(f"{where}: unsupported dtype {str(dtype)[:40]!r}")
+            raise ValidationError(f"{where}: unsupported dtype {brief(dtype)}")
         if not isinstance(shape, list) or not all(is_integer(d) and d >= 0 for d in shape):
             raise ValidationError(f"{where}: 'shape' must be an array of non-negative integers")
-        program.tensor_sizes.append((ins["id"], blob, math.prod(shape) * DTYPE_SIZES[dtype]))
+        program.tensor_sizes.append((ins["id"], blob, tensor_byte_count(shape, DTYPE_SIZES[dtype])))
     elif kind == "file":
         path = check_path(ins["path"], where)
-        for other in paths:
-            if other == path:
-                raise ValidationError(f"{where}: duplicate file upload path {path!r}")
-            if other.startswith(path + "/") or path.startswith(other + "/"):
-                raise ValidationError(f"{where}: conflicting file upload paths {other!r} and {path!r}")
-        paths.append(path)
+        claim_file_path(paths, path, where)
         ins["path"] = path
+
+
+def claim_file_path(paths, path, where):
+    """P§6.8 in one pass per path: `paths` maps each earlier file path to itself and each of
+    their parent directories to the first file below it (a pairwise check is quadratic)."""
+    parents = [path[:i] for i, ch in enumerate(path) if ch == "/"]
+    earlier = paths.get(path)
+    if earlier == path:
+        raise ValidationError(f"{where}: duplicate file upload path {path!r}")
+    if earlier is not None:
+        raise ValidationError(f"{where}: conflicting file upload paths {earlier!r} and {path!r}")
+    for parent in parents:
+        if paths.get(parent) == parent:
+            raise ValidationError(f"{where}: conflicting file upload paths {parent!r} and {path!r}")
+    paths[path] = path
+    for parent in parents:
+        paths.setdefault(parent, path)
 
 
 def check_return(ins, ids, keys, where):
@@ -539,19 +590,31 @@ class DiskCache:
         return os.path.join(self.root, digest[:2], digest)
 
     def get(self, digest):
+        path = self.path(digest)
         try:
-            fd = os.open(self.path(digest), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
             with open(fd, "rb") as f:
                 info = os.fstat(fd)
-                if not stat.S_ISREG(info.st_mode):
-                    return None
-                data = bytearray(info.st_size)
-                if f.readinto(data) != info.st_size or hashlib.sha256(data).hexdigest() != digest:
-                    return None
-                os.utime(fd)
-            return data
-        except OSError:
+                if stat.S_ISREG(info.st_mode):
+                    data = bytearray(info.st_size)
+                    if f.readinto(data) == info.st_size and hashlib.sha256(data).hexdigest() == digest:
+                        os.utime(fd)
+                        return data
+        except FileNotFoundError:
             return None
+        except OSError:
+            pass
+        self.discard(path)  # else put() finds the damaged entry "present" and never replaces it
+        return None
+
+    @staticmethod
+    def discard(path):
+        try:
+            os.unlink(path)
+        except IsADirectoryError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass
 
     def put(self, digest, data):
         if len(data) > self.capacity:
@@ -612,12 +675,9 @@ def become_subreaper():
 
 
 def group_members(pgid, exclude=()):
-    """Live processes in a process group; zombies of ours found on the way are reaped."""
-    try:
-        os.killpg(pgid, 0)
-    except (ProcessLookupError, PermissionError):
-        return []
-    members, me = [], os.getpid()
+    """Live processes in a process group, plus the leader's live descendants in other groups
+    (a program may start new sessions); zombies of ours found on the way are reaped."""
+    members, me, parents = [], os.getpid(), {}
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) in exclude:
             continue
@@ -627,26 +687,39 @@ def group_members(pgid, exclude=()):
         except OSError:
             continue
         state, ppid, pgrp = fields[0], int(fields[1]), int(fields[2])
-        if pgrp != pgid:
-            continue
         if state == b"Z":
-            if ppid == me:
+            if ppid == me:  # an orphan of some program that ended up with us, the subreaper
                 try:
                     os.waitpid(int(name), os.WNOHANG)
                 except ChildProcessError:
                     pass
-        else:
+        elif pgrp == pgid:
             members.append(int(name))
+        else:
+            parents[int(name)] = ppid
+    frontier = {pgid}
+    while frontier:
+        frontier = {pid for pid, ppid in parents.items() if ppid in frontier and pid not in members}
+        members.extend(frontier)
     return members
 
 
 def kill_group(pgid, grace, exclude=()):
-    """SIGTERM the group, SIGKILL what is left after the grace period; wait until it is gone."""
+    """SIGTERM the group and its leader's descendants, SIGKILL what is left after the grace
+    period; wait until it is gone."""
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+        members = group_members(pgid, exclude)
+        if not members:
+            return
+        for pid in members:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
         try:
             os.killpg(pgid, sig)
         except (ProcessLookupError, PermissionError):
-            return
+            pass
         deadline = time.monotonic() + wait
         while group_members(pgid, exclude) and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -676,6 +749,17 @@ def nvml_gpu_ids():
     return uuids
 
 
+def same_gpu(seen, expected):
+    """SERVER.md §1.1: UUIDs compare without the GPU- prefix, case-insensitively; unknown ones pass."""
+    def bare(uuid):
+        return uuid.lower().removeprefix("gpu-")
+
+    return not seen or not expected.lower().startswith("gpu-") or bare(seen) == bare(expected)
+
+
+STARTUP_OWNER = "worker-startup"  # lease owner while a worker creates its CUDA context; not a request
+
+
 class LeaseArbiter:
     """One exclusive lease per GPU, granted strictly in arrival order (SERVER.md §2.1).
 
@@ -695,7 +779,7 @@ class LeaseArbiter:
     def acquire(self, owner, gpus=None, count=None):
         """Block until `gpus` (or any `count` GPUs) are ours; returns (granted GPUs, wait ms)."""
         start = time.monotonic()
-        ticket = (owner, gpus, count)
+        ticket = (object(), gpus, count)  # unique: queue.remove() must not take an equal twin
         with self.cond:
             self.queue.append(ticket)
             while True:
@@ -733,7 +817,7 @@ class LeaseArbiter:
             self.cond.notify_all()
 
     def holder_at(self, gpus, when):
-        """Who held any of `gpus` at wall-clock time `when` (for gpu_access reports)."""
+        """Who held any of `gpus` at wall-clock time `when` (for gpu_access reports); None if nobody."""
         with self.cond:
             for g in gpus:
                 for start, end, who in self.history[g]:
@@ -758,12 +842,28 @@ class Worker:
         self.process = pool.context.Process(target=kcoral_worker.worker_main,
                                             args=(child, pool.device, visible), name="kcoral-worker")
         self.process.start()
+        # Process.start() on another thread polls every child multiprocessing tracks; two threads
+        # reading one forkserver exit status make join() report 255 for a clean exit.  We track ours.
+        multiprocessing.process._children.discard(self.process)
         child.close()
         self.pid = self.process.pid
         self.served = 0
         if not self.conn.poll(60) or self.conn.recv()[0] != "ready":
             self.kill(0)
             raise WorkerCrashed("worker did not start")
+
+    def initialize(self, expected_uuid):
+        """GPU workers: create the CUDA context (the caller holds the lease) and check the pinning."""
+        try:
+            self.conn.send({"init": True})
+            if not self.conn.poll(60):
+                raise WorkerCrashed("worker did not initialize its GPU within 60 s")
+            self.arch, self.cuda, uuid = self.conn.recv()
+            if not same_gpu(uuid, expected_uuid):
+                raise WorkerCrashed(f"worker's device 0 is {uuid}, expected {expected_uuid}")
+        except (EOFError, OSError, WorkerCrashed) as exc:
+            self.kill(0)
+            raise WorkerCrashed(f"GPU worker failed to initialize: {str(exc) or type(exc).__name__}") from exc
 
     def kill(self, grace):
         kill_group(self.pid, grace)
@@ -876,14 +976,15 @@ class Pool:
             self.idle.append(slot)
 
     def start_worker(self, gpus):
-        if self.arbiter is None or not gpus:
-            return Worker(self, gpus)
-        # context creation must not overlap someone else's measurement
-        self.arbiter.acquire("worker-startup", gpus)
-        try:
-            return Worker(self, gpus)
-        finally:
-            self.arbiter.release("worker-startup", gpus)
+        worker = Worker(self, gpus)  # pinning and imports are host work: no lease yet
+        if self.arbiter is not None:
+            # context creation must not overlap someone else's measurement
+            self.arbiter.acquire(STARTUP_OWNER, gpus)
+            try:
+                worker.initialize(self.gpu_names[gpus[0]])
+            finally:
+                self.arbiter.release(STARTUP_OWNER, gpus)
+        return worker
 
     def load(self):
         with self.cond:
@@ -969,15 +1070,15 @@ class Pool:
 
     def run_multi_gpu(self, slot, job, count, queue_ms):
         """P§8.9: a dedicated worker that sees `count` GPUs, started under all their leases."""
-        owner = f"{job.request_id}/startup"
-        gpus, wait_ms = self.arbiter.acquire(owner, count=count)
+        gpus, wait_ms = self.arbiter.acquire(job.request_id, count=count)
         started = time.monotonic()
         try:
             worker = Worker(self, gpus)
+            worker.initialize(self.gpu_names[gpus[0]])
         except WorkerCrashed:
             return Outcome(500, "engine", "multi-GPU worker failed to start")
         finally:
-            self.arbiter.release(owner, gpus)
+            self.arbiter.release(job.request_id, gpus)
         startup_s = time.monotonic() - started
         if startup_s >= job.timeout:
             worker.kill(0)
@@ -985,6 +1086,7 @@ class Pool:
         job.timeout -= startup_s
         execution = Execution(self, worker, gpus, job, queue_ms)
         execution.lease_wait_ms, execution.lease_held_ms = wait_ms, startup_s * 1e3
+        execution.single_use = True  # so it exits under the lease, inside the request
         outcome, _ = execution.run()
         worker.kill(0)
         if outcome.body is not None:
@@ -1018,13 +1120,14 @@ class Execution:
         self.lease_wait_ms = 0.0
         self.lease_held_ms = 0.0
         self.lease_since = None
+        self.single_use = False
         self.last_index = None
         self.results = {}
         self.parts = []
-        # <root>/work is the program's working directory; <root>/blobs stages its blobs
+        # <root>/work is the program's working directory; the file <root>/blobs stages its blobs
         self.root = tempfile.mkdtemp(prefix="kcoral-program-")
         self.workspace = os.path.join(self.root, "work")
-        self.blob_dir = os.path.join(self.root, "blobs")
+        self.blob_file = os.path.join(self.root, "blobs")
 
     def run(self):
         """-> (Outcome, whether the worker must be retired)."""
@@ -1065,11 +1168,11 @@ class Execution:
         program = self.job.program
         limit = self.config.max_requests_per_worker
         request = {"request_id": self.job.request_id, "instructions": program.instructions,
-                   "retire": bool(limit) and self.worker.served + 1 >= limit,
-                   "workspace": self.workspace, "blob_dir": self.blob_dir,
-                   "capture": self.job.output_limit > 0,
+                   "retire": self.single_use or (bool(limit) and self.worker.served + 1 >= limit),
+                   "workspace": self.workspace, "blob_file": self.blob_file,
+                   "capture": self.job.output_limit > 0, "grace": self.config.worker_termination_grace_seconds,
                    "max_response_bytes": self.config.max_response_bytes}
-        self.stage_blobs()
+        request["blob_index"] = self.stage_blobs()
         self.retiring = request["retire"]
         conn, drain = self.worker.conn, None
         try:
@@ -1086,17 +1189,24 @@ class Execution:
         return drain
 
     def stage_blobs(self):
-        """Write the job's blobs as files: the worker reads each straight into its final object."""
+        """Write the job's blobs back to back into one file -> {hash: (offset, size)}.
+
+        The worker reads each straight into its final object; one file, because creating
+        a file costs far more than writing it (500 small uploads would be 500 inodes).
+        """
         os.mkdir(self.workspace, 0o700)
-        os.mkdir(self.blob_dir, 0o700)
-        for digest, data in self.job.blobs.items():
-            fd = os.open(os.path.join(self.blob_dir, digest), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
+        index, offset = {}, 0
+        fd = os.open(self.blob_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            for digest, data in self.job.blobs.items():
                 view = memoryview(data).cast("B")
+                index[digest] = (offset, view.nbytes)
+                offset += view.nbytes
                 while view:
                     view = view[os.write(fd, view[:1 << 30]):]
-            finally:
-                os.close(fd)
+        finally:
+            os.close(fd)
+        return index
 
     def converse(self):
         """Follow the worker's messages until it reports the program done; -> error or None."""
@@ -1117,22 +1227,29 @@ class Execution:
                 elif tag == "lease":
                     self.lease(message[1])
                 elif tag == "done":
-                    return message[1]
+                    _, error, poisoned = message
+                    self.retiring = self.retiring or poisoned
+                    return self.attribute_gpu_access(error)
                 else:
                     raise WorkerCrashed(f"unexpected worker message {tag!r}")
+        except TimeoutError:  # an OSError too, but it is no crash: the answer is 504
+            raise
         except (EOFError, OSError) as exc:
             raise WorkerCrashed(str(exc)) from exc
 
     def lease(self, action):
         if action == "acquire":
-            granted_at = time.monotonic()
-            _, wait_ms = self.pool.arbiter.acquire(self.job.request_id, self.gpus)
-            self.lease_wait_ms += wait_ms
-            self.deadline += time.monotonic() - granted_at  # lease waits do not consume the timeout
-            self.lease_since = time.monotonic()
+            self.hold_lease()
             self.worker.conn.send(("lease", "granted"))
         else:
             self.release_lease()
+
+    def hold_lease(self):
+        asked_at = time.monotonic()
+        _, wait_ms = self.pool.arbiter.acquire(self.job.request_id, self.gpus)
+        self.lease_wait_ms += wait_ms
+        self.deadline += time.monotonic() - asked_at  # lease waits do not consume the timeout
+        self.lease_since = time.monotonic()
 
     def release_lease(self):
         if self.lease_since is not None:
@@ -1170,7 +1287,25 @@ class Execution:
         return error
 
     def kill_worker(self):
+        """Kill the tree holding the GPU lease: its CUDA teardown must not overlap someone's measurement."""
+        if self.pool.arbiter is not None and self.lease_since is None:
+            self.hold_lease()
         self.worker.kill(self.config.worker_termination_grace_seconds)
+
+    def attribute_gpu_access(self, error):
+        """SERVER.md §6: name the request that held our GPU(s) when a cpu_only call entered CUDA."""
+        if error is None or error["kind"] != "gpu_access":
+            return error
+        when = error.pop("lease_time", None)
+        who = self.pool.arbiter.holder_at(self.gpus, when) if when and self.pool.arbiter else None
+        error.setdefault("cuda_call", "unknown")  # an ExecutionError("gpu_access") raised by uploaded code
+        error.setdefault("location", "an unknown call site")
+        error["interfered_request_id"] = who if who not in (self.job.request_id, STARTUP_OWNER) else None
+        log_event("gpu_access_violation", "WARNING", request_id=self.job.request_id,
+                  gpu_id=self.gpus[0] if self.gpus else None, instruction_id=error["instruction_id"],
+                  cuda_call=error["cuda_call"], location=error["location"],
+                  interfered_request_id=error["interfered_request_id"])
+        return error
 
 
 def remove_tree(path):
@@ -1327,7 +1462,8 @@ class KCoralServer:
         blobs, missing = self.resolve_blobs(program, supplied)
         for ident, digest, expected in program.tensor_sizes:
             if digest in blobs and len(blobs[digest]) != expected:
-                raise ValidationError(f"tensor upload {ident!r} expects {expected} bytes, "
+                raise ValidationError(f"tensor upload {ident!r} expects "
+                                      f"{expected if expected < 1 << 64 else 'at least 2**64'} bytes, "
                                       f"got {len(blobs[digest])}")
         if missing:
             return Outcome(body={"status": "CACHE_MISS", "request_id": request_id, "missing_blobs": missing})
@@ -1426,27 +1562,19 @@ def describe_runtime(device, pool):
     if device == "cpu":
         tvm_ffi = version("apache-tvm-ffi")
         return {}, ({"tvm_ffi": tvm_ffi} if tvm_ffi else {})
-    targets = set()
-    for gpu in pool.arbiter.gpu_ids:
-        targets.add(probe_gpu(pool, gpu))
-    if len(targets) != 1:
-        raise SystemExit(f"kcoral: the configured GPUs disagree on the target: {sorted(targets)}")
-    arch, cuda = targets.pop()
-    versions = {"torch": version("torch"), "cuda": cuda, "tvm": version("apache-tvm") or version("tvm"),
+    workers = [slot.worker for slot in pool.slots]
+    versions = {"torch": version("torch"), "cuda": workers[0].cuda, "tvm": version("apache-tvm") or version("tvm"),
                 "tvm_ffi": version("apache-tvm-ffi"), "triton": version("triton"),
                 "cutlass": version("nvidia-cutlass-dsl"), "flashinfer": version("flashinfer-python")}
-    return {"arch": arch}, {k: v for k, v in versions.items() if v}
+    return {"arch": common_target(workers)}, {k: v for k, v in versions.items() if v}
 
 
-def probe_gpu(pool, gpu):
-    """Ask a throwaway worker on `gpu` for its compute capability and CUDA version."""
-    worker = Worker(pool, [gpu])
-    try:
-        worker.conn.send({"probe": True})
-        arch, cuda = worker.conn.recv()
-        return arch, cuda
-    finally:
-        worker.kill(0)
+def common_target(workers):
+    """The one compilation target of a GPU pool; start-up fails when its GPUs disagree (SERVER.md §1)."""
+    arches = sorted({worker.arch for worker in workers})
+    if len(arches) != 1:
+        raise SystemExit(f"kcoral: the configured GPUs disagree on the target {arches}; a pool serves one target")
+    return arches[0]
 
 
 class HTTPServer(http.server.ThreadingHTTPServer):
@@ -1490,20 +1618,24 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             outcome = self.execute(request_id)
         except ValidationError as exc:
             outcome = Outcome(400, "parse", str(exc))
-        except (ConnectionError, TimeoutError):
+        except (ConnectionError, TimeoutError):  # body cut short; a half-closed client can still read this
             self.close_connection = True
-            return
+            outcome = Outcome(400, "parse", "request body ended before Content-Length bytes arrived")
         except Exception as exc:  # never let a bug take the connection down silently
             log_event("server_error", "ERROR", request_id=request_id, error=repr(exc))
-        finally:
-            with app.in_flight_cond:
-                app.in_flight -= 1
-                app.in_flight_cond.notify_all()
         try:
             size = self.respond(request_id, outcome)
         except (ConnectionError, TimeoutError):
             self.close_connection = True
             size = None
+        except Exception as exc:  # e.g. a result that cannot be encoded: nothing was written yet
+            log_event("server_error", "ERROR", request_id=request_id, error=repr(exc))
+            outcome = Outcome(500, "engine", "internal server error")
+            size = self.respond(request_id, outcome)
+        finally:  # only now: a graceful shutdown must not exit before the answer is out
+            with app.in_flight_cond:
+                app.in_flight -= 1
+                app.in_flight_cond.notify_all()
         body = outcome.body or {}
         log_event("request_finished", request_id=request_id, http_status=outcome.http_status,
                   status=body.get("status", "ERROR"), error_kind=(body.get("error") or {}).get("kind") or outcome.kind or None,
@@ -1520,6 +1652,15 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             self.send_json(405, {"detail": "Method Not Allowed"}, {"Allow": allow})
         else:
             self.send_json(404, {"detail": "Not Found"})
+
+    def send_error(self, code, message=None, explain=None):
+        """What http.server rejects itself (bad request line, oversized headers) gets the
+        ERROR JSON body (P§9.8) rather than an HTML page; an unknown method gets 404/405."""
+        if code == 501 and self.command:
+            return self.route_error()
+        self.close_connection = True
+        short = self.responses.get(code, ("error",))[0]
+        self.send_error_body(code, str(uuid.uuid4()), "parse" if code < 500 else "engine", message or short)
 
     def request_id(self):
         """P§4.2: the client's X-Request-ID if it is exactly one canonical UUID."""
@@ -1547,8 +1688,9 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
     def drain_body(self):
         """Skip a small unread body so the connection stays usable; close it otherwise."""
         length = self.headers.get("Content-Length", "")
-        if length.isdigit() and int(length) <= 1 << 16:
-            self.rfile.read(int(length))
+        size = declared_length(length)
+        if size is not None and size <= 1 << 16:
+            self.rfile.read(size)
         elif length or self.headers.get("Transfer-Encoding"):
             self.close_connection = True
 
@@ -1556,14 +1698,15 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         limit = self.app.config.max_request_bytes
         length = self.headers.get("Content-Length")
         chunked = "chunked" in self.headers.get("Transfer-Encoding", "").lower()
+        size = declared_length(length or "0")
         if length is not None and not chunked:
-            if not length.isdigit():
+            if size is None:
                 self.close_connection = True
                 raise ValidationError("invalid Content-Length header")
-            if int(length) > limit:
+            if size > limit:
                 self.close_connection = True  # the body stays unread
                 return Outcome(413, "request_too_large", "request exceeds the configured size limit")
-        body = self.read_chunked(limit) if chunked else self.read_exact(int(length or 0))
+        body = self.read_chunked(limit) if chunked else self.read_exact(size or 0)
         if body is None:
             return Outcome(413, "request_too_large", "request exceeds the configured size limit")
         return self.app.execute(request_id, body, self.headers.get("Content-Type"))
@@ -1581,12 +1724,11 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
     def read_chunked(self, limit):
         body = bytearray()
         while True:
-            line = self.rfile.readline(1024)
-            try:
-                size = int(line.split(b";")[0].strip(), 16)
-            except ValueError:
+            line = self.rfile.readline(1024).split(b";")[0].strip()
+            if not re.fullmatch(rb"[0-9A-Fa-f]+", line):  # int() would also take "-5", "+5", "0x5"
                 self.close_connection = True
-                raise ValidationError("malformed chunked request body") from None
+                raise ValidationError("malformed chunked request body")
+            size = int(line, 16)
             if size == 0:
                 while self.rfile.readline(1024) not in (b"\r\n", b"\n", b""):
                     pass
@@ -1652,7 +1794,22 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
 
 
 def json_bytes(value):
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    try:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate (e.g. from a "\ud800" escape) has no UTF-8 form
+        return json.dumps(value, separators=(",", ":"), allow_nan=False).encode("ascii")
+
+
+def declared_length(value):
+    """A Content-Length value -> int, or None unless it is ASCII digits.
+
+    str.isdigit() also accepts "²", and int() refuses strings of more than
+    4300 digits, so huge values are capped instead of converted.
+    """
+    if not value.isascii() or not value.isdigit():
+        return None
+    digits = value.lstrip("0") or "0"
+    return int(digits) if len(digits) <= 30 else 1 << 100
 
 
 # --- command line (SERVER.md §9.2) -------------------------------------------------
@@ -1724,4 +1881,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    # multiprocessing re-runs a `-m` main module in every worker it starts (compiling it
+    # afresh when no .pyc is written): tens of ms per request.  Workers need nothing from it.
+    sys.modules["__main__"] = types.ModuleType("__main__")
     main()

@@ -4,12 +4,15 @@ The front-end (kcoral.py) forks one worker per request from a warm template
 process; the worker runs the program's instructions in order and streams what
 happens back over a multiprocessing pipe:
 
-    front-end -> worker   ("run", request)  then every blob as raw bytes
-    worker -> front-end   ("start", index)  before each instruction
+    front-end -> worker   {"init": True}    GPU workers, once, under the lease
+                          request dict      then every blob as raw bytes
+    worker -> front-end   ("ready", pid)    pinned and imported, no CUDA context
+                          (arch, cuda, uuid)  answering "init"
+                          ("start", index)  before each instruction
                           ("return", key, encoded, part sizes, part hashes)
                                             then the parts as raw bytes
                           ("lease", "acquire" | "release")   GPU workers only
-                          ("done", error-or-None)
+                          ("done", error-or-None, poisoned)
 
 Streaming returns as they happen is what lets the front-end keep them when
 uploaded native code later kills the process.  Output is captured at the
@@ -18,7 +21,12 @@ the same reason.  Importing this module must stay cheap (the front-end does):
 torch, numpy and tvm_ffi are imported by the template process or on first use.
 """
 
+import bisect
+import collections
+import contextlib
+import ctypes
 import hashlib
+import importlib.util
 import io
 import linecache
 import os
@@ -89,34 +97,48 @@ def send_raw(conn, data):
 
 
 class StagedBlobs:
-    """The request's blobs, staged by the front-end as files named by their hash.
+    """The request's blobs, staged by the front-end back to back in one file.
 
-    Reading a file of known size gives a `bytes` object in one copy, and file
+    Reading a range of known size gives a `bytes` object in one copy, and file
     uploads are copied by the kernel: a blob never sits twice in worker memory.
     """
 
-    def __init__(self, directory):
-        self.directory = directory
-
-    def path(self, digest):
-        return os.path.join(self.directory, digest)
+    def __init__(self, path, index):
+        self.path = path
+        self.index = index  # hash -> (offset, size) in the file
 
     def read(self, digest):
-        with open(self.path(digest), "rb", buffering=0) as f:
-            return f.read()
+        offset, size = self.index[digest]
+        chunks = []
+        with open(self.path, "rb", buffering=0) as f:
+            while size:  # one read stops short of 2 GiB
+                chunk = os.pread(f.fileno(), size, offset)
+                if not chunk:
+                    raise OSError("staged blob is shorter than announced")
+                chunks.append(chunk)
+                offset, size = offset + len(chunk), size - len(chunk)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def read_writable(self, digest):
-        with open(self.path(digest), "rb", buffering=0) as f:
-            data = bytearray(os.fstat(f.fileno()).st_size)
-            if f.readinto(data) != len(data):
-                raise OSError("staged blob changed size")
-            return data
+        offset, size = self.index[digest]
+        data = bytearray(size)
+        view = memoryview(data)
+        with open(self.path, "rb", buffering=0) as f:
+            while view:
+                n = os.preadv(f.fileno(), [view], offset)
+                if not n:
+                    raise OSError("staged blob is shorter than announced")
+                view, offset = view[n:], offset + n
+        return data
 
     def copy_to(self, digest, out_fd):
-        with open(self.path(digest), "rb", buffering=0) as f:
-            remaining = os.fstat(f.fileno()).st_size
-            while remaining:
-                remaining -= os.sendfile(out_fd, f.fileno(), None, remaining)
+        offset, size = self.index[digest]
+        with open(self.path, "rb", buffering=0) as f:
+            while size:
+                n = os.sendfile(out_fd, f.fileno(), offset, size)
+                if not n:
+                    raise OSError("staged blob is shorter than announced")
+                offset, size = offset + n, size - n
 
 
 def recv_raw(conn, size):
@@ -197,7 +219,7 @@ def compile_tirx(fn, bindings=None):
         executable = tvm.compile(tvm.IRModule({"main": prim_func}),
                                  target=tvm.target.Target("cuda"), tir_pipeline="tirx")
     except Exception as exc:
-        if type(exc).__name__ in ("InternalError", "RuntimeError", "TVMError"):
+        if isinstance(exc, RuntimeError) or type(exc).__name__ in ("InternalError", "TVMError"):  # nvcc/nvrtc too
             raise ExecutionError("compile", shorten(str(exc))) from exc
         raise
     _compiled[key] = executable
@@ -209,10 +231,11 @@ def compile_tirx(fn, bindings=None):
 def benchmark(mod, *args):
     """Per-call latency of mod(*args) (SERVER.md §5.2).
 
-    On CUDA workers each call is timed with CUDA events around it (CUPTI when
-    cupti-python is installed would also see host gaps; events are the
-    portable floor).  On CPU workers a host timer is used and the result says
-    so with "timer": "host".
+    CUDA workers use the reference's method when cupti-python is installed:
+    CUPTI activity records, each call's span from its first GPU activity to
+    its last.  Without it they fall back to CUDA events around each call and
+    say so with "timer": "cuda_events" -- our extension: the reference
+    answers `unavailable`.  CPU workers use a host timer ("timer": "host").
     """
     config = dict(args[-1]) if args and isinstance(args[-1], dict) else {}
     if config:
@@ -223,45 +246,64 @@ def benchmark(mod, *args):
     if unknown:
         raise ExecutionError("runtime", f"unknown benchmark option(s): {sorted(unknown)}")
     flush_l2 = bool(config.get("flush_l2", True))
-    timer = CudaTimer(flush_l2) if RUNTIME.device == "cuda" else HostTimer(flush_l2)
+    timer = make_timer(flush_l2)
     try:
         warmup, repeat = config.get("warmup"), config.get("repeat")
         if warmup is None or repeat is None:
             timer.call(mod, args)
-            estimate = sum(timer.timed(mod, args) for _ in range(5)) / 5
+            estimate = timer.estimate(mod, args)
             derive = (lambda budget: max(1, int(budget / estimate)) if estimate > 0 else 1000)
             warmup = derive(config.get("warmup_ms", 25)) if warmup is None else warmup
             repeat = derive(config.get("repeat_ms", 100)) if repeat is None else repeat
         warmup, repeat = max(1, int(warmup)), max(1, int(repeat))
         for _ in range(warmup):
             timer.call(mod, args)
-        samples = sorted(timer.timed(mod, args) for _ in range(repeat))
+        samples, stable = timer.measure(mod, args, repeat)
     except RuntimeError as exc:
         raise ExecutionError("runtime", shorten(f"{type(exc).__name__}: {exc}")) from exc
+    samples.sort()
     mid = len(samples) // 2
     median = samples[mid] if len(samples) % 2 else (samples[mid - 1] + samples[mid]) / 2
     result = {"latency_ms_median": median, "latency_ms_mean": sum(samples) / len(samples),
               "latency_ms_min": samples[0], "latency_ms_max": samples[-1],
-              "activities_stable": True, "flush_l2": flush_l2,
+              "activities_stable": stable, "flush_l2": flush_l2,
               "warmup": warmup, "repeat": repeat}
-    if isinstance(timer, HostTimer):
-        result["timer"] = "host"
+    if timer.name:
+        result["timer"] = timer.name
     return result
 
 
+def make_timer(flush_l2):
+    if RUNTIME.device != "cuda":
+        return HostTimer(flush_l2)
+    try:
+        from cupti import cupti
+    except (ImportError, OSError):
+        return CudaTimer(flush_l2)
+    return CuptiTimer(flush_l2, cupti)
+
+
 class HostTimer:
-    """Wall-clock timing for CPU workers; the L2 flush touches a last-level-cache-sized buffer."""
+    """Wall-clock timing for CPU workers; the L2 flush overwrites a buffer larger than the last-level cache."""
+    name = "host"
 
     def __init__(self, flush_l2):
-        self.scratch = bytearray(64 << 20) if flush_l2 else None
+        self.scratch = (ctypes.c_char * (64 << 20))() if flush_l2 else None
 
     def flush(self):
         if self.scratch is not None:
-            self.scratch[::64] = bytes(len(self.scratch) // 64)
+            ctypes.memset(self.scratch, 0, len(self.scratch))
 
     def call(self, mod, args):
         self.flush()
         mod(*args)
+
+    def estimate(self, mod, args):
+        """ms per iteration, flush included, so the ms budgets bound the wall time spent."""
+        start = time.perf_counter()
+        for _ in range(5):
+            self.call(mod, args)
+        return (time.perf_counter() - start) * 1e3 / 5
 
     def timed(self, mod, args):
         self.flush()
@@ -269,9 +311,15 @@ class HostTimer:
         mod(*args)
         return (time.perf_counter() - start) * 1e3
 
+    def measure(self, mod, args, repeat):
+        """-> (samples in ms, activities_stable).  A timer around the call sees no
+        activity records, so stability is not measured and never claimed: False."""
+        return [self.timed(mod, args) for _ in range(repeat)], False
 
-class CudaTimer:
-    """CUDA-event timing around each call, with the device's L2 flushed before it."""
+
+class CudaTimer(HostTimer):
+    """CUDA events around each call, with the device's L2 flushed (2 x its size zeroed) before it."""
+    name = "cuda_events"
 
     def __init__(self, flush_l2):
         import torch
@@ -281,15 +329,16 @@ class CudaTimer:
             l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 64 << 20)
             self.scratch = torch.empty(2 * l2, dtype=torch.int8, device="cuda")
 
-    def call(self, mod, args):
+    def flush(self):
         if self.scratch is not None:
             self.scratch.zero_()
-        mod(*args)
+
+    def estimate(self, mod, args):
+        return sum(self.timed(mod, args) for _ in range(5)) / 5
 
     def timed(self, mod, args):
         cuda = self.torch.cuda
-        if self.scratch is not None:
-            self.scratch.zero_()
+        self.flush()
         start, end = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
         cuda.synchronize()
         start.record()
@@ -297,6 +346,95 @@ class CudaTimer:
         end.record()
         end.synchronize()
         return start.elapsed_time(end)
+
+
+class CuptiTimer(CudaTimer):
+    """The reference's measurement: CUPTI activity records of what each call launched."""
+    name = None  # the reference's result has no "timer" field
+    API_KINDS = ("RUNTIME", "DRIVER")
+    GPU_KINDS = ("CONCURRENT_KERNEL", "MEMCPY", "MEMSET")
+
+    def __init__(self, flush_l2, cupti):
+        super().__init__(flush_l2)
+        self.cupti = cupti
+        self.kinds = [int(getattr(cupti.ActivityKind, k)) for k in self.API_KINDS + self.GPU_KINDS]
+
+    def measure(self, mod, args, repeat):
+        cupti, sync, records, windows = self.cupti, self.torch.cuda.synchronize, [], []
+        with cupti_unavailable("cannot start CUPTI activity tracing"):
+            # records are copied out at once: their buffer is reused when the callback returns
+            cupti.activity_register_callbacks(lambda: (8 << 20, 0),
+                                              lambda activities: records.extend(map(activity_fields, activities)))
+            for kind in self.kinds:
+                cupti.activity_enable(kind)
+        try:
+            for _ in range(repeat):
+                self.flush()
+                sync()
+                start = cupti.get_timestamp()
+                mod(*args)
+                windows.append((start, cupti.get_timestamp()))
+                sync()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.stop()
+            raise
+        with cupti_unavailable("CUPTI cleanup failed"):
+            self.stop()
+        return activity_spans(records, windows, set(self.kinds[:len(self.API_KINDS)]))
+
+    def stop(self):
+        self.cupti.activity_flush_all(1)
+        for kind in self.kinds:
+            self.cupti.activity_disable(kind)
+        self.cupti.finalize()
+
+
+@contextlib.contextmanager
+def cupti_unavailable(what):
+    """CUPTI failures answer `unavailable` (SERVER.md §5.2, §6)."""
+    try:
+        yield
+    except ExecutionError:
+        raise
+    except Exception as exc:
+        raise ExecutionError("unavailable", shorten(f"{what}: {type(exc).__name__}: {exc}")) from exc
+
+
+def activity_fields(record):
+    """(kind, start ns, end ns, correlation id, identity) of a CUPTI activity record."""
+    kind = int(record.kind)
+    identity = (kind, getattr(record, "name", None), getattr(record, "copy_kind", None),
+                getattr(record, "bytes", None), getattr(record, "value", None))
+    return kind, record.start, record.end, record.correlation_id, identity
+
+
+def activity_spans(records, windows, api_kinds):
+    """Per timed call (host timestamp window): ms from its first GPU activity's start to its
+    last one's end, and whether every call launched the same multiset of activities.
+
+    An API record that starts inside a call's window ties its correlation id
+    to that call; GPU activities are attributed through that id.
+    """
+    starts = [start for start, _ in windows]
+    owner = {}
+    for kind, start, _, correlation, _ in records:
+        i = bisect.bisect_right(starts, start) - 1
+        if kind in api_kinds and i >= 0 and start <= windows[i][1]:
+            owner[correlation] = i
+    spans = [[None, None, collections.Counter()] for _ in windows]
+    for kind, start, end, correlation, identity in records:
+        if kind not in api_kinds and correlation in owner:
+            span = spans[owner[correlation]]
+            span[0] = start if span[0] is None else min(span[0], start)
+            span[1] = end if span[1] is None else max(span[1], end)
+            span[2][identity] += 1
+    if any(first is None for first, _, _ in spans):
+        raise ExecutionError("unavailable", "CUPTI recorded no GPU activity for a benchmarked call")
+    samples = [(last - first) / 1e6 for first, last, _ in spans]
+    if min(samples) <= 0:
+        raise ExecutionError("unavailable", "CUPTI reported a non-positive activity span")
+    return samples, all(activities == spans[0][2] for _, _, activities in spans)
 
 
 # --- runtimes --------------------------------------------------------------
@@ -335,6 +473,9 @@ class Runtime:
         except ImportError:
             raise ExecutionError("unavailable", "library uploads need apache-tvm-ffi "
                                  "in the worker environment") from None
+        if importlib.util.find_spec("tvm") is not None:
+            with contextlib.suppress(Exception):  # tvm registers the loaders of device modules a library may embed
+                import tvm  # noqa: F401
         import tempfile
         fd, path = tempfile.mkstemp(prefix=f"{blob_hash}-", suffix=".so")
         try:
@@ -405,9 +546,9 @@ class Encoder:
         self.parts = []
 
     def part(self, data):
+        # Only file/folder returns are held to the byte budget (P§8.6, checked while reading);
+        # an oversized value makes the front-end answer 500 response_too_large (P§9.8).
         data = memoryview(data).cast("B")
-        if data.nbytes > self.byte_budget:
-            raise ExecutionError("serialization", "returned data exceeds the response-size limit")
         self.byte_budget -= data.nbytes
         self.parts.append(data)
         name = f"return:{self.next_part}"
@@ -422,6 +563,11 @@ class Encoder:
         if isinstance(v, bool):
             return {"type": "boolean", "value": v}
         if isinstance(v, int):
+            try:
+                str(int(v))  # the front-end's JSON encoder has the same digit limit
+            except ValueError:
+                raise ExecutionError("serialization", "cannot return an integer of more than "
+                                     f"{sys.get_int_max_str_digits()} digits") from None
             return {"type": "integer", "value": int(v)}
         if isinstance(v, float):
             if v != v or v in (float("inf"), float("-inf")):
@@ -466,7 +612,8 @@ def tensor_bytes(v):
     if numpy is not None and isinstance(v, (numpy.ndarray, numpy.generic)):
         array = numpy.asarray(v)
         dtype = array.dtype.name
-        if dtype not in DTYPE_SIZES or array.dtype.kind in "OSUV":
+        # ml_dtypes (bfloat16, float8_*) have kind "V": check the item size, not the kind
+        if dtype not in DTYPE_SIZES or array.dtype.itemsize != DTYPE_SIZES[dtype]:
             raise ExecutionError("serialization", f"cannot return tensor dtype {array.dtype}")
         little = array.astype(array.dtype.newbyteorder("<"), copy=False)
         return dtype, list(array.shape), numpy.ascontiguousarray(little).reshape(-1).view(numpy.uint8)
@@ -617,7 +764,9 @@ class Capture:
 
 
 def text_stream(fd):
-    return io.TextIOWrapper(open(fd, "wb", closefd=False), encoding="utf-8", errors="replace")
+    # line-buffered like a terminal: printed lines reach the pipe before a native crash can lose them
+    return io.TextIOWrapper(open(fd, "wb", closefd=False), encoding="utf-8", errors="replace",
+                            line_buffering=True)
 
 
 def flush_quietly(stream):
@@ -675,7 +824,9 @@ class Program:
                 kind, message = exc.kind, exc.message
                 if kind not in ERROR_KINDS:
                     kind, message = "engine", f"ExecutionError with unknown kind {exc.kind!r}: {exc.message}"
-                return error_object(kind, message, index, ins, traceback_text(exc))
+                error = error_object(kind, message, index, ins, getattr(exc, "stack", None) or traceback_text(exc))
+                error.update(getattr(exc, "fields", {}))
+                return error
             except Exception as exc:
                 return error_object("engine", f"{type(exc).__name__}: {exc}", index, ins, traceback_text(exc))
         return None
@@ -719,22 +870,27 @@ class Program:
         if not callable(fn):
             raise ExecutionError("runtime", f"handle {ins['fn']['$ref']!r} is not callable")
         args = [self.ref(a) if is_ref(a) else a for a in ins.get("args", [])]
-        self.handles[ins["id"]] = fn(*args)
+        watched = RUNTIME.device == "cuda" and ins["fn"]["$ref"] in self.cpu_only
+        with CudaCallGuard() if watched else contextlib.nullcontext():
+            self.handles[ins["id"]] = fn(*args)
 
     def op_return(self, ins):
         self.encoder.parts = []
         first_part = self.encoder.next_part
         try:
             encoded = self.encode_return(ins)
-        except RecursionError as exc:
-            raise ExecutionError("serialization", "returned value is nested too deeply") from exc
-        except BaseException:
+            # pickle recurses twice per level: a value the encoder took can still be too deep
+            message = reduction.ForkingPickler.dumps(
+                ("return", ins["key"], encoded, [p.nbytes for p in self.encoder.parts]))
+        except BaseException as exc:
             # a failing return contributes nothing: give its part numbers back
             self.encoder.byte_budget += sum(p.nbytes for p in self.encoder.parts)
             self.encoder.next_part = first_part
+            if isinstance(exc, RecursionError):
+                raise ExecutionError("serialization", "returned value is nested too deeply") from exc
             raise
         parts = self.encoder.parts
-        self.conn.send(("return", ins["key"], encoded, [p.nbytes for p in parts]))
+        self.conn.send_bytes(message)
         for part in parts:
             send_raw(self.conn, part)
 
@@ -814,6 +970,71 @@ class GpuLease:
         RUNTIME.synchronize()
 
 
+class CudaCallGuard:
+    """Watches a cpu_only call for CUDA runtime/driver API entries with CUPTI callbacks (SERVER.md §6).
+
+    The call is not interrupted; the first API it entered fails the run
+    afterwards.  Best effort: child processes, and CUDA use CUPTI does not
+    see, go unnoticed.  Without cupti-python the worker cannot check that
+    the call leaves the GPU alone while another request may hold its lease,
+    so, like the reference, the run is answered `unavailable`.
+    """
+
+    def __enter__(self):
+        try:
+            from cupti import cupti
+        except (ImportError, OSError):
+            raise ExecutionError("unavailable", "verifying a cpu_only function needs cupti-python "
+                                 "in the worker environment") from None
+        self.cupti, self.first, self.subscriber = cupti, None, None
+        with cupti_unavailable("cannot watch the cpu_only function with CUPTI"):
+            try:
+                self.subscriber = cupti.subscribe(self.on_api, None)
+                for domain in (cupti.CallbackDomain.RUNTIME_API, cupti.CallbackDomain.DRIVER_API):
+                    cupti.enable_domain(1, self.subscriber, domain)
+            except Exception:
+                self.unsubscribe()
+                raise
+        return self
+
+    def on_api(self, userdata, domain, cbid, data):
+        if self.first is None and data.callback_site == self.cupti.ApiCallbackSite.API_ENTER:
+            # wall-clock time: the front-end's lease history uses it too
+            self.first = (data.function_name, traceback.extract_stack()[:-1], time.time())
+
+    def unsubscribe(self):
+        if self.subscriber is not None:
+            self.cupti.unsubscribe(self.subscriber)
+            self.subscriber = None
+
+    def __exit__(self, *exc):
+        try:
+            with cupti_unavailable("CUPTI cleanup failed"):
+                self.unsubscribe()
+        finally:
+            if self.first is not None:
+                raise GpuAccessError(*self.first)  # also over the call's own exception
+
+
+class GpuAccessError(ExecutionError):
+    """A cpu_only call entered CUDA: P§9.7's extra fields, and the stack at that call."""
+
+    def __init__(self, cuda_call, stack, when):
+        location = call_site(stack)
+        super().__init__("gpu_access", f"cpu_only function called {cuda_call} at {location}")
+        self.stack = "".join(traceback.format_list(stack))[-TRACEBACK_CHARS:]
+        # the front-end swaps lease_time for interfered_request_id
+        self.fields = {"cuda_call": cuda_call, "location": location, "lease_time": when}
+
+
+def call_site(stack):
+    """The innermost frame of uploaded code, else the innermost one outside the server."""
+    uploaded = [f for f in stack if f.filename.startswith("<uploaded:")]
+    outside = [f for f in stack if os.path.basename(f.filename) not in ("kcoral.py", "kcoral_worker.py")]
+    frames = uploaded or outside
+    return f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else "an unknown call site"
+
+
 # --- the worker process -------------------------------------------------------
 
 def worker_main(conn, device, visible_gpus):
@@ -824,6 +1045,7 @@ def worker_main(conn, device, visible_gpus):
     """
     os.setsid()
     die_with_parent()
+    become_subreaper()
     global RUNTIME
     if device == "cuda":
         prepare_gpu(visible_gpus)
@@ -840,13 +1062,71 @@ def worker_main(conn, device, visible_gpus):
             os._exit(0)
         if message is None:
             os._exit(0)
-        if "probe" in message:
-            conn.send(describe_gpu())
+        if "init" in message:
+            conn.send(initialize_gpu())
+            env = dict(os.environ)
             continue
-        serve_request(conn, message)
-        if message["retire"]:
+        poisoned = serve_request(conn, message)
+        if message["retire"] or poisoned:
             os._exit(0)
         reset_process_state(env)
+
+
+def become_subreaper():
+    """Orphans of the program stay our descendants, so a new session cannot hide them."""
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+
+
+def escaped_descendants():
+    """Live descendants outside our process group (started with a new session or group).
+
+    The front-end kills and reports what is left in the group; these it cannot see.
+    """
+    me, parents, groups = os.getpid(), {}, {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    fields = f.read().rpartition(b")")[2].split()
+            except OSError:
+                continue
+            if fields[0] != b"Z":
+                parents[int(name)], groups[int(name)] = int(fields[1]), int(fields[2])
+    tree, frontier = set(), {me}
+    while frontier:
+        frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - tree
+        tree |= frontier
+    group = os.getpgid(0)
+    return sorted(pid for pid in tree if groups[pid] != group)
+
+
+def terminate_escaped(grace):
+    """SIGTERM the escaped descendants, SIGKILL them after `grace` s; -> whether there were any."""
+    import signal
+    found = escaped_descendants()
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+        pids = escaped_descendants()
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        deadline = time.monotonic() + wait
+        while pids and time.monotonic() < deadline:
+            for pid in pids:  # as their subreaper we reap them, or they linger as zombies
+                try:
+                    os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    pass
+            time.sleep(0.01)
+            pids = escaped_descendants()
+        if not pids:
+            break
+    return bool(found)
 
 
 def die_with_parent():
@@ -865,27 +1145,33 @@ TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "G
 
 
 def prepare_gpu(visible_gpus):
-    """Pin the worker to its GPU(s) before torch is imported, then create the CUDA context."""
+    """Pin the worker to its GPU(s) before torch is imported; host work only, no CUDA context yet."""
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpus)
     for name in TORCHRUN_VARIABLES:
         os.environ.pop(name, None)
+    import torch  # noqa: F401  mandatory on GPU workers: failing here fails the start
+    with contextlib.suppress(ImportError):
+        import tvm_ffi  # noqa: F401  imported now rather than under the lease later
+
+
+def initialize_gpu():
+    """Create the CUDA context (the front-end holds the lease meanwhile).
+
+    -> (arch like "sm_90a", CUDA version torch was built with, device 0's UUID or "").
+    """
     import torch
     torch.cuda.init()
     torch.cuda.synchronize()
     major, minor = torch.cuda.get_device_capability(0)
+    suffix = "a" if major >= 9 else ""
     # later CPU-only compiles then need not query the driver
-    os.environ.setdefault("TVM_FFI_CUDA_ARCH_LIST", f"{major}.{minor}" + ("a" if major >= 9 else ""))
-
-
-def describe_gpu():
-    """(arch like "sm_90a", CUDA version torch was built with) for /health."""
-    import torch
-    major, minor = torch.cuda.get_device_capability(0)
-    return f"sm_{major}{minor}" + ("a" if major >= 9 else ""), torch.version.cuda
+    os.environ.setdefault("TVM_FFI_CUDA_ARCH_LIST", f"{major}.{minor}{suffix}")
+    uuid = getattr(torch.cuda.get_device_properties(0), "uuid", None)
+    return f"sm_{major}{minor}{suffix}", torch.version.cuda, str(uuid or "")
 
 
 def serve_request(conn, request):
-    blobs = StagedBlobs(request["blob_dir"])
+    blobs = StagedBlobs(request["blob_file"], request["blob_index"])
     capture = None
     if request["capture"]:
         out_fd = reduction.recv_handle(conn)
@@ -894,22 +1180,29 @@ def serve_request(conn, request):
     lease = GpuLease(conn) if RUNTIME.device == "cuda" else NoLease()
     root_fd = os.open(request["workspace"], NOFOLLOW_DIR)
     os.chdir(request["workspace"])
+    poisoned = False
     try:
         program = Program(conn, request, blobs, root_fd, lease)
         error = program.run()
         try:
             lease.finish()
         except Exception as exc:
+            poisoned = True  # the CUDA context is unusable: this worker must not serve again
             if error is None:
                 index = program.last_index
                 error = error_object("runtime", f"{type(exc).__name__}: {exc}", index,
                                      request["instructions"][index], "")
+        if terminate_escaped(request.get("grace", 5.0)) and error is None:
+            index = program.last_index
+            error = error_object("runtime", "program left background processes running; they were terminated",
+                                 index, request["instructions"][index], "")
     finally:
         os.close(root_fd)
         os.chdir("/")
         if capture is not None:
             capture.restore()
-    conn.send(("done", error))
+    conn.send(("done", error, poisoned))
+    return poisoned
 
 
 def reset_process_state(env):
