@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-REFERENCE = Path("/work/shared/tools/reference-kcoral.sh")
+REFERENCE = REPO.parent / "shared" / "tools" / "reference-kcoral.sh"
 SIZE_SOURCE = "def size(b):\n    return len(b)\ndef make(n):\n    return bytes(n)\n"
 
 
