@@ -45,7 +45,7 @@ import uuid
 from multiprocessing import reduction
 
 import kcoral_worker
-from kcoral_worker import DTYPE_SIZES, ValidationError, normalize_path, recv_raw
+from kcoral_worker import DTYPE_SIZES, ValidationError, large_buffer, normalize_path, recv_raw
 
 __version__ = "0.2.0"
 CLIENT_NAMES = ("Client", "KCoralError", "Program", "ProgramResult", "ProtocolError", "Register",
@@ -209,7 +209,7 @@ def parse_multipart(body, boundary):
             if not parts:
                 raise ValidationError("multipart body has no parts")
             return parts
-        j = body.index(b"\n", j) + 1
+        j = body.find(b"\n", j) + 1  # a delimiter line always ends (find_delimiter checked)
         following = find_delimiter(body, delimiter, j)
         if following < 0:
             raise ValidationError("multipart body has no closing delimiter")
@@ -641,6 +641,10 @@ class DiskCache:
         except OSError:
             pass
 
+    def put_all(self, items):
+        for digest, data in items:
+            self.put(digest, data)
+
     def evict(self):
         """Remove least recently used entries until within budget (writers serialised by a lock file)."""
         with self.lock, open(os.path.join(self.root, ".lock"), "a") as lock:
@@ -704,11 +708,40 @@ def group_members(pgid, exclude=()):
     return members
 
 
-def kill_group(pgid, grace, exclude=()):
-    """SIGTERM the group and its leader's descendants, SIGKILL what is left after the grace
-    period; wait until it is gone."""
+def marked_processes(worker_pid):
+    """Live processes started under a worker (they inherit its KCORAL_WORKER_PID), wherever
+    they are now: after a crash, a new-session child is an orphan outside every tree."""
+    mark = f"\0{kcoral_worker.WORKER_MARK}={worker_pid}\0".encode()
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/environ", "rb") as f:
+                    if mark in b"\0" + f.read() + b"\0":
+                        found.append(int(name))
+            except OSError:
+                pass
+    return found
+
+
+def is_live(pid):
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] not in (b"Z", b"X")
+    except OSError:
+        return False
+
+
+def kill_group(pgid, grace, exclude=(), orphans=False):
+    """SIGTERM the group and its leader's descendants (with `orphans`, also every process
+    started under it), SIGKILL what is left after the grace period; wait until it is gone."""
+    marked = set(marked_processes(pgid)) - set(exclude) if orphans else set()
+
+    def remaining():
+        return group_members(pgid, exclude) + [pid for pid in marked if is_live(pid)]
+
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
-        members = group_members(pgid, exclude)
+        members = remaining()
         if not members:
             return
         for pid in members:
@@ -721,9 +754,9 @@ def kill_group(pgid, grace, exclude=()):
         except (ProcessLookupError, PermissionError):
             pass
         deadline = time.monotonic() + wait
-        while group_members(pgid, exclude) and time.monotonic() < deadline:
+        while remaining() and time.monotonic() < deadline:
             time.sleep(0.01)
-        if not group_members(pgid, exclude):
+        if not remaining():
             return
 
 
@@ -865,8 +898,8 @@ class Worker:
             self.kill(0)
             raise WorkerCrashed(f"GPU worker failed to initialize: {str(exc) or type(exc).__name__}") from exc
 
-    def kill(self, grace):
-        kill_group(self.pid, grace)
+    def kill(self, grace, orphans=False):
+        kill_group(self.pid, grace, orphans=orphans)
         self.process.join(5)
         self.conn.close()
 
@@ -1290,7 +1323,7 @@ class Execution:
         """Kill the tree holding the GPU lease: its CUDA teardown must not overlap someone's measurement."""
         if self.pool.arbiter is not None and self.lease_since is None:
             self.hold_lease()
-        self.worker.kill(self.config.worker_termination_grace_seconds)
+        self.worker.kill(self.config.worker_termination_grace_seconds, orphans=True)
 
     def attribute_gpu_access(self, error):
         """SERVER.md §6: name the request that held our GPU(s) when a cpu_only call entered CUDA."""
@@ -1459,6 +1492,16 @@ class KCoralServer:
         extra = [h for h in supplied if h not in referenced]
         if extra:
             raise ValidationError(f"unreferenced blob part(s): {', '.join(extra)}")
+        disk_writes = self.cache_file_blobs(program, supplied)
+        try:
+            return self.execute_program(request_id, data, program, supplied)
+        finally:
+            if disk_writes is not None:
+                disk_writes.join()  # once answered, the client may count on its file blobs being cached
+
+    def execute_program(self, request_id, data, program, supplied):
+        """P§4.7 from blob resolution on -> Outcome."""
+        referenced = program.blob_kinds
         blobs, missing = self.resolve_blobs(program, supplied)
         for ident, digest, expected in program.tensor_sizes:
             if digest in blobs and len(blobs[digest]) != expected:
@@ -1486,16 +1529,27 @@ class KCoralServer:
         finally:
             self.memory_cache.unpin(memory)
 
+    def cache_file_blobs(self, program, supplied):
+        """Start putting supplied file-upload blobs into the disk cache -> a thread to join, or None.
+
+        Creating hundreds of small files can take a while on a busy disk; meanwhile the
+        request goes on, and its worker creates the workspace copies in parallel.
+        """
+        items = [(digest, data) for digest, data in supplied.items() if "file" in program.blob_kinds[digest]]
+        if not items or self.disk_cache is None:
+            return None
+        thread = threading.Thread(target=self.disk_cache.put_all, args=(items,), daemon=True)
+        thread.start()
+        return thread
+
     def resolve_blobs(self, program, supplied):
-        """P§7.1: supplied parts go into the caches, then every referenced blob is looked up."""
+        """P§7.1: supplied parts go into the memory cache (the disk cache: cache_file_blobs),
+        then every referenced blob is looked up, supplied parts first."""
         for digest, data in supplied.items():
-            kinds = program.blob_kinds[digest]
-            if "memory" in kinds:
+            if "memory" in program.blob_kinds[digest]:
                 # a small blob must not keep a large request body alive in the cache
                 keep = data if len(data) * 2 >= len(data.obj) else bytes(data)
                 self.memory_cache.put(digest, keep)
-            if "file" in kinds and self.disk_cache is not None:
-                self.disk_cache.put(digest, data)
         blobs, missing = {}, []
         for digest, kinds in program.blob_kinds.items():
             data = supplied.get(digest)
@@ -1653,6 +1707,17 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         else:
             self.send_json(404, {"detail": "Not Found"})
 
+    def parse_request(self):
+        """http.server stops the header block at a line it cannot parse (no colon, a bare CR)
+        and drops the headers after it, Content-Length included: the body would then be read
+        as the next request on the connection.  Refuse such a request instead."""
+        if not super().parse_request():
+            return False
+        if self.headers.get_payload():
+            self.send_error(400, "malformed request header block")
+            return False
+        return True
+
     def send_error(self, code, message=None, explain=None):
         """What http.server rejects itself (bad request line, oversized headers) gets the
         ERROR JSON body (P§9.8) rather than an HTML page; an unknown method gets 404/405."""
@@ -1712,7 +1777,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         return self.app.execute(request_id, body, self.headers.get("Content-Type"))
 
     def read_exact(self, size):
-        body = bytearray(size)
+        body = large_buffer(size)
         view = memoryview(body)
         while view:
             n = self.rfile.readinto(view)

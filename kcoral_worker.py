@@ -29,6 +29,7 @@ import hashlib
 import importlib.util
 import io
 import linecache
+import mmap
 import os
 import stat
 import sys
@@ -141,9 +142,23 @@ class StagedBlobs:
                 offset, size = offset + n, size - n
 
 
+def large_buffer(size):
+    """A zeroed writable buffer of `size` bytes for receiving data.
+
+    Big ones are anonymous memory on transparent huge pages: filling a bytearray
+    takes a page fault every 4 KiB, about 40 ms per 64 MiB, five times the copy.
+    """
+    if size < RAW_CHUNK:
+        return bytearray(size)
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(AttributeError, OSError):  # no THP: plain pages, as a bytearray
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    return buf
+
+
 def recv_raw(conn, size):
-    """Read exactly `size` raw bytes from the pipe into a new bytearray."""
-    buf = bytearray(size)
+    """Read exactly `size` raw bytes from the pipe into a new buffer (see large_buffer)."""
+    buf = large_buffer(size)
     view = memoryview(buf)
     fd = conn.fileno()
     while view:
@@ -1046,6 +1061,7 @@ def worker_main(conn, device, visible_gpus):
     os.setsid()
     die_with_parent()
     become_subreaper()
+    os.environ[WORKER_MARK] = str(os.getpid())  # inherited: finds what escapes after a crash
     global RUNTIME
     if device == "cuda":
         prepare_gpu(visible_gpus)
@@ -1070,6 +1086,9 @@ def worker_main(conn, device, visible_gpus):
         if message["retire"] or poisoned:
             os._exit(0)
         reset_process_state(env)
+
+
+WORKER_MARK = "KCORAL_WORKER_PID"
 
 
 def become_subreaper():

@@ -4,6 +4,14 @@ Servers run as real `python -m kcoral` processes on free loopback ports, so
 these tests see exactly what a client sees.  The helpers at the top
 (`ServerProcess`, `post`, `multipart`, `parse_multipart_response`, ...) are
 shared with the suites under tests/.
+
+Groups, in file order: envelope and request ids (P§4, table-driven), strict JSON and
+program validation (P§5-6, table-driven), tensor byte length and CACHE_MISS (P§7),
+value/file/folder encoding (P§9), our extensions (tensors on CPU, instance header,
+tokens), FAILED kinds (P§9.7), crashes/teardown/timeouts (P§10), output capture
+(P§8.7), /health and load, and the servers started with other flags (limits, token,
+worker reuse, CLI, graceful shutdown and restart).  One module-scoped `server` serves
+every test that needs no special flag.
 """
 
 import contextlib
@@ -1735,6 +1743,20 @@ def test_background_processes_are_terminated_and_reported(server, spawn):
     assert body["stdout"] == f"spawned {pid}\n"
     assert wait_for(lambda: process_gone(pid), timeout=10), f"background process {pid} survived"
     ok_run(server.url)
+
+
+def test_new_session_process_is_killed_after_a_worker_crash(server):
+    """The orphan is outside every tree once the worker is gone; it must not survive (P§10)."""
+    source = ("import os, subprocess\ndef f():\n    p = subprocess.Popen(['sleep', '20'], start_new_session=True)\n"
+              "    print(p.pid, flush=True)\n    os._exit(3)\n")
+    body = execute_ok(server.url, simple_program(source))
+    pid = int(body["stdout"].split()[0])
+    try:
+        assert_failed(body, "runtime", 2, "run", "r", "worker exited")
+        assert wait_for(lambda: process_gone(pid), timeout=5), f"process {pid} survived the crash"
+    finally:
+        if not process_gone(pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_waited_subprocess_is_fine(server):

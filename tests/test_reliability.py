@@ -817,7 +817,7 @@ class Fuzzer:
             expected = 400
         elif kind == "over-limit":  # refused at the chunk header that crosses the limit, nothing unread
             first = rng.choice([0, self.limit // 2])
-            chunks = (b"%x\r\n" % first + b"x" * first + b"\r\n" if first else b"") + b"%x\r\n" % self.limit
+            chunks = (b"%x\r\n" % first + b"x" * first + b"\r\n" if first else b"") + b"%x\r\n" % (self.limit + 1)
             return "chunked", kind, http_request(b"", ct, length="omit",
                                                  headers=["Transfer-Encoding: chunked"]) + chunks, 413, "close"
         else:
@@ -828,7 +828,7 @@ class Fuzzer:
             expected, "close"
 
 
-FUZZ_LIMIT = 1 << 20  # --max-request-bytes of the fuzzed server, so oversized bodies stay cheap
+FUZZ_LIMIT = 4 << 20  # --max-request-bytes of the fuzzed server, so oversized bodies stay cheap
 
 
 def fuzz_item(scale, workdir, seed=None):
