@@ -107,6 +107,15 @@ class StagedBlobs:
     def __init__(self, path, index):
         self.path = path
         self.index = index  # hash -> (offset, size) in the file
+        self.handed_out = {}  # id -> (bytes object, hash) for what read() returned
+
+    def digest_of(self, value):
+        """The hash of `value` if it is a bytes object read() returned, else None.
+
+        bytes are immutable, so a returned upload need not be hashed a second time
+        (the front-end verified it on arrival)."""
+        entry = self.handed_out.get(id(value))
+        return entry[1] if entry is not None and entry[0] is value else None
 
     def read(self, digest):
         offset, size = self.index[digest]
@@ -118,7 +127,9 @@ class StagedBlobs:
                     raise OSError("staged blob is shorter than announced")
                 chunks.append(chunk)
                 offset, size = offset + len(chunk), size - len(chunk)
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        self.handed_out[id(data)] = (data, digest)
+        return data
 
     def read_writable(self, digest):
         offset, size = self.index[digest]
@@ -555,12 +566,13 @@ def numpy_dtype_array(data, dtype, shape):
 class Encoder:
     """Encodes returned values depth-first, collecting binary parts in order."""
 
-    def __init__(self, first_part, byte_budget):
+    def __init__(self, first_part, byte_budget, known_digest=lambda value: None):
         self.next_part = first_part
         self.byte_budget = byte_budget
         self.parts = []
+        self.known_digest = known_digest  # value -> its SHA-256 when already known, else None
 
-    def part(self, data):
+    def part(self, data, digest=None):
         # Only file/folder returns are held to the byte budget (P§8.6, checked while reading);
         # an oversized value makes the front-end answer 500 response_too_large (P§9.8).
         data = memoryview(data).cast("B")
@@ -568,7 +580,7 @@ class Encoder:
         self.parts.append(data)
         name = f"return:{self.next_part}"
         self.next_part += 1
-        return name, hashlib.sha256(data).hexdigest()
+        return name, digest or hashlib.sha256(data).hexdigest()
 
     def value(self, v, depth=0):
         if depth > 900:
@@ -591,7 +603,7 @@ class Encoder:
         if isinstance(v, str):
             return {"type": "string", "value": str(v)}
         if isinstance(v, (bytes, bytearray, memoryview)):
-            name, digest = self.part(v)
+            name, digest = self.part(v, self.known_digest(v))
             return {"type": "bytes", "part": name, "sha256": digest}
         if isinstance(v, (list, tuple)):
             return {"type": "array", "value": [self.value(x, depth + 1) for x in v]}
@@ -826,7 +838,7 @@ class Program:
         self.lease = lease
         self.handles = {}
         self.cpu_only = set()
-        self.encoder = Encoder(0, request["max_response_bytes"])
+        self.encoder = Encoder(0, request["max_response_bytes"], blobs.digest_of)
 
     def run(self):
         for index, ins in enumerate(self.request["instructions"]):

@@ -1031,6 +1031,8 @@ def property_program_validator(examples):
         program = copy.deepcopy(data.draw(st.sampled_from(BASE_PROGRAMS)))
         for _ in range(data.draw(st.integers(1, 4))):
             slots = slots_of(program)
+            if not slots:
+                break
             container, key = data.draw(st.sampled_from(slots))
             action = data.draw(st.sampled_from(["replace", "replace", "delete", "insert"]))
             if action == "replace":
