@@ -682,6 +682,7 @@ def group_members(pgid, exclude=()):
     """Live processes in a process group, plus the leader's live descendants in other groups
     (a program may start new sessions); zombies of ours found on the way are reaped."""
     members, me, parents = [], os.getpid(), {}
+    own_group = os.getpgrp()  # the forkserver and resource tracker: multiprocessing reaps those
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) in exclude:
             continue
@@ -692,7 +693,7 @@ def group_members(pgid, exclude=()):
             continue
         state, ppid, pgrp = fields[0], int(fields[1]), int(fields[2])
         if state == b"Z":
-            if ppid == me:  # an orphan of some program that ended up with us, the subreaper
+            if ppid == me and pgrp != own_group:  # an orphan of some program, ended up with us
                 try:
                     os.waitpid(int(name), os.WNOHANG)
                 except ChildProcessError:
@@ -1087,6 +1088,14 @@ class Pool:
         queue_ms = (time.monotonic() - start) * 1e3
         retire = True
         try:
+            if slot.worker is not None and not slot.worker.process.is_alive():
+                # it died while idle (a program killed the forkserver, say): a fresh one, not a 500
+                slot.worker.kill(0)
+                slot.worker = None
+                try:
+                    slot.worker = self.start_worker(slot.gpus)
+                except Exception as exc:
+                    log_event("worker_replace_failed", "ERROR", worker_id=slot.name, error=str(exc))
             if slot.worker is None:
                 return Outcome(500, "engine", "worker crashed", worker_id=slot.name)
             gpu_count = job.program.options.get("gpu_count")

@@ -838,7 +838,7 @@ class Program:
         self.lease = lease
         self.handles = {}
         self.cpu_only = set()
-        self.encoder = Encoder(0, request["max_response_bytes"], blobs.digest_of)
+        self.encoder = Encoder(0, request["max_response_bytes"], lambda value: self.blobs.digest_of(value))
 
     def run(self):
         for index, ins in enumerate(self.request["instructions"]):

@@ -149,6 +149,23 @@ def start_servers(scratch):
     return servers
 
 
+class CountingClient(Client):
+    """Our client, counting what each execute() puts on the wire: the POSTs and blob bytes.
+
+    The benchmark checks with it that a fresh 64 MiB payload really travels to both
+    servers (CACHE_MISS, then the upload) and that a cache hit sends nothing.
+    """
+
+    def execute(self, program, **options):
+        self.posts, self.blob_bytes = 0, 0
+        return super().execute(program, **options)
+
+    def _post_execute(self, program_json, blobs, node):
+        self.posts += 1
+        self.blob_bytes += sum(memoryview(data).nbytes for _, data in blobs)
+        return super()._post_execute(program_json, blobs, node)
+
+
 # --- memory of a process tree ------------------------------------------------
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -358,10 +375,14 @@ def scenario_bytes64(servers, clients, rounds):
     for _ in range(rounds):
         payload = os.urandom(64 * MIB)
         program = echo_bytes_program(payload)
-        for samples in (trips, hits):
+        for samples, posts, uploaded in ((trips, 2, 64 * MIB), (hits, 1, 0)):
             for server in servers:
-                ms, result = timed(lambda: clients[server.name].execute(program))
+                client = clients[server.name]
+                ms, result = timed(lambda: client.execute(program))
                 check(completed(result)["out"] == payload, "64 MiB payload returned intact")
+                check((client.posts, client.blob_bytes) == (posts, uploaded),
+                      f"{server.name}: {client.posts} POSTs with {client.blob_bytes} blob bytes, "
+                      f"expected {posts} with {uploaded}")
                 samples[server.name].append(ms)
                 del result
     return trips, hits
@@ -553,7 +574,7 @@ def main():
     try:
         servers = start_servers(scratch)
         print(f"servers ready in {time.monotonic() - begun:.1f} s", file=sys.stderr)
-        clients = {server.name: Client(server.url) for server in servers}
+        clients = {server.name: CountingClient(server.url) for server in servers}
         raw = {}
         steps = [
             ("trivial", lambda: scenario_trivial(servers, clients, args.trivial)),

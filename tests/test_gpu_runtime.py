@@ -254,7 +254,7 @@ class FakeWorker:
         self.process = FakeProcess()
         self.killed = False
 
-    def kill(self, grace):
+    def kill(self, grace, orphans=False):
         self.killed = True
         self.conn.close()
 
@@ -344,9 +344,9 @@ def test_a_timed_out_worker_is_killed_under_the_lease():
 
     original_kill = FakeWorker.kill
 
-    def kill(self, grace):
+    def kill(self, grace, orphans=False):
         seen["holder"] = pool.arbiter.holder[0]
-        original_kill(self, grace)
+        original_kill(self, grace, orphans)
 
     FakeWorker.kill = kill
     try:
@@ -484,7 +484,7 @@ def run_cpu_only(source, cpu_only=True):
         {"op": "upload", "id": "m", "kind": "module", "source": source},
         {"op": "get_function", "id": "f", "module": {"$ref": "m"}, "name": "f", "cpu_only": cpu_only},
         {"op": "run", "id": "r", "fn": {"$ref": "f"}}]}
-    program = kcoral_worker.Program(FakeConn(), request, None, None, kcoral_worker.NoLease())
+    program = kcoral_worker.Program(FakeConn(), request, kcoral_worker.StagedBlobs(None, {}), None, kcoral_worker.NoLease())
     return program.run(), program
 
 

@@ -20,10 +20,10 @@ import copy
 import dataclasses
 import http.client
 import json
-import math
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import string
@@ -62,7 +62,7 @@ class Scale:
     examples: int          # hypothesis examples per property
 
 
-CI = Scale("ci", fuzz=3000, valid_every=250, fault_rounds=1, fill_bytes=64 << 20, flood_bytes=50 << 20,
+CI = Scale("ci", fuzz=5000, valid_every=250, fault_rounds=1, fill_bytes=64 << 20, flood_bytes=50 << 20,
            load=1000, concurrency=8, disconnects=8, shutdowns=1, examples=200)
 LONG = Scale("long", fuzz=6000, valid_every=50, fault_rounds=3, fill_bytes=1 << 30, flood_bytes=50 << 20,
              load=10000, concurrency=16, disconnects=40, shutdowns=3, examples=2000)
@@ -121,7 +121,8 @@ class Server(ServerProcess):
     """`python -m kcoral` with a private TMPDIR (its workspaces land there), probed through /proc."""
 
     def __init__(self, workdir, *flags, workers=2):
-        base = tempfile.mkdtemp(prefix="server-", dir=workdir)
+        # short: the forkserver's AF_UNIX socket lives under TMPDIR (108-byte path limit)
+        base = self.base = tempfile.mkdtemp(prefix="kcoral-rel-")
         self.tmpdir = os.path.join(base, "tmp")
         os.makedirs(self.tmpdir)
         self.workers = workers
@@ -129,6 +130,13 @@ class Server(ServerProcess):
         super().__init__("--worker-termination-grace-seconds", "1", *flags, workers=workers,
                          env={"TMPDIR": self.tmpdir}, tmp_path=base)
         self.pid = self.proc.pid
+
+    def stop(self):
+        """SIGTERM -> exit code; the scratch directory goes too unless the exit was unclean."""
+        code = super().stop()
+        if code == 0:
+            shutil.rmtree(self.base, ignore_errors=True)
+        return code
 
     def fds(self):
         return len(os.listdir(f"/proc/{self.pid}/fd"))
@@ -489,6 +497,41 @@ class Fuzzer:
                          self.program, self.path, self.hashes, self.sizes, self.truncated, self.byte_mutation,
                          self.http_headers, self.chunked]
 
+    def breakers(self):
+        """The inputs that broke the published server (and some that broke ours), always sent."""
+        rng = self.rng
+        program, blobs = base_program(rng, blobs=True)
+        ct = "multipart/form-data; boundary=B"
+        ok_body = program_body(program, blobs)
+        text = json.dumps(program).encode()
+        cases = [("JSON nested 10 000 deep", program_body(b'{"instructions": ' + b"[" * 10000 + b"]" * 10000 + b"}")),
+                 ("args literal nested 10 000 deep",
+                  program_body(text.replace(b'"two"', b"[" * 10000 + b"]" * 10000), blobs)),
+                 ("args literal nested 900 deep", program_body(text.replace(b'"two"', b"[" * 900 + b"]" * 900), blobs)),
+                 ("integer of 5 000 digits", program_body(text.replace(b'"two"', digits(5000).encode()), blobs)),
+                 ("timeout of 5 000 digits", program_body(text.replace(b"30", digits(5000).encode(), 1), blobs)),
+                 ("args literal 1e400", program_body(text.replace(b"3.5", b"1e400"), blobs))]
+        for label, shape in (("100 000 dimensions of 1", [1] * 100_000), ("100 000 dimensions of 2**62", [2 ** 62] * 100_000),
+                             ("3 dimensions of 10**4000", [10 ** 4000] * 3)):
+            data = b"\0" * 3
+            tensor = copy.deepcopy(program)
+            tensor["instructions"].insert(1, {"op": "upload", "id": "t", "kind": "tensor", "blob": sha256(data),
+                                              "dtype": "float32", "shape": shape})
+            cases.append((f"tensor with {label}, 3-byte blob", program_body(tensor, blobs + [data])))
+        out = [(label, http_request(body, ct), 400, "keep") for label, body in cases]
+        for value in ("1" + "0" * 30, str(2 ** 70), digits(5000), str(self.limit + 1)):
+            out.append((f"Content-Length {value[:12]}… ({len(value)} digits)", http_request(b"", ct, length=value),
+                        413, "keep"))
+        for value in ("\u00b2", "-1", "1_0"):
+            out.append((f"Content-Length {value!r}", http_request(b"", ct, length=value), 400, "close"))
+        out.append(("chunk size -5", http_request(b"", ct, length="omit", headers=["Transfer-Encoding: chunked"])
+                    + b"-5\r\nabcde\r\n0\r\n\r\n", 400, "close"))
+        out.append(("header line without a colon before Content-Length",
+                    http_request(ok_body, ct, headers=[]).replace(b"Content-Length", b"Garbage\r\nContent-Length", 1),
+                    400, "close"))
+        out.append(("bare CR in Content-Type", http_request(ok_body, ct + '; x="\r"'), 400, "close"))
+        return [("breaker", label, data, expected, mode) for label, data, expected, mode in out]
+
     def case(self, i):
         family = self.families[i % len(self.families)]
         result = family()
@@ -839,10 +882,11 @@ def fuzz_item(scale, workdir, seed=None):
     try:
         baseline = Baseline(server)
         fuzzer = Fuzzer(seed, FUZZ_LIMIT)
+        breakers = fuzzer.breakers()
         client = RawClient(server.port)
         started = time.monotonic()
         for i in range(scale.fuzz):
-            name, description, data, expected, mode = fuzzer.case(i)
+            name, description, data, expected, mode = breakers[i] if i < len(breakers) else fuzzer.case(i)
             try:
                 status, headers, body = client.exchange(data, mode)
                 check_4xx(status, headers, body, expected)
@@ -1111,6 +1155,15 @@ def replaced_output(status, headers, body, tag):
     assert body["stdout"] == "ok\ufffd\ufffd", body["stdout"]
 
 
+def surrogate_id(status, headers, body, tag):
+    assert status == 200 and body["status"] == "FAILED", body
+    assert body["error"]["instruction_id"] == "\ud800" and body["error"]["kind"] == "engine", body["error"]
+
+
+def too_large(status, headers, body, tag):
+    check_error(status, headers, body, 500, "response_too_large")  # P§9.8
+
+
 def survived(status, headers, body, tag):
     assert status == 200 and body["status"] in ("COMPLETED", "FAILED"), body
 
@@ -1126,12 +1179,6 @@ def folder_after_chdir(status, headers, body, tag):
     assert status == 200, body
     results = completed(body)
     assert set(results["report"]["files"]) == {"a.txt", "sub/b.txt"}, results
-
-
-def fault_program(source, options=None, extra=()):
-    program = simple_program(source, options=options)
-    program["instructions"].extend(extra)
-    return program
 
 
 def faults(scale):
@@ -1213,13 +1260,19 @@ def faults(scale):
          returns({"type": "integer", "value": 1})),
         ("MemoryError", "def f():\n    return bytearray(1 << 52)\n", None, failed("engine", "MemoryError")),
         ("RecursionError", "def f(n=0):\n    return f(n + 1)\n", None, failed("engine", "RecursionError")),
-        ("return over max_response_bytes", "def f():\n    return b'x' * (40 << 20)\n", None,
-         failed("serialization")),
+        ("value return over max_response_bytes", "def f():\n    return b'x' * (40 << 20)\n", None,
+         too_large),
+        ("file return over max_response_bytes", "def f():\n    with open('big', 'wb') as out:\n"
+         "        out.truncate(40 << 20)\n    return 'big'\n", None, failed("serialization")),
         ("return nested 300 deep", "def f():\n    v = []\n    for _ in range(300):\n        v = [v]\n    return v\n",
          None, failed("serialization")),
         ("return 10**5000", "def f():\n    return 10 ** 5000\n", None, failed("serialization")),
         ("return a lone surrogate", "def f():\n    return '\\ud800'\n", None,
          returns({"type": "string", "value": "\ud800"})),
+        ("lone surrogate in a failing instruction's id", "def f():\n    raise ValueError('\\udcff')\n", None,
+         surrogate_id),
+        ("SIGKILL to its parent (the forkserver)", "import os, signal\ndef f():\n"
+         "    os.kill(os.getppid(), signal.SIGKILL)\n    return 1\n", None, failed("runtime")),
         ("non-daemon thread left running", "import threading, time\ndef f():\n"
          "    threading.Thread(target=time.sleep, args=(600,)).start()\n    return 1\n", None,
          returns({"type": "integer", "value": 1})),
@@ -1228,6 +1281,15 @@ def faults(scale):
 
 def build_fault(name, source, options, tag):
     source = source.replace("{tag}", tag)
+    if "udcff" in source:
+        program = simple_program(source, options=options)
+        program["instructions"][2]["id"] = "\ud800"
+        program["instructions"][3]["value"] = {"$ref": "\ud800"}
+        return program
+    if "open('big'" in source:
+        program = simple_program(source, options=options)
+        program["instructions"][-1] = {"op": "return", "key": "out", "kind": "file", "path": {"$ref": "r"}}
+        return program
     if "os.chdir('/')" in source:
         kind = "folder" if "folder" in name else "file"
         path = "d" if kind == "folder" else "out.txt"
@@ -1292,13 +1354,16 @@ def file_program(digest):
         {"op": "return", "key": "out", "value": {"$ref": "r"}}]}
 
 
-def bytes_program(digest, sleep=0.0):
-    source = f"import time\ndef f(data):\n    time.sleep({sleep})\n    return len(data)\n"
+def bytes_program(digest, until=None):
+    """Returns len(blob); with `until`, first waits (≤ 60 s) for that file to exist."""
+    source = ("import os, time\ndef f(data, until):\n    deadline = time.monotonic() + 60\n"
+              "    while until and not os.path.exists(until) and time.monotonic() < deadline:\n"
+              "        time.sleep(0.02)\n    return len(data)\n")
     return {"instructions": [
         {"op": "upload", "id": "m", "kind": "module", "source": source},
         {"op": "upload", "id": "data", "kind": "bytes", "blob": digest},
         {"op": "get_function", "id": "fn", "module": {"$ref": "m"}, "name": "f"},
-        {"op": "run", "id": "r", "fn": {"$ref": "fn"}, "args": [{"$ref": "data"}]},
+        {"op": "run", "id": "r", "fn": {"$ref": "fn"}, "args": [{"$ref": "data"}, until]},
         {"op": "return", "key": "out", "value": {"$ref": "r"}}]}
 
 
@@ -1400,9 +1465,10 @@ def cache_pinning(workdir, counts, pressure=24):
         blob_a = os.urandom(size)
         a = sha256(blob_a)
         slow = {}
+        release = os.path.join(workdir, f"release-{uuid.uuid4().hex}")
 
-        def run_slow():
-            slow["answer"] = post(server.url, bytes_program(a, sleep=8), [blob_a])
+        def run_slow():  # holds A pinned until `release` exists
+            slow["answer"] = post(server.url, bytes_program(a, until=release), [blob_a])
 
         thread = threading.Thread(target=run_slow)
         thread.start()
@@ -1423,6 +1489,8 @@ def cache_pinning(workdir, counts, pressure=24):
         status, _, body = post(server.url, bytes_program(a))  # A not supplied: must come from the cache
         assert thread.is_alive(), "the slow request ended before the probe; cannot conclude"
         assert status == 200 and completed(body, "pinned blob")["out"]["value"] == size, body
+        with open(release, "w"):
+            pass
         thread.join()
         status, _, body = slow["answer"]
         assert status == 200 and completed(body, "slow request")["out"]["value"] == size, body
