@@ -1,6 +1,6 @@
 """Side-by-side benchmark: our server against the published kcoral 0.1.1, same client.
 
-    .venv/bin/python bench/bench_servers.py            # about 3 minutes on 2 cores
+    .venv/bin/python bench/bench_servers.py            # 1.5 to 3 minutes on 2 cores
 
 Starts both servers on CPU with the same worker count (2) and the same flags,
 drives both with our client (client.py), alternating published/ours request by
