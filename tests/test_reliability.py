@@ -64,7 +64,7 @@ class Scale:
 
 CI = Scale("ci", fuzz=5000, valid_every=250, fault_rounds=1, fill_bytes=64 << 20, flood_bytes=50 << 20,
            load=1000, concurrency=8, disconnects=8, shutdowns=1, examples=200)
-LONG = Scale("long", fuzz=6000, valid_every=50, fault_rounds=3, fill_bytes=1 << 30, flood_bytes=50 << 20,
+LONG = Scale("long", fuzz=20000, valid_every=50, fault_rounds=4, fill_bytes=1 << 30, flood_bytes=50 << 20,
              load=10000, concurrency=16, disconnects=40, shutdowns=3, examples=2000)
 
 UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
@@ -1706,6 +1706,8 @@ def shutdown_round(workdir, counts):
             assert status == 200 and completed(body, nonce)["out"]["value"] == nonce, body
         code = server.proc.wait(60)
         assert code == 0, f"exit code {code}"
+        with pytest.raises(ConnectionRefusedError):
+            request("GET", server.url + "/health", timeout=10)
         deadline = time.monotonic() + 10
         while [p for p in before if alive(p)] and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -1715,6 +1717,7 @@ def shutdown_round(workdir, counts):
         counts["in-flight completed"] += len(answers)
         counts["late requests 503"] += late["503"] + late["503 on an open connection"]
         counts["late requests refused"] += late["refused"] + late["connection closed"]
+        counts["refused after exit"] += 1
         counts["rounds, exit 0, no orphans"] += 1
     finally:
         server.stop()
