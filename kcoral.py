@@ -1175,9 +1175,9 @@ class Execution:
         """-> (Outcome, whether the worker must be retired)."""
         started = time.monotonic()
         self.deadline = started + self.job.timeout
-        drain = None
+        self.drain = None
         try:
-            drain = self.send_job()
+            self.send_job()
             error, retire = self.converse(), False
             self.worker.served += 1
             if self.retiring:
@@ -1194,7 +1194,7 @@ class Execution:
             error, retire = self.crash_error(), True
         finally:
             self.release_lease()
-            output = drain.result(wait=2.0) if drain else ("", "", False, False)
+            output = self.drain.result(wait=2.0) if self.drain else ("", "", False, False)
             remove_tree(self.root)
         body = {"status": "FAILED" if error else "COMPLETED", "request_id": self.job.request_id,
                 "queue_ms": self.queue_ms, "elapsed_ms": (time.monotonic() - started) * 1e3,
@@ -1216,19 +1216,21 @@ class Execution:
                    "max_response_bytes": self.config.max_response_bytes}
         request["blob_index"] = self.stage_blobs()
         self.retiring = request["retire"]
-        conn, drain = self.worker.conn, None
+        conn = self.worker.conn
         try:
             conn.send(request)
             if request["capture"]:
                 out_r, out_w = os.pipe()
                 err_r, err_w = os.pipe()
-                drain = OutputDrain(out_r, err_r, self.job.output_limit)
-                for fd in (out_w, err_w):
-                    reduction.send_handle(conn, fd, self.worker.pid)
-                    os.close(fd)
+                self.drain = OutputDrain(out_r, err_r, self.job.output_limit)
+                try:
+                    for fd in (out_w, err_w):
+                        reduction.send_handle(conn, fd, self.worker.pid)
+                finally:  # the drain sees end-of-file once the worker's copies are gone too
+                    os.close(out_w)
+                    os.close(err_w)
         except OSError as exc:
             raise WorkerCrashed(str(exc)) from exc
-        return drain
 
     def stage_blobs(self):
         """Write the job's blobs back to back into one file -> {hash: (offset, size)}.
