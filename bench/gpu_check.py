@@ -25,8 +25,6 @@ import concurrent.futures
 import hashlib
 import os
 import re
-import signal
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -39,7 +37,7 @@ sys.path.insert(0, ROOT)
 
 import numpy  # noqa: E402
 
-from test_kcoral import free_port, post, request  # noqa: E402
+from test_kcoral import ServerProcess, post, request  # noqa: E402
 
 DTYPES = ["bool", "uint8", "int8", "float8_e4m3fn", "float8_e5m2", "int16", "float16", "bfloat16",
           "int32", "float32", "int64", "float64"]
@@ -105,52 +103,6 @@ def build_add_one(device, arch=None):
     os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     with open(tvm_ffi.cpp.build(name="add_one", sources=[source_path], build_directory=build_dir), "rb") as f:
         return f.read()
-
-
-class Server:
-    """`python -m kcoral` on a free port with a private disk cache; stopped with SIGTERM."""
-
-    def __init__(self, device, *flags, env=None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.tmp = tempfile.mkdtemp(prefix="kcoral-gpu-check-")
-        args = [sys.executable, "-m", "kcoral", "--device", device, "--port", str(self.port), "--log-dir", "",
-                "--disk-cache-dir", os.path.join(self.tmp, "cache"), "--no-log-console", *flags]
-        self.log_path = os.path.join(self.tmp, "server.log")
-        self.log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, **(env or {})},
-                                     stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                if request("GET", self.url + "/health", timeout=5)[0] == 200:
-                    return
-            except OSError:
-                time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"server did not become ready:\n{self.output()}")
-
-    def output(self):
-        with open(self.log_path, "rb") as f:
-            return f.read().decode(errors="replace")[-4000:]
-
-    def health(self):
-        import json
-        status, _, body = request("GET", self.url + "/health")
-        assert status == 200, status
-        return json.loads(body)
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
 
 
 # --- program building ---------------------------------------------------------
@@ -528,10 +480,10 @@ def main(argv=None):
     ctx, results = Context(), []
     ctx.device, ctx.arch_list_env = args.device, os.environ.get("TVM_FFI_CUDA_ARCH_LIST")
     started = time.monotonic()
-    flags = (["--workers-per-gpu", "2", "--max-requests-per-worker", "0"] if args.device == "gpu"
-             else ["--num-workers", "2"])
+    flags = ["--workers-per-gpu", "2", "--max-requests-per-worker", "0"] if args.device == "gpu" else []
     # torchrun variables in the server's environment must not reach GPU workers
-    server = Server(args.device, *flags, env={"RANK": "3", "WORLD_SIZE": "8", "MASTER_ADDR": "10.0.0.1"})
+    server = ServerProcess(*flags, device=args.device,
+                           env={"RANK": "3", "WORLD_SIZE": "8", "MASTER_ADDR": "10.0.0.1"})
     try:
         ctx.url, ctx.health = server.url, server.health()
         ctx.cupti = False
