@@ -68,32 +68,62 @@ def default_disk_cache_dir():
     return os.path.join(base, "kcoral", "files")
 
 
+def option(default, help, *, env=None, cli_default=None, factory=None, choices=None, parse=None):
+    """One server setting: its default, its help text and how the command line spells it.
+
+    The command line is generated from these (`parse_args`), so a default is written once.
+    `cli_default` is the command line's default where it differs from the dataclass's
+    (the reference's `log_dir`: None embedded, "logs" from the CLI); `parse` turns the flag's
+    string into the field's value.
+    """
+    meta = {"help": help, "env": env, "cli_default": cli_default, "choices": choices, "parse": parse}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def parse_gpu_ids(text):
+    try:
+        return tuple(int(g) for g in text.split(",") if g.strip())
+    except ValueError:
+        raise ValueError("--gpus takes comma-separated physical GPU ids") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
-    """Server settings; field names and defaults follow the reference (SERVER.md §9.1)."""
-    gpus: tuple = (0,)
-    log_dir: str | None = None
-    log_console: bool = True
-    log_programs: bool = True
-    cache_capacity_bytes: int = 16 << 30
-    disk_cache_dir: str | None = dataclasses.field(default_factory=default_disk_cache_dir)
-    disk_cache_capacity_mbytes: int = 16384
-    default_timeout_seconds: float = 300.0
-    max_timeout_seconds: float = 900.0
-    worker_wait_timeout_seconds: float = 1800.0
-    workers_per_gpu: int = 1
-    max_requests_per_worker: int = 1
-    sandbox: str = "none"
-    worker_termination_grace_seconds: float = 5.0
-    max_request_bytes: int = 256 << 20
-    max_response_bytes: int = 256 << 20
-    output_limit_bytes: int = 1 << 20
-    max_output_limit_bytes: int = 16 << 20
-    device: str = "auto"
-    num_workers: int = 1
-    host: str = "127.0.0.1"
-    port: int = 8000
-    token: str | None = None
+    """Server settings; field names and defaults follow the reference where it has them."""
+    host: str = option("127.0.0.1", "address to bind", env="KCORAL_SERVER_HOST")
+    port: int = option(8000, "TCP port to listen on (0 picks a free one)", env="KCORAL_SERVER_PORT")
+    device: str = option("auto", "where programs run: GPU workers, CPU workers, or GPU when CUDA devices "
+                         "are visible", env="KCORAL_SERVER_DEVICE", choices=("auto", "cpu", "gpu"))
+    gpus: tuple = option((0,), "comma-separated physical GPU ids to serve (GPU mode)",
+                         env="KCORAL_SERVER_GPUS", parse=parse_gpu_ids)
+    num_workers: int = option(1, "worker processes in CPU mode")
+    workers_per_gpu: int = option(1, "worker slots per GPU; more than 1 overlaps one request's "
+                                  "compilation with another's GPU work")
+    max_requests_per_worker: int = option(1, "retire a worker after this many requests (0: never); "
+                                          "1 gives every request a fresh process")
+    cache_capacity_bytes: int = option(16 << 30, "memory blob cache budget in bytes")
+    disk_cache_dir: str | None = option(None, "disk cache for file blobs ('' disables)",
+                                        factory=default_disk_cache_dir)
+    disk_cache_capacity_mbytes: int = option(16384, "disk cache budget in MiB (0 disables)")
+    log_dir: str | None = option(None, "directory for the JSON-lines event log and saved programs "
+                                 "('' disables)", env="KCORAL_LOG_DIR", cli_default="logs")
+    log_console: bool = option(True, "mirror events to stderr")
+    log_programs: bool = option(True, "save each accepted request's program beside the log")
+    default_timeout_seconds: float = option(300.0, "execution timeout when a request sets none")
+    max_timeout_seconds: float = option(900.0, "upper clamp for a request's timeout_seconds")
+    worker_wait_timeout_seconds: float = option(1800.0, "how long a request waits for a free worker "
+                                                "before 503 busy")
+    worker_termination_grace_seconds: float = option(5.0, "SIGTERM-to-SIGKILL window when killing a "
+                                                     "worker's process tree")
+    max_request_bytes: int = option(256 << 20, "request size limit (413 beyond it)")
+    max_response_bytes: int = option(256 << 20, "response size limit (500 response_too_large beyond it)")
+    output_limit_bytes: int = option(1 << 20, "default per-stream stdout/stderr capture limit")
+    max_output_limit_bytes: int = option(16 << 20, "upper clamp for a request's output_limit_bytes")
+    sandbox: str = option("none", "isolate each request's code", choices=("none", "bubblewrap"))
+    token: str | None = option(None, "require 'Authorization: Bearer <token>' on every endpoint",
+                               env="KCORAL_TOKEN")
 
 
 # --- strict JSON and multipart (P§4.3-4.6, 5.1) ------------------------------
@@ -1890,59 +1920,56 @@ def declared_length(value):
 
 # --- command line (SERVER.md §9.2) -------------------------------------------------
 
+def add_config_flags(parser):
+    """One flag per ServerConfig field, named, defaulted and described by the field itself."""
+    for field in dataclasses.fields(ServerConfig):
+        meta = field.metadata
+        default = field.default_factory() if field.default is dataclasses.MISSING else field.default
+        default = meta["cli_default"] if meta["cli_default"] is not None else default
+        if meta["env"] and meta["env"] in os.environ:
+            default = os.environ[meta["env"]]
+        flag = "--" + field.name.replace("_", "-")
+        env_note = f" [env {meta['env']}]" if meta["env"] else ""
+        if field.type is bool:  # every boolean setting defaults to on; the flag turns it off
+            parser.add_argument("--no-" + flag[2:], dest=field.name, action="store_false",
+                                help=f"do not {meta['help']}")
+        else:
+            if isinstance(default, tuple):  # parsed from its string form like an env value
+                default = ",".join(map(str, default))
+            kind = field.type if field.type in (int, float) else str
+            parser.add_argument(flag, type=kind, default=default, choices=meta["choices"],
+                                help=meta["help"] + env_note + " (default: %(default)s)")
+
+
+def config_from_args(args):
+    values = {}
+    for field in dataclasses.fields(ServerConfig):
+        value = getattr(args, field.name)
+        if field.metadata["parse"]:
+            value = field.metadata["parse"](value)
+        elif field.type == str | None and value == "":  # '' disables, as in the reference
+            value = None
+        values[field.name] = value
+    return ServerConfig(**values)
+
+
 def parse_args(argv):
-    env = os.environ.get
     p = argparse.ArgumentParser(prog="kcoral", allow_abbrev=False,
                                 description="KCoral server: runs uploaded programs on GPU or CPU workers. "
                                             "It executes arbitrary code by design; bind it to trusted networks.")
-    p.add_argument("--host", default=env("KCORAL_SERVER_HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(env("KCORAL_SERVER_PORT", "8000")))
-    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default=env("KCORAL_SERVER_DEVICE", "auto"))
-    p.add_argument("--gpus", default=env("KCORAL_SERVER_GPUS", "0"))
-    p.add_argument("--num-workers", type=int, default=1)
-    p.add_argument("--workers-per-gpu", type=int, default=1)
-    p.add_argument("--max-requests-per-worker", type=int, default=1)
-    p.add_argument("--cache-capacity-bytes", type=int, default=16 << 30)
-    p.add_argument("--disk-cache-dir", default=default_disk_cache_dir())
-    p.add_argument("--disk-cache-capacity-mbytes", type=int, default=16384)
-    p.add_argument("--log-dir", default=env("KCORAL_LOG_DIR", "logs"))
-    p.add_argument("--no-log-console", action="store_true")
-    p.add_argument("--no-log-programs", action="store_true")
-    p.add_argument("--default-timeout-seconds", type=float, default=300.0)
-    p.add_argument("--max-timeout-seconds", type=float, default=900.0)
-    p.add_argument("--worker-wait-timeout-seconds", type=float, default=1800.0)
-    p.add_argument("--worker-termination-grace-seconds", type=float, default=5.0)
-    p.add_argument("--max-request-bytes", type=int, default=256 << 20)
-    p.add_argument("--max-response-bytes", type=int, default=256 << 20)
-    p.add_argument("--output-limit-bytes", type=int, default=1 << 20)
-    p.add_argument("--max-output-limit-bytes", type=int, default=16 << 20)
-    p.add_argument("--token", default=env("KCORAL_TOKEN"),
-                   help="require 'Authorization: Bearer <token>' on every endpoint")
-    p.add_argument("--sandbox", choices=("none", "bubblewrap"), default="none")
-    p.add_argument("--sandbox-readonly-path", action="append", default=[])
+    p.add_argument("--version", action="version", version=f"kcoral {__version__}")
+    add_config_flags(p)
+    p.add_argument("--sandbox-readonly-path", action="append", default=[],
+                   help="extra path mounted read-only in the sandbox (repeatable)")
     for flag in ("--router", "--node-id", "--node-token"):
-        p.add_argument(flag)
+        p.add_argument(flag, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.sandbox != "none" or args.sandbox_readonly_path:
         p.error("the bubblewrap sandbox is not implemented in this server; run with --sandbox none")
     if args.router or args.node_id or args.node_token:
-        p.error("router mode is not implemented in this server")
+        p.error("router mode is not implemented in this server; scale out behind HAProxy instead")
     try:
-        gpus = tuple(int(g) for g in args.gpus.split(",") if g.strip())
-    except ValueError:
-        p.error("--gpus takes comma-separated physical GPU ids")
-    config = ServerConfig(
-        gpus=gpus, log_dir=args.log_dir or None, log_console=not args.no_log_console,
-        log_programs=not args.no_log_programs, cache_capacity_bytes=args.cache_capacity_bytes,
-        disk_cache_dir=args.disk_cache_dir or None, disk_cache_capacity_mbytes=args.disk_cache_capacity_mbytes,
-        default_timeout_seconds=args.default_timeout_seconds, max_timeout_seconds=args.max_timeout_seconds,
-        worker_wait_timeout_seconds=args.worker_wait_timeout_seconds, workers_per_gpu=args.workers_per_gpu,
-        max_requests_per_worker=args.max_requests_per_worker,
-        worker_termination_grace_seconds=args.worker_termination_grace_seconds,
-        max_request_bytes=args.max_request_bytes, max_response_bytes=args.max_response_bytes,
-        output_limit_bytes=args.output_limit_bytes, max_output_limit_bytes=args.max_output_limit_bytes,
-        device=args.device, num_workers=args.num_workers, host=args.host, port=args.port, token=args.token)
-    try:
+        config = config_from_args(args)
         validate_config(config)
     except ValueError as exc:
         p.error(str(exc))

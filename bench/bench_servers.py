@@ -1,6 +1,6 @@
 """Side-by-side benchmark: our server against the published kcoral 0.1.1, same client.
 
-    .venv/bin/python bench/bench_servers.py            # 1.5 to 3 minutes on 2 cores
+    .venv/bin/python -m bench.bench_servers            # 1.5 to 3 minutes on 2 cores
 
 Starts both servers on CPU with the same worker count (2) and the same flags,
 drives both with our client (client.py), alternating published/ours request by
@@ -46,9 +46,7 @@ import time
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from client import Client, Program  # noqa: E402  (our client, for both servers)
+from client import Client, Program  (our client, for both servers)
 
 REFERENCE_SCRIPT = os.path.join(os.path.dirname(ROOT), "shared", "tools", "reference-kcoral.sh")
 WORKERS = 2
@@ -601,7 +599,7 @@ and disk caches under `{info['scratch_parent']}`, where creating a small file to
 Machine: {m['nproc']} CPUs ({m['cpu']}), {m['ram_gib']} GiB RAM, Linux {m['kernel']},
 Python {m['python']}; {info['date']}; full run {info['wall_seconds']:.0f} s.
 
-Reproduce: `.venv/bin/python bench/bench_servers.py` (needs `pip install matplotlib`, the `bench`
+Reproduce: `.venv/bin/python -m bench.bench_servers` (needs `pip install matplotlib`, the `bench`
 extra, and the published server via `../shared/tools/reference-kcoral.sh`).
 """
 
@@ -650,7 +648,7 @@ def main():
 
     info = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": machine(), "workers": WORKERS, "wall_seconds": time.monotonic() - begun,
-            "command": ".venv/bin/python bench/bench_servers.py", "flags_both": COMMON_FLAGS,
+            "command": ".venv/bin/python -m bench.bench_servers", "flags_both": COMMON_FLAGS,
             "scratch_parent": args.scratch_parent or tempfile.gettempdir(),
             "file_create_ms": file_create_ms(args.scratch_parent)}
     intervals = [run["mean_sample_interval_ms"] for runs in raw["rss_detail"].values() for run in runs]

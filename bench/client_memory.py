@@ -1,6 +1,6 @@
 """Peak client memory for large uploads and downloads with client.py.
 
-    .venv/bin/python bench/client_memory.py [--url URL] [--mib 256]
+    .venv/bin/python -m bench.client_memory [--url URL] [--mib 256]
 
 Without --url it starts the published reference server with request/response limits
 raised above the payload. Each case runs in a fresh process,
@@ -34,7 +34,6 @@ def max_rss_mib() -> float:
 
 
 def run_case(case: str, url: str, mib: int) -> dict:
-    sys.path.insert(0, str(REPO))
     import numpy as np
 
     import client
@@ -83,7 +82,6 @@ def start_reference(mib: int) -> tuple[subprocess.Popen, str]:
          "--disk-cache-dir", "", "--max-request-bytes", limit, "--max-response-bytes", limit,
          "--no-log-console"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    sys.path.insert(0, str(REPO))
     import client
     for _ in range(300):
         try:

@@ -1,7 +1,7 @@
 """End-to-end checks of the GPU runtime against a real `python -m kcoral` server.
 
-    .venv/bin/python bench/gpu_check.py --device gpu    # on a CUDA box: about 2 minutes
-    .venv/bin/python bench/gpu_check.py --device cpu    # what a CPU server allows (CI runs this)
+    .venv/bin/python -m bench.gpu_check --device gpu    # on a CUDA box: about 2 minutes
+    .venv/bin/python -m bench.gpu_check --device cpu    # what a CPU server allows (CI runs this)
 
 GPU mode starts one server with two workers on GPU 0 that are reused between
 requests (`--workers-per-gpu 2 --max-requests-per-worker 0`), so that lease
@@ -33,11 +33,9 @@ import traceback
 import uuid
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import numpy
 
-import numpy  # noqa: E402
-
-from test_kcoral import ServerProcess, post, request  # noqa: E402
+from tests.support import ServerProcess, post, request
 
 DTYPES = ["bool", "uint8", "int8", "float8_e4m3fn", "float8_e5m2", "int16", "float16", "bfloat16",
           "int32", "float32", "int64", "float64"]

@@ -1,8 +1,8 @@
 """Reliability soak: every item of tests/test_reliability.py, at full size with --long.
 
-    python bench/soak.py --long          # ≥ 5 000 fuzz cases, ≥ 100 faults, 10 000 requests at 16, ...
-    python bench/soak.py                 # the CI sizes (what `pytest tests/test_reliability.py` runs)
-    python bench/soak.py --long --only fuzz,load --seed 7
+    python -m bench.soak --long          # ≥ 5 000 fuzz cases, ≥ 100 faults, 10 000 requests at 16, ...
+    python -m bench.soak                 # the CI sizes (what `pytest tests/test_reliability.py` runs)
+    python -m bench.soak --long --only fuzz,load --seed 7
 
 Prints a table of counts per item and exits 1 if any item failed (its first assertion is
 printed under the table).  The items are the functions the CI tests call, so the soak and
@@ -21,9 +21,7 @@ import time
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
-
-import test_reliability as rel  # noqa: E402
+from tests import test_reliability as rel
 
 ITEMS = [("fuzz", rel.fuzz_item), ("properties", rel.property_item), ("faults", rel.fault_item),
          ("cache faults", rel.cache_item), ("load", rel.load_item), ("shutdown", rel.shutdown_item),

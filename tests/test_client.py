@@ -33,10 +33,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-import client  # noqa: E402
-from client import (  # noqa: E402
+import client
+from client import (
     Client, KCoralError, Program, ProgramResult, ProtocolError, Register, RemoteExecutionError,
     RemoteFunction, ReturnedFile, ReturnedFolder, TransportError, ValidationError,
 )

@@ -23,12 +23,10 @@ import numpy
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-import kcoral  # noqa: E402
-import kcoral_worker  # noqa: E402
-from test_kcoral import ServerProcess, post, sha256  # noqa: E402
+import kcoral
+import kcoral_worker
+from tests.support import ServerProcess, post, sha256
 
 
 # --- over HTTP: libraries, benchmark, compile_tirx -------------------------------
@@ -42,7 +40,7 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def add_one_library():
     """The C++ add_one kernel built with tvm_ffi.cpp.build (cached under the temp dir)."""
-    import gpu_check
+    from bench import gpu_check
     return gpu_check.build_add_one("cpu")
 
 
@@ -586,7 +584,7 @@ def test_gpu_workers_pin_before_torch_is_imported():
 # --- bench/gpu_check.py --------------------------------------------------------------
 
 def test_gpu_check_cpu_mode():
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_check.py"), "--device", "cpu"],
+    out = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--device", "cpu"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "0 failed" in out.stdout.splitlines()[-1], out.stdout

@@ -13,10 +13,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from test_kcoral import ServerProcess  # noqa: E402
+from tests.support import ServerProcess
 
 TOOL = os.path.join(ROOT, "..", "shared", "tools", "reference-kcoral.sh")
 SCRIPT = os.path.join(ROOT, "tests", "reference_client_script.py")

@@ -2,7 +2,7 @@
 
 Every item is a function `<item>_item(scale, workdir) -> {counter: value}` that raises
 AssertionError on the first violation.  The pytest tests at the bottom run them at CI size
-(`CI`); `python bench/soak.py --long` runs the same functions at full size (`LONG`) and prints
+(`CI`); `python -m bench.soak --long` runs the same functions at full size (`LONG`) and prints
 the table quoted in bench/RELIABILITY.md.
 
 "Nothing leaks" is measured from outside the server process:
@@ -38,13 +38,10 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-import kcoral  # noqa: E402
-from kcoral_worker import ValidationError  # noqa: E402
-from test_kcoral import (ServerProcess, decode_response, multipart, post, program_parts,  # noqa: E402
-                         request, sha256, simple_program)
+import kcoral
+from kcoral_worker import ValidationError
+from tests.support import (ServerProcess, decode_response, multipart, post, program_parts, request, sha256,
+                           simple_program)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,332 @@
+"""Helpers shared by every test module and by the benchmarks: a real server process,
+raw HTTP, multipart bodies, program builders and the assertions on the protocol's shapes.
+
+Import them as `from tests.support import ...` (the repository root is on sys.path when
+pytest runs, and for `python -m bench.<script>`).
+"""
+
+import hashlib
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PYTHON = sys.executable
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m kcoral` on a free port, CPU workers, no log files, a private disk cache."""
+
+    def __init__(self, *flags, workers=2, env=None, tmp_path=None, device="cpu"):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cache = os.path.join(str(tmp_path) if tmp_path else f"/tmp/kcoral-test-{self.port}", "disk-cache")
+        device_flags = ["--device", device] if device else []  # None: the CLI's own default (auto)
+        args = [PYTHON, "-m", "kcoral", "--port", str(self.port), *device_flags,
+                "--num-workers", str(workers), "--log-dir", "", "--disk-cache-dir", cache, *flags]
+        self.stderr_path = os.path.join(os.path.dirname(cache), f"server-{self.port}.log")
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        self.stderr = open(self.stderr_path, "wb")
+        self.proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, **(env or {})},
+                                     stdout=subprocess.DEVNULL, stderr=self.stderr)
+        self.wait_ready()
+
+    def wait_ready(self, timeout=60):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.log()}")
+            try:
+                status, _, _ = request("GET", self.url + "/health")
+                if status in (200, 401):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"server did not become ready: {self.log()}")
+
+    def log(self):
+        with open(self.stderr_path, "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def health(self):
+        status, _, body = request("GET", self.url + "/health")
+        assert status == 200
+        return json.loads(body)
+
+    def stop(self):
+        """SIGTERM and expect a clean exit 0."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.stderr.close()
+        return self.proc.returncode
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def request(method, url, body=b"", headers=None, timeout=120):
+    """One HTTP exchange -> (status, headers dict lower-cased, body bytes)."""
+    host_port = url.split("//", 1)[1].split("/", 1)[0]
+    path = "/" + url.split("//", 1)[1].split("/", 1)[1] if "/" in url.split("//", 1)[1] else "/"
+    conn = http.client.HTTPConnection(host_port, timeout=timeout)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        response = conn.getresponse()
+        data = response.read()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, data
+    finally:
+        conn.close()
+
+
+def multipart(parts, boundary="test-boundary-7f3a"):
+    """[(name, content_type, payload bytes)] -> (body, Content-Type header value)."""
+    chunks = []
+    for name, content_type, payload in parts:
+        chunks.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n'
+                      f"Content-Type: {content_type}\r\n\r\n".encode() + payload + b"\r\n")
+    chunks.append(f"--{boundary}--\r\n".encode())
+    return b"".join(chunks), f"multipart/form-data; boundary={boundary}"
+
+
+def program_parts(program, blobs=()):
+    data = program if isinstance(program, bytes) else json.dumps(program).encode()
+    parts = [("program", "application/json", data)]
+    parts += [(f"blob:{sha256(b)}", "application/octet-stream", b) for b in blobs]
+    return parts
+
+
+def sha256(data):
+    return hashlib.sha256(data).hexdigest()
+
+
+def post(url, program, blobs=(), headers=None, timeout=120):
+    """POST a program with the given blob payloads -> (status, headers, decoded result)."""
+    body, content_type = multipart(program_parts(program, blobs))
+    status, hdrs, data = request("POST", url + "/execute", body,
+                                 {"Content-Type": content_type, **(headers or {})}, timeout)
+    return status, hdrs, decode_response(hdrs, data)
+
+
+def decode_response(headers, data):
+    """JSON body as a dict; a multipart body as the result dict with '_parts' {name: bytes}."""
+    content_type = headers.get("content-type", "")
+    if content_type.startswith("application/json"):
+        return json.loads(data)
+    return parse_multipart_response(data, content_type.split("boundary=", 1)[1])
+
+
+def parse_multipart_response(data, boundary):
+    delimiter = b"\r\n--" + boundary.encode()
+    chunks = (b"\r\n" + data).split(delimiter)
+    assert chunks[-1] in (b"--\r\n", b"--"), chunks[-1][:40]
+    result, parts = None, {}
+    for chunk in chunks[1:-1]:
+        head, _, payload = chunk[2:].partition(b"\r\n\r\n")
+        name = head.split(b'name="', 1)[1].split(b'"', 1)[0].decode()
+        if name == "result":
+            result = json.loads(payload)
+        else:
+            parts[name] = payload
+    result["_parts"] = parts
+    return result
+
+
+def simple_program(source, name="f", args=(), options=None):
+    """upload module -> get_function -> run(args) -> return 'out'."""
+    program = {"instructions": [
+        {"op": "upload", "id": "m", "kind": "module", "source": source},
+        {"op": "get_function", "id": "fn", "module": {"$ref": "m"}, "name": name},
+        {"op": "run", "id": "r", "fn": {"$ref": "fn"}, "args": list(args)},
+        {"op": "return", "key": "out", "value": {"$ref": "r"}}]}
+    if options:
+        program["options"] = options
+    return program
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The shared default server; its TMPDIR is private so workspace leaks are visible."""
+    base = tmp_path_factory.mktemp("server")
+    tmpdir = base / "tmp"
+    tmpdir.mkdir()
+    with ServerProcess(tmp_path=base, env={"TMPDIR": str(tmpdir)}) as srv:
+        srv.tmpdir = str(tmpdir)
+        yield srv
+
+
+
+UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+ERROR_FIELDS = {"kind", "message", "instruction_index", "instruction_op", "instruction_id", "traceback"}
+RESULT_FIELDS = {"status", "request_id", "queue_ms", "elapsed_ms", "lease_wait_ms", "lease_held_ms",
+                 "stdout", "stderr", "stdout_truncated", "stderr_truncated", "results"}
+BOUNDARY = "test-boundary-7f3a"
+H = "a" * 64  # a well-formed blob hash no test ever supplies
+
+
+def ref(ident):
+    return {"$ref": ident}
+
+
+def up_module(ident, source):
+    return {"op": "upload", "id": ident, "kind": "module", "source": source}
+
+
+def up_blob(ident, kind, data, **fields):
+    """An upload of `data` (bytes, or an already computed hash string)."""
+    digest = data if isinstance(data, str) else sha256(data)
+    return {"op": "upload", "id": ident, "kind": kind, "blob": digest, **fields}
+
+
+def get_fn(ident, module, name, **fields):
+    return {"op": "get_function", "id": ident, "module": ref(module), "name": name, **fields}
+
+
+def run(ident, fn, *args):
+    return {"op": "run", "id": ident, "fn": ref(fn), "args": list(args)}
+
+
+def ret(key, ident):
+    return {"op": "return", "key": key, "value": ref(ident)}
+
+
+def ret_path(key, kind, path):
+    return {"op": "return", "key": key, "kind": kind, "path": path}
+
+
+def prog(*instructions, options=None):
+    program = {"instructions": list(instructions)}
+    if options is not None:
+        program["options"] = options
+    return program
+
+
+def call_program(source, name, *args, options=None):
+    """Like simple_program, with any instruction objects (refs) allowed as args."""
+    return prog(up_module("m", source), get_fn("fn", "m", name), run("r", "fn", *args), ret("out", "r"),
+                options=options)
+
+
+def post_raw(url, body, content_type, headers=None, timeout=60):
+    """POST an arbitrary body -> (status, headers, decoded body)."""
+    hdrs = dict(headers or {})
+    if content_type is not None:
+        hdrs["Content-Type"] = content_type
+    status, rh, data = request("POST", url + "/execute", body, hdrs, timeout)
+    return status, rh, decode_response(rh, data) if data else None
+
+
+def raw_part(name, content_type, payload, nl=b"\r\n"):
+    return (f'Content-Disposition: form-data; name="{name}"'.encode() + nl +
+            f"Content-Type: {content_type}".encode() + nl + nl + payload)
+
+
+def raw_body(parts, nl=b"\r\n", boundary=BOUNDARY, preamble=b"", epilogue=b"\r\n"):
+    """Header-block-and-payload byte strings -> a multipart body with the given line ending."""
+    delimiter = b"--" + boundary.encode()
+    chunks = [preamble]
+    for part in parts:
+        chunks.append(delimiter + nl + part + nl)
+    chunks.append(delimiter + b"--" + epilogue)
+    return b"".join(chunks)
+
+
+CT = f"multipart/form-data; boundary={BOUNDARY}"
+EMPTY_MODULE = prog(up_module("m", ""))
+EMPTY_MODULE_JSON = json.dumps(EMPTY_MODULE).encode()
+
+
+def assert_error_body(status, headers, body, http_status, kind, *fragments):
+    """The exact ERROR shape of P§9.8, its headers, and message fragments (case-insensitive)."""
+    assert status == http_status, body
+    assert headers["content-type"] == "application/json"
+    assert set(body) == {"status", "request_id", "error"}, body
+    assert body["status"] == "ERROR"
+    assert set(body["error"]) == {"kind", "message"}, body
+    assert body["error"]["kind"] == kind, body
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    assert headers["x-request-id"] == body["request_id"]
+    assert UUID_RE.fullmatch(body["request_id"]), body
+    assert UUID_RE.fullmatch(headers["x-kcoral-instance"])
+    message = body["error"]["message"].lower()
+    for fragment in fragments:
+        assert fragment.lower() in message, (fragment, body["error"]["message"])
+
+
+def assert_parse_error(response, *fragments):
+    status, headers, body = response
+    assert_error_body(status, headers, body, 400, "parse", *fragments)
+
+
+def assert_completed(body):
+    assert body["status"] == "COMPLETED", body.get("error")
+    assert set(body) - {"_parts"} == RESULT_FIELDS, body
+    return body["results"]
+
+
+def assert_failed(body, kind, index, op, ident, *fragments):
+    """FAILED with the exact error field set of P§9.7; returns the error object."""
+    assert body["status"] == "FAILED", body
+    assert set(body) - {"_parts"} == RESULT_FIELDS | {"error"}, body
+    error = body["error"]
+    assert set(error) == ERROR_FIELDS, error
+    assert (error["kind"], error["instruction_index"], error["instruction_op"], error["instruction_id"]) == \
+        (kind, index, op, ident), error
+    assert isinstance(error["traceback"], str)
+    for fragment in fragments:
+        assert fragment in error["message"], (fragment, error["message"])
+    return error
+
+
+def execute_ok(url, program, blobs=(), **kw):
+    status, headers, body = post(url, program, blobs, **kw)
+    assert status == 200, body
+    return body
+
+
+def workspaces(srv):
+    return sorted(n for n in os.listdir(srv.tmpdir) if n.startswith("kcoral-program-"))
+
+
+def wait_for(predicate, timeout=10.0, interval=0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    return predicate()
+
+
+def process_gone(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def ok_run(url, answer=7):
+    body = execute_ok(url, simple_program("def f(x):\n    return x\n", args=[answer]))
+    assert assert_completed(body) == {"out": {"type": "integer", "value": answer}}
