@@ -20,21 +20,25 @@ import collections
 import ctypes
 import dataclasses
 import datetime
+import errno
 import fcntl
 import hashlib
 import hmac
 import http.server
 import importlib.metadata
 import importlib.util
+import io
 import json
 import math
 import multiprocessing
 import os
 import re
+import resource
 import secrets
 import selectors
 import shutil
 import signal
+import socket
 import stat
 import sys
 import tempfile
@@ -118,6 +122,21 @@ class ServerConfig:
     worker_termination_grace_seconds: float = option(5.0, "SIGTERM-to-SIGKILL window when killing a "
                                                      "worker's process tree")
     max_request_bytes: int = option(256 << 20, "request size limit (413 beyond it)")
+    max_connections: int = option(0, "open client connections served at once; more wait in the listen "
+                                  "backlog while idle keep-alive ones are closed (0: from the fd limit)")
+    keepalive_timeout_seconds: float = option(15.0, "close a keep-alive connection idle this long")
+    header_timeout_seconds: float = option(20.0, "whole request line and headers must arrive within this "
+                                           "(408 beyond it)")
+    max_header_bytes: int = option(64 << 10, "request line plus headers size limit (431 beyond it)")
+    body_rate_window_seconds: float = option(30.0, "a request body must bring --body-rate-min-bytes in every "
+                                             "window of this length (408 and close otherwise)")
+    body_rate_min_bytes: int = option(64 << 10, "least body bytes per --body-rate-window-seconds")
+    max_body_bytes_in_flight: int = option(1 << 30, "request bodies held in memory at once, all clients "
+                                           "together; later ones wait before being read")
+    body_admission_wait_seconds: float = option(60.0, "how long a body waits for --max-body-bytes-in-flight "
+                                                "room before 503 busy")
+    send_timeout_seconds: float = option(30.0, "drop a client that takes longer than this to take 1 MiB "
+                                         "of its response")
     max_response_bytes: int = option(256 << 20, "response size limit (500 response_too_large beyond it)")
     output_limit_bytes: int = option(1 << 20, "default per-stream stdout/stderr capture limit")
     max_output_limit_bytes: int = option(16 << 20, "upper clamp for a request's output_limit_bytes")
@@ -238,6 +257,7 @@ def parse_multipart(body, boundary):
         if body[j:j + 2] == b"--":
             if not parts:
                 raise ValidationError("multipart body has no parts")
+            check_close_delimiter_line(body, j + 2)
             return parts
         j = body.find(b"\n", j) + 1  # a delimiter line always ends (find_delimiter checked)
         following = find_delimiter(body, delimiter, j)
@@ -249,6 +269,15 @@ def parse_multipart(body, boundary):
         headers, payload_start = parse_part_headers(body, j, end)
         parts.append((headers, view[payload_start:end]))
         pos = following
+
+
+def check_close_delimiter_line(body, start):
+    """RFC 2046: only transport padding may follow the close delimiter on its line (the
+    reference answers 400 for `--B--junk`); the epilogue starts on the next line."""
+    end = body.find(b"\n", start)
+    rest = bytes(body[start:len(body) if end < 0 else end]).rstrip(b"\r")
+    if rest.strip(b" \t"):
+        raise ValidationError("unexpected bytes after the closing multipart delimiter")
 
 
 def parse_part_headers(body, start, end):
@@ -555,8 +584,17 @@ def check_return(ins, ids, keys, where):
 
 # --- blob caches (P§7.4, 7.5) -----------------------------------------------
 
+def pinned_bytes(data):
+    """What keeping `data` alive costs: a view pins the whole buffer it was cut from."""
+    owner = data.obj if isinstance(data, memoryview) else data
+    return memoryview(owner).nbytes
+
+
 class MemoryCache:
-    """LRU of blob bytes by SHA-256; pinned entries are never evicted."""
+    """LRU of blob bytes by SHA-256; pinned entries are never evicted.
+
+    Entries are charged for the memory they keep alive (pinned_bytes), not their length.
+    """
 
     def __init__(self, capacity):
         self.capacity = capacity
@@ -567,24 +605,26 @@ class MemoryCache:
 
     def get(self, digest):
         with self.lock:
-            data = self.entries.get(digest)
-            if data is not None:
-                self.entries.move_to_end(digest)
-            return data
+            entry = self.entries.get(digest)
+            if entry is None:
+                return None
+            self.entries.move_to_end(digest)
+            return entry[0]
 
     def put(self, digest, data):
-        if len(data) * 4 > self.capacity:
+        cost = pinned_bytes(data)
+        if cost * 4 > self.capacity:
             return
         with self.lock:
             if digest in self.entries:
                 self.entries.move_to_end(digest)
                 return
-            self.entries[digest] = data
-            self.size += len(data)
+            self.entries[digest] = (data, cost)
+            self.size += cost
             for old in [d for d in self.entries if not self.pins[d]]:
                 if self.size <= self.capacity:
                     break
-                self.size -= len(self.entries.pop(old))
+                self.size -= self.entries.pop(old)[1]
 
     def pin(self, digests):
         with self.lock:
@@ -1197,7 +1237,7 @@ class Execution:
         self.results = {}
         self.parts = []
         # <root>/work is the program's working directory; the file <root>/blobs stages its blobs
-        self.root = tempfile.mkdtemp(prefix="kcoral-program-")
+        self.root = tempfile.mkdtemp(prefix=workspace_prefix())
         self.workspace = os.path.join(self.root, "work")
         self.blob_file = os.path.join(self.root, "blobs")
 
@@ -1382,6 +1422,40 @@ class Execution:
         return error
 
 
+WORKSPACE = re.compile(r"kcoral-program-(\d+)\.(\d+)-")
+
+
+def process_start_ticks(pid):
+    """A process's start time in clock ticks since boot (/proc/PID/stat field 22), or None if
+    it is gone: with the pid, it names one process even after the pid is reused."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rpartition(b")")[2].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def workspace_prefix():
+    """`kcoral-program-<server pid>.<its start ticks>-`: the owner is in the name, so the
+    next start can tell the workspaces of a killed server from a live one's."""
+    return f"kcoral-program-{os.getpid()}.{process_start_ticks(os.getpid())}-"
+
+
+def remove_dead_workspaces(directory):
+    """Remove workspaces whose owning server no longer runs (it was killed before its cleanup)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    removed = 0
+    for name in names:
+        match = WORKSPACE.match(name)
+        if match and process_start_ticks(int(match.group(1))) != int(match.group(2)):
+            remove_tree(os.path.join(directory, name))
+            removed += 1
+    return removed
+
+
 def remove_tree(path):
     """Remove a workspace whatever the program did to its permissions."""
     def make_writable(func, failed, _exc):
@@ -1471,6 +1545,7 @@ class KCoralServer:
                            if config.disk_cache_dir and config.disk_cache_capacity_mbytes > 0 else None)
         self.in_flight = 0
         self.in_flight_cond = threading.Condition()
+        self.bodies = BodyBudget(config.max_body_bytes_in_flight)
         self.closing = False
         self.pool = None
         self.httpd = None
@@ -1478,14 +1553,16 @@ class KCoralServer:
     def start(self):
         """Start workers and listen; returns once requests are accepted."""
         run_dir = open_log(self.config)
+        removed = remove_dead_workspaces(tempfile.gettempdir())
+        if removed:
+            log_event("stale_workspaces_removed", count=removed)
         become_subreaper()
         device, gpu_ids, gpu_names = resolve_device(self.config)
         self.device = device
         self.pool = Pool(self.config, device, gpu_ids, gpu_names)
         self.target, self.versions = describe_runtime(device, self.pool)
         self.gpu_count = len(gpu_ids)
-        self.httpd = HTTPServer((self.config.host, self.config.port), RequestHandler)
-        self.httpd.app = self
+        self.httpd = HTTPServer((self.config.host, self.config.port), RequestHandler, self)
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
         log_event("server_started", url=self.url, device=device, workers=len(self.pool.slots),
@@ -1511,6 +1588,8 @@ class KCoralServer:
         """Graceful shutdown: capacity 0, new programs 503, in-flight ones finish."""
         self.closing = True
         self.pool.close()
+        self.bodies.close()
+        self.httpd.guard.cut_all("shutdown")  # slow uploads and idle connections; executions finish
         with self.in_flight_cond:
             log_event("shutdown_started", remaining=self.in_flight)
             while self.in_flight:
@@ -1672,17 +1751,258 @@ def common_target(workers):
     return arches[0]
 
 
+# --- connections: limits and deadlines ------------------------------------------
+
+@dataclasses.dataclass
+class Phase:
+    """Where a connection is in its request: "idle" (keep-alive, waiting for a request),
+    "header" (request line and headers) or "body"; `received` counts body bytes."""
+    name: str
+    since: float
+    received: int = 0
+    window_start: float = 0.0
+    window_bytes: int = 0
+
+
+class ConnectionGuard:
+    """Deadlines that no socket timeout can express: a socket timeout bounds one read, so a
+    header or body trickling in a byte at a time never trips it.  One thread checks every
+    watched connection a few times a second and cuts the read side of those past their
+    deadline; the handler's read then ends and it answers 408 (or just closes)."""
+
+    TICK = 0.25
+
+    def __init__(self, config):
+        self.config = config
+        self.lock = threading.Lock()
+        self.watched = {}  # handler -> Phase
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self.run, name="kcoral-connection-guard", daemon=True)
+        self.thread.start()
+
+    def enter(self, handler, name):
+        now = time.monotonic()
+        phase = Phase(name, now, window_start=now)
+        with self.lock:
+            self.watched[handler] = phase
+        return phase
+
+    def leave(self, handler):
+        with self.lock:
+            self.watched.pop(handler, None)
+
+    def run(self):
+        while not self.stopped.wait(self.TICK):
+            now = time.monotonic()
+            with self.lock:
+                expired = [(h, phase, reason) for h, phase in self.watched.items()
+                           if (reason := self.expired(phase, now)) is not None]
+            for handler, phase, reason in expired:
+                self.cut(handler, reason, phase)
+
+    def expired(self, phase, now):
+        config = self.config
+        if phase.name == "idle":
+            return "idle" if now - phase.since >= config.keepalive_timeout_seconds else None
+        if phase.name == "header":
+            return "header_timeout" if now - phase.since >= config.header_timeout_seconds else None
+        if now - phase.window_start < config.body_rate_window_seconds:
+            return None
+        if phase.received - phase.window_bytes < config.body_rate_min_bytes:
+            return "body_rate"
+        phase.window_start, phase.window_bytes = now, phase.received  # the next window
+        return None
+
+    def cut(self, handler, reason, phase=None):
+        """Cut the read side of `handler`'s connection if it is still in `phase` (any phase: None)."""
+        with self.lock:
+            current = self.watched.get(handler)
+            if current is None or (phase is not None and current is not phase):
+                return  # it moved on meanwhile
+            del self.watched[handler]
+        handler.cut_reason = reason
+        try:
+            handler.connection.shutdown(socket.SHUT_RD)
+        except OSError:
+            pass
+
+    def cut_idle(self, idle_for):
+        """Close keep-alive connections idle for `idle_for` seconds or more -> how many."""
+        now = time.monotonic()
+        with self.lock:
+            idle = [(h, phase) for h, phase in self.watched.items()
+                    if phase.name == "idle" and now - phase.since >= idle_for]
+        for handler, phase in idle:
+            self.cut(handler, "idle", phase)
+        return len(idle)
+
+    def cut_all(self, reason):
+        """Shutdown: idle connections close, headers and bodies still arriving are cut."""
+        with self.lock:
+            handlers = list(self.watched)
+        for handler in handlers:
+            self.cut(handler, reason)
+
+    def stop(self):
+        self.stopped.set()
+
+
+class BodyBudget:
+    """Admission of request bodies against a global in-memory budget, first come first served,
+    so memory stays bounded however many clients upload at once.  A body larger than the
+    whole budget is admitted alone."""
+
+    def __init__(self, capacity):
+        self.capacity = capacity
+        self.in_use = 0
+        self.queue = collections.deque()
+        self.closed = False
+        self.cond = threading.Condition()
+
+    def admit(self, size, timeout):
+        """Wait for room for `size` bytes -> True, or False after `timeout` s or on shutdown."""
+        ticket = object()
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            self.queue.append(ticket)
+            try:
+                while not self.closed:
+                    room = self.in_use + size <= self.capacity or self.in_use == 0
+                    if room and self.queue[0] is ticket:
+                        self.in_use += size
+                        return True
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return False
+                    self.cond.wait(remaining)
+                return False
+            finally:
+                self.queue.remove(ticket)
+                self.cond.notify_all()
+
+    def release(self, size):
+        with self.cond:
+            self.in_use -= size
+            self.cond.notify_all()
+
+    def close(self):
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+
+class BodyCut(Exception):
+    """The connection guard cut a request body (too slow, or the server is stopping)."""
+
+    def __init__(self, reason):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def default_max_connections():
+    """A quarter of the fd limit (a connection in a request may hold a few more fds: staging
+    files, pipes, cache files), so fds run out after connections do."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 16
+    return max(8, min(1024, (soft - 64) // 4))
+
+
+ACCEPT_RESOURCE_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+
 class HTTPServer(http.server.ThreadingHTTPServer):
+    """ThreadingHTTPServer with a bounded number of connections (one thread each).
+
+    At the limit, the listening socket is not accepted from: new connections wait in the
+    backlog while idle keep-alive connections are closed to make room.  When the process runs
+    out of fds, accept() fails while the socket stays readable; we back off instead of spinning.
+    """
     daemon_threads = True
     allow_reuse_address = True
     request_queue_size = 128
+
+    def __init__(self, address, handler, app):
+        self.app = app
+        self.guard = ConnectionGuard(app.config)
+        self.max_connections = app.config.max_connections or default_max_connections()
+        self.open_connections = 0
+        self.slots = threading.Condition()
+        super().__init__(address, handler)
+
+    def get_request(self):
+        with self.slots:
+            if self.open_connections >= self.max_connections:
+                self.guard.cut_idle(min(1.0, self.app.config.keepalive_timeout_seconds))
+                self.slots.wait(0.5)
+                if self.open_connections >= self.max_connections:  # serve_forever polls again
+                    raise OSError(errno.EAGAIN, "connection limit reached")
+        try:
+            request = self.socket.accept()
+        except OSError as exc:
+            if exc.errno in ACCEPT_RESOURCE_ERRORS:
+                self.guard.cut_idle(0.0)
+                time.sleep(0.1)
+            raise
+        with self.slots:
+            self.open_connections += 1
+        return request
+
+    def shutdown_request(self, request):
+        super().shutdown_request(request)
+        with self.slots:
+            self.open_connections -= 1
+            self.slots.notify_all()
+
+    def handle_error(self, request, client_address):
+        """One line, never a traceback: a client that vanished is routine, anything else a bug."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, OSError):
+            log_event("client_disconnected", "WARNING", peer=client_address[0], phase="request",
+                      error=type(exc).__name__)
+        else:
+            log_event("server_error", "ERROR", peer=client_address[0], error=repr(exc))
+
+    def server_close(self):
+        self.guard.stop()
+        super().server_close()
+
+
+CONTROL_CHARS = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+DRAIN_LIMIT = 1 << 16  # unread bodies up to this size are skipped to keep the connection
+SEND_SLICE = 1 << 20  # the send timeout applies to each slice: a slow reader is fine, a stalled one is not
+
+
+def framing_problem(headers):
+    """RFC 9112 §6 checks http.server leaves out: a request whose length two parsers (a proxy
+    in front, and us) could read differently is refused, so no request hides in another's body."""
+    for name, value in headers.items():
+        if CONTROL_CHARS.search(value):
+            return f"control character in the {name} header"
+    lengths = {v.strip() for value in headers.get_all("Content-Length") or [] for v in value.split(",")}
+    if any(declared_length(v) is None for v in lengths):
+        return "invalid Content-Length header"
+    if len({declared_length(v) for v in lengths}) > 1:
+        return "conflicting Content-Length headers"
+    encodings = headers.get_all("Transfer-Encoding") or []
+    if encodings and lengths:
+        return "Transfer-Encoding together with Content-Length"
+    if encodings and [e.strip().lower() for e in encodings] != ["chunked"]:
+        return "unsupported Transfer-Encoding (only chunked is accepted)"
+    return None
 
 
 class RequestHandler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "kcoral/" + __version__
     disable_nagle_algorithm = True  # headers and body are separate writes
-    timeout = 300  # a client that stops sending mid-upload does not hold a thread forever
+
+    def setup(self):
+        # per socket operation: bounds each send slice, and backs up the guard for reads
+        self.timeout = self.server.app.config.send_timeout_seconds
+        super().setup()
+        self.cut_reason = None  # set by the ConnectionGuard when it cuts this connection
+        self.body_done = True
 
     def log_message(self, format, *args):  # one structured line per request instead
         pass
@@ -1691,11 +2011,88 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
     def app(self):
         return self.server.app
 
+    def watch(self, phase):
+        self.phase = self.server.guard.enter(self, phase)
+
+    def unwatch(self):
+        self.server.guard.leave(self)
+
+    def handle_one_request(self):
+        """http.server's, with the request head read under a size cap and a total deadline,
+        and the wait for a keep-alive connection's next request bounded."""
+        self.watch("idle")
+        try:
+            waiting = self.rfile.peek(1)
+        except OSError:  # reset, or the backstop timeout, while idle: nothing to say
+            waiting = b""
+        if not waiting or self.cut_reason:
+            self.unwatch()
+            self.close_connection = True
+            return
+        self.watch("header")
+        head = self.read_head()
+        self.unwatch()
+        if head is None:
+            self.close_connection = True
+            return
+        self.raw_requestline, self.header_block = head
+        if not self.parse_request():
+            return
+        self.body_done = False
+        self.expects_continue = (self.headers.get("Expect", "").lower() == "100-continue"
+                                 and self.request_version >= "HTTP/1.1")
+        handler = getattr(self, "do_" + self.command, None)
+        if handler is None:
+            return self.route_error()
+        handler()
+        self.wfile.flush()
+
+    def read_head(self):
+        """Request line and header block -> (request line, header bytes); None once answered or gone."""
+        limit = self.app.config.max_header_bytes
+        lines, size = [], 0
+        try:
+            while True:
+                line = self.rfile.readline(limit - size + 1)
+                size += len(line)
+                if size > limit:
+                    self.refuse_head(431, f"request line and headers exceed {limit} bytes")
+                    return None
+                if not line.endswith(b"\n"):
+                    self.head_cut_short(size)
+                    return None
+                lines.append(line)
+                if line in (b"\r\n", b"\n"):
+                    return lines[0], b"".join(lines[1:])
+        except OSError as exc:
+            self.disconnected("header", error=type(exc).__name__)
+            return None
+
+    def head_cut_short(self, size):
+        if self.cut_reason == "header_timeout":
+            self.disconnected("header", reason="header_timeout")
+            self.refuse_head(408, f"request headers not received within {self.app.config.header_timeout_seconds:g} s")
+        elif self.cut_reason is None and size:
+            self.disconnected("header")
+
+    def refuse_head(self, status, message):
+        """Answer a request whose head could not be read, then close."""
+        self.command, self.requestline, self.request_version = None, "", "HTTP/1.1"
+        try:
+            self.send_error(status, message)
+        except OSError:
+            pass
+
+    def disconnected(self, phase, **fields):
+        """The one log line for a client that went away (or was cut off)."""
+        log_event("client_disconnected", "WARNING", peer=self.client_address[0], phase=phase, **fields)
+
     def do_GET(self):
         if not self.authorized(""):
             return
         if self.path != "/health":
             return self.route_error()
+        self.drain_body()
         self.send_json(200, self.app.health())
 
     def do_POST(self):
@@ -1713,6 +2110,9 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             outcome = self.execute(request_id)
         except ValidationError as exc:
             outcome = Outcome(400, "parse", str(exc))
+        except BodyCut as cut:
+            self.close_connection = True
+            outcome = self.cut_outcome(cut.reason)
         except (ConnectionError, TimeoutError):  # body cut short; a half-closed client can still read this
             self.close_connection = True
             outcome = Outcome(400, "parse", "request body ended before Content-Length bytes arrived")
@@ -1720,9 +2120,9 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             log_event("server_error", "ERROR", request_id=request_id, error=repr(exc))
         try:
             size = self.respond(request_id, outcome)
-        except (ConnectionError, TimeoutError):
+        except OSError as exc:  # the client stopped reading (send timeout) or went away
             self.close_connection = True
-            size = None
+            size, lost = None, type(exc).__name__
         except Exception as exc:  # e.g. a result that cannot be encoded: nothing was written yet
             log_event("server_error", "ERROR", request_id=request_id, error=repr(exc))
             outcome = Outcome(500, "engine", "internal server error")
@@ -1732,13 +2132,25 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
                 app.in_flight -= 1
                 app.in_flight_cond.notify_all()
         body = outcome.body or {}
-        log_event("request_finished", request_id=request_id, http_status=outcome.http_status,
-                  status=body.get("status", "ERROR"), error_kind=(body.get("error") or {}).get("kind") or outcome.kind or None,
-                  worker_id=outcome.worker_id or None, queue_ms=body.get("queue_ms"),
-                  elapsed_ms=body.get("elapsed_ms"), total_ms=(time.monotonic() - started) * 1e3,
-                  response_bytes=size)
+        fields = {"request_id": request_id, "http_status": outcome.http_status,
+                  "status": body.get("status", "ERROR"),
+                  "error_kind": (body.get("error") or {}).get("kind") or outcome.kind or None,
+                  "worker_id": outcome.worker_id or None, "queue_ms": body.get("queue_ms"),
+                  "elapsed_ms": body.get("elapsed_ms"), "total_ms": (time.monotonic() - started) * 1e3}
+        if size is None:
+            self.disconnected("response", error=lost, **fields)
+        else:
+            log_event("request_finished", response_bytes=size, **fields)
 
     do_PUT = do_DELETE = do_PATCH = lambda self: self.route_error()
+
+    def cut_outcome(self, reason):
+        if reason == "body_rate":
+            config = self.app.config
+            self.disconnected("body", reason=reason)
+            return Outcome(408, "parse", f"request body slower than {config.body_rate_min_bytes} bytes per "
+                                         f"{config.body_rate_window_seconds:g} s")
+        return Outcome(503, "busy", "server is shutting down")
 
     def route_error(self):
         self.drain_body()
@@ -1749,14 +2161,26 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             self.send_json(404, {"detail": "Not Found"})
 
     def parse_request(self):
-        """http.server stops the header block at a line it cannot parse (no colon, a bare CR)
-        and drops the headers after it, Content-Length included: the body would then be read
-        as the next request on the connection.  Refuse such a request instead."""
-        if not super().parse_request():
+        """http.server's parser over the head read_head took in, then RFC 9112's framing checks.
+
+        http.server also stops the header block at a line it cannot parse (no colon, a bare
+        CR) and drops the headers after it, Content-Length included: the body would then be
+        read as the next request on the connection.  Refuse such a request instead."""
+        socket_reader, self.rfile = self.rfile, io.BytesIO(self.header_block)
+        try:
+            parsed = super().parse_request()
+        finally:
+            self.rfile = socket_reader
+        if not parsed:
             return False
-        if self.headers.get_payload():
-            self.send_error(400, "malformed request header block")
+        problem = "malformed request header block" if self.headers.get_payload() else framing_problem(self.headers)
+        if problem:
+            self.send_error(400, problem)
             return False
+        return True
+
+    def handle_expect_100(self):
+        """`100 Continue` waits until the request is known to be acceptable (execute)."""
         return True
 
     def send_error(self, code, message=None, explain=None):
@@ -1792,45 +2216,83 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         return False
 
     def drain_body(self):
-        """Skip a small unread body so the connection stays usable; close it otherwise."""
-        length = self.headers.get("Content-Length", "")
-        size = declared_length(length)
-        if size is not None and size <= 1 << 16:
-            self.rfile.read(size)
-        elif length or self.headers.get("Transfer-Encoding"):
+        """Skip a small unread body so the connection stays usable; close it otherwise (also when
+        the client awaits `100 Continue`: it has sent nothing and needs no body read)."""
+        if self.body_done:
+            return
+        self.body_done = True
+        size = declared_length(self.headers.get("Content-Length", "0"))
+        if self.headers.get("Transfer-Encoding") or self.expects_continue or size > DRAIN_LIMIT:
+            self.close_connection = True
+            return
+        try:
+            self.read_body(size)
+        except (OSError, BodyCut):
             self.close_connection = True
 
     def execute(self, request_id):
-        limit = self.app.config.max_request_bytes
-        length = self.headers.get("Content-Length")
-        chunked = "chunked" in self.headers.get("Transfer-Encoding", "").lower()
-        size = declared_length(length or "0")
-        if length is not None and not chunked:
-            if size is None:
-                self.close_connection = True
-                raise ValidationError("invalid Content-Length header")
-            if size > limit:
-                self.close_connection = True  # the body stays unread
-                return Outcome(413, "request_too_large", "request exceeds the configured size limit")
-        body = self.read_chunked(limit) if chunked else self.read_exact(size or 0)
-        if body is None:
+        """Read the body (admitted against the in-flight budget first) and run the request."""
+        config = self.app.config
+        limit = config.max_request_bytes
+        chunked = "Transfer-Encoding" in self.headers  # framing_problem let only exactly `chunked` through
+        size = declared_length(self.headers.get("Content-Length", "0"))
+        if size > limit:
+            self.close_connection = True  # the body stays unread
             return Outcome(413, "request_too_large", "request exceeds the configured size limit")
-        return self.app.execute(request_id, body, self.headers.get("Content-Type"))
+        if self.expects_continue:
+            keep_open, self.close_connection = not self.close_connection, True  # a refusal leaves the body unsent
+            request_boundary(self.headers.get("Content-Type"))
+        reserved = min(limit, config.max_body_bytes_in_flight) if chunked else size
+        if not self.app.bodies.admit(reserved, config.body_admission_wait_seconds):
+            self.close_connection = True
+            return Outcome(503, "busy", "server is shutting down" if self.app.closing else "server saturated")
+        try:
+            if self.expects_continue:
+                self.send_response_only(100)
+                self.end_headers()
+                self.close_connection = not keep_open
+            body = self.read_chunked(limit) if chunked else self.read_body(size)
+            self.body_done = True
+            if body is None:
+                return Outcome(413, "request_too_large", "request exceeds the configured size limit")
+            return self.app.execute(request_id, body, self.headers.get("Content-Type"))
+        finally:
+            self.app.bodies.release(reserved)
+
+    def read_body(self, size):
+        """Read `size` body bytes under the guard's rate rule -> a new buffer."""
+        self.watch("body")
+        try:
+            return self.read_exact(size)
+        finally:
+            self.unwatch()
 
     def read_exact(self, size):
         body = large_buffer(size)
         view = memoryview(body)
         while view:
-            n = self.rfile.readinto(view)
+            n = self.rfile.readinto1(view)  # one socket read at a time: the guard sees the progress
             if not n:
+                if self.cut_reason:
+                    raise BodyCut(self.cut_reason)
                 raise ConnectionError("client closed the connection mid-body")
+            self.phase.received += n
             view = view[n:]
         return body
 
     def read_chunked(self, limit):
+        self.watch("body")
+        try:
+            return self.read_chunks(limit)
+        finally:
+            self.unwatch()
+
+    def read_chunks(self, limit):
         body = bytearray()
         while True:
             line = self.rfile.readline(1024).split(b";")[0].strip()
+            if self.cut_reason:
+                raise BodyCut(self.cut_reason)
             if not re.fullmatch(rb"[0-9A-Fa-f]+", line):  # int() would also take "-5", "+5", "0x5"
                 self.close_connection = True
                 raise ValidationError("malformed chunked request body")
@@ -1870,8 +2332,14 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_common_headers(f"multipart/form-data; boundary={boundary}", total, {"X-Request-ID": request_id})
         for piece in pieces:
-            self.wfile.write(piece)
+            self.send_all(piece)
         return total
+
+    def send_all(self, data):
+        """Write in slices, each under the send timeout: a client that stops reading is dropped."""
+        view = memoryview(data).cast("B")
+        for start in range(0, view.nbytes, SEND_SLICE):
+            self.wfile.write(view[start:start + SEND_SLICE])
 
     def too_large(self, request_id):
         return self.send_error_body(500, request_id, "response_too_large",
@@ -1885,7 +2353,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         encoded = encoded if encoded is not None else json_bytes(body)
         self.send_response(status)
         self.send_common_headers("application/json", len(encoded), dict(headers))
-        self.wfile.write(encoded)
+        self.send_all(encoded)
         return len(encoded)
 
     def send_common_headers(self, content_type, length, headers):
