@@ -1,0 +1,627 @@
+"""Hostile and slow clients against a real server: each attack of issue 9, measured through /proc.
+
+Every attack is an *item* taking a Scale; the CI tests below run them small (and with short
+deadlines), `python -m bench.soak --long --only hostile` runs them at full size with the
+server's default limits.  Each item returns the figures it measured (threads, fds, PSS, seconds).
+"""
+
+import collections
+import dataclasses
+import hashlib
+import json
+import os
+import resource
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+
+import pytest
+
+from tests.support import multipart, program_parts, request, sha256, simple_program
+from tests.test_reliability import Server, descendants
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+    name: str
+    slow_headers: int       # connections trickling a header
+    trickle_every: float    # seconds between their bytes
+    header_timeout: float   # the server's --header-timeout-seconds (None: default)
+    max_connections: int    # the server's --max-connections for the header attack
+    idle_connections: int   # connections opened against an fd limit of 256
+    uploads: int            # concurrent uploads of distinct blobs ...
+    upload_mib: int         # ... of this size
+    cache_mib: int          # --cache-capacity-bytes of that server
+    budget_mib: int         # --max-body-bytes-in-flight (0: default)
+    big_headers: int        # connections sending 98 header lines of 64 KB
+    rate_window: float      # --body-rate-window-seconds
+    rate_min: int           # --body-rate-min-bytes
+    response_mib: int       # size of the response nobody reads
+    send_timeout: float     # --send-timeout-seconds
+    mid_header_closes: int  # clients closing mid-header
+
+
+CI = Scale("ci", slow_headers=40, trickle_every=0.5, header_timeout=2.0, max_connections=24, idle_connections=300,
+           uploads=8, upload_mib=24, cache_mib=64, budget_mib=48, big_headers=12, rate_window=2.0,
+           rate_min=16 << 10, response_mib=32, send_timeout=2.0, mid_header_closes=200)
+LONG = Scale("long", slow_headers=1000, trickle_every=3.0, header_timeout=0, max_connections=0,
+             idle_connections=371, uploads=12, upload_mib=200, cache_mib=256, budget_mib=0, big_headers=50,
+             rate_window=0, rate_min=0, response_mib=100, send_timeout=0, mid_header_closes=1300)
+
+
+def flags(**values):
+    """Server flags for the values that are set (0/None: the server's default)."""
+    out = []
+    for name, value in values.items():
+        if value:
+            out += ["--" + name.replace("_", "-"), str(value)]
+    return out
+
+
+def pss_kib(pids):
+    """Proportional set size of processes: shared pages (forked workers) count once overall."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                total += sum(int(line.split()[1]) for line in f if line.startswith("Pss:"))
+        except OSError:
+            pass
+    return total
+
+
+def tree_pss_kib(server):
+    return pss_kib([server.pid, *descendants(server.pid)])
+
+
+def cpu_seconds(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def health_seconds(server, timeout=60):
+    started = time.monotonic()
+    status, _, _ = request("GET", server.url + "/health", timeout=timeout)
+    assert status == 200
+    return time.monotonic() - started
+
+
+def ok_execute(server, value=1, timeout=120):
+    started = time.monotonic()
+    body, content_type = multipart(program_parts(simple_program("def f(x):\n    return x\n", args=[value])))
+    status, _, data = request("POST", server.url + "/execute", body, {"Content-Type": content_type}, timeout)
+    assert status == 200 and json.loads(data)["results"]["out"]["value"] == value, data[:300]
+    return time.monotonic() - started
+
+
+def read_response(sock, timeout=30):
+    """Everything the server sends until it closes -> bytes (raises on a timeout)."""
+    sock.settimeout(timeout)
+    data = b""
+    while True:
+        try:
+            chunk = sock.recv(1 << 16)
+        except ConnectionResetError:
+            return data
+        if not chunk:
+            return data
+        data += chunk
+
+
+def status_of(data):
+    return int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/1.1 ") else None
+
+
+def error_kind(data):
+    return json.loads(data.partition(b"\r\n\r\n")[2])["error"]["kind"]
+
+
+def connect(port, timeout=30):
+    return socket.create_connection(("127.0.0.1", port), timeout=timeout)
+
+
+def log_lines(server, word):
+    return [line for line in server.log().splitlines() if word in line]
+
+
+# --- 1. headers trickling in -----------------------------------------------------------------
+
+def slow_headers_item(scale, workdir):
+    """Connections sending their request head a byte at a time: cut at the header deadline
+    (408), threads bounded by --max-connections, /health answered meanwhile."""
+    server = Server(workdir, *flags(header_timeout_seconds=scale.header_timeout,
+                                    max_connections=scale.max_connections))
+    try:
+        base_threads = server.threads()
+        head = b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-Slow: " + b"a" * 4000 + b"\r\n\r\n"
+        socks, sent, closed_at = [], collections.Counter(), {}
+        started = time.monotonic()
+        for _ in range(scale.slow_headers):
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex(("127.0.0.1", server.port))
+            socks.append(s)
+        peak_threads, health_s = 0, None
+        deadline = started + 120
+        while len(closed_at) < len(socks) and time.monotonic() < deadline:
+            for i, s in enumerate(socks):
+                if i in closed_at:
+                    continue
+                try:
+                    if s.recv(1 << 16) is not None:  # answered (408) or closed: the connection is over
+                        closed_at[i] = time.monotonic() - started
+                        continue
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    closed_at[i] = time.monotonic() - started
+                    continue
+                try:
+                    s.send(head[sent[i]:sent[i] + 1])
+                    sent[i] += 1
+                except (BlockingIOError, OSError):
+                    pass
+            peak_threads = max(peak_threads, server.threads())
+            if health_s is None and time.monotonic() - started > scale.trickle_every:
+                health_s = health_seconds(server)
+            time.sleep(scale.trickle_every)
+        for s in socks:
+            s.close()
+        header_timeout = scale.header_timeout or 20.0
+        assert len(closed_at) == len(socks), f"{len(socks) - len(closed_at)} trickling connections still open"
+        longest = max(closed_at.values())
+        limit = server.status_field("Threads")
+        assert max(sent.values()) < len(head), "a trickling client finished its head"
+        max_connections = scale.max_connections or 1024
+        assert peak_threads <= base_threads + max_connections + 4, (peak_threads, base_threads)
+        # each connection is cut at its deadline; those waiting for a slot get theirs after accept
+        rounds = -(-len(socks) // max_connections)
+        assert longest <= rounds * (header_timeout + 2) + 10, longest
+        figures = {"connections": len(socks), "peak threads": peak_threads, "threads before": base_threads,
+                   "threads after": limit, "last connection closed after s": round(longest, 1),
+                   "/health during attack s": round(health_s, 2)}
+        assert not log_lines(server, "Traceback")
+    finally:
+        code = server.stop()
+    assert code == 0
+    return figures
+
+
+# --- 2. fd limit reached ---------------------------------------------------------------------------
+
+def fd_limit_item(scale, workdir):
+    """With the fd limit at 256 and more idle connections than fds, the accept loop must not
+    spin and /health and /execute must keep being answered."""
+    server = Server(workdir)
+    socks = []
+    try:
+        resource.prlimit(server.pid, resource.RLIMIT_NOFILE, (256, 256))
+        for _ in range(scale.idle_connections):
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex(("127.0.0.1", server.port))
+            socks.append(s)
+        time.sleep(1.0)
+        cpu0, t0 = cpu_seconds(server.pid), time.monotonic()
+        health_s = health_seconds(server)
+        execute_s = ok_execute(server)
+        time.sleep(max(0.0, 3.0 - (time.monotonic() - t0)))
+        cpu_share = (cpu_seconds(server.pid) - cpu0) / (time.monotonic() - t0)
+        assert cpu_share < 0.5, f"server used {cpu_share:.0%} of a core with idle connections"
+        assert health_s < 20 and execute_s < 30, (health_s, execute_s)
+        fds = server.fds()
+        figures = {"idle connections": len(socks), "fd limit": 256, "server fds": fds,
+                   "server CPU share": f"{cpu_share:.0%}", "/health s": round(health_s, 2),
+                   "/execute s": round(execute_s, 2)}
+    finally:
+        for s in socks:
+            s.close()
+        code = server.stop()
+    assert code == 0
+    return figures
+
+
+# --- 3. many concurrent large uploads --------------------------------------------------------
+
+def uploads_item(scale, workdir):
+    """Concurrent uploads of distinct blobs: the server tree's PSS stays bounded by the
+    in-flight body budget (not the number of uploads) and every request is answered."""
+    budget = scale.budget_mib << 20
+    server = Server(workdir, "--cache-capacity-bytes", str(scale.cache_mib << 20),
+                    *flags(max_body_bytes_in_flight=budget))
+    source = "def f(data):\n    return len(data)\n"
+    try:
+        time.sleep(0.5)
+        before = tree_pss_kib(server)
+        peak, stop = [before], threading.Event()
+
+        def sample():
+            while not stop.is_set():
+                peak[0] = max(peak[0], tree_pss_kib(server))
+                time.sleep(0.05)
+
+        answers = []
+
+        def upload(i):
+            blob = hashlib.sha256(b"%d" % i).digest() * ((scale.upload_mib << 20) // 32)
+            program = {"instructions": [
+                {"op": "upload", "id": "m", "kind": "module", "source": source},
+                {"op": "upload", "id": "b", "kind": "bytes", "blob": sha256(blob)},
+                {"op": "get_function", "id": "fn", "module": {"$ref": "m"}, "name": "f"},
+                {"op": "run", "id": "r", "fn": {"$ref": "fn"}, "args": [{"$ref": "b"}]},
+                {"op": "return", "key": "out", "value": {"$ref": "r"}}]}
+            body, content_type = multipart(program_parts(program, [blob]))
+            del blob
+            status, _, data = request("POST", server.url + "/execute", body, {"Content-Type": content_type}, 600)
+            answers.append((status, json.loads(data).get("results") if status == 200 else data[:200]))
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        started = time.monotonic()
+        threads = [threading.Thread(target=upload, args=(i,)) for i in range(scale.uploads)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        seconds = time.monotonic() - started
+        stop.set()
+        sampler.join()
+        time.sleep(1.0)
+        after = tree_pss_kib(server)
+        size = (scale.upload_mib << 20) // 32 * 32
+        assert [a for a in answers if a != (200, {"out": {"type": "integer", "value": size}})] == [], answers
+        increase_mib = (peak[0] - before) / 1024
+        in_flight = (budget or 1 << 30) >> 20
+        # admitted bodies, the memory cache, one blob per worker (it reads its copy), some slack
+        bound = in_flight + scale.cache_mib + 2 * scale.upload_mib + 64
+        assert increase_mib <= bound, f"peak PSS +{increase_mib:.0f} MiB > {bound} MiB"
+        figures = {"uploads": f"{scale.uploads} x {scale.upload_mib} MiB", "all answered 200": len(answers),
+                   "peak PSS increase MiB": round(increase_mib), "bound MiB": bound,
+                   "PSS after MiB": round((after - before) / 1024), "seconds": round(seconds, 1)}
+    finally:
+        code = server.stop()
+    assert code == 0
+    return figures
+
+
+# --- 4. huge header blocks -----------------------------------------------------------------
+
+def big_headers_item(scale, workdir):
+    """Connections sending 98 header lines of 64 KB: 431 once 64 KiB arrived, little memory held."""
+    server = Server(workdir)
+    try:
+        before = tree_pss_kib(server)
+        line = b"X-Big: " + b"a" * (64000 - 9) + b"\r\n"
+        results, peak = [], [before]
+
+        def attack():
+            with connect(server.port) as s:
+                s.sendall(b"POST /execute HTTP/1.1\r\nHost: x\r\n")
+                try:
+                    for _ in range(98):
+                        s.sendall(line)
+                except OSError:
+                    pass  # the server answered and closed
+                results.append(read_response(s))
+
+        threads = [threading.Thread(target=attack) for _ in range(scale.big_headers)]
+        started = time.monotonic()
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            peak[0] = max(peak[0], tree_pss_kib(server))
+            time.sleep(0.05)
+        seconds = time.monotonic() - started
+        statuses = collections.Counter(status_of(r) for r in results)
+        assert statuses[431] >= len(threads) * 0.9, statuses  # a reset may eat the odd answer
+        assert all(error_kind(r) == "parse" for r in results if status_of(r) == 431)
+        increase_mib = (peak[0] - before) / 1024
+        assert increase_mib < 64, increase_mib
+        health_seconds(server)
+        figures = {"connections": len(threads), "answers": dict(statuses),
+                   "peak PSS increase MiB": round(increase_mib, 1), "seconds": round(seconds, 1)}
+    finally:
+        code = server.stop()
+    assert code == 0
+    return figures
+
+
+# --- 5. slow bodies ------------------------------------------------------------------------------
+
+def slow_body_item(scale, workdir):
+    """A body trickling at 1 KiB/s is cut with 408 within two rate windows; a slow but honest
+    one (well above the minimum rate) is not."""
+    server = Server(workdir, *flags(body_rate_window_seconds=scale.rate_window,
+                                    body_rate_min_bytes=scale.rate_min))
+    window = scale.rate_window or 30.0
+    minimum = scale.rate_min or 64 << 10
+    try:
+        body, content_type = multipart(program_parts(simple_program("def f(x):\n    return x\n", args=[1])))
+        head = (f"POST /execute HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\n"
+                f"Content-Length: {200 << 20}\r\n\r\n").encode()
+        started = time.monotonic()
+        with connect(server.port, timeout=5 * window) as s:
+            s.sendall(head)
+            answer = b""
+            while time.monotonic() - started < 3 * window:
+                try:
+                    s.sendall(b"x" * 1024)
+                except OSError:
+                    break
+                readable, _, _ = select.select([s], [], [], 1.0)
+                if readable:
+                    answer = read_response(s)
+                    break
+            cut_s = time.monotonic() - started
+        assert status_of(answer) == 408, answer[:200]
+        assert cut_s <= 2 * window + 2, cut_s
+        # honest: the real request with an epilogue, sent at twice the minimum rate for 1.5 windows
+        rate = 2 * minimum / window
+        padded = body + b"e" * int(rate * window * 1.5)
+        t0 = time.monotonic()
+        with connect(server.port, timeout=5 * window) as s:
+            head = (f"POST /execute HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\n"
+                    f"Content-Length: {len(padded)}\r\nConnection: close\r\n\r\n").encode()
+            s.sendall(head)
+            piece = max(1, int(rate / 4))
+            for i in range(0, len(padded), piece):
+                s.sendall(padded[i:i + piece])
+                time.sleep(0.25)
+            honest_answer = read_response(s)
+        honest_s = time.monotonic() - t0
+        assert status_of(honest_answer) == 200, honest_answer[:300]
+        figures = {"trickle 1 KiB/s cut after s": round(cut_s, 1), "answer": 408,
+                   f"honest body at {rate / 1024:.0f} KiB/s": f"200 after {honest_s:.1f} s"}
+    finally:
+        code = server.stop()
+    assert code == 0
+    return figures
+
+
+# --- 6. a response nobody reads ----------------------------------------------------------------
+
+def unread_response_item(scale, workdir):
+    """A client that never reads a large response is dropped within the send timeout and logged
+    as a client disconnect, not as a success; the thread goes away."""
+    server = Server(workdir, *flags(send_timeout_seconds=scale.send_timeout))
+    timeout = scale.send_timeout or 30.0
+    try:
+        base_threads = server.threads()
+        size = scale.response_mib << 20
+        body, content_type = multipart(program_parts(simple_program(
+            f"def f():\n    return b'x' * {size}\n")))
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", server.port))
+        s.sendall((f"POST /execute HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\n"
+                   f"Content-Length: {len(body)}\r\n\r\n").encode() + body)
+        started = time.monotonic()
+        while not log_lines(server, "client_disconnected") and time.monotonic() - started < 3 * timeout + 30:
+            time.sleep(0.2)
+        dropped_s = time.monotonic() - started
+        lines = log_lines(server, "client_disconnected")
+        s.close()
+        assert lines and "phase=response" in lines[0] and "http_status=200" in lines[0], server.log()[-2000:]
+        assert not [line for line in log_lines(server, "request_finished") if "http_status=200" in line]
+        assert dropped_s <= 2 * timeout + 15, dropped_s
+        deadline = time.monotonic() + 10
+        while server.threads() > base_threads + 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        figures = {"response MiB": scale.response_mib, "dropped after s (incl. execution)": round(dropped_s, 1),
+                   "log": lines[0].split(" ", 3)[2], "threads before/after": f"{base_threads}/{server.threads()}"}
+    finally:
+        code = server.stop()
+    assert code == 0
+    return figures
+
+
+# --- 7. framing (RFC 9112) ---------------------------------------------------------------------------
+
+SMUGGLED = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+def framing_cases(content_type, body):
+    program = (f"POST /execute HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\n").encode()
+    chunked_body = b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n"
+    junk_body = body[:-len(b"--\r\n")] + b"--junk\r\n"
+    return [
+        ("TE chunked + Content-Length", program + b"Transfer-Encoding: chunked\r\nContent-Length: %d\r\n\r\n"
+         % len(chunked_body) + chunked_body + SMUGGLED, 400),
+        ("two different Content-Lengths", program + b"Content-Length: %d\r\nContent-Length: %d\r\n\r\n"
+         % (len(body), len(body) + len(SMUGGLED)) + body + SMUGGLED, 400),
+        ("TE: xchunked", program + b"Transfer-Encoding: xchunked\r\n\r\n" + chunked_body + SMUGGLED, 400),
+        ("TE: chunked, gzip", program + b"Transfer-Encoding: chunked, gzip\r\n\r\n" + chunked_body + SMUGGLED, 400),
+        ("control character in a header value", program + b"X-Bad: a\x01b\r\nContent-Length: %d\r\n\r\n"
+         % len(body) + body, 400),
+        ("junk after the closing delimiter", program + b"Content-Length: %d\r\n\r\n" % len(junk_body) + junk_body, 400),
+    ]
+
+
+def expect_cases(content_type, body):
+    def head(path="/execute", length=len(body), ctype=content_type):
+        return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {ctype}\r\nContent-Length: {length}\r\n"
+                f"Expect: 100-continue\r\n\r\n").encode()
+    return [("Content-Length 10^12", head(length=10 ** 12), 413), ("wrong path", head(path="/nope"), 404),
+            ("not multipart", head(ctype="text/plain"), 400)]
+
+
+def framing_item(scale, workdir):
+    """Each smuggling attempt is refused with 400 and the connection closed: the request
+    hidden behind it is never answered.  A GET body is drained, not read as a request.
+    `Expect: 100-continue` gets the final answer at once when the request is unacceptable."""
+    server = Server(workdir)
+    figures = {}
+    try:
+        body, content_type = multipart(program_parts(simple_program("def f(x):\n    return x\n", args=[1])))
+        for name, raw, expected in framing_cases(content_type, body):
+            with connect(server.port) as s:
+                s.sendall(raw)
+                data = read_response(s)
+            assert status_of(data) == expected, (name, data[:300])
+            assert data.count(b"HTTP/1.1 ") == 1, (name, "the smuggled request was answered")
+            assert b"Connection: close" in data or expected == 400 and name.startswith("junk"), (name, data[:300])
+            figures[name] = expected
+        with connect(server.port) as s:  # a GET with a body: the body is skipped, one answer
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+                      % len(SMUGGLED) + SMUGGLED)
+            data = read_response(s)
+        assert status_of(data) == 200 and data.count(b"HTTP/1.1 ") == 1, data[:300]
+        figures["GET with a body"] = "200, body drained, 1 answer"
+        for name, raw, expected in expect_cases(content_type, body):
+            with connect(server.port) as s:
+                s.sendall(raw)
+                data = read_response(s, timeout=10)
+            assert status_of(data) == expected and b"100 Continue" not in data, (name, data[:300])
+            figures[f"Expect 100-continue, {name}"] = f"{expected} at once"
+        with connect(server.port) as s:  # an acceptable one: 100, then the body, then 200
+            s.sendall((f"POST /execute HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\n"
+                       f"Content-Length: {len(body)}\r\nExpect: 100-continue\r\nConnection: close\r\n\r\n").encode())
+            interim = s.recv(1 << 10)
+            assert interim.startswith(b"HTTP/1.1 100"), interim
+            s.sendall(body)
+            data = read_response(s)
+        assert status_of(data) == 200, data[:300]
+        figures["Expect 100-continue, valid"] = "100 then 200"
+        health_seconds(server)
+    finally:
+        code = server.stop()
+    assert code == 0
+    return figures
+
+
+# --- 8. shutdown with slow clients ---------------------------------------------------------------
+
+def shutdown_item(scale, workdir):
+    """SIGTERM with a slow upload and an execution in flight: the execution is answered,
+    the upload cut, the server gone within the worker grace plus a few seconds."""
+    server = Server(workdir)
+    try:
+        body, content_type = multipart(program_parts(simple_program(
+            "import time\ndef f(x):\n    time.sleep(2)\n    return x\n", args=[5])))
+        answer = []
+        runner = threading.Thread(target=lambda: answer.append(
+            request("POST", server.url + "/execute", body, {"Content-Type": content_type}, 60)))
+        runner.start()
+        slow = connect(server.port)
+        slow.sendall((f"POST /execute HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\n"
+                      f"Content-Length: {100 << 20}\r\n\r\n").encode() + b"x" * 1000)
+        deadline = time.monotonic() + 30
+        while server.health()["load"]["requests_in_progress"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        started = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        code = server.proc.wait(60)
+        exit_s = time.monotonic() - started
+        runner.join()
+        slow_answer = read_response(slow, timeout=5)
+        slow.close()
+        assert code == 0, code
+        assert answer and answer[0][0] == 200, answer
+        assert exit_s <= 1 + 5, exit_s  # --worker-termination-grace-seconds 1 (Server), a few seconds more
+        figures = {"exit after SIGTERM s": round(exit_s, 1), "in-flight execution": answer[0][0],
+                   "slow upload got": status_of(slow_answer) or "closed"}
+    finally:
+        server.stop()
+    return figures
+
+
+# --- 9. clients closing mid-header ---------------------------------------------------------------
+
+def mid_header_item(scale, workdir):
+    """Clients that close mid-header: at most one log line each, never a traceback."""
+    server = Server(workdir)
+    try:
+        before = len(server.log().splitlines())
+        for i in range(scale.mid_header_closes):
+            with connect(server.port) as s:
+                s.sendall(b"POST /execute HTTP/1.1\r\nHost: x\r\nContent-Ty")
+                if i % 2:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")  # reset
+        health_seconds(server)
+        time.sleep(0.5)
+        lines = server.log().splitlines()[before:]
+        assert not [line for line in lines if "Traceback" in line], lines[:20]
+        assert len(lines) <= scale.mid_header_closes, len(lines)
+        figures = {"clients": scale.mid_header_closes, "log lines": len(lines), "tracebacks": 0}
+    finally:
+        code = server.stop()
+    assert code == 0
+    return figures
+
+
+# --- 10. workspaces after a hard kill ---------------------------------------------------------------
+
+def workspaces_item(scale, workdir):
+    """After SIGKILL, the next start removes the dead server's workspaces, never a live one's."""
+    server = Server(workdir)
+    tmpdir = server.tmpdir
+    body, content_type = multipart(program_parts(simple_program(
+        "import time\ndef f():\n    time.sleep(30)\n")))
+    threading.Thread(target=lambda: _quiet_request(server.url, body, content_type), daemon=True).start()
+    deadline = time.monotonic() + 30
+    while not server.workspaces():
+        assert time.monotonic() < deadline, "no workspace appeared"
+        time.sleep(0.05)
+    tree = [server.pid, *descendants(server.pid)]
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    server.proc.wait()
+    server.stderr.close()
+    dead = os.listdir(tmpdir)
+    assert [n for n in dead if n.startswith("kcoral-program-")], dead
+    with open(f"/proc/{os.getpid()}/stat", "rb") as f:
+        ticks = int(f.read().rpartition(b")")[2].split()[19])
+    live = os.path.join(tmpdir, f"kcoral-program-{os.getpid()}.{ticks}-live")
+    os.mkdir(live)
+    second = subprocess.Popen(  # a new server on the same TMPDIR
+        [*server.proc.args[:server.proc.args.index("--port") + 1], "0", *server.proc.args[
+            server.proc.args.index("--port") + 2:]], env={**os.environ, "TMPDIR": tmpdir},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=os.path.dirname(os.path.dirname(__file__)))
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            left = [n for n in os.listdir(tmpdir) if n.startswith("kcoral-program-")]
+            if left == [os.path.basename(live)]:
+                break
+            time.sleep(0.1)
+        assert left == [os.path.basename(live)], left
+    finally:
+        second.send_signal(signal.SIGTERM)
+        second.wait(60)
+        shutil.rmtree(server.base, ignore_errors=True)
+    return {"dead workspaces removed": len([n for n in dead if n.startswith("kcoral-program-")]),
+            "live workspace kept": 1}
+
+
+def _quiet_request(url, body, content_type):
+    try:
+        request("POST", url + "/execute", body, {"Content-Type": content_type}, 60)
+    except OSError:
+        pass
+
+
+ITEMS = [("slow headers", slow_headers_item), ("fd limit", fd_limit_item), ("uploads", uploads_item),
+         ("big headers", big_headers_item), ("slow body", slow_body_item),
+         ("unread response", unread_response_item), ("framing", framing_item), ("shutdown", shutdown_item),
+         ("mid-header closes", mid_header_item), ("workspaces", workspaces_item)]
+
+
+def hostile_item(scale, workdir):
+    """bench.soak's entry: every attack at its size -> {attack: figures}."""
+    own = LONG if scale.name == "long" else CI
+    return {name: item(own, tempfile.mkdtemp(dir=workdir)) for name, item in ITEMS}
+
+
+@pytest.mark.parametrize("name,item", ITEMS, ids=[name for name, _ in ITEMS])
+def test_hostile_client(name, item, tmp_path):
+    print(name, item(CI, str(tmp_path)))
