@@ -24,6 +24,7 @@ import errno
 import fcntl
 import hashlib
 import hmac
+import http.client
 import http.server
 import importlib.metadata
 import importlib.util
@@ -131,7 +132,7 @@ class ServerConfig:
     body_rate_window_seconds: float = option(30.0, "a request body must bring --body-rate-min-bytes in every "
                                              "window of this length (408 and close otherwise)")
     body_rate_min_bytes: int = option(64 << 10, "least body bytes per --body-rate-window-seconds")
-    max_body_bytes_in_flight: int = option(1 << 30, "request bodies held in memory at once, all clients "
+    max_body_bytes_in_flight: int = option(768 << 20, "request bodies held in memory at once, all clients "
                                            "together; later ones wait before being read")
     body_admission_wait_seconds: float = option(60.0, "how long a body waits for --max-body-bytes-in-flight "
                                                 "room before 503 busy")
@@ -2064,6 +2065,9 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
                 lines.append(line)
                 if line in (b"\r\n", b"\n"):
                     return lines[0], b"".join(lines[1:])
+                if len(lines) > http.client._MAXHEADERS + 1:  # http.server's own limit, without waiting for the end
+                    self.refuse_head(431, f"more than {http.client._MAXHEADERS} request headers")
+                    return None
         except OSError as exc:
             self.disconnected("header", error=type(exc).__name__)
             return None

@@ -1,6 +1,7 @@
 """Reliability soak: every item of tests/test_reliability.py, at full size with --long.
 
     python -m bench.soak --long          # ≥ 5 000 fuzz cases, ≥ 100 faults, 10 000 requests at 16, ...
+    python -m bench.soak --long --only hostile   # the hostile-client attacks at full size
     python -m bench.soak                 # the CI sizes (what `pytest tests/test_reliability.py` runs)
     python -m bench.soak --long --only fuzz,load --seed 7
 
@@ -21,11 +22,12 @@ import time
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import test_hostile as hostile
 from tests import test_reliability as rel
 
 ITEMS = [("fuzz", rel.fuzz_item), ("properties", rel.property_item), ("faults", rel.fault_item),
          ("cache faults", rel.cache_item), ("load", rel.load_item), ("shutdown", rel.shutdown_item),
-         ("disconnects", rel.disconnect_item)]
+         ("disconnects", rel.disconnect_item), ("hostile", hostile.hostile_item)]
 
 
 def main(argv=None):
