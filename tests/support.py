@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -330,3 +331,66 @@ def process_gone(pid):
 def ok_run(url, answer=7):
     body = execute_ok(url, simple_program("def f(x):\n    return x\n", args=[answer]))
     assert assert_completed(body) == {"out": {"type": "integer", "value": answer}}
+
+
+# --- a TVM-FFI library to upload (tests and bench/gpu_check.py) ---------------------
+
+ADD_ONE_CPU = r"""
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/dtype.h>
+#include <tvm/ffi/error.h>
+#include <tvm/ffi/function.h>
+
+void add_one(tvm::ffi::TensorView x, tvm::ffi::TensorView y) {
+  DLDataType f32{kDLFloat, 32, 1};
+  TVM_FFI_ICHECK(x.ndim() == 1 && y.ndim() == 1 && x.size(0) == y.size(0)) << "1-d tensors of one length";
+  TVM_FFI_ICHECK(x.dtype() == f32 && y.dtype() == f32) << "float32 only";
+  for (int64_t i = 0; i < x.size(0); ++i)
+    static_cast<float*>(y.data_ptr())[i] = static_cast<float*>(x.data_ptr())[i] + 1;
+}
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(add_one, add_one);
+"""
+
+ADD_ONE_CUDA = r"""
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/dtype.h>
+#include <tvm/ffi/error.h>
+#include <tvm/ffi/extra/c_env_api.h>
+#include <tvm/ffi/function.h>
+
+__global__ void add_one_kernel(const float* x, float* y, int64_t n) {
+  int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n) y[i] = x[i] + 1;
+}
+
+void add_one(tvm::ffi::TensorView x, tvm::ffi::TensorView y) {
+  DLDataType f32{kDLFloat, 32, 1};
+  TVM_FFI_ICHECK(x.ndim() == 1 && y.ndim() == 1 && x.size(0) == y.size(0)) << "1-d tensors of one length";
+  TVM_FFI_ICHECK(x.dtype() == f32 && y.dtype() == f32) << "float32 only";
+  TVM_FFI_ICHECK(x.device().device_type == kDLCUDA) << "CUDA tensors only";
+  int64_t n = x.size(0);
+  auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(x.device().device_type, x.device().device_id));
+  add_one_kernel<<<(n + 255) / 256, 256, 0, stream>>>(static_cast<const float*>(x.data_ptr()),
+                                                      static_cast<float*>(y.data_ptr()), n);
+}
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(add_one, add_one);
+"""
+
+
+def build_add_one(device, arch=None):
+    """Build the add_one library with tvm_ffi.cpp.build (cached by source under the temp dir) -> bytes."""
+    import tvm_ffi.cpp
+    source = ADD_ONE_CUDA if device == "gpu" else ADD_ONE_CPU
+    if arch:  # build for the server's target, as a client would: "sm_90a" -> "9.0a"
+        digits, suffix = re.fullmatch(r"sm_(\d+)(a?)", arch).groups()
+        os.environ["TVM_FFI_CUDA_ARCH_LIST"] = f"{digits[:-1]}.{digits[-1]}{suffix}"
+    key = hashlib.sha256((source + str(arch)).encode()).hexdigest()[:16]
+    build_dir = os.path.join(tempfile.gettempdir(), "kcoral-add-one", key)
+    os.makedirs(build_dir, exist_ok=True)
+    source_path = os.path.join(build_dir, "add_one.cu" if device == "gpu" else "add_one.cc")
+    with open(source_path, "w") as f:
+        f.write(source)
+    bin_dir = os.path.dirname(sys.executable)  # a pip-installed ninja lives beside the interpreter
+    os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    with open(tvm_ffi.cpp.build(name="add_one", sources=[source_path], build_directory=build_dir), "rb") as f:
+        return f.read()
