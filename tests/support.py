@@ -32,7 +32,7 @@ def free_port():
 class ServerProcess:
     """`python -m kcoral` on a free port, CPU workers, no log files, a private disk cache."""
 
-    def __init__(self, *flags, workers=2, env=None, tmp_path=None, device="cpu"):
+    def __init__(self, *flags, workers=2, env=None, tmp_path=None, device="cpu", ready_timeout=60):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cache = os.path.join(str(tmp_path) if tmp_path else f"/tmp/kcoral-test-{self.port}", "disk-cache")
@@ -44,7 +44,7 @@ class ServerProcess:
         self.stderr = open(self.stderr_path, "wb")
         self.proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, **(env or {})},
                                      stdout=subprocess.DEVNULL, stderr=self.stderr)
-        self.wait_ready()
+        self.wait_ready(ready_timeout)
 
     def wait_ready(self, timeout=60):
         deadline = time.monotonic() + timeout

@@ -804,7 +804,7 @@ def test_cudart_paths_come_from_the_memory_map():
 def test_reused_worker_frees_gpu_memory_before_the_lease_goes(cuda_worker, monkeypatch, tmp_path):
     """Risk 4 (and 10's multi-GPU empty_cache): handles dropped, garbage collected, every device
     synchronized and its cache emptied, all before "done" lets the front-end release the lease."""
-    monkeypatch.setattr(kcoral_worker, "loaded_cudarts", lambda: [])
+    monkeypatch.setattr(kcoral_worker, "loaded_cudarts", list)
     log = cuda_worker.log
     kcoral_worker.EVENTS = log
     try:
@@ -824,7 +824,7 @@ def test_reused_worker_frees_gpu_memory_before_the_lease_goes(cuda_worker, monke
 
 
 def test_retiring_worker_leaves_memory_to_the_exit(cuda_worker, monkeypatch, tmp_path):
-    monkeypatch.setattr(kcoral_worker, "loaded_cudarts", lambda: [])
+    monkeypatch.setattr(kcoral_worker, "loaded_cudarts", list)
     serve(tmp_path, "def f():\n    return 1\n", retire=True)
     assert ("empty_cache", 0) not in cuda_worker.log
 
@@ -994,7 +994,7 @@ def test_quarantine_refuses_waiters_already_queued():
     threads = [threading.Thread(target=wait, kwargs=k, daemon=True) for k in ({"gpus": [0]}, {"count": 2})]
     for n, thread in enumerate(threads):
         thread.start()
-        wait_until(lambda: queued(arbiter) == n + 1)
+        wait_until(lambda n=n: queued(arbiter) == n + 1)
     arbiter.quarantine([0])
     for thread in threads:
         thread.join(5)
