@@ -7,7 +7,11 @@ process: the lease arbiter (FIFO, "any n GPUs", history), an Execution
 talking to a scripted fake worker over a real pipe (lease timings, a dead
 holder's lease freed, poisoned workers retired, gpu_access attribution),
 GpuLease's decision table, the cpu_only guard and CUPTI span arithmetic with
-a fake `cupti` module.  Finally bench/gpu_check.py in CPU mode.
+a fake `cupti` module.  Then what a desk review predicted would break on a real
+GPU (issue 14), against a fake `torch.cuda` (events on a fake clock, per-device
+memory), a fake libcudart and a fake CuTe DSL: the benchmark's count estimate,
+CUDA's last error, memory freed before the lease, quarantine, multi-GPU start-up
+and shutdown.  Finally bench/gpu_check.py in CPU mode.
 """
 
 import json
