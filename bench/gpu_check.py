@@ -670,7 +670,8 @@ def phase_preflight(ctx):
         ctx.data["nvidia_smi"] = subprocess.run([smi, "--query-gpu=name,driver_version,memory.total",
                                                  "--format=csv,noheader"], capture_output=True, text=True,
                                                 timeout=30, check=False).stdout.strip()
-    plain_probe, error = probe(PROBE)  # as a user's script would import them
+    # as a user's script would import them; a cold tvm-ffi cache may build its torch add-on here (cached after)
+    plain_probe, error = probe(PROBE, timeout=240)
     ctx.data["imports_plain"] = plain_probe or error
     nvml_probe, error = probe(PROBE, {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"})  # as our templates do
     ctx.data["imports_as_template"] = nvml_probe or error
@@ -767,7 +768,8 @@ class started_server:
 
     def __init__(self, ctx, name, *flags, **kwargs):
         self.ctx, self.name = ctx, name
-        self.server = ServerProcess(*flags, ready_timeout=180, **kwargs)
+        # the template's one-time preparation is bounded well inside the run's 7 minutes
+        self.server = ServerProcess("--prepare-timeout-seconds", "120", *flags, ready_timeout=180, **kwargs)
 
     def __enter__(self):
         return self.server
