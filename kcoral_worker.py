@@ -183,7 +183,15 @@ def recv_raw(conn, size):
 # --- what uploaded code imports -------------------------------------------
 
 def install_kcoral_modules():
-    """Publish `kcoral.errors` and `kcoral.builtins` for uploaded code."""
+    """Publish `kcoral.errors` and `kcoral.builtins` in sys.modules; -> (errors, builtins).
+
+    Once `kcoral` itself is imported (or not at all: `from kcoral.errors import X` finds a
+    published submodule directly), the import system takes these entries, so the names work
+    in uploaded code and, through kcoral.py calling this, in any process that can import
+    kcoral -- without this file importing kcoral back.  Idempotent.
+    """
+    if "kcoral.errors" in sys.modules and "kcoral.builtins" in sys.modules:
+        return sys.modules["kcoral.errors"], sys.modules["kcoral.builtins"]
     errors = types.ModuleType("kcoral.errors")
     errors.ExecutionError = ExecutionError
     errors.ValidationError = ValidationError
@@ -193,11 +201,7 @@ def install_kcoral_modules():
     builtins_mod.__all__ = ["benchmark", "compile_tirx"]
     sys.modules["kcoral.errors"] = errors
     sys.modules["kcoral.builtins"] = builtins_mod
-    try:
-        import kcoral
-        kcoral.errors, kcoral.builtins = errors, builtins_mod
-    except ImportError:  # only the worker file was copied: submodules still resolve
-        pass
+    return errors, builtins_mod
 
 
 def shorten(text, limit=600):

@@ -38,6 +38,7 @@ from client import (
     Client, KCoralError, Program, ProgramResult, ProtocolError, Register, RemoteExecutionError,
     RemoteFunction, ReturnedFile, ReturnedFolder, TransportError, ValidationError,
 )
+from tests.support import reference_popen_options, reference_server_argv
 
 RID = "4aaf9d21-5934-405f-8a46-d46270796569"
 
@@ -1525,20 +1526,14 @@ def test_large_response_parts_are_views_until_decoded(stub, cli):
 # Interop: the same programs against real servers, started once per session.
 
 INTEROP_SERVERS = ["reference", "ours"]
-# shared/ lies beside the checkout (in CI too); the tool installs the published package on first use
-REFERENCE_SCRIPT = REPO.parent / "shared" / "tools" / "reference-kcoral.sh"
 
 
-def server_command(name: str, port: int) -> list[str]:
+def server_command(name: str, port: int) -> tuple[list[str], dict]:
+    """-> (argv, Popen options) of the published server (its own cached venv) or ours."""
     if name == "reference":
-        if not REFERENCE_SCRIPT.exists():
-            pytest.skip(f"the reference tool is not beside the checkout ({REFERENCE_SCRIPT})")
-        subprocess.run(["bash", str(REFERENCE_SCRIPT), "setup"], check=True, stdout=subprocess.DEVNULL)
-        return ["bash", str(REFERENCE_SCRIPT), "server", "--port", str(port), "--num-workers", "2"]
-    if not (REPO / "kcoral.py").exists():
-        pytest.skip("kcoral.py (our server) does not exist yet")
-    return [sys.executable, "-m", "kcoral", "--port", str(port), "--device", "cpu", "--num-workers", "2",
-            "--log-dir", ""]
+        return reference_server_argv(port, "--num-workers", "2"), reference_popen_options()
+    return ([sys.executable, "-m", "kcoral", "--port", str(port), "--device", "cpu", "--num-workers", "2",
+             "--log-dir", ""], {"cwd": REPO})
 
 
 @dataclasses.dataclass
@@ -1552,10 +1547,10 @@ def server(request, tmp_path_factory):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = server_command(request.param, port)
+    command, options = server_command(request.param, port)
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+        process = subprocess.Popen(command, **options, stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
