@@ -60,9 +60,37 @@ __all__ = sorted(CLIENT_NAMES + ("ServerConfig", "create_app", "parse_program"))
 def __getattr__(name):
     """Client names come from client.py on first use, so the server never needs it."""
     if name in CLIENT_NAMES:
-        import client
-        return getattr(client, name)
+        return getattr(load_client(), name)
     raise AttributeError(f"module 'kcoral' has no attribute {name!r}")
+
+
+CLIENT_MODULE = "kcoral_client"
+_client_lock = threading.Lock()
+
+
+def load_client():
+    """The client module from the file beside this one, whatever `client.py` lies on sys.path.
+
+    A checkout holds it as client.py (vendorable by copying); an installed distribution ships
+    it as kcoral_client.py (setup.py), so that no generic top-level name enters site-packages.
+    Either is loaded by path under the private name `kcoral_client`.
+    """
+    with _client_lock:
+        module = sys.modules.get(CLIENT_MODULE)
+        if module is not None:
+            return module
+        here = os.path.dirname(os.path.abspath(__file__))
+        installed = os.path.join(here, CLIENT_MODULE + ".py")
+        path = installed if os.path.exists(installed) else os.path.join(here, "client.py")
+        spec = importlib.util.spec_from_file_location(CLIENT_MODULE, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[CLIENT_MODULE] = module  # before running it: its dataclasses look themselves up there
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[CLIENT_MODULE]
+            raise
+        return module
 
 
 def default_disk_cache_dir():
