@@ -186,6 +186,7 @@ def strict_json(data):
 
 
 TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+MEDIA = re.compile(rf"{TOKEN.pattern}(?:/{TOKEN.pattern})?")  # `form-data`, `type/subtype`
 
 
 def parse_header_params(value):
@@ -207,6 +208,8 @@ def parse_header_params(value):
         raise ValidationError("unterminated quoted string in header")
     pieces.append("".join(current))
     media = pieces[0].strip().lower()
+    if not MEDIA.fullmatch(media):
+        raise ValidationError(f"malformed header value {pieces[0].strip()[:80]!r}")
     params = {}
     for piece in pieces[1:]:
         if not piece.strip():

@@ -81,11 +81,14 @@ def normalize_path(raw):
     parts = [p for p in parts if p not in ("", ".")]
     if not parts:
         raise ValidationError("path names nothing")
-    if any(len(p.encode("utf-8", "surrogatepass")) > 255 for p in parts):
-        raise ValidationError("path component longer than 255 bytes")
     path = "/".join(parts)
-    if len(path.encode("utf-8", "surrogatepass")) > 4096:
-        raise ValidationError("path longer than 4096 bytes")
+    try:  # a lone surrogate ("\udc80" in the JSON) has no UTF-8 form, so no byte length
+        if any(len(p.encode("utf-8")) > 255 for p in parts):
+            raise ValidationError("path component longer than 255 bytes")
+        if len(path.encode("utf-8")) > 4096:
+            raise ValidationError("path longer than 4096 bytes")
+    except UnicodeEncodeError:
+        raise ValidationError("path is not valid Unicode (a lone surrogate)") from None
     return path
 
 
