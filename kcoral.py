@@ -10,9 +10,9 @@ here runs on the standard library: `http.server` threads, a hand-written
 multipart parser, `multiprocessing` pipes.  The wire contract is
 shared/spec/PROTOCOL.md; this file's section comments cite it as P§n.
 
-The client lives in client.py; `from kcoral import Client, Program` works
-when that file is importable (it is loaded lazily, so the server needs only
-this file and kcoral_worker.py).
+The client lives in client.py; `from kcoral import Client, Program` loads it
+lazily from beside this file (`load_client`), so the server needs only this
+file and kcoral_worker.py.
 """
 
 import argparse
