@@ -251,7 +251,7 @@ def test_tensor_bytes_agree(array):
 
 
 def test_zero_dimensional_arrays_differ_only_by_the_published_quirk():
-    """0.1.1's client uploads np.array(5) with shape [1] (CLIENT.md's documented quirk, kept
+    """0.1.1's client uploads np.array(5) with shape [1] (docs/client.md §3.4, kept
     for compatibility); the server returns it with shape []. Same dtype, same bytes."""
     value = np.array(5, dtype=np.int32)
     assert client_tensor(value) == ("int32", [1], value.tobytes())
