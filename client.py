@@ -942,6 +942,8 @@ def _parse_header_value(value: str) -> tuple[str, list[tuple[str, str]]]:
             raise ValueError(f"malformed header parameters in {value!r}")
         if param.group(1):
             raw = param.group(2) if param.group(2) is not None else re.sub(r"\\(.)", r"\1", param.group(3))
+            if any(name == param.group(1).lower() for name, _ in params):
+                raise ValueError(f"header parameter {param.group(1)!r} given twice in {value!r}")
             params.append((param.group(1).lower(), raw))
         position = param.end()
     return match.group(1).lower(), params

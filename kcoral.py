@@ -10,9 +10,9 @@ here runs on the standard library: `http.server` threads, a hand-written
 multipart parser, `multiprocessing` pipes.  The wire contract is
 shared/spec/PROTOCOL.md; this file's section comments cite it as P§n.
 
-The client lives in client.py; `from kcoral import Client, Program` works
-when that file is importable (it is loaded lazily, so the server needs only
-this file and kcoral_worker.py).
+The client lives in client.py; `from kcoral import Client, Program` loads it
+lazily from beside this file (`load_client`), so the server needs only this
+file and kcoral_worker.py.
 """
 
 import argparse
@@ -48,6 +48,9 @@ from multiprocessing import reduction
 import kcoral_worker
 from kcoral_worker import DTYPE_SIZES, ValidationError, large_buffer, normalize_path, recv_raw
 
+# `kcoral.errors` and `kcoral.builtins`, as in the published package (defined by the worker)
+errors, builtins = kcoral_worker.install_kcoral_modules()
+
 __version__ = "0.2.0"
 CLIENT_NAMES = ("Client", "KCoralError", "Program", "ProgramResult", "ProtocolError", "Register",
                 "RemoteExecutionError", "RemoteFunction", "ReturnedFile", "ReturnedFolder",
@@ -58,9 +61,37 @@ __all__ = sorted(CLIENT_NAMES + ("ServerConfig", "create_app", "parse_program"))
 def __getattr__(name):
     """Client names come from client.py on first use, so the server never needs it."""
     if name in CLIENT_NAMES:
-        import client
-        return getattr(client, name)
+        return getattr(load_client(), name)
     raise AttributeError(f"module 'kcoral' has no attribute {name!r}")
+
+
+CLIENT_MODULE = "kcoral_client"
+_client_lock = threading.Lock()
+
+
+def load_client():
+    """The client module from the file beside this one, whatever `client.py` lies on sys.path.
+
+    A checkout holds it as client.py (vendorable by copying); an installed distribution ships
+    it as kcoral_client.py (setup.py), so that no generic top-level name enters site-packages.
+    Either is loaded by path under the private name `kcoral_client`.
+    """
+    with _client_lock:
+        module = sys.modules.get(CLIENT_MODULE)
+        if module is not None:
+            return module
+        here = os.path.dirname(os.path.abspath(__file__))
+        installed = os.path.join(here, CLIENT_MODULE + ".py")
+        path = installed if os.path.exists(installed) else os.path.join(here, "client.py")
+        spec = importlib.util.spec_from_file_location(CLIENT_MODULE, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[CLIENT_MODULE] = module  # before running it: its dataclasses look themselves up there
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[CLIENT_MODULE]
+            raise
+        return module
 
 
 def default_disk_cache_dir():
@@ -159,6 +190,7 @@ def strict_json(data):
 
 
 TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+MEDIA = re.compile(rf"{TOKEN.pattern}(?:/{TOKEN.pattern})?")  # `form-data`, `type/subtype`
 
 
 def parse_header_params(value):
@@ -180,6 +212,8 @@ def parse_header_params(value):
         raise ValidationError("unterminated quoted string in header")
     pieces.append("".join(current))
     media = pieces[0].strip().lower()
+    if not MEDIA.fullmatch(media):
+        raise ValidationError(f"malformed header value {pieces[0].strip()[:80]!r}")
     params = {}
     for piece in pieces[1:]:
         if not piece.strip():

@@ -81,11 +81,14 @@ def normalize_path(raw):
     parts = [p for p in parts if p not in ("", ".")]
     if not parts:
         raise ValidationError("path names nothing")
-    if any(len(p.encode("utf-8", "surrogatepass")) > 255 for p in parts):
-        raise ValidationError("path component longer than 255 bytes")
     path = "/".join(parts)
-    if len(path.encode("utf-8", "surrogatepass")) > 4096:
-        raise ValidationError("path longer than 4096 bytes")
+    try:  # a lone surrogate ("\udc80" in the JSON) has no UTF-8 form, so no byte length
+        if any(len(p.encode("utf-8")) > 255 for p in parts):
+            raise ValidationError("path component longer than 255 bytes")
+        if len(path.encode("utf-8")) > 4096:
+            raise ValidationError("path longer than 4096 bytes")
+    except UnicodeEncodeError:
+        raise ValidationError("path is not valid Unicode (a lone surrogate)") from None
     return path
 
 
@@ -183,7 +186,15 @@ def recv_raw(conn, size):
 # --- what uploaded code imports -------------------------------------------
 
 def install_kcoral_modules():
-    """Publish `kcoral.errors` and `kcoral.builtins` for uploaded code."""
+    """Publish `kcoral.errors` and `kcoral.builtins` in sys.modules; -> (errors, builtins).
+
+    Once `kcoral` itself is imported (or not at all: `from kcoral.errors import X` finds a
+    published submodule directly), the import system takes these entries, so the names work
+    in uploaded code and, through kcoral.py calling this, in any process that can import
+    kcoral -- without this file importing kcoral back.  Idempotent.
+    """
+    if "kcoral.errors" in sys.modules and "kcoral.builtins" in sys.modules:
+        return sys.modules["kcoral.errors"], sys.modules["kcoral.builtins"]
     errors = types.ModuleType("kcoral.errors")
     errors.ExecutionError = ExecutionError
     errors.ValidationError = ValidationError
@@ -193,11 +204,7 @@ def install_kcoral_modules():
     builtins_mod.__all__ = ["benchmark", "compile_tirx"]
     sys.modules["kcoral.errors"] = errors
     sys.modules["kcoral.builtins"] = builtins_mod
-    try:
-        import kcoral
-        kcoral.errors, kcoral.builtins = errors, builtins_mod
-    except ImportError:  # only the worker file was copied: submodules still resolve
-        pass
+    return errors, builtins_mod
 
 
 def shorten(text, limit=600):

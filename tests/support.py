@@ -5,11 +5,13 @@ Import them as `from tests.support import ...` (the repository root is on sys.pa
 pytest runs, and for `python -m bench.<script>`).
 """
 
+import fcntl
 import hashlib
 import http.client
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -164,6 +166,74 @@ def simple_program(source, name="f", args=(), options=None):
     if options:
         program["options"] = options
     return program
+
+
+# --- the published kcoral 0.1.1: interop peer and benchmark baseline ----------------
+
+REFERENCE_VERSION = "0.1.1"
+REFERENCE_DEPENDENCIES = ("httpx", "numpy", "ml_dtypes", "fastapi", "uvicorn", "pydantic", "grpcio", "protobuf")
+
+
+def reference_venv() -> str:
+    """A virtualenv holding the published kcoral 0.1.1, created on first use, then reused.
+
+    Its package is also named `kcoral`, so it never enters this project's environment, and
+    its programs run with a cwd outside the repository (`reference_popen_options`), where
+    our kcoral.py would shadow it.  A file lock lets concurrent test processes share one
+    installation; `KCORAL_REFERENCE_VENV` names another place for it.
+    """
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    venv = os.environ.get("KCORAL_REFERENCE_VENV") or os.path.join(
+        cache, "kcoral-test", f"reference-{REFERENCE_VERSION}")
+    ready = os.path.join(venv, ".kcoral-reference-ready")
+    if os.path.exists(ready):
+        return venv
+    os.makedirs(os.path.dirname(venv), exist_ok=True)
+    with open(venv + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not os.path.exists(ready):
+            install_reference(venv)
+            open(ready, "w").close()
+    return venv
+
+
+def install_reference(venv: str) -> None:
+    shutil.rmtree(venv, ignore_errors=True)  # a half-made one from an interrupted run
+    outside = tempfile.gettempdir()
+    python = os.path.join(venv, "bin", "python")
+    pip = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    for argv in ([PYTHON, "-m", "venv", venv],
+                 [*pip, "--no-deps", f"kcoral=={REFERENCE_VERSION}"],
+                 [*pip, *REFERENCE_DEPENDENCIES],
+                 [python, "-c", f"import kcoral; assert kcoral.__version__ == {REFERENCE_VERSION!r}, "
+                                "kcoral.__version__"]):
+        result = subprocess.run(argv, cwd=outside, env=reference_env(), capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"installing the reference kcoral failed: {argv}\n{result.stdout}{result.stderr}")
+
+
+def reference_env() -> dict:
+    """Our environment without what would point the reference's python at another one."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+
+
+def reference_popen_options() -> dict:
+    """cwd outside the repository (our kcoral.py would shadow its package) and a clean env."""
+    return {"cwd": reference_venv(), "env": reference_env()}
+
+
+def reference_python() -> str:
+    return os.path.join(reference_venv(), "bin", "python")
+
+
+def reference_server_argv(port: int, *flags: str) -> list:
+    """Its CPU server without sandbox or log files (flags are appended and may override)."""
+    kcoral = os.path.join(reference_venv(), "bin", "kcoral")
+    return [kcoral, "server", "--device", "cpu", "--sandbox", "none", "--log-dir", "", "--port", str(port), *flags]
+
+
+def reference_router_argv(port: int, *flags: str) -> list:
+    return [os.path.join(reference_venv(), "bin", "kcoral"), "router", "--port", str(port), *flags]
 
 
 @pytest.fixture(scope="module")
