@@ -1735,6 +1735,9 @@ def run_command(argv: list[str]) -> int:
     options_part, separated, tool_args = _split_at_separator(argv)
     args, extra = parser.parse_known_args(options_part)
     tool_parser = args.tool_parser
+    unknown = [token for token in extra if token.startswith("-")]
+    if unknown:
+        tool_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if extra or not separated:
         tool_parser.error("separate KCoral options from tool arguments with '--'")
     if not tool_args:
