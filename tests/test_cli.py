@@ -9,6 +9,7 @@ import hashlib
 import os
 import pty
 import select
+import shutil
 import signal
 import socket
 import stat
@@ -237,6 +238,49 @@ def test_mode_bits_of_saved_artifacts_are_private(our_server, work):
     assert result.returncode == 0, result.stderr
     assert stat.S_IMODE((work / "saved").stat().st_mode) == 0o700
     assert (work / "saved" / "r.txt").read_text() == "x"
+
+
+STAND_INS = {  # NVIDIA's tools are absent on a CPU box: stand-ins on the server's PATH check the plumbing
+    "ncu": '#!/bin/sh\necho "ncu $*"\n[ "$1 $2 $3" = "--config-file 0 --export" ] || exit 90\n'
+           'echo report > "$4"\nshift 6\nexec "$@"\n',
+    "compute-sanitizer": '#!/bin/sh\n"$@"\ncode=$?\necho "========= ERROR SUMMARY: 0 errors"\nexit $code\n',
+    "run-iket": '#!/bin/sh\necho "run-iket $*"\necho iket > "$KCORAL_OUTPUT_DIR/iket.txt"\nshift 3\nexec "$@"\n',
+}
+
+
+def test_profilers_save_their_reports_in_out(work, tmp_path_factory):
+    bin_dir = tmp_path_factory.mktemp("stand-ins")
+    for tool, script in STAND_INS.items():
+        (bin_dir / tool).write_text(script)
+        (bin_dir / tool).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    with ServerProcess(tmp_path=tmp_path_factory.mktemp("profiling"), env=env) as srv:
+        ncu = cli("ncu", "--url", srv.url, "--send", "bench.py", "--out", "prof", "--",
+                  "--launch-count", "1", "--", "python", "bench.py", "4", cwd=work)
+        sanitizer = cli("compute-sanitizer", "--url", srv.url, "--send", "bench.py", "--fetch", "summary.txt",
+                        "--out", "checked", "--", "python", "bench.py", "0", cwd=work)
+        iket = cli("run-iket", "--url", srv.url, "--send", "bench.py", "--out", "iket", "--",
+                   "--mode", "x", "--", "python", "bench.py", "0", cwd=work)
+    assert ncu.returncode == 4, ncu.stderr
+    assert ncu.stdout.startswith("ncu --config-file 0 --export ") and "--launch-count 1 python bench.py 4" in ncu.stdout
+    assert "argv ['4']" in ncu.stdout
+    assert [p.name for p in (work / "prof").iterdir()] == ["capture.ncu-rep"]
+    assert (work / "prof" / "capture.ncu-rep").read_text() == "report\n"
+    assert sanitizer.returncode == 0 and sanitizer.stdout.endswith("ERROR SUMMARY: 0 errors\n"), sanitizer.stderr
+    assert (work / "checked" / "summary.txt").read_text() == "done"
+    assert iket.returncode == 0 and iket.stdout.startswith("run-iket --mode x -- python bench.py 0"), iket.stderr
+    assert (work / "iket" / "iket.txt").read_text() == "iket\n"
+
+
+def test_gpu_check_helper_on_a_cpu_server(our_server, tmp_path):
+    from bench.cli_checks import cli_tool_checks
+
+    if shutil.which("ncu") or shutil.which("compute-sanitizer"):
+        pytest.skip("NVIDIA tools are installed here: bench.gpu_check runs them against a GPU server")
+    checks = cli_tool_checks(our_server.url, str(tmp_path))
+    assert [name for name, _, _ in checks] == ["kcoral run python", "kcoral run ncu (not installed: one-line error)",
+                                               "kcoral run compute-sanitizer (not installed: one-line error)"]
+    assert all(ok for _, ok, _ in checks), checks
 
 
 # --- no server needed --------------------------------------------------------------------
