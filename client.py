@@ -1829,7 +1829,7 @@ def _server_url(parser: Any, args: Any) -> str:
             print("kcoral: warning: --host/--port override KCORAL_URL", file=sys.stderr)
         host = args.host or "127.0.0.1"
         return f"http://[{host}]:{args.port or 8000}" if ":" in host else f"http://{host}:{args.port or 8000}"
-    url = args.url or os.environ.get("KCORAL_URL")
+    url: str = args.url or os.environ.get("KCORAL_URL", "")
     if not url:
         parser.error("set KCORAL_URL or pass --url, --host or --port")
     split = urllib.parse.urlsplit(url)
@@ -1906,7 +1906,8 @@ def _run_remote(args: Any, tool_args: list[str]) -> int:
     _replay_output(result)
     if not result.completed:
         error = result.error or {}
-        raise _CommandError(f"{error.get('kind', 'error')}: {error.get('message', 'the program failed')}")
+        message = (str(error.get("message") or "").strip().splitlines() or ["the program failed"])[0]
+        raise _CommandError(f"{error.get('kind', 'error')}: {message}")
     outcome = result["outcome"]
     if outcome["absent"]:
         raise _CommandError(f"{outcome['absent']} is not installed on the server (or is not executable there)")
@@ -1994,3 +1995,10 @@ class _ProgressClient(Client):
             raise
         print(" sent", file=sys.stderr)
         return response
+
+
+if __name__ == "__main__":  # a vendored copy: `python client.py run TOOL [options] -- ARGS...`
+    if sys.argv[1:2] != ["run"]:
+        print("usage: python client.py run TOOL [options] -- ARGS...", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(run_command(sys.argv[2:]))

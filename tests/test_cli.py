@@ -240,6 +240,16 @@ def test_mode_bits_of_saved_artifacts_are_private(our_server, work):
     assert (work / "saved" / "r.txt").read_text() == "x"
 
 
+def test_a_vendored_client_py_alone_has_the_command(our_server, work):
+    vendored = work / "vendor"
+    vendored.mkdir()
+    shutil.copy(os.path.join(ROOT, "client.py"), vendored / "client.py")
+    result = subprocess.run([PYTHON, "vendor/client.py", "run", "python", "--url", our_server.url, "--send", "bench.py",
+                             "--", "bench.py", "6"], cwd=str(work), env={**CLI_ENV, "PYTHONPATH": ""}, check=False,
+                            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 6 and "argv ['6']" in result.stdout, result.stderr
+
+
 STAND_INS = {  # NVIDIA's tools are absent on a CPU box: stand-ins on the server's PATH check the plumbing
     "ncu": '#!/bin/sh\necho "ncu $*"\n[ "$1 $2 $3" = "--config-file 0 --export" ] || exit 90\n'
            'echo report > "$4"\nshift 6\nexec "$@"\n',
