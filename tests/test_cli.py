@@ -5,6 +5,7 @@ Every CLI run is a fresh `python -m kcoral run ...` process started in a scratch
 holding the local inputs, so what is measured is exactly what a user types.
 """
 
+import contextlib
 import hashlib
 import os
 import pty
@@ -81,7 +82,7 @@ def reference_url(tmp_path_factory):
                 time.sleep(0.1)
         yield url
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        proc.terminate()  # the server stops its workers itself; a group-wide signal races that
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
@@ -413,6 +414,7 @@ class ByteCountingProxy:
         self.upstream_bytes = 0
         self.lock = threading.Lock()
         self.threads = []
+        self.sockets = []
 
     def __enter__(self):
         self.threads.append(threading.Thread(target=self.accept, daemon=True))
@@ -420,9 +422,14 @@ class ByteCountingProxy:
         return self
 
     def __exit__(self, *exc):
-        self.listener.close()
+        for sock in [self.listener, *self.sockets]:
+            with contextlib.suppress(OSError):  # not connected any more: nothing to wake
+                sock.shutdown(socket.SHUT_RDWR)  # wakes a pump still blocked in recv
         for thread in self.threads:
             thread.join(10)
+            assert not thread.is_alive()
+        for sock in [self.listener, *self.sockets]:
+            sock.close()
 
     def accept(self):
         while True:
@@ -431,23 +438,19 @@ class ByteCountingProxy:
             except OSError:
                 return
             upstream = socket.create_connection(self.target)
+            self.sockets += [client, upstream]
             for source, sink, counted in ((client, upstream, True), (upstream, client, False)):
                 thread = threading.Thread(target=self.pump, args=(source, sink, counted), daemon=True)
                 thread.start()
                 self.threads.append(thread)
 
     def pump(self, source, sink, counted):
-        with source, sink:
-            while True:
-                try:
-                    data = source.recv(1 << 16)
-                    if not data:
-                        sink.shutdown(socket.SHUT_WR)
-                        return
-                    sink.sendall(data)
-                except OSError:
-                    return
+        try:
+            while data := source.recv(1 << 16):
+                sink.sendall(data)
                 if counted:
                     with self.lock:
                         self.upstream_bytes += len(data)
-
+            sink.shutdown(socket.SHUT_WR)
+        except OSError:
+            return
