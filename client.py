@@ -1899,7 +1899,10 @@ def _run_remote(args: Any, tool_args: list[str]) -> int:
     if out is not None and (out.exists() or out.is_symlink()):
         raise _CommandError(f"--out {args.out} already exists; choose a new directory")
     inputs = _read_inputs(args.send)
-    program = _tool_program(args, tool_args, inputs, want_outputs=out is not None)
+    try:
+        program = _tool_program(args, tool_args, inputs, want_outputs=out is not None)
+    except ValidationError as exc:  # a file name the protocol cannot carry (a backslash, say)
+        raise _CommandError(f"--send: {exc}") from None
     headers = {"Authorization": f"Bearer {args.token}"} if args.token else None
     with _ProgressClient(args.url, headers=headers) as client:
         result = client.execute(program, timeout_seconds=args.timeout, output_limit_bytes=args.output_limit_bytes)
@@ -1912,7 +1915,10 @@ def _run_remote(args: Any, tool_args: list[str]) -> int:
     if outcome["absent"]:
         raise _CommandError(f"{outcome['absent']} is not installed on the server (or is not executable there)")
     if out is not None:
-        result["artifacts"].save(out)
+        try:
+            result["artifacts"].save(out)
+        except OSError as exc:
+            raise _CommandError(f"cannot save the artifacts in {out}: {exc.strerror or exc}") from None
         print(f"kcoral: saved artifacts to {out}", file=sys.stderr)
     if outcome["missing"]:
         print(f"kcoral: missing artifacts: {', '.join(outcome['missing'])}", file=sys.stderr)
@@ -1958,13 +1964,19 @@ def _read_entry(local: str, remote: str, inputs: _Inputs) -> None:
         raise _CommandError(f"--send {local}: {exc.strerror}") from None
     if stat.S_ISLNK(info.st_mode):
         raise _CommandError(f"--send: {local} is a symbolic link; send its target instead")
+    try:
+        if stat.S_ISDIR(info.st_mode):
+            entries = sorted(os.listdir(local))
+        elif stat.S_ISREG(info.st_mode):
+            with open(local, "rb") as f:
+                inputs.files[remote] = f.read()
+    except OSError as exc:
+        raise _CommandError(f"--send {local}: {exc.strerror or exc}") from None
     if stat.S_ISDIR(info.st_mode):
         inputs.directories.append(remote)
-        for entry in sorted(os.listdir(local)):
+        for entry in entries:
             _read_entry(os.path.join(local, entry), f"{remote}/{entry}", inputs)
     elif stat.S_ISREG(info.st_mode):
-        with open(local, "rb") as f:
-            inputs.files[remote] = f.read()
         if info.st_mode & 0o111:
             inputs.executables.append(remote)
     else:
