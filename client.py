@@ -1747,9 +1747,10 @@ def run_command(argv: list[str]) -> int:
         return _run_remote(args, tool_args)
     except _CommandError as exc:
         print(f"kcoral run {args.tool}: {exc}", file=sys.stderr)
-    except (TransportError, ProtocolError) as exc:
-        print(f"kcoral run {args.tool}: cannot reach {args.url}: {exc}" if isinstance(exc, TransportError)
-              else f"kcoral run {args.tool}: protocol error: {exc}", file=sys.stderr)
+    except TransportError as exc:
+        print(f"kcoral run {args.tool}: cannot reach {args.url}: {exc}", file=sys.stderr)
+    except ProtocolError as exc:
+        print(f"kcoral run {args.tool}: protocol error: {exc}", file=sys.stderr)
     except KCoralError as exc:
         print(f"kcoral run {args.tool}: server error: {exc}", file=sys.stderr)
     except KeyboardInterrupt:
@@ -1759,8 +1760,8 @@ def run_command(argv: list[str]) -> int:
 
 
 def _split_at_separator(argv: list[str]) -> tuple[list[str], bool, list[str]]:
-    """(kcoral options, whether '--' was given, the tool's arguments). The first '--'
-    after the tool name is ours; any later one belongs to the tool."""
+    """(kcoral options, whether '--' was given, the tool's arguments). The first '--' is
+    ours; any later one belongs to the tool (the profilers' own separator, say)."""
     if "--" not in argv:
         return argv, False, []
     cut = argv.index("--")
