@@ -20,7 +20,15 @@ import time
 
 import pytest
 
-from tests.support import PYTHON, ROOT, ServerProcess, free_port, request
+from tests.support import (
+    PYTHON,
+    ROOT,
+    ServerProcess,
+    free_port,
+    reference_popen_options,
+    reference_server_argv,
+    request,
+)
 
 CLI_ENV = {k: v for k, v in os.environ.items() if k not in ("KCORAL_URL", "KCORAL_TOKEN")}
 CLI_ENV["PYTHONPATH"] = ROOT  # the command runs from a scratch directory, outside the checkout
@@ -53,21 +61,13 @@ def one_line(stderr):
 
 # --- the two servers ---------------------------------------------------------------------
 
-REFERENCE_VENV = os.environ.get("KCORAL_REF_VENV", os.path.expanduser("~/.cache/kcoral-ref/venv"))
-
-
 @pytest.fixture(scope="module")
-def reference_url(tmp_path_factory):
-    """The published server's URL. Everything about locating and starting the reference
-    lives here, so a shared self-installing helper can replace this one fixture."""
-    binary = os.path.join(REFERENCE_VENV, "bin", "kcoral")
-    if not os.access(binary, os.X_OK):
-        pytest.skip(f"the published kcoral 0.1.1 venv is not at {REFERENCE_VENV}")
+def reference_url():
+    """The published server's URL (installed on first use by tests/support.py)."""
     port = free_port()
-    # Its cwd is outside the checkout: our kcoral.py would shadow its package.
-    proc = subprocess.Popen([binary, "server", "--device", "cpu", "--sandbox", "none", "--log-dir", "",
-                             "--port", str(port), "--num-workers", "2"],
-                            cwd=str(tmp_path_factory.mktemp("reference")), env=CLI_ENV | {"PYTHONPATH": ""},
+    options = reference_popen_options()
+    env = {k: v for k, v in options["env"].items() if k not in ("KCORAL_URL", "KCORAL_TOKEN")}
+    proc = subprocess.Popen(reference_server_argv(port, "--num-workers", "2"), cwd=options["cwd"], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
