@@ -63,6 +63,7 @@ if __name__ == "__main__" and "--wheels" in sys.argv:  # before numpy/tvm_ffi ar
 
 import numpy
 
+from bench.cli_checks import cli_tool_checks
 from tests.support import ServerProcess, build_add_one, post
 
 REQUEST_TIMEOUT = 60  # timeout_seconds of every request unless a case says otherwise
@@ -742,6 +743,20 @@ def phase_main_server(ctx):
     return f"{len(cases)} cases"
 
 
+def phase_cli_tools(ctx):
+    """`kcoral run python`, `ncu` and `compute-sanitizer` as a user types them (a tool missing on
+    this box must give its one-line answer instead)."""
+    scratch = tempfile.mkdtemp(prefix="kcoral-cli-")
+    with started_server(ctx, "cli", device=ctx.device) as server:
+        checks = cli_tool_checks(server.url, scratch)
+    for name, ok, detail in checks:
+        ctx.cases[name] = {"ok": ok, "detail": detail[:2000]}
+        print(f"{'PASS' if ok else 'FAIL'} {name}: {detail[:300]}", flush=True)
+    failed = [name for name, ok, _ in checks if not ok]
+    assert not failed, f"failed: {failed}"
+    return f"{len(checks)} kcoral run checks"
+
+
 def run_case(ctx, case):
     name = case.__name__.removeprefix("case_")
     started = time.monotonic()
@@ -787,13 +802,13 @@ GPU_CASES = [case_pinning, case_health, case_tensors, case_layouts, case_library
 CPU_CASES = [case_health, case_tensors, case_library, case_library_errors, case_benchmark, case_compile_tirx,
              case_lease_timings, case_cpu_only, case_gpu_count]
 
-# (name, function, devices it runs on).  Further device checks join here: the sandboxed pass
-# (a main_server-like phase with --sandbox bubblewrap), `kcoral run ncu` / compute-sanitizer.
+# (name, function, devices it runs on)
 PHASES = [
     ("preflight", phase_preflight, ("gpu",)),
     ("default_server", phase_default_server, ("gpu",)),
     ("cpu_mode", phase_cpu_mode, ("gpu",)),
     ("main_server", phase_main_server, ("gpu", "cpu")),
+    ("cli_tools", phase_cli_tools, ("gpu", "cpu")),
 ]
 
 
