@@ -2168,6 +2168,10 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         self.cut_reason = None  # set by the ConnectionGuard when it cuts this connection
         self.body_done = True
 
+    def finish(self):
+        self.unwatch()  # whatever ended the connection, the guard forgets it
+        super().finish()
+
     def log_message(self, format, *args):  # one structured line per request instead
         pass
 
