@@ -940,7 +940,9 @@ def multipart_bodies(draw):
     padding = draw(st.sampled_from([b"", b" ", b"\t ", b"  \t"]))
     preamble = draw(st.sampled_from([b"", b"preamble text" + newline, b"\r\n"]))
     epilogue = draw(st.sampled_from([b"", b"epilogue", b"\r\n--" + boundary + b"--\r\n"]))
-    body = encode_parts(encoded, boundary, newline, padding, preamble, epilogue, draw(st.booleans()))
+    # the epilogue starts on the line after the close delimiter: `--B--epilogue` is refused (RFC 2046)
+    final_newline = draw(st.booleans()) or epilogue == b"epilogue"
+    body = encode_parts(encoded, boundary, newline, padding, preamble, epilogue, final_newline)
     return body, boundary, [(name, media.split(";")[0].lower(), payload) for name, media, payload in parts]
 
 
