@@ -17,6 +17,7 @@ this file and kcoral_worker.py).
 
 import argparse
 import collections
+import contextlib
 import ctypes
 import dataclasses
 import datetime
@@ -36,6 +37,7 @@ import selectors
 import shutil
 import signal
 import stat
+import subprocess
 import sys
 import tempfile
 import threading
@@ -68,15 +70,17 @@ def default_disk_cache_dir():
     return os.path.join(base, "kcoral", "files")
 
 
-def option(default, help, *, env=None, cli_default=None, factory=None, choices=None, parse=None):
+def option(default, help, *, env=None, cli_default=None, factory=None, choices=None, parse=None, flag=None):
     """One server setting: its default, its help text and how the command line spells it.
 
     The command line is generated from these (`parse_args`), so a default is written once.
     `cli_default` is the command line's default where it differs from the dataclass's
     (the reference's `log_dir`: None embedded, "logs" from the CLI); `parse` turns the flag's
-    string into the field's value.
+    string into the field's value.  A `flag` names a repeatable option whose values make up
+    the field's tuple (`--sandbox-readonly-path` fills `sandbox_readonly_paths`).
     """
-    meta = {"help": help, "env": env, "cli_default": cli_default, "choices": choices, "parse": parse}
+    meta = {"help": help, "env": env, "cli_default": cli_default, "choices": choices, "parse": parse,
+            "flag": flag}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -121,7 +125,10 @@ class ServerConfig:
     max_response_bytes: int = option(256 << 20, "response size limit (500 response_too_large beyond it)")
     output_limit_bytes: int = option(1 << 20, "default per-stream stdout/stderr capture limit")
     max_output_limit_bytes: int = option(16 << 20, "upper clamp for a request's output_limit_bytes")
-    sandbox: str = option("none", "isolate each request's code", choices=("none", "bubblewrap"))
+    sandbox: str = option("none", "isolate each request's code in a bubblewrap container (docs/sandbox.md)",
+                          choices=("none", "bubblewrap"))
+    sandbox_readonly_paths: tuple = option((), "extra path mounted read-only in the sandbox (repeatable)",
+                                           flag="--sandbox-readonly-path")
     token: str | None = option(None, "require 'Authorization: Bearer <token>' on every endpoint",
                                env="KCORAL_TOKEN")
 
@@ -890,6 +897,275 @@ class LeaseArbiter:
         return None
 
 
+# --- the sandbox (docs/sandbox.md) ----------------------------------------------
+
+SANDBOX_ROOT = "/kcoral"  # inside a sandbox: the slot's private directory (work/, blobs, home/, cache/)
+SANDBOX_SCRATCH = ("tmp", "shm")  # bound at /tmp, /var/tmp and /dev/shm: emptied, never replaced
+SANDBOX_ETC = ("alternatives", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "passwd", "group", "nsswitch.conf",
+               "hosts", "localtime", "ssl", "ca-certificates", "os-release", "debian_version", "gitconfig")
+SANDBOX_ENV_NAMES = ("PATH", "LANG", "LANGUAGE", "TZ", "LD_LIBRARY_PATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+SANDBOX_ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "NVCC_")
+GPU_CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-caps")
+
+
+def sandbox_environment():
+    """An allow-list of the server's variables, never its secrets; home, temporary files and the
+    compiler/JIT caches all inside the slot's private directory, so they vanish with the request."""
+    env = {k: v for k, v in os.environ.items() if k in SANDBOX_ENV_NAMES or k.startswith(SANDBOX_ENV_PREFIXES)}
+    cache = f"{SANDBOX_ROOT}/cache"
+    env.update(HOME=f"{SANDBOX_ROOT}/home", TMPDIR="/tmp", XDG_CACHE_HOME=cache,
+               TORCH_EXTENSIONS_DIR=f"{cache}/torch_extensions", TRITON_CACHE_DIR=f"{cache}/triton",
+               CUDA_CACHE_PATH=f"{cache}/nv", TVM_FFI_CACHE_DIR=f"{cache}/tvm-ffi")
+    return env
+
+
+def is_under(path, parent):
+    return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+def python_paths():
+    """What the interpreter needs to run our worker: its prefixes and import path, minus the
+    server's working directory (only the project's own files are shown from there)."""
+    project = os.path.dirname(os.path.abspath(kcoral_worker.__file__))
+    skipped = {"", os.getcwd(), project}
+    paths = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]
+    paths += [p for p in sys.path if p not in skipped and os.path.exists(p)]
+    return sorted(set(map(os.path.abspath, paths)))
+
+
+def project_files():
+    project = os.path.dirname(os.path.abspath(kcoral_worker.__file__))
+    names = ("kcoral_worker.py", "kcoral.py", "client.py")
+    return project, [os.path.join(project, n) for n in names if os.path.exists(os.path.join(project, n))]
+
+
+def gpu_device_node(gpu_id):
+    """/dev/nvidiaN of a physical GPU id: NVML's minor number, the id itself where NVML cannot say."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        handle, minor = ctypes.c_void_p(), ctypes.c_uint()
+        if (nvml.nvmlInit_v2() == 0 and nvml.nvmlDeviceGetHandleByIndex_v2(gpu_id, ctypes.byref(handle)) == 0
+                and nvml.nvmlDeviceGetMinorNumber(handle, ctypes.byref(minor)) == 0):
+            return f"/dev/nvidia{minor.value}"
+    except OSError:
+        pass
+    return f"/dev/nvidia{gpu_id}"
+
+
+def bwrap_command(config, gpus, root):
+    """The bubblewrap command line of a slot whose private directory is `root` (SERVER.md §3.1).
+
+    Every namespace is new (no network, own PIDs), no capabilities, no nested user namespaces;
+    the system, the Python environment, our files and --sandbox-readonly-path entries read-only;
+    the log directory, disk cache and the server's temporary directory hidden where they would
+    otherwise show through one of those."""
+    args = ["bwrap", "--die-with-parent", "--unshare-all", "--unshare-user", "--disable-userns",
+            "--cap-drop", "ALL", "--new-session", "--clearenv"]
+    for name, value in sandbox_environment().items():
+        args += ["--setenv", name, value]
+    for top in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(top):
+            args += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            args += ["--ro-bind", top, top]
+    for name in SANDBOX_ETC:
+        args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
+    args += ["--ro-bind", "/sys", "/sys", "--proc", "/proc", "--dev", "/dev"]
+    for node in [gpu_device_node(g) for g in gpus] + list(GPU_CONTROL_NODES if gpus else ()):
+        args += ["--dev-bind-try", node, node]
+    _, files = project_files()
+    shown = python_paths() + files + [os.path.abspath(p) for p in config.sandbox_readonly_paths]
+    hidden = [p for p in (config.log_dir, config.disk_cache_dir, tempfile.gettempdir(), os.path.expanduser("~"))
+              if p and any(is_under(os.path.abspath(p), s) for s in shown)]
+    # parents before children, so a hidden directory's tmpfs never covers a mount inside it
+    for path, option_ in sorted([(p, "--ro-bind") for p in shown] + [(os.path.abspath(p), "--tmpfs") for p in hidden]):
+        args += [option_, path] if option_ == "--tmpfs" else [option_, path, path]
+    args += ["--bind", root, SANDBOX_ROOT, "--bind", os.path.join(root, "tmp"), "/tmp",
+             "--bind", os.path.join(root, "tmp"), "/var/tmp", "--bind", os.path.join(root, "shm"), "/dev/shm",
+             "--chdir", "/"]
+    return args
+
+
+def process_children():
+    """{ppid: [pid, ...]} of every live process."""
+    children = collections.defaultdict(list)
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    fields = f.read().rpartition(b")")[2].split()
+            except OSError:
+                continue
+            if fields[0] not in (b"Z", b"X"):
+                children[int(fields[1])].append(int(name))
+    return children
+
+
+def descendants(pid, children):
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [c for p in frontier for c in children.get(p, ())]
+        found += frontier
+    return found
+
+
+def inner_pid(pid):
+    """A process's id in its own (innermost) PID namespace."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return int(next(line for line in f if line.startswith("NSpid:")).split()[-1])
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def probe_bubblewrap(config):
+    """--sandbox bubblewrap without a working bwrap stops the start-up; it never runs unsandboxed."""
+    if shutil.which("bwrap") is None:
+        raise SystemExit("kcoral: --sandbox bubblewrap needs bwrap on PATH (Debian: apt-get install bubblewrap)")
+    root = tempfile.mkdtemp(prefix="kcoral-sandbox-probe-")
+    try:
+        for name in SANDBOX_SCRATCH:
+            os.mkdir(os.path.join(root, name))
+        project, _ = project_files()
+        code = f"import sys; sys.path.insert(0, {project!r}); import kcoral_worker"
+        result = subprocess.run(bwrap_command(config, [], root) + [sys.executable, "-c", code], check=False,
+                                stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise SystemExit(f"kcoral: --sandbox bubblewrap: bwrap does not work here: {exc}") from None
+    finally:
+        remove_tree(root)
+    if result.returncode != 0:
+        lines = result.stderr.decode(errors="replace").strip().splitlines() or [f"exit code {result.returncode}"]
+        raise SystemExit(f"kcoral: --sandbox bubblewrap: bwrap does not work here: {lines[-1]}")
+
+
+class SandboxTemplate:
+    """A slot's bubblewrap container, and in it a warm template that forks one worker at a time.
+
+    Starting a container and importing torch takes seconds; forking a worker from a template
+    that did both once takes milliseconds.  So a slot keeps its container: each request gets a
+    fresh process in it, a private directory emptied after the request, and everything the
+    request started is killed (the container's PID namespace holds nothing else).
+    """
+
+    def __init__(self, config, device, gpus):
+        self.root = tempfile.mkdtemp(prefix="kcoral-sandbox-")
+        for name in SANDBOX_SCRATCH:
+            os.mkdir(os.path.join(self.root, name), 0o1777)
+        self.conn, child = multiprocessing.Pipe()
+        project, _ = project_files()
+        preload = ["numpy"] + ([m for m in ("torch", "tvm_ffi") if importlib.util.find_spec(m)]
+                               if device == "cpu" else [])  # GPU workers pin their device before torch
+        code = (f"import sys; sys.path.insert(0, {project!r}); import kcoral_worker; "
+                f"kcoral_worker.template_main({child.fileno()}, {preload!r})")
+        self.process = subprocess.Popen(bwrap_command(config, gpus, self.root) + [sys.executable, "-c", code],
+                                        pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
+        child.close()
+        self.init_pid = self.pid = self.current = None
+
+    def ready(self):
+        """Wait for the template's first message; find its init and template processes."""
+        if self.pid is not None:
+            return
+        try:
+            if not self.conn.poll(120):
+                raise WorkerCrashed("the sandbox did not start within 120 s")
+            _, template_pid = self.conn.recv()
+        except (EOFError, OSError) as exc:
+            self.close()
+            raise WorkerCrashed("the sandbox did not start") from exc
+        except WorkerCrashed:
+            self.close()
+            raise
+        children = process_children()
+        self.init_pid = children[self.process.pid][0]
+        self.pid = next(p for p in children[self.init_pid] if inner_pid(p) == template_pid)
+
+    def alive(self):
+        return self.process.poll() is None and self.pid is not None and is_live(self.pid)
+
+    def fork(self, conn, device, visible):
+        """A fresh worker for `conn` in a freshly emptied private directory -> its SandboxedProcess."""
+        self.ready()
+        if self.current is not None:  # its exit status comes first on the pipe
+            self.current.join(30)
+            if self.current.exitcode is None:
+                raise WorkerCrashed("the sandbox's previous worker did not exit")
+        self.clear()
+        try:
+            self.conn.send((device, visible))
+            reduction.send_handle(self.conn, conn.fileno(), self.pid)
+            if not self.conn.poll(60):
+                raise WorkerCrashed("the sandbox's template did not fork")
+            _, pid = self.conn.recv()
+        except (EOFError, OSError) as exc:
+            raise WorkerCrashed("the sandbox's template is gone") from exc
+        host_pid = next((p for p in process_children()[self.pid] if inner_pid(p) == pid), None)
+        self.current = SandboxedProcess(self, host_pid)
+        if host_pid is None:
+            raise WorkerCrashed("the sandbox's new worker is gone")
+        return self.current
+
+    def kill_requests(self, grace):
+        """SIGTERM everything in the container but its init and template, SIGKILL it after `grace`."""
+        def remaining():
+            return [p for p in descendants(self.init_pid, process_children()) if p != self.pid]
+
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+            for pid in remaining():
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, sig)
+            deadline = time.monotonic() + wait
+            while remaining() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if not remaining():
+                return
+
+    def clear(self):
+        """Empty the private directory; /tmp and /dev/shm are bind mounts, so those are emptied in place."""
+        for name in os.listdir(self.root):
+            path = os.path.join(self.root, name)
+            if name in SANDBOX_SCRATCH:
+                os.chmod(path, 0o1777)
+                for entry in os.listdir(path):
+                    remove_entry(os.path.join(path, entry))
+            else:
+                remove_entry(path)
+        for name in ("home", "cache"):
+            os.mkdir(os.path.join(self.root, name), 0o700)
+
+    def close(self):
+        with contextlib.suppress(OSError):
+            self.conn.close()
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        remove_tree(self.root)
+
+
+class SandboxedProcess:
+    """The parts of multiprocessing.Process the pool uses, for a worker its template forked."""
+
+    def __init__(self, template, pid):
+        self.template = template
+        self.pid = pid
+        self.exitcode = None
+
+    def join(self, timeout=None):
+        if self.exitcode is None:
+            try:
+                if self.template.conn.poll(timeout):
+                    self.exitcode = self.template.conn.recv()[1]
+            except (EOFError, OSError):  # the whole container is gone
+                self.exitcode = -signal.SIGKILL
+
+    def is_alive(self):
+        self.join(0)
+        return self.exitcode is None
+
+
 # --- workers and the pool ---------------------------------------------------
 
 class WorkerCrashed(Exception):
@@ -897,19 +1173,26 @@ class WorkerCrashed(Exception):
 
 
 class Worker:
-    """One worker process forked from the template, with its pipe."""
+    """One worker process forked from the template (a slot's sandbox template, if any), with its pipe."""
 
-    def __init__(self, pool, gpus):
+    def __init__(self, pool, gpus, template=None):
         self.gpus = gpus
+        self.template = template
         self.conn, child = pool.context.Pipe()
         visible = [pool.gpu_names[g] for g in gpus]
-        self.process = pool.context.Process(target=kcoral_worker.worker_main,
-                                            args=(child, pool.device, visible), name="kcoral-worker")
-        self.process.start()
-        # Process.start() on another thread polls every child multiprocessing tracks; two threads
-        # reading one forkserver exit status make join() report 255 for a clean exit.  We track ours.
-        multiprocessing.process._children.discard(self.process)
-        child.close()
+        if template is not None:
+            try:
+                self.process = template.fork(child, pool.device, visible)
+            finally:
+                child.close()
+        else:
+            self.process = pool.context.Process(target=kcoral_worker.worker_main,
+                                                args=(child, pool.device, visible), name="kcoral-worker")
+            self.process.start()
+            # Process.start() on another thread polls every child multiprocessing tracks; two threads
+            # reading one forkserver exit status make join() report 255 for a clean exit.  We track ours.
+            multiprocessing.process._children.discard(self.process)
+            child.close()
         self.pid = self.process.pid
         self.served = 0
         if not self.conn.poll(60) or self.conn.recv()[0] != "ready":
@@ -930,7 +1213,10 @@ class Worker:
             raise WorkerCrashed(f"GPU worker failed to initialize: {str(exc) or type(exc).__name__}") from exc
 
     def kill(self, grace, orphans=False):
-        kill_group(self.pid, grace, orphans=orphans)
+        if self.template is not None:  # its container holds exactly what this worker started
+            self.template.kill_requests(grace)
+        else:
+            kill_group(self.pid, grace, orphans=orphans)
         self.process.join(5)
         self.conn.close()
 
@@ -949,6 +1235,7 @@ class Slot:
         self.name = name
         self.gpus = gpus
         self.worker = None
+        self.template = None  # its SandboxTemplate under --sandbox bubblewrap
 
 
 @dataclasses.dataclass
@@ -1035,12 +1322,23 @@ class Pool:
         self.replacing = 0
         self.closing = False
         self.replacements = []
+        if config.sandbox == "bubblewrap":
+            probe_bubblewrap(config)
+            for slot in self.slots:  # the containers import in parallel
+                slot.template = SandboxTemplate(config, device, slot.gpus)
         for slot in self.slots:
-            slot.worker = self.start_worker(slot.gpus)
+            slot.worker = self.start_worker(slot.gpus, self.live_template(slot))
             self.idle.append(slot)
 
-    def start_worker(self, gpus):
-        worker = Worker(self, gpus)  # pinning and imports are host work: no lease yet
+    def live_template(self, slot):
+        """The slot's sandbox template, started again if a program killed it; None without a sandbox."""
+        if slot.template is not None and slot.template.pid is not None and not slot.template.alive():
+            slot.template.close()
+            slot.template = SandboxTemplate(self.config, self.device, slot.gpus)
+        return slot.template
+
+    def start_worker(self, gpus, template=None):
+        worker = Worker(self, gpus, template)  # pinning and imports are host work: no lease yet
         if self.arbiter is not None:
             # context creation must not overlap someone else's measurement
             self.arbiter.acquire(STARTUP_OWNER, gpus)
@@ -1100,7 +1398,7 @@ class Pool:
     def replace(self, slot):
         """Start the slot's next worker off the request's critical path."""
         try:
-            slot.worker = self.start_worker(slot.gpus)
+            slot.worker = self.start_worker(slot.gpus, self.live_template(slot))
         except Exception as exc:
             slot.worker = None
             log_event("worker_replace_failed", "ERROR", worker_id=slot.name, error=str(exc))
@@ -1123,7 +1421,7 @@ class Pool:
                 slot.worker.kill(0)
                 slot.worker = None
                 try:
-                    slot.worker = self.start_worker(slot.gpus)
+                    slot.worker = self.start_worker(slot.gpus, self.live_template(slot))
                 except Exception as exc:
                     log_event("worker_replace_failed", "ERROR", worker_id=slot.name, error=str(exc))
             if slot.worker is None:
@@ -1144,16 +1442,22 @@ class Pool:
         """P§8.9: a dedicated worker that sees `count` GPUs, started under all their leases."""
         gpus, wait_ms = self.arbiter.acquire(job.request_id, count=count)
         started = time.monotonic()
+        # its own container, showing exactly these GPUs: a cold start, as multi-GPU workers always are
+        template = SandboxTemplate(self.config, self.device, gpus) if self.config.sandbox == "bubblewrap" else None
         try:
-            worker = Worker(self, gpus)
+            worker = Worker(self, gpus, template)
             worker.initialize(self.gpu_names[gpus[0]])
         except WorkerCrashed:
+            if template is not None:
+                template.close()
             return Outcome(500, "engine", "multi-GPU worker failed to start")
         finally:
             self.arbiter.release(job.request_id, gpus)
         startup_s = time.monotonic() - started
         if startup_s >= job.timeout:
             worker.kill(0)
+            if template is not None:
+                template.close()
             return Outcome(504, "timeout", "execution timed out")
         job.timeout -= startup_s
         execution = Execution(self, worker, gpus, job, queue_ms)
@@ -1161,6 +1465,8 @@ class Pool:
         execution.single_use = True  # so it exits under the lease, inside the request
         outcome, _ = execution.run()
         worker.kill(0)
+        if template is not None:
+            template.close()
         if outcome.body is not None:
             outcome.body["gpu_ids"] = list(gpus)
             outcome.body["gpu_count"] = len(gpus)
@@ -1177,6 +1483,8 @@ class Pool:
         for slot in self.slots:
             if slot.worker is not None:
                 slot.worker.stop(self.config.worker_termination_grace_seconds)
+            if slot.template is not None:
+                slot.template.close()
 
 
 class Execution:
@@ -1196,8 +1504,12 @@ class Execution:
         self.last_index = None
         self.results = {}
         self.parts = []
-        # <root>/work is the program's working directory; the file <root>/blobs stages its blobs
-        self.root = tempfile.mkdtemp(prefix="kcoral-program-")
+        # <root>/work is the program's working directory; the file <root>/blobs stages its blobs.
+        # In a sandbox the root is the slot's private directory, which the worker sees as SANDBOX_ROOT.
+        if worker.template is None:
+            self.root = self.inside = tempfile.mkdtemp(prefix="kcoral-program-")
+        else:
+            self.root, self.inside = worker.template.root, SANDBOX_ROOT
         self.workspace = os.path.join(self.root, "work")
         self.blob_file = os.path.join(self.root, "blobs")
 
@@ -1225,7 +1537,7 @@ class Execution:
         finally:
             self.release_lease()
             output = self.drain.result(wait=2.0) if self.drain else ("", "", False, False)
-            remove_tree(self.root)
+            self.remove_workspace()
         body = {"status": "FAILED" if error else "COMPLETED", "request_id": self.job.request_id,
                 "queue_ms": self.queue_ms, "elapsed_ms": (time.monotonic() - started) * 1e3,
                 "lease_wait_ms": self.lease_wait_ms, "lease_held_ms": self.lease_held_ms,
@@ -1236,12 +1548,18 @@ class Execution:
             body["error"] = error
         return Outcome(body=body, parts=self.parts), retire
 
+    def remove_workspace(self):
+        if self.worker.template is None:
+            remove_tree(self.root)
+        else:  # what the request left in its /tmp and /dev/shm goes too
+            self.worker.template.clear()
+
     def send_job(self):
         program = self.job.program
         limit = self.config.max_requests_per_worker
         request = {"request_id": self.job.request_id, "instructions": program.instructions,
                    "retire": self.single_use or (bool(limit) and self.worker.served + 1 >= limit),
-                   "workspace": self.workspace, "blob_file": self.blob_file,
+                   "workspace": os.path.join(self.inside, "work"), "blob_file": os.path.join(self.inside, "blobs"),
                    "capture": self.job.output_limit > 0, "grace": self.config.worker_termination_grace_seconds,
                    "max_response_bytes": self.config.max_response_bytes}
         request["blob_index"] = self.stage_blobs()
@@ -1399,6 +1717,15 @@ def remove_tree(path):
         shutil.rmtree(path, ignore_errors=True)
 
 
+def remove_entry(path):
+    """Remove a file, link or directory tree."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        remove_tree(path)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
 # --- logging (SERVER.md §10) ---------------------------------------------------
 
 LOG = {"console": True, "file": None, "programs": None, "lock": threading.Lock()}
@@ -1488,8 +1815,8 @@ class KCoralServer:
         self.httpd.app = self
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
-        log_event("server_started", url=self.url, device=device, workers=len(self.pool.slots),
-                  run_dir=run_dir, instance_id=self.instance_id)
+        log_event("server_started", url=self.url, device=device, sandbox=self.config.sandbox,
+                  workers=len(self.pool.slots), run_dir=run_dir, instance_id=self.instance_id)
         return self
 
     @property
@@ -1613,8 +1940,12 @@ def create_app(config=None):
 def validate_config(config):
     if config.device not in ("auto", "cpu", "gpu"):
         raise ValueError("device must be 'auto', 'cpu' or 'gpu'")
-    if config.sandbox != "none":
-        raise ValueError("the bubblewrap sandbox is not implemented; use --sandbox none")
+    if config.sandbox not in ("none", "bubblewrap"):
+        raise ValueError("sandbox must be 'none' or 'bubblewrap'")
+    if config.sandbox_readonly_paths and config.sandbox != "bubblewrap":
+        raise ValueError("--sandbox-readonly-path requires --sandbox bubblewrap")
+    if not all(os.path.isabs(path) for path in config.sandbox_readonly_paths):
+        raise ValueError("--sandbox-readonly-path takes absolute paths")
     checks = [(config.disk_cache_capacity_mbytes >= 0, "disk_cache_capacity_mbytes must be >= 0"),
               (config.num_workers >= 1, "num_workers must be >= 1"),
               (config.workers_per_gpu >= 1, "workers_per_gpu must be >= 1"),
@@ -1930,7 +2261,9 @@ def add_config_flags(parser):
             default = os.environ[meta["env"]]
         flag = "--" + field.name.replace("_", "-")
         env_note = f" [env {meta['env']}]" if meta["env"] else ""
-        if field.type is bool:  # every boolean setting defaults to on; the flag turns it off
+        if meta["flag"]:
+            parser.add_argument(meta["flag"], dest=field.name, action="append", default=[], help=meta["help"])
+        elif field.type is bool:  # every boolean setting defaults to on; the flag turns it off
             parser.add_argument("--no-" + flag[2:], dest=field.name, action="store_false",
                                 help=f"do not {meta['help']}")
         else:
@@ -1947,6 +2280,8 @@ def config_from_args(args):
         value = getattr(args, field.name)
         if field.metadata["parse"]:
             value = field.metadata["parse"](value)
+        elif field.metadata["flag"]:
+            value = tuple(value)
         elif field.type == str | None and value == "":  # '' disables, as in the reference
             value = None
         values[field.name] = value
@@ -1959,13 +2294,9 @@ def parse_args(argv):
                                             "It executes arbitrary code by design; bind it to trusted networks.")
     p.add_argument("--version", action="version", version=f"kcoral {__version__}")
     add_config_flags(p)
-    p.add_argument("--sandbox-readonly-path", action="append", default=[],
-                   help="extra path mounted read-only in the sandbox (repeatable)")
     for flag in ("--router", "--node-id", "--node-token"):
         p.add_argument(flag, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.sandbox != "none" or args.sandbox_readonly_path:
-        p.error("the bubblewrap sandbox is not implemented in this server; run with --sandbox none")
     if args.router or args.node_id or args.node_token:
         p.error("router mode is not implemented in this server; scale out behind HAProxy instead")
     try:
