@@ -939,6 +939,31 @@ def project_files():
     return project, [os.path.join(project, n) for n in names if os.path.exists(os.path.join(project, n))]
 
 
+def shown_paths(config):
+    """The host paths a sandbox shows read-only at the same place: Python, our files, the operator's."""
+    _, files = project_files()
+    return python_paths() + files + [os.path.abspath(p) for p in config.sandbox_readonly_paths]
+
+
+def scratch_mount_points(config, root):
+    """Where read-only mounts sit inside the private /tmp, /var/tmp and /dev/shm (a checkout or a
+    --sandbox-readonly-path under /tmp, say), as paths in `root`: emptying must leave their way."""
+    scratch = {"/tmp": "tmp", "/var/tmp": "tmp", "/dev/shm": "shm"}
+    return [os.path.join(root, name, os.path.relpath(path, top)) for path in shown_paths(config)
+            for top, name in scratch.items() if is_under(path, top) and path != top]
+
+
+def empty_directory(path, keep=()):
+    """Remove what `path` holds, except the files and directories on the way to each of `keep`."""
+    for entry in os.listdir(path):
+        full = os.path.join(path, entry)
+        ahead = [k for k in keep if is_under(k, full)]
+        if not ahead:
+            remove_entry(full)
+        elif full not in ahead:
+            empty_directory(full, ahead)
+
+
 def gpu_device_node(gpu_id):
     """/dev/nvidiaN of a physical GPU id: NVML's minor number, the id itself where NVML cannot say."""
     try:
@@ -959,7 +984,7 @@ def bwrap_command(config, gpus, root):
     the system, the Python environment, our files and --sandbox-readonly-path entries read-only;
     the log directory, disk cache and the server's temporary directory hidden where they would
     otherwise show through one of those."""
-    args = ["bwrap", "--die-with-parent", "--unshare-all", "--unshare-user", "--disable-userns",
+    args = [shutil.which("bwrap") or "bwrap", "--die-with-parent", "--unshare-all", "--unshare-user", "--disable-userns",
             "--cap-drop", "ALL", "--new-session", "--clearenv"]
     for name, value in sandbox_environment().items():
         args += ["--setenv", name, value]
@@ -973,17 +998,15 @@ def bwrap_command(config, gpus, root):
     args += ["--ro-bind", "/sys", "/sys", "--proc", "/proc", "--dev", "/dev"]
     for node in [gpu_device_node(g) for g in gpus] + list(GPU_CONTROL_NODES if gpus else ()):
         args += ["--dev-bind-try", node, node]
-    _, files = project_files()
-    shown = python_paths() + files + [os.path.abspath(p) for p in config.sandbox_readonly_paths]
+    args += ["--bind", root, SANDBOX_ROOT, "--bind", os.path.join(root, "tmp"), "/tmp",
+             "--bind", os.path.join(root, "tmp"), "/var/tmp", "--bind", os.path.join(root, "shm"), "/dev/shm"]
+    shown = shown_paths(config)
     hidden = [p for p in (config.log_dir, config.disk_cache_dir, tempfile.gettempdir(), os.path.expanduser("~"))
               if p and any(is_under(os.path.abspath(p), s) for s in shown)]
     # parents before children, so a hidden directory's tmpfs never covers a mount inside it
-    for path, option_ in sorted([(p, "--ro-bind") for p in shown] + [(os.path.abspath(p), "--tmpfs") for p in hidden]):
-        args += [option_, path] if option_ == "--tmpfs" else [option_, path, path]
-    args += ["--bind", root, SANDBOX_ROOT, "--bind", os.path.join(root, "tmp"), "/tmp",
-             "--bind", os.path.join(root, "tmp"), "/var/tmp", "--bind", os.path.join(root, "shm"), "/dev/shm",
-             "--chdir", "/"]
-    return args
+    for path, kind in sorted([(p, "--ro-bind") for p in shown] + [(os.path.abspath(p), "--tmpfs") for p in hidden]):
+        args += [kind, path] if kind == "--tmpfs" else [kind, path, path]
+    return args + ["--chdir", "/"]
 
 
 def process_children():
@@ -1029,7 +1052,7 @@ def probe_bubblewrap(config):
         project, _ = project_files()
         code = f"import sys; sys.path.insert(0, {project!r}); import kcoral_worker"
         result = subprocess.run(bwrap_command(config, [], root) + [sys.executable, "-c", code], check=False,
-                                stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
+                                env=sandbox_environment(), stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise SystemExit(f"kcoral: --sandbox bubblewrap: bwrap does not work here: {exc}") from None
     finally:
@@ -1052,14 +1075,17 @@ class SandboxTemplate:
         self.root = tempfile.mkdtemp(prefix="kcoral-sandbox-")
         for name in SANDBOX_SCRATCH:
             os.mkdir(os.path.join(self.root, name), 0o1777)
+        self.mount_points = scratch_mount_points(config, self.root)
         self.conn, child = multiprocessing.Pipe()
         project, _ = project_files()
         preload = ["numpy"] + ([m for m in ("torch", "tvm_ffi") if importlib.util.find_spec(m)]
                                if device == "cpu" else [])  # GPU workers pin their device before torch
         code = (f"import sys; sys.path.insert(0, {project!r}); import kcoral_worker; "
                 f"kcoral_worker.template_main({child.fileno()}, {preload!r})")
+        # bwrap's own processes get the clean environment too: the container's PID 1 is one of them
         self.process = subprocess.Popen(bwrap_command(config, gpus, self.root) + [sys.executable, "-c", code],
-                                        pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
+                                        env=sandbox_environment(), pass_fds=(child.fileno(),),
+                                        stdin=subprocess.DEVNULL)
         child.close()
         self.init_pid = self.pid = self.current = None
 
@@ -1127,8 +1153,7 @@ class SandboxTemplate:
             path = os.path.join(self.root, name)
             if name in SANDBOX_SCRATCH:
                 os.chmod(path, 0o1777)
-                for entry in os.listdir(path):
-                    remove_entry(os.path.join(path, entry))
+                empty_directory(path, self.mount_points)
             else:
                 remove_entry(path)
         for name in ("home", "cache"):

@@ -165,14 +165,16 @@ def simple_program(source, name="f", args=(), options=None):
     return program
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """The shared default server; its TMPDIR is private so workspace leaks are visible."""
+@pytest.fixture(scope="module", params=["none", "bubblewrap"], ids=["unsandboxed", "sandboxed"])
+def server(request, tmp_path_factory):
+    """The shared default server, once without and once with the sandbox; its TMPDIR is private
+    so workspace leaks are visible."""
     base = tmp_path_factory.mktemp("server")
     tmpdir = base / "tmp"
     tmpdir.mkdir()
-    with ServerProcess(tmp_path=base, env={"TMPDIR": str(tmpdir)}) as srv:
+    with ServerProcess("--sandbox", request.param, tmp_path=base, env={"TMPDIR": str(tmpdir)}) as srv:
         srv.tmpdir = str(tmpdir)
+        srv.sandbox = request.param
         yield srv
 
 
@@ -305,8 +307,24 @@ def execute_ok(url, program, blobs=(), **kw):
     return body
 
 
+SANDBOX_SKELETON = ("cache", "home", "shm", "tmp")  # what a sandbox's private directory keeps between requests
+
+
 def workspaces(srv):
-    return sorted(n for n in os.listdir(srv.tmpdir) if n.startswith("kcoral-program-"))
+    """What requests left in the server's TMPDIR: unsandboxed workspaces, and in a sandbox's
+    private directory anything beyond its skeleton, or any file in it (its /tmp keeps the empty
+    directories leading to read-only mounts there, a checkout under /tmp say)."""
+    found = []
+    for name in sorted(os.listdir(srv.tmpdir)):
+        path = os.path.join(srv.tmpdir, name)
+        if name.startswith("kcoral-program-"):
+            found.append(name)
+        elif name.startswith("kcoral-sandbox-"):
+            found += [f"{name}/{entry}" for entry in os.listdir(path) if entry not in SANDBOX_SKELETON]
+            for entry in SANDBOX_SKELETON:
+                found += [os.path.join(folder, f) for folder, _, files in os.walk(os.path.join(path, entry))
+                          for f in files]
+    return sorted(found)
 
 
 def wait_for(predicate, timeout=10.0, interval=0.02):
