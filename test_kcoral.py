@@ -1462,29 +1462,43 @@ def test_waited_subprocess_is_fine(server):
     assert assert_completed(execute_ok(server.url, simple_program(source)))["out"]["value"] == 0
 
 
-TIMEOUT_SOURCE = """import subprocess, time
-def f(pidfile, new_session):
-    p = subprocess.Popen(["sleep", "60"], start_new_session=new_session)
-    with open(pidfile + ".tmp", "w") as fh:
-        fh.write(str(p.pid))
-    import os
-    os.rename(pidfile + ".tmp", pidfile)
+TIMEOUT_SOURCE = """import subprocess, sys, time
+def f(marker, new_session):
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", marker], start_new_session=new_session)
     print("looping")
     while True:
         time.sleep(0.05)
 """
 
 
+def marked_pids(marker):
+    """Host pids of the processes whose command line carries `marker` (a sandboxed program
+    cannot tell us its children's pids: it sees its own PID namespace)."""
+    found = []
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(name))
+        except OSError:
+            pass
+    return found
+
+
 @pytest.mark.parametrize("new_session", [False, True], ids=["same-group", "new-session"])
-def test_timeout_kills_the_whole_tree(server, tmp_path, new_session):
-    pidfile = str(tmp_path / "grandchild.pid")
-    program = call_program(TIMEOUT_SOURCE, "f", pidfile, new_session, options={"timeout_seconds": 1})
+def test_timeout_kills_the_whole_tree(server, new_session):
+    marker = f"kcoral-grandchild-{uuid.uuid4().hex}"
+    program = call_program(TIMEOUT_SOURCE, "f", marker, new_session, options={"timeout_seconds": 2})
+    seen = []
+    watcher = threading.Thread(target=lambda: seen.extend(wait_for(lambda: marked_pids(marker), timeout=30) or []))
+    watcher.start()
     started = time.monotonic()
     status, headers, body = post(server.url, program)
+    watcher.join()
     assert_error_body(status, headers, body, 504, "timeout")
     assert time.monotonic() - started < 30
-    pid = int(open(pidfile).read())
-    assert wait_for(lambda: process_gone(pid), timeout=10), f"grandchild {pid} survived the timeout"
+    assert seen, "the grandchild never ran"
+    assert wait_for(lambda: all(process_gone(pid) for pid in seen), timeout=10), f"grandchild {seen} survived"
     ok_run(server.url)
     assert workspaces(server) == []
 

@@ -471,6 +471,45 @@ class Context:
     pass
 
 
+SANDBOX_NODES = """
+import os
+def nodes():
+    return sorted(n for n in os.listdir("/dev") if n.startswith("nvidia"))
+"""
+
+
+def sandboxed_pass(device, library, library_error=""):
+    """The main program kinds again inside `--sandbox bubblewrap` (docs/sandbox.md), and the
+    device nodes a sandboxed GPU worker sees: its GPU's and the control nodes, nothing else."""
+    ctx, results = Context(), []
+    ctx.device, ctx.library, ctx.cupti = device, library, False
+    ctx.arch_list_env = os.environ.get("TVM_FFI_CUDA_ARCH_LIST")
+    server = ServerProcess("--sandbox", "bubblewrap", device=device)
+    try:
+        ctx.url, ctx.health = server.url, server.health()
+        cases = [case_tensors, case_library, case_benchmark, case_gpu_count]
+        for case in ([case_pinning] if device == "gpu" else []) + cases:
+            name = "sandboxed " + case.__name__.removeprefix("case_")
+            try:
+                if library is None and case in (case_library, case_benchmark):
+                    raise AssertionError(library_error)
+                detail = case(ctx)
+                results.append(True)
+                print(f"PASS {name}: {detail}", flush=True)
+            except Exception as exc:
+                results.append(False)
+                print(f"FAIL {name}: {type(exc).__name__}: {exc}", flush=True)
+        nodes = out(*call(ctx.url, SANDBOX_NODES, "nodes"))
+        gpus = [n for n in nodes if re.fullmatch(r"nvidia\d+", n)]
+        ok = len(gpus) == (1 if device == "gpu" else 0) and set(nodes) - set(gpus) <= {
+            "nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-caps"}
+        results.append(ok)
+        print(f"{'PASS' if ok else 'FAIL'} sandboxed device nodes: {nodes}", flush=True)
+    finally:
+        server.stop()
+    return results
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
@@ -514,6 +553,7 @@ def main(argv=None):
                     traceback.print_exc(limit=3)
     finally:
         server.stop()
+    results += sandboxed_pass(args.device, ctx.library, getattr(ctx, "library_error", ""))
     passed = sum(results)
     print(f"({args.device} mode, {time.monotonic() - started:.0f} s)")
     print(f"{passed} passed, {len(results) - passed} failed")
