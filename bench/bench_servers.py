@@ -46,7 +46,7 @@ import time
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from client import Client, Program  (our client, for both servers)
+from client import Client, Program  # our client, for both servers
 
 REFERENCE_SCRIPT = (os.environ.get("KCORAL_REFERENCE_SCRIPT")
                     or os.path.join(os.path.dirname(ROOT), "shared", "tools", "reference-kcoral.sh"))
