@@ -244,6 +244,25 @@ def f():
     assert workspaces(sandboxed) == []
 
 
+def test_tvm_ffi_library_built_inside_the_request(sandboxed):
+    """tvm_ffi.cpp.build runs the compiler in the request; its cache goes to TVM_FFI_CACHE_DIR inside."""
+    from bench.gpu_check import ADD_ONE_CPU
+    source = """import os, sys, torch, tvm_ffi, tvm_ffi.cpp
+def f(code):
+    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]  # pip's ninja
+    with open("add_one.cc", "w") as out:
+        out.write(code)
+    library = tvm_ffi.load_module(tvm_ffi.cpp.build(name="add_one", sources=["add_one.cc"], build_directory="build"))
+    x, y = torch.arange(4, dtype=torch.float32), torch.zeros(4, dtype=torch.float32)
+    library.add_one(x, y)
+    return y.tolist()
+"""
+    body = execute_ok(sandboxed.url, call_program(source, "f", ADD_ONE_CPU))
+    assert body["status"] == "COMPLETED", body.get("error")
+    assert [v["value"] for v in value(body)] == [1.0, 2.0, 3.0, 4.0]
+    assert workspaces(sandboxed) == []
+
+
 def test_tempfile_and_caches_live_inside_the_request(sandboxed):
     source = """import os, tempfile
 def f():
