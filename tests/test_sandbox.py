@@ -334,7 +334,7 @@ def f():
 """
     body = execute_ok(sandboxed.url, call_program(source, "f"))
     assert body["status"] == "FAILED" and "background" in body["error"]["message"], body
-    leftover = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
+    leftover = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True, check=False).stdout.split()
     assert leftover == []
 
 
@@ -378,7 +378,7 @@ def probe(path):
 def start_failure(tmp_path, path_dirs):
     result = subprocess.run([PYTHON, "-m", "kcoral", "--port", str(free_port()), "--device", "cpu", "--log-dir", "",
                              "--disk-cache-dir", "", "--sandbox", "bubblewrap"], cwd=ROOT, capture_output=True,
-                            text=True, timeout=120, env={**os.environ, "PATH": os.pathsep.join(path_dirs)})
+                            text=True, timeout=120, check=False, env={**os.environ, "PATH": os.pathsep.join(path_dirs)})
     return result.returncode, result.stderr.strip().splitlines()
 
 
