@@ -31,6 +31,7 @@ import json
 import math
 import multiprocessing
 import os
+import queue
 import re
 import secrets
 import selectors
@@ -1061,6 +1062,36 @@ def probe_bubblewrap(config):
         raise SystemExit(f"kcoral: --sandbox bubblewrap: bwrap does not work here: {lines[-1]}")
 
 
+SPAWNS = {"queue": None, "lock": threading.Lock()}
+
+
+def lasting_popen(args, **options):
+    """subprocess.Popen run by one thread that lives as long as the server.
+
+    bwrap --die-with-parent ties a container to the *thread* that started it (PR_SET_PDEATHSIG),
+    and the pool starts containers from threads that come and go.
+    """
+    with SPAWNS["lock"]:
+        if SPAWNS["queue"] is None:
+            SPAWNS["queue"] = queue.SimpleQueue()
+            threading.Thread(target=serve_spawns, args=(SPAWNS["queue"],), name="kcoral-spawner", daemon=True).start()
+    reply = queue.SimpleQueue()
+    SPAWNS["queue"].put((args, options, reply))
+    outcome = reply.get()
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome
+
+
+def serve_spawns(requests):
+    while True:
+        args, options, reply = requests.get()
+        try:
+            reply.put(subprocess.Popen(args, **options))
+        except BaseException as exc:  # handed to the caller
+            reply.put(exc)
+
+
 class SandboxTemplate:
     """A slot's bubblewrap container, and in it a warm template that forks one worker at a time.
 
@@ -1082,9 +1113,8 @@ class SandboxTemplate:
         code = (f"import sys; sys.path.insert(0, {project!r}); import kcoral_worker; "
                 f"kcoral_worker.template_main({child.fileno()}, {preload!r})")
         # bwrap's own processes get the clean environment too: the container's PID 1 is one of them
-        self.process = subprocess.Popen(bwrap_command(config, gpus, self.root) + [sys.executable, "-c", code],
-                                        env=sandbox_environment(), pass_fds=(child.fileno(),),
-                                        stdin=subprocess.DEVNULL)
+        self.process = lasting_popen(bwrap_command(config, gpus, self.root) + [sys.executable, "-c", code],
+                                     env=sandbox_environment(), pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
         child.close()
         self.init_pid = self.pid = self.current = None
 
@@ -1106,7 +1136,7 @@ class SandboxTemplate:
         self.pid = next(p for p in children_of(self.init_pid) if inner_pid(p) == template_pid)
 
     def alive(self):
-        return self.process.poll() is None and self.pid is not None and is_live(self.pid)
+        return self.process.poll() is None and (self.pid is None or is_live(self.pid))
 
     def fork(self, conn, device, visible):
         """A fresh worker for `conn` in a freshly emptied private directory -> its SandboxedProcess."""
@@ -1356,7 +1386,7 @@ class Pool:
 
     def live_template(self, slot):
         """The slot's sandbox template, started again if a program killed it; None without a sandbox."""
-        if slot.template is not None and slot.template.pid is not None and not slot.template.alive():
+        if slot.template is not None and not slot.template.alive():
             slot.template.close()
             slot.template = SandboxTemplate(self.config, self.device, slot.gpus)
         return slot.template

@@ -352,6 +352,23 @@ def test_crash_keeps_early_returns_and_output(sandboxed):
     assert "said before" in body["stdout"]
 
 
+def test_a_program_that_kills_its_slots_template_gets_a_new_one(tmp_path):
+    """The slot's container is started again; one started by a pool thread outlives that thread."""
+    source = """import os, signal
+def f():
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"template_main" in f.read():
+                os.kill(int(pid), signal.SIGKILL)
+"""
+    with ServerProcess("--sandbox", "bubblewrap", workers=1, tmp_path=tmp_path) as srv:
+        status, _, body = post(srv.url, call_program(source, "f"))
+        assert status in (200, 500), body
+        for _ in range(3):  # the new container (its starting thread is gone by now), workers forked in it
+            assert value(execute_ok(srv.url, call_program("def f():\n    return 9\n", "f"))) == 9
+            time.sleep(1)
+
+
 def test_readonly_path_is_visible_and_not_writable(tmp_path):
     shared = tmp_path / "shared"
     shared.mkdir()
