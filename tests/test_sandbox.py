@@ -369,6 +369,22 @@ def f():
             time.sleep(1)
 
 
+def test_a_reused_worker_still_gets_an_empty_private_directory(tmp_path):
+    source = """import os
+def f(name):
+    seen = sorted(os.listdir("/tmp")) + sorted(os.listdir("/dev/shm")) + sorted(os.listdir("."))
+    for folder in ("/tmp", "/dev/shm", "."):
+        open(os.path.join(folder, name), "w").close()
+    return [os.getpid(), seen]
+"""
+    with ServerProcess("--sandbox", "bubblewrap", "--max-requests-per-worker", "0", workers=1,
+                       tmp_path=tmp_path) as srv:
+        answers = [[v["value"] for v in value(execute_ok(srv.url, call_program(source, "f", f"n{i}")))]
+                   for i in range(3)]
+    assert len({pid for pid, _ in answers}) == 1  # one process served all three
+    assert [[v["value"] for v in seen] for _, seen in answers] == [[], [], []]
+
+
 def test_readonly_path_is_visible_and_not_writable(tmp_path):
     shared = tmp_path / "shared"
     shared.mkdir()
