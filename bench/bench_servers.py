@@ -47,9 +47,8 @@ import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from client import Client, Program  # our client, for both servers
+from tests.support import reference_popen_options, reference_server_argv
 
-REFERENCE_SCRIPT = (os.environ.get("KCORAL_REFERENCE_SCRIPT")
-                    or os.path.join(os.path.dirname(ROOT), "shared", "tools", "reference-kcoral.sh"))
 WORKERS = 2
 MIB = 1 << 20
 COMMON_FLAGS = ["--num-workers", str(WORKERS), "--no-log-console", "--max-request-bytes", str(512 * MIB)]
@@ -86,7 +85,7 @@ def free_port():
 class Server:
     """One server process on a free loopback port, logs into the scratch directory."""
 
-    def __init__(self, name, argv_for_port, scratch, cwd=ROOT):
+    def __init__(self, name, argv_for_port, scratch, cwd=ROOT, env=os.environ):
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -96,7 +95,7 @@ class Server:
         os.mkdir(tmpdir)
         self.proc = subprocess.Popen(argv_for_port(self.port), cwd=cwd, stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, "TMPDIR": tmpdir})
+                                     env={**env, "TMPDIR": tmpdir})
 
     @property
     def pid(self):
@@ -145,14 +144,16 @@ class Server:
 def start_servers(scratch):
     """-> (published, ours), both started in parallel and ready."""
     def published_argv(port):
-        return ["bash", REFERENCE_SCRIPT, "server", "--port", str(port), "--disk-cache-dir",
-                os.path.join(scratch, "published-cache"), *COMMON_FLAGS]
+        return reference_server_argv(port, "--disk-cache-dir", os.path.join(scratch, "published-cache"),
+                                     *COMMON_FLAGS)
 
     def ours_argv(port):
         return [sys.executable, "-m", "kcoral", "--port", str(port), "--device", "cpu", "--log-dir", "",
                 "--disk-cache-dir", os.path.join(scratch, "ours-cache"), *COMMON_FLAGS]
 
-    servers = (Server("published", published_argv, scratch), Server("ours", ours_argv, scratch))
+    # the published server runs outside the repository, from its own cached virtualenv
+    servers = (Server("published", published_argv, scratch, **reference_popen_options()),
+               Server("ours", ours_argv, scratch))
     for server in servers:
         server.wait_ready()
     return servers
@@ -161,15 +162,15 @@ def start_servers(scratch):
 def start_sandboxed_servers(scratch):
     """-> (published, ours), both with `--sandbox bubblewrap`; the published one from /tmp."""
     def published_argv(port):
-        return ["bash", REFERENCE_SCRIPT, "server", "--port", str(port), "--sandbox", "bubblewrap",
-                "--disk-cache-dir", os.path.join(scratch, "published-sandboxed-cache"), *COMMON_FLAGS]
+        return reference_server_argv(port, "--sandbox", "bubblewrap", "--disk-cache-dir",
+                                     os.path.join(scratch, "published-sandboxed-cache"), *COMMON_FLAGS)
 
     def ours_argv(port):
         return [sys.executable, "-m", "kcoral", "--port", str(port), "--device", "cpu", "--log-dir", "",
                 "--sandbox", "bubblewrap", "--disk-cache-dir", os.path.join(scratch, "ours-sandboxed-cache"),
                 *COMMON_FLAGS]
 
-    servers = (Server("published-sandboxed", published_argv, scratch, cwd="/tmp"),
+    servers = (Server("published-sandboxed", published_argv, scratch, **{**reference_popen_options(), "cwd": "/tmp"}),
                Server("ours-sandboxed", ours_argv, scratch))
     for server in servers:
         server.wait_ready()
@@ -658,7 +659,7 @@ Machine: {m['nproc']} CPUs ({m['cpu']}), {m['ram_gib']} GiB RAM, Linux {m['kerne
 Python {m['python']}; {info['date']}; full run {info['wall_seconds']:.0f} s.
 
 Reproduce: `.venv/bin/python -m bench.bench_servers` (needs `pip install matplotlib`, the `bench`
-extra, and the published server via `../shared/tools/reference-kcoral.sh`).
+extra; the published server installs itself into a cached virtualenv on first use).
 """
 
 
