@@ -14,8 +14,8 @@ import uuid
 
 import pytest
 
-from tests.support import (PYTHON, ROOT, ServerProcess, call_program, execute_ok, free_port, post, prog,
-                           ret_path, sha256, up_blob, workspaces)
+from tests.support import (ADD_ONE_CPU, PYTHON, ROOT, ServerProcess, call_program, execute_ok, free_port, post,
+                           prog, ret_path, sha256, up_blob, workspaces)
 
 TOKEN = "probe-token-" + uuid.uuid4().hex
 SECRET = "probe-secret-" + uuid.uuid4().hex
@@ -246,7 +246,6 @@ def f():
 
 def test_tvm_ffi_library_built_inside_the_request(sandboxed):
     """tvm_ffi.cpp.build runs the compiler in the request; its cache goes to TVM_FFI_CACHE_DIR inside."""
-    from bench.gpu_check import ADD_ONE_CPU
     source = """import os, sys, torch, tvm_ffi, tvm_ffi.cpp
 def f(code):
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]  # pip's ninja
