@@ -1203,7 +1203,7 @@ def lasting_popen(args, **options):
     reply = queue.SimpleQueue()
     SPAWNS["queue"].put((args, options, reply))
     outcome = reply.get()
-    if isinstance(outcome, BaseException):
+    if isinstance(outcome, Exception):
         raise outcome
     return outcome
 
@@ -1213,7 +1213,7 @@ def serve_spawns(requests):
         args, options, reply = requests.get()
         try:
             reply.put(subprocess.Popen(args, **options))
-        except BaseException as exc:  # handed to the caller
+        except (OSError, ValueError, subprocess.SubprocessError) as exc:  # handed to the caller
             reply.put(exc)
 
 
