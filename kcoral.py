@@ -1022,7 +1022,7 @@ SANDBOX_ADDONS = "/opt/kcoral-tvm-ffi"  # inside: the tvm_ffi torch add-on the s
 GPU_CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-caps")
 
 
-def sandbox_environment():
+def sandbox_environment() -> dict[str, str]:
     """An allow-list of the server's variables, never its secrets; home, temporary files and the
     compiler/JIT caches all inside the slot's private directory, so they vanish with the request."""
     env = {k: v for k, v in os.environ.items() if k in SANDBOX_ENV_NAMES or k.startswith(SANDBOX_ENV_PREFIXES)}
@@ -1033,11 +1033,11 @@ def sandbox_environment():
     return env
 
 
-def is_under(path, parent):
+def is_under(path: str, parent: str) -> bool:
     return path == parent or path.startswith(parent.rstrip("/") + "/")
 
 
-def python_paths():
+def python_paths() -> list[str]:
     """What the interpreter needs to run our worker: its prefixes and import path, minus the
     server's working directory (only the project's own files are shown from there)."""
     project = os.path.dirname(os.path.abspath(kcoral_worker.__file__))
@@ -1047,19 +1047,19 @@ def python_paths():
     return sorted(set(map(os.path.abspath, paths)))
 
 
-def project_files():
+def project_files() -> tuple[str, list[str]]:
     project = os.path.dirname(os.path.abspath(kcoral_worker.__file__))
     names = ("kcoral_worker.py", "kcoral.py", "client.py")
     return project, [os.path.join(project, n) for n in names if os.path.exists(os.path.join(project, n))]
 
 
-def shown_paths(config):
+def shown_paths(config: ServerConfig) -> list[str]:
     """The host paths a sandbox shows read-only at the same place: Python, our files, the operator's."""
     _, files = project_files()
     return python_paths() + files + [os.path.abspath(p) for p in config.sandbox_readonly_paths]
 
 
-def scratch_mount_points(config, root):
+def scratch_mount_points(config: ServerConfig, root: str) -> list[str]:
     """Where read-only mounts sit inside the private /tmp, /var/tmp and /dev/shm (a checkout or a
     --sandbox-readonly-path under /tmp, say), as paths in `root`: emptying must leave their way."""
     scratch = {"/tmp": "tmp", "/var/tmp": "tmp", "/dev/shm": "shm"}
@@ -1067,7 +1067,7 @@ def scratch_mount_points(config, root):
             for top, name in scratch.items() if is_under(path, top) and path != top]
 
 
-def empty_directory(path, keep=()):
+def empty_directory(path: str, keep: list[str] | tuple = ()) -> None:
     """Remove what `path` holds, except the files and directories on the way to each of `keep`."""
     for entry in os.listdir(path):
         full = os.path.join(path, entry)
@@ -1078,7 +1078,7 @@ def empty_directory(path, keep=()):
             empty_directory(full, ahead)
 
 
-def torch_addons():
+def torch_addons() -> list[str]:
     """The tvm_ffi torch add-on(s) prepare_template_imports built into the host's cache, if any:
     the sandbox shows them so its template does not compile them again (minutes with nvcc)."""
     cache = os.path.expanduser(os.environ.get("TVM_FFI_CACHE_DIR", "~/.cache/tvm-ffi"))
@@ -1088,7 +1088,7 @@ def torch_addons():
         return []
 
 
-def gpu_device_node(gpu_id):
+def gpu_device_node(gpu_id: int) -> str:
     """/dev/nvidiaN of a physical GPU id: NVML's minor number, the id itself where NVML cannot say."""
     try:
         nvml = ctypes.CDLL("libnvidia-ml.so.1")
@@ -1101,15 +1101,15 @@ def gpu_device_node(gpu_id):
     return f"/dev/nvidia{gpu_id}"
 
 
-def bwrap_command(config, gpus, root):
+def bwrap_command(config: ServerConfig, gpus: list[int], root: str) -> list[str]:
     """The bubblewrap command line of a slot whose private directory is `root` (SERVER.md §3.1).
 
     Every namespace is new (no network, own PIDs), no capabilities, no nested user namespaces;
     the system, the Python environment, our files and --sandbox-readonly-path entries read-only;
     the log directory, disk cache and the server's temporary directory hidden where they would
     otherwise show through one of those."""
-    args = [shutil.which("bwrap") or "bwrap", "--die-with-parent", "--unshare-all", "--unshare-user", "--disable-userns",
-            "--cap-drop", "ALL", "--new-session", "--clearenv"]
+    args = [shutil.which("bwrap") or "bwrap", "--die-with-parent", "--unshare-all", "--unshare-user",
+            "--disable-userns", "--cap-drop", "ALL", "--new-session", "--clearenv"]
     for name, value in sandbox_environment().items():
         args += ["--setenv", name, value]
     for top in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
@@ -1135,7 +1135,7 @@ def bwrap_command(config, gpus, root):
     return args + ["--chdir", "/"]
 
 
-def children_of(pid):
+def children_of(pid: int | None) -> list[int]:
     """Live children of a process, from the kernel's per-thread child lists: a few small reads
     instead of a scan of every process on the machine (this runs on every request)."""
     found = []
@@ -1149,7 +1149,7 @@ def children_of(pid):
     return [child for child in found if is_live(child)]
 
 
-def descendants(pid):
+def descendants(pid: int | None) -> list[int]:
     found, frontier = [], [pid]
     while frontier:
         frontier = [child for parent in frontier for child in children_of(parent)]
@@ -1157,7 +1157,7 @@ def descendants(pid):
     return found
 
 
-def inner_pid(pid):
+def inner_pid(pid: int) -> int | None:
     """A process's id in its own (innermost) PID namespace."""
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -1166,7 +1166,7 @@ def inner_pid(pid):
         return None
 
 
-def probe_bubblewrap(config):
+def probe_bubblewrap(config: ServerConfig) -> None:
     """--sandbox bubblewrap without a working bwrap stops the start-up; it never runs unsandboxed."""
     if shutil.which("bwrap") is None:
         raise SystemExit("kcoral: --sandbox bubblewrap needs bwrap on PATH (Debian: apt-get install bubblewrap)")
@@ -1190,7 +1190,7 @@ def probe_bubblewrap(config):
 SPAWNS = {"queue": None, "lock": threading.Lock()}
 
 
-def lasting_popen(args, **options):
+def lasting_popen(args: list[str], **options) -> subprocess.Popen:
     """subprocess.Popen run by one thread that lives as long as the server.
 
     bwrap --die-with-parent ties a container to the *thread* that started it (PR_SET_PDEATHSIG),
@@ -1199,7 +1199,8 @@ def lasting_popen(args, **options):
     with SPAWNS["lock"]:
         if SPAWNS["queue"] is None:
             SPAWNS["queue"] = queue.SimpleQueue()
-            threading.Thread(target=serve_spawns, args=(SPAWNS["queue"],), name="kcoral-spawner", daemon=True).start()
+            threading.Thread(target=serve_spawns, args=(SPAWNS["queue"],), name="kcoral-spawner",
+                             daemon=True).start()
     reply = queue.SimpleQueue()
     SPAWNS["queue"].put((args, options, reply))
     outcome = reply.get()
@@ -1208,7 +1209,7 @@ def lasting_popen(args, **options):
     return outcome
 
 
-def serve_spawns(requests):
+def serve_spawns(requests: queue.SimpleQueue) -> None:
     while True:
         args, options, reply = requests.get()
         try:
@@ -1226,7 +1227,7 @@ class SandboxTemplate:
     request started is killed (the container's PID namespace holds nothing else).
     """
 
-    def __init__(self, config, device, gpus):
+    def __init__(self, config: ServerConfig, device: str, gpus: list[int]):
         self.root = tempfile.mkdtemp(prefix="kcoral-sandbox-")
         for name in SANDBOX_SCRATCH:
             os.mkdir(os.path.join(self.root, name), 0o1777)
@@ -1244,7 +1245,7 @@ class SandboxTemplate:
         child.close()
         self.init_pid = self.pid = self.current = None
 
-    def ready(self, timeout):
+    def ready(self, timeout: float) -> None:
         """Wait for the template's first message; find its init and template processes."""
         if self.pid is not None:
             return
@@ -1258,13 +1259,16 @@ class SandboxTemplate:
         except WorkerCrashed:
             self.close()
             raise
-        self.init_pid = children_of(self.process.pid)[0]
-        self.pid = next(p for p in children_of(self.init_pid) if inner_pid(p) == template_pid)
+        self.init_pid = next(iter(children_of(self.process.pid)), None)
+        self.pid = next((p for p in children_of(self.init_pid) if inner_pid(p) == template_pid), None)
+        if self.pid is None:
+            self.close()
+            raise WorkerCrashed("the sandbox's template is gone")
 
-    def alive(self):
+    def alive(self) -> bool:
         return self.process.poll() is None and (self.pid is None or is_live(self.pid))
 
-    def fork(self, conn, device, visible, timeout):
+    def fork(self, conn, device: str, visible: list[str], timeout: float) -> "SandboxedProcess":
         """A fresh worker for `conn` in a freshly emptied private directory -> its SandboxedProcess."""
         self.ready(timeout)
         if self.current is not None:  # its exit status comes first on the pipe
@@ -1286,7 +1290,7 @@ class SandboxTemplate:
             raise WorkerCrashed("the sandbox's new worker is gone")
         return self.current
 
-    def kill_requests(self, grace):
+    def kill_requests(self, grace: float) -> bool:
         """SIGTERM everything in the container but its init and template, SIGKILL it after `grace`.
         -> whether it is all gone (as kill_group)."""
         def remaining():
@@ -1304,7 +1308,7 @@ class SandboxTemplate:
                 time.sleep(0.01)
         return not remaining()
 
-    def clear(self):
+    def clear(self) -> None:
         """Empty the private directory; /tmp and /dev/shm are bind mounts, so those are emptied in place."""
         for name in os.listdir(self.root):
             path = os.path.join(self.root, name)
@@ -1316,7 +1320,7 @@ class SandboxTemplate:
         for name in ("home", "cache"):
             os.mkdir(os.path.join(self.root, name), 0o700)
 
-    def close(self):
+    def close(self) -> None:
         with contextlib.suppress(OSError):
             self.conn.close()
         try:
@@ -1330,12 +1334,12 @@ class SandboxTemplate:
 class SandboxedProcess:
     """The parts of multiprocessing.Process the pool uses, for a worker its template forked."""
 
-    def __init__(self, template, pid):
+    def __init__(self, template: SandboxTemplate, pid: int | None):
         self.template = template
         self.pid = pid
         self.exitcode = None
 
-    def join(self, timeout=None):
+    def join(self, timeout: float | None = None) -> None:
         if self.exitcode is None:
             try:
                 if self.template.conn.poll(timeout):
@@ -1343,7 +1347,7 @@ class SandboxedProcess:
             except (EOFError, OSError):  # the whole container is gone
                 self.exitcode = -signal.SIGKILL
 
-    def is_alive(self):
+    def is_alive(self) -> bool:
         self.join(0)
         return self.exitcode is None
 
@@ -1531,7 +1535,7 @@ class Pool:
             slot.worker = self.start_worker(slot.gpus, self.live_template(slot))
             self.idle.append(slot)
 
-    def live_template(self, slot):
+    def live_template(self, slot: Slot) -> "SandboxTemplate | None":
         """The slot's sandbox template, started again if a program killed it; None without a sandbox."""
         if slot.template is not None and not slot.template.alive():
             slot.template.close()
@@ -1778,7 +1782,7 @@ class Execution:
             body["error"] = error
         return Outcome(body=body, parts=self.parts), retire
 
-    def remove_workspace(self):
+    def remove_workspace(self) -> None:
         if self.worker.template is None:
             remove_tree(self.root)
         else:  # what the request left in its /tmp and /dev/shm goes too
@@ -1951,7 +1955,7 @@ def remove_tree(path):
         shutil.rmtree(path, ignore_errors=True)
 
 
-def remove_entry(path):
+def remove_entry(path: str) -> None:
     """Remove a file, link or directory tree."""
     if os.path.isdir(path) and not os.path.islink(path):
         remove_tree(path)

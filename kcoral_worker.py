@@ -1219,7 +1219,7 @@ def worker_main(conn, device, visible_gpus):
 WORKER_MARK = "KCORAL_WORKER_PID"
 
 
-def template_main(fd, preload, import_env):
+def template_main(fd: int, preload: list[str], import_env: dict[str, str]) -> None:
     """Entry point of a slot's template inside its bubblewrap sandbox (kcoral.py SandboxTemplate).
 
     It imports once (with `import_env` set meanwhile), then per message (device, visible GPUs)
@@ -1261,7 +1261,7 @@ def template_main(fd, preload, import_env):
         conn.send(("exited", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])))
 
 
-def set_dumpable(flag):
+def set_dumpable(flag: bool) -> None:
     try:
         import ctypes
         ctypes.CDLL(None).prctl(4, int(flag), 0, 0, 0)  # PR_SET_DUMPABLE
