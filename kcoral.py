@@ -1368,7 +1368,7 @@ WORKER_PHASE_SECONDS = 60.0  # each start-up phase (SERVER.md §1.1)
 class Worker:
     """One worker process forked from the template (a slot's sandbox template, if any), with its pipe."""
 
-    def __init__(self, pool, gpus, template=None, phase_timeout=WORKER_PHASE_SECONDS):
+    def __init__(self, pool, gpus, phase_timeout=WORKER_PHASE_SECONDS, template=None):
         self.gpus = gpus
         self.template = template
         self.conn, child = pool.context.Pipe()
@@ -1558,7 +1558,7 @@ class Pool:
         return gone
 
     def start_worker(self, gpus, template=None):
-        worker = Worker(self, gpus, template)  # pinning and imports are host work: no lease yet
+        worker = Worker(self, gpus, template=template)  # pinning and imports are host work: no lease yet
         if self.arbiter is not None:
             # context creation must not overlap someone else's measurement
             self.arbiter.acquire(STARTUP_OWNER, gpus)
@@ -1676,7 +1676,7 @@ class Pool:
         started = time.monotonic()
         phase_timeout = min(WORKER_PHASE_SECONDS, job.timeout)  # start-up is part of the request's timeout
         try:
-            worker = Worker(self, gpus, template, phase_timeout)
+            worker = Worker(self, gpus, phase_timeout, template=template)
             worker.initialize(self.gpu_names[gpus[0]], phase_timeout)
         except WorkerStartTimeout:
             return Outcome(504, "timeout", "execution timed out while the multi-GPU worker started")
