@@ -381,10 +381,14 @@ def execute_ok(url, program, blobs=(), **kw):
 SANDBOX_SKELETON = ("cache", "home", "shm", "tmp")  # what a sandbox's private directory keeps between requests
 
 
+SANDBOX_SCRATCH_MOUNTS = {"tmp": ("/tmp", "/var/tmp"), "shm": ("/dev/shm",)}
+
+
 def workspaces(srv):
     """What requests left in the server's TMPDIR: unsandboxed workspaces, and in a sandbox's
-    private directory anything beyond its skeleton, or any file in it (its /tmp keeps the empty
-    directories leading to read-only mounts there, a checkout under /tmp say)."""
+    private directory anything beyond its skeleton, or any file in it.  Its /tmp keeps the
+    empty mount points of read-only paths there (a checkout under /tmp, say): an empty file
+    whose path exists on the host is one of those."""
     found = []
     for name in sorted(os.listdir(srv.tmpdir)):
         path = os.path.join(srv.tmpdir, name)
@@ -393,8 +397,14 @@ def workspaces(srv):
         elif name.startswith("kcoral-sandbox-"):
             found += [f"{name}/{entry}" for entry in os.listdir(path) if entry not in SANDBOX_SKELETON]
             for entry in SANDBOX_SKELETON:
-                found += [os.path.join(folder, f) for folder, _, files in os.walk(os.path.join(path, entry))
-                          for f in files]
+                base = os.path.join(path, entry)
+                for folder, _, files in os.walk(base):
+                    for file in (os.path.join(folder, f) for f in files):
+                        rel = os.path.relpath(file, base)
+                        mount_point = os.path.getsize(file) == 0 and any(
+                            os.path.exists(os.path.join(top, rel)) for top in SANDBOX_SCRATCH_MOUNTS.get(entry, ()))
+                        if not mount_point:
+                            found.append(file)
     return sorted(found)
 
 
