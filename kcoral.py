@@ -1269,25 +1269,32 @@ class SandboxTemplate:
         return self.process.poll() is None and (self.pid is None or is_live(self.pid))
 
     def fork(self, conn, device: str, visible: list[str], timeout: float) -> "SandboxedProcess":
-        """A fresh worker for `conn` in a freshly emptied private directory -> its SandboxedProcess."""
+        """A fresh worker for `conn` in a freshly emptied private directory -> its SandboxedProcess.
+
+        A template that does not answer (a program may have stopped it) takes its container
+        down with it, so that the slot's next worker comes from a new one."""
         self.ready(timeout)
-        if self.current is not None:  # its exit status comes first on the pipe
-            self.current.join(30)
-            if self.current.exitcode is None:
-                raise WorkerCrashed("the sandbox's previous worker did not exit")
-        self.clear()
         try:
-            self.conn.send((device, visible))
-            reduction.send_handle(self.conn, conn.fileno(), self.pid)
-            if not self.conn.poll(60):
-                raise WorkerCrashed("the sandbox's template did not fork")
-            _, pid = self.conn.recv()
-        except (EOFError, OSError) as exc:
-            raise WorkerCrashed("the sandbox's template is gone") from exc
-        host_pid = next((p for p in children_of(self.pid) if inner_pid(p) == pid), None)
+            if self.current is not None:  # its exit status comes first on the pipe
+                self.current.join(5)
+                if self.current.exitcode is None:
+                    raise WorkerCrashed("the sandbox's previous worker did not exit")
+            self.clear()
+            try:
+                self.conn.send((device, visible))
+                reduction.send_handle(self.conn, conn.fileno(), self.pid)
+                if not self.conn.poll(60):
+                    raise WorkerCrashed("the sandbox's template did not fork")
+                _, pid = self.conn.recv()
+            except (EOFError, OSError) as exc:
+                raise WorkerCrashed("the sandbox's template is gone") from exc
+            host_pid = next((p for p in children_of(self.pid) if inner_pid(p) == pid), None)
+            if host_pid is None:
+                raise WorkerCrashed("the sandbox's new worker is gone")
+        except WorkerCrashed:
+            self.close()
+            raise
         self.current = SandboxedProcess(self, host_pid)
-        if host_pid is None:
-            raise WorkerCrashed("the sandbox's new worker is gone")
         return self.current
 
     def kill_requests(self, grace: float) -> bool:
@@ -1321,10 +1328,12 @@ class SandboxTemplate:
             os.mkdir(os.path.join(self.root, name), 0o700)
 
     def close(self) -> None:
+        """End the container (its template exits when the pipe closes; bwrap's --die-with-parent
+        takes everything else in it down once bwrap itself is killed)."""
         with contextlib.suppress(OSError):
             self.conn.close()
         try:
-            self.process.wait(10)
+            self.process.wait(5)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
@@ -1532,11 +1541,21 @@ class Pool:
             for slot in self.slots:  # the containers import in parallel
                 slot.template = SandboxTemplate(config, device, slot.gpus)
         for slot in self.slots:
-            slot.worker = self.start_worker(slot.gpus, self.live_template(slot))
+            slot.worker = self.start_slot_worker(slot)
             self.idle.append(slot)
 
+    def start_slot_worker(self, slot: Slot) -> Worker:
+        """The slot's next worker.  Under the sandbox, from the slot's container, started again if a
+        program killed or stopped its template (a container that failed to fork is closed)."""
+        try:
+            return self.start_worker(slot.gpus, self.live_template(slot))
+        except WorkerCrashed:
+            if slot.template is None or slot.template.alive():
+                raise
+            return self.start_worker(slot.gpus, self.live_template(slot))
+
     def live_template(self, slot: Slot) -> "SandboxTemplate | None":
-        """The slot's sandbox template, started again if a program killed it; None without a sandbox."""
+        """The slot's sandbox template, a new one if the old one is gone; None without a sandbox."""
         if slot.template is not None and not slot.template.alive():
             slot.template.close()
             slot.template = SandboxTemplate(self.config, self.device, slot.gpus)
@@ -1618,7 +1637,7 @@ class Pool:
     def replace(self, slot):
         """Start the slot's next worker off the request's critical path."""
         try:
-            slot.worker = self.start_worker(slot.gpus, self.live_template(slot))
+            slot.worker = self.start_slot_worker(slot)
         except Exception as exc:
             slot.worker = None
             log_event("worker_replace_failed", "ERROR", worker_id=slot.name, error=str(exc))
@@ -1641,7 +1660,7 @@ class Pool:
                 slot.worker.kill(0)
                 slot.worker = None
                 try:
-                    slot.worker = self.start_worker(slot.gpus, self.live_template(slot))
+                    slot.worker = self.start_slot_worker(slot)
                 except Exception as exc:
                     log_event("worker_replace_failed", "ERROR", worker_id=slot.name, error=str(exc))
             if slot.worker is None:

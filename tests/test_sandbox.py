@@ -368,6 +368,23 @@ def f():
             time.sleep(1)
 
 
+def test_a_program_that_stops_its_slots_template_costs_only_itself(tmp_path):
+    source = """import os, signal
+def f():
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"template_main" in f.read():
+                os.kill(int(pid), signal.SIGSTOP)
+    return 1
+"""
+    with ServerProcess("--sandbox", "bubblewrap", workers=1, tmp_path=tmp_path) as srv:
+        status, _, body = post(srv.url, call_program(source, "f", options={"timeout_seconds": 3}))
+        assert status in (200, 504), body
+        started = time.monotonic()
+        assert value(execute_ok(srv.url, call_program("def f():\n    return 9\n", "f"))) == 9
+        assert time.monotonic() - started < 60  # waited for a new container, got no error
+
+
 def test_a_reused_worker_still_gets_an_empty_private_directory(tmp_path):
     source = """import os
 def f(name):
