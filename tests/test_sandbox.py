@@ -14,8 +14,21 @@ import uuid
 
 import pytest
 
-from tests.support import (ADD_ONE_CPU, PYTHON, ROOT, ServerProcess, call_program, execute_ok, free_port, post,
-                           prog, ret_path, sha256, up_blob, workspaces)
+from tests.support import (
+    ADD_ONE_CPU,
+    PYTHON,
+    ROOT,
+    ServerProcess,
+    call_program,
+    execute_ok,
+    free_port,
+    post,
+    prog,
+    ret_path,
+    sha256,
+    up_blob,
+    workspaces,
+)
 
 TOKEN = "probe-token-" + uuid.uuid4().hex
 SECRET = "probe-secret-" + uuid.uuid4().hex
