@@ -2567,8 +2567,7 @@ def parse_args(argv):
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:  # the client-side command line lives in client.py
-        import client
-        sys.exit(client.run_command(argv[1:]))
+        sys.exit(load_client().run_command(argv[1:]))
     if argv[:1] == ["server"]:  # the reference's `kcoral server ...` spelling
         argv = argv[1:]
     KCoralServer(parse_args(argv)).serve_forever()
