@@ -1252,7 +1252,10 @@ class SandboxTemplate:
         try:
             if not self.conn.poll(timeout):
                 raise WorkerStartTimeout(f"the sandbox did not start within {timeout:.0f} s")
-            _, template_pid = self.conn.recv()
+            message = self.conn.recv()
+            if not isinstance(message, kcoral_worker.WorkerReady):
+                raise WorkerCrashed(f"the sandbox's template sent {message!r} instead of WorkerReady")
+            template_pid = message.pid
         except (EOFError, OSError) as exc:
             self.close()
             raise WorkerCrashed("the sandbox did not start") from exc
@@ -1281,14 +1284,16 @@ class SandboxTemplate:
                     raise WorkerCrashed("the sandbox's previous worker did not exit")
             self.clear()
             try:
-                self.conn.send((device, visible))
+                self.conn.send(kcoral_worker.ForkWorker(device, visible))
                 reduction.send_handle(self.conn, conn.fileno(), self.pid)
                 if not self.conn.poll(60):
                     raise WorkerCrashed("the sandbox's template did not fork")
-                _, pid = self.conn.recv()
+                forked = self.conn.recv()
             except (EOFError, OSError) as exc:
                 raise WorkerCrashed("the sandbox's template is gone") from exc
-            host_pid = next((p for p in children_of(self.pid) if inner_pid(p) == pid), None)
+            if not isinstance(forked, kcoral_worker.WorkerForked):
+                raise WorkerCrashed(f"the sandbox's template sent {forked!r} instead of WorkerForked")
+            host_pid = next((p for p in children_of(self.pid) if inner_pid(p) == forked.pid), None)
             if host_pid is None:
                 raise WorkerCrashed("the sandbox's new worker is gone")
         except WorkerCrashed:
@@ -1352,7 +1357,13 @@ class SandboxedProcess:
         if self.exitcode is None:
             try:
                 if self.template.conn.poll(timeout):
-                    self.exitcode = self.template.conn.recv()[1]
+                    message = self.template.conn.recv()
+                    if not isinstance(message, kcoral_worker.WorkerExited):
+                        raise WorkerCrashed(f"the sandbox's template sent {message!r} instead of WorkerExited")
+                    self.exitcode = message.exit_code
+            except WorkerCrashed:  # a template that breaks the protocol takes its container down
+                self.template.close()
+                self.exitcode = -signal.SIGKILL
             except (EOFError, OSError):  # the whole container is gone
                 self.exitcode = -signal.SIGKILL
 
@@ -1401,8 +1412,10 @@ class Worker:
             if not self.conn.poll(phase_timeout):
                 raise WorkerStartTimeout(f"worker did not start within {phase_timeout:.0f} s")
             message = self.conn.recv()
-            if message[0] != "ready":
-                raise WorkerCrashed(f"worker did not start: {message[-1]}")
+            if isinstance(message, kcoral_worker.WorkerFailed):
+                raise WorkerCrashed(f"worker did not start: {message.reason}")
+            if not isinstance(message, kcoral_worker.WorkerReady):
+                raise WorkerCrashed(f"worker sent {message!r} instead of WorkerReady")
         except (EOFError, OSError, WorkerCrashed) as exc:
             self.kill(0)
             if isinstance(exc, WorkerCrashed):
@@ -1412,12 +1425,15 @@ class Worker:
     def initialize(self, expected_uuid, phase_timeout=WORKER_PHASE_SECONDS):
         """GPU workers: create the CUDA context (the caller holds the lease) and check the pinning."""
         try:
-            self.conn.send({"init": True})
+            self.conn.send(kcoral_worker.InitGpu())
             if not self.conn.poll(phase_timeout):
                 raise WorkerStartTimeout(f"worker did not initialize its GPU within {phase_timeout:.0f} s")
-            self.arch, self.cuda, uuid = self.conn.recv()
-            if not same_gpu(uuid, expected_uuid):
-                raise WorkerCrashed(f"worker's device 0 is {uuid}, expected {expected_uuid}")
+            reply = self.conn.recv()
+            if not isinstance(reply, kcoral_worker.GpuInitialized):
+                raise WorkerCrashed(f"worker sent {reply!r} instead of GpuInitialized")
+            self.arch, self.cuda = reply.arch, reply.cuda
+            if not same_gpu(reply.uuid, expected_uuid):
+                raise WorkerCrashed(f"worker's device 0 is {reply.uuid}, expected {expected_uuid}")
         except (EOFError, OSError, WorkerCrashed) as exc:
             self.kill(0)
             kind = WorkerStartTimeout if isinstance(exc, WorkerStartTimeout) else WorkerCrashed
@@ -1436,7 +1452,7 @@ class Worker:
     def stop(self, grace):
         """Tell an idle worker to exit; kill its group if it does not."""
         try:
-            self.conn.send(None)
+            self.conn.send(kcoral_worker.StopWorker())
         except OSError:
             pass
         self.process.join(grace)
@@ -1810,17 +1826,17 @@ class Execution:
     def send_job(self):
         program = self.job.program
         limit = self.config.max_requests_per_worker
-        request = {"request_id": self.job.request_id, "instructions": program.instructions,
-                   "retire": self.single_use or (bool(limit) and self.worker.served + 1 >= limit),
-                   "workspace": os.path.join(self.inside, "work"), "blob_file": os.path.join(self.inside, "blobs"),
-                   "capture": self.job.output_limit > 0, "grace": self.config.worker_termination_grace_seconds,
-                   "max_response_bytes": self.config.max_response_bytes}
-        request["blob_index"] = self.stage_blobs()
-        self.retiring = request["retire"]
+        request = kcoral_worker.JobRequest(
+            instructions=program.instructions,
+            retire=self.single_use or (bool(limit) and self.worker.served + 1 >= limit),
+            workspace=os.path.join(self.inside, "work"), blob_file=os.path.join(self.inside, "blobs"),
+            blob_index=self.stage_blobs(), capture=self.job.output_limit > 0,
+            grace=self.config.worker_termination_grace_seconds, max_response_bytes=self.config.max_response_bytes)
+        self.retiring = request.retire
         conn = self.worker.conn
         try:
             conn.send(request)
-            if request["capture"]:
+            if request.capture:
                 out_r, out_w = os.pipe()
                 err_r, err_w = os.pipe()
                 self.drain = OutputDrain(out_r, err_r, self.job.output_limit)
@@ -1862,32 +1878,26 @@ class Execution:
                 if remaining <= 0 or not conn.poll(remaining):
                     raise TimeoutError
                 message = conn.recv()
-                tag = message[0]
-                if tag == "start":
-                    self.last_index = message[1]
-                elif tag == "return":
-                    _, key, encoded, sizes = message
-                    self.parts.extend(recv_raw(conn, n) for n in sizes)
-                    self.results[key] = encoded
-                elif tag == "lease":
-                    self.lease(message[1])
-                elif tag == "done":
-                    _, error, poisoned = message
-                    self.retiring = self.retiring or poisoned
-                    return self.attribute_gpu_access(error)
-                else:
-                    raise WorkerCrashed(f"unexpected worker message {tag!r}")
+                match message:
+                    case kcoral_worker.InstructionStarted():
+                        self.last_index = message.index
+                    case kcoral_worker.ReturnValue():
+                        self.parts.extend(recv_raw(conn, n) for n in message.part_sizes)
+                        self.results[message.key] = message.encoded
+                    case kcoral_worker.AcquireLease():
+                        self.hold_lease()
+                        conn.send(kcoral_worker.LeaseGranted())
+                    case kcoral_worker.ReleaseLease():
+                        self.release_lease()
+                    case kcoral_worker.RequestDone():
+                        self.retiring = self.retiring or message.poisoned
+                        return self.attribute_gpu_access(message.error)
+                    case _:
+                        raise WorkerCrashed(f"unexpected worker message {message!r}")
         except TimeoutError:  # an OSError too, but it is no crash: the answer is 504
             raise
         except (EOFError, OSError) as exc:
             raise WorkerCrashed(str(exc)) from exc
-
-    def lease(self, action):
-        if action == "acquire":
-            self.hold_lease()
-            self.worker.conn.send(("lease", "granted"))
-        else:
-            self.release_lease()
 
     def hold_lease(self):
         asked_at = time.monotonic()

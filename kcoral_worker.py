@@ -25,6 +25,7 @@ import bisect
 import collections
 import contextlib
 import ctypes
+import dataclasses
 import hashlib
 import importlib.util
 import io
@@ -37,6 +38,7 @@ import time
 import traceback
 import types
 from multiprocessing import reduction
+from multiprocessing.connection import Connection
 
 DTYPE_SIZES = {
     "bool": 1, "uint8": 1, "int8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
@@ -181,6 +183,120 @@ def recv_raw(conn, size):
             raise EOFError("pipe closed")
         view = view[n:]
     return buf
+
+
+# --- the messages between the front-end and its worker processes -------------------
+# Pickled small objects on the pipe; every payload (blobs, returned parts) travels as raw bytes
+# next to them, never pickled.  Each side dispatches on the type and treats any other message
+# as a broken peer: the front-end answers WorkerCrashed, the worker raises UnexpectedMessage.
+
+class UnexpectedMessage(RuntimeError):
+    """The peer sent a message the protocol does not allow at this point."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerReady:
+    """Worker -> front-end, once after the fork: pinned to its GPU(s) and imported, no CUDA context yet.
+    The sandbox template sends it too, once it has imported what its workers preload."""
+    pid: int  # as the sender sees it (a sandbox has its own PID namespace)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerFailed:
+    """Worker -> front-end, instead of WorkerReady: this fork cannot serve (the template initialised CUDA)."""
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class InitGpu:
+    """Front-end -> GPU worker, once after WorkerReady, while the front-end holds the lease: create the
+    CUDA context.  Answered by GpuInitialized."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuInitialized:
+    """Worker -> front-end, the answer to InitGpu: what device 0 is, to check the pinning."""
+    arch: str  # like "sm_90a"
+    cuda: str | None  # the CUDA version torch was built with
+    uuid: str  # device 0's UUID, or ""
+
+
+@dataclasses.dataclass(frozen=True)
+class JobRequest:
+    """Front-end -> worker, once per request.  The blobs wait in the staging file `blob_file`
+    (`blob_index`: hash -> (offset, size)); with `capture`, the write ends of the stdout and
+    stderr pipes follow as two passed file descriptors."""
+    instructions: list[dict]
+    retire: bool  # exit after this request
+    workspace: str  # the program's working directory, as the worker sees it
+    blob_file: str | None
+    blob_index: dict[str, tuple[int, int]]
+    capture: bool
+    grace: float  # seconds between SIGTERM and SIGKILL for processes the program left behind
+    max_response_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StopWorker:
+    """Front-end -> idle worker: exit now."""
+
+
+@dataclasses.dataclass(frozen=True)
+class InstructionStarted:
+    """Worker -> front-end, before each instruction: a crash from here on is attributed to it."""
+    index: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ReturnValue:
+    """Worker -> front-end, as each `return` instruction completes (so a later crash cannot lose it);
+    the parts follow on the pipe as raw bytes, `part_sizes` long."""
+    key: str
+    encoded: dict  # the result's JSON, naming its parts
+    part_sizes: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class AcquireLease:
+    """GPU worker -> front-end, before an instruction that may touch the GPU; answered by LeaseGranted."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaseGranted:
+    """Front-end -> GPU worker, the answer to AcquireLease: the worker's GPU(s) are its own now."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReleaseLease:
+    """GPU worker -> front-end, before host-only work (file uploads and returns, cpu_only runs),
+    after giving its cached GPU memory back.  Not answered."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestDone:
+    """Worker -> front-end, the last message of a request."""
+    error: dict | None  # the FAILED result's error object
+    poisoned: bool  # the CUDA context is unusable: retire the worker
+
+
+@dataclasses.dataclass(frozen=True)
+class ForkWorker:
+    """Front-end -> sandbox template: fork one worker; the worker's pipe follows as a passed file
+    descriptor.  Answered by WorkerForked, then WorkerExited once that worker is gone."""
+    device: str
+    visible_gpus: list[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerForked:
+    """Sandbox template -> front-end: the new worker's pid inside the sandbox."""
+    pid: int
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerExited:
+    """Sandbox template -> front-end: the worker it forked last is gone, with this exit code."""
+    exit_code: int
 
 
 # --- what uploaded code imports -------------------------------------------
@@ -919,10 +1035,11 @@ def load_module(source):
     return UploadedModule(namespace)
 
 
-class Program:
+class ProgramRun:
     """One request's execution: handles, returns streamed to the front-end, the error."""
 
-    def __init__(self, conn, request, blobs, root_fd, lease):
+    def __init__(self, conn: Connection, request: JobRequest, blobs: StagedBlobs, root_fd: int | None,
+                 lease: "GpuLease | NoLease") -> None:
         self.conn = conn
         self.request = request
         self.blobs = blobs
@@ -931,12 +1048,12 @@ class Program:
         self.handles = {}
         self.last_index = 0
         self.cpu_only = set()
-        self.encoder = Encoder(0, request["max_response_bytes"], lambda value: self.blobs.digest_of(value))
+        self.encoder = Encoder(0, request.max_response_bytes, lambda value: self.blobs.digest_of(value))
 
     def run(self):
-        for index, ins in enumerate(self.request["instructions"]):
+        for index, ins in enumerate(self.request.instructions):
             self.last_index = index
-            self.conn.send(("start", index))
+            self.conn.send(InstructionStarted(index))
             try:
                 self.lease.before(ins, self.cpu_only)
                 getattr(self, "op_" + ins["op"])(ins)
@@ -957,7 +1074,7 @@ class Program:
     def error_at_last(self, kind, message):
         """An error attributed to the last instruction started (SERVER.md §3.4)."""
         index = self.last_index
-        return error_object(kind, message, index, self.request["instructions"][index], "")
+        return error_object(kind, message, index, self.request.instructions[index], "")
 
     def op_upload(self, ins):
         kind = ins["kind"]
@@ -1006,7 +1123,7 @@ class Program:
             encoded = self.encode_return(ins)
             # pickle recurses twice per level: a value the encoder took can still be too deep
             message = reduction.ForkingPickler.dumps(
-                ("return", ins["key"], encoded, [p.nbytes for p in self.encoder.parts]))
+                ReturnValue(ins["key"], encoded, [p.nbytes for p in self.encoder.parts]))
         except BaseException as exc:
             # a failing return contributes nothing: give its part numbers back
             self.encoder.byte_budget += sum(p.nbytes for p in self.encoder.parts)
@@ -1076,15 +1193,16 @@ class GpuLease:
 
     def acquire(self):
         if not self.held:
-            self.conn.send(("lease", "acquire"))
+            self.conn.send(AcquireLease())
             reply = self.conn.recv()
-            assert reply == ("lease", "granted"), reply
+            if not isinstance(reply, LeaseGranted):
+                raise UnexpectedMessage(f"expected LeaseGranted, got {reply!r}")
             self.held = True
 
     def release(self):
         if self.held:
             RUNTIME.release_cached_memory()
-            self.conn.send(("lease", "release"))
+            self.conn.send(ReleaseLease())
             self.held = False
 
     def finish(self):
@@ -1188,7 +1306,7 @@ def worker_main(conn, device, visible_gpus):
     os.environ[WORKER_MARK] = str(os.getpid())  # inherited: finds what escapes after a crash
     problem = template_cuda_problem()
     if problem:
-        conn.send(("failed", problem))
+        conn.send(WorkerFailed(problem))
         os._exit(1)
     global RUNTIME
     if device == "cuda":
@@ -1198,22 +1316,25 @@ def worker_main(conn, device, visible_gpus):
     import gc
     gc.freeze()  # the template's objects are permanent: later collections skip them
     env = dict(os.environ)
-    conn.send(("ready", os.getpid()))
+    conn.send(WorkerReady(os.getpid()))
     while True:
         try:
             message = conn.recv()
         except EOFError:
             os._exit(0)
-        if message is None:
-            os._exit(0)
-        if "init" in message:
-            conn.send(initialize_gpu())
-            env = dict(os.environ)
-            continue
-        poisoned = serve_request(conn, message)
-        if message["retire"] or poisoned:
-            os._exit(0)
-        reset_process_state(env)
+        match message:
+            case StopWorker():
+                os._exit(0)
+            case InitGpu():
+                conn.send(initialize_gpu())
+                env = dict(os.environ)
+            case JobRequest():
+                poisoned = serve_request(conn, message)
+                if message.retire or poisoned:
+                    os._exit(0)
+                reset_process_state(env)
+            case _:
+                raise UnexpectedMessage(f"a worker cannot serve {message!r}")
 
 
 WORKER_MARK = "KCORAL_WORKER_PID"
@@ -1227,7 +1348,6 @@ def template_main(fd: int, preload: list[str], import_env: dict[str, str]) -> No
     gone, ("exited", exit code).
     """
     import importlib
-    from multiprocessing.connection import Connection
     set_dumpable(False)  # a request may not ptrace or read the process that forks the next one
     saved = {name: os.environ.get(name) for name in import_env}
     os.environ.update(import_env)
@@ -1239,26 +1359,26 @@ def template_main(fd: int, preload: list[str], import_env: dict[str, str]) -> No
         else:
             os.environ[name] = value
     conn = Connection(fd)
-    conn.send(("ready", os.getpid()))
+    conn.send(WorkerReady(os.getpid()))
     while True:
         try:
             message = conn.recv()
         except EOFError:
             os._exit(0)
-        if message is None:
-            os._exit(0)
+        if not isinstance(message, ForkWorker):
+            raise UnexpectedMessage(f"a sandbox template cannot serve {message!r}")
         pipe = reduction.recv_handle(conn)
         pid = os.fork()
         if pid == 0:
             try:
                 conn.close()
                 set_dumpable(True)
-                worker_main(Connection(pipe), *message)
+                worker_main(Connection(pipe), message.device, message.visible_gpus)
             finally:
                 os._exit(1)
         os.close(pipe)
-        conn.send(("forked", pid))
-        conn.send(("exited", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])))
+        conn.send(WorkerForked(pid))
+        conn.send(WorkerExited(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])))
 
 
 def set_dumpable(flag: bool) -> None:
@@ -1376,7 +1496,7 @@ def prepare_gpu(visible_gpus):
 def initialize_gpu():
     """Create the CUDA context (the front-end holds the lease meanwhile).
 
-    -> (arch like "sm_90a", CUDA version torch was built with, device 0's UUID or "").
+    -> GpuInitialized(arch like "sm_90a", CUDA version torch was built with, device 0's UUID or "").
     """
     import torch
     torch.cuda.init()
@@ -1386,24 +1506,24 @@ def initialize_gpu():
     # later CPU-only compiles then need not query the driver
     os.environ.setdefault("TVM_FFI_CUDA_ARCH_LIST", f"{major}.{minor}{suffix}")
     uuid = getattr(torch.cuda.get_device_properties(0), "uuid", None)
-    return f"sm_{major}{minor}{suffix}", torch.version.cuda, str(uuid or "")
+    return GpuInitialized(f"sm_{major}{minor}{suffix}", torch.version.cuda, str(uuid or ""))
 
 
 def serve_request(conn, request):
-    blobs = StagedBlobs(request["blob_file"], request["blob_index"])
+    blobs = StagedBlobs(request.blob_file, request.blob_index)
     capture = None
-    if request["capture"]:
+    if request.capture:
         out_fd = reduction.recv_handle(conn)
         err_fd = reduction.recv_handle(conn)
         capture = Capture(out_fd, err_fd)
     lease = GpuLease(conn) if RUNTIME.device == "cuda" else NoLease()
-    root_fd = os.open(request["workspace"], NOFOLLOW_DIR)
-    os.chdir(request["workspace"])
+    root_fd = os.open(request.workspace, NOFOLLOW_DIR)
+    os.chdir(request.workspace)
     try:
-        program = Program(conn, request, blobs, root_fd, lease)
+        program = ProgramRun(conn, request, blobs, root_fd, lease)
         error = program.run()
-        error, poisoned = finish_on_device(program, error, lease, reused=not request["retire"])
-        if terminate_escaped(request.get("grace", 5.0)) and error is None:
+        error, poisoned = finish_on_device(program, error, lease, reused=not request.retire)
+        if terminate_escaped(request.grace) and error is None:
             error = program.error_at_last("runtime", "program left background processes running; "
                                           "they were terminated")
     finally:
@@ -1411,7 +1531,7 @@ def serve_request(conn, request):
         os.chdir("/")
         if capture is not None:
             capture.restore()
-    conn.send(("done", error, poisoned))
+    conn.send(RequestDone(error, poisoned))
     return poisoned
 
 
