@@ -371,6 +371,26 @@ def test_a_timed_out_worker_is_killed_under_the_lease():
     assert seen["holder"] == "req-1" and pool.arbiter.holder[0] is None
 
 
+def test_an_unexpected_worker_message_is_a_crash():
+    """A message the protocol does not define (here the old tuple form) is a crashed worker: killed,
+    retired, the lease freed, the failure attributed to the instruction it had started."""
+    pool = fake_pool()
+
+    def script(conn):
+        conn.send(kcoral_worker.InstructionStarted(1))
+        acquire(conn)
+        conn.send(("lease", "release"))
+        time.sleep(1)
+
+    started = time.monotonic()
+    outcome, retire, worker = execution(pool, script)
+    assert time.monotonic() - started < 5  # not the 10 s timeout
+    assert retire and worker.killed
+    error = outcome.body["error"]
+    assert (error["kind"], error["instruction_index"]) == ("runtime", 1)
+    assert pool.arbiter.holder[0] is None
+
+
 def test_a_poisoned_worker_is_retired():
     pool = fake_pool()
 
@@ -458,6 +478,15 @@ def test_gpu_lease_before_each_instruction(ins, action, held):
     expected = {("release", True): [kcoral_worker.ReleaseLease()], ("acquire", False): [kcoral_worker.AcquireLease()]}
     assert conn.sent == expected.get((action, held), [])
     assert lease.held == (action == "acquire" or (action == "unchanged" and held))
+
+
+def test_gpu_lease_refuses_an_answer_other_than_granted():
+    conn = FakeConn()
+    conn.recv = lambda: kcoral_worker.ReleaseLease()
+    lease = kcoral_worker.GpuLease(conn)
+    with pytest.raises(kcoral_worker.UnexpectedMessage, match="LeaseGranted"):
+        lease.acquire()
+    assert conn.sent == [kcoral_worker.AcquireLease()] and not lease.held
 
 
 def test_gpu_lease_finish_reacquires():
