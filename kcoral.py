@@ -1991,7 +1991,6 @@ global
 
 defaults
     mode http
-    log global
     option http-server-close      # a fresh node connection per request: a drained or restarted node
                                   # is never sent a request over a connection it has given up
     timeout connect 3s
