@@ -117,6 +117,9 @@ class ServerConfig:
     max_timeout_seconds: float = option(900.0, "upper clamp for a request's timeout_seconds")
     worker_wait_timeout_seconds: float = option(1800.0, "how long a request waits for a free worker "
                                                 "before 503 busy")
+    drain_quiet_seconds: float = option(1.0, "on shutdown, once in-flight requests finish, keep answering "
+                                        "503 until no request came for this long (a load balancer's "
+                                        "health check stops sending; at most 10x this)")
     worker_termination_grace_seconds: float = option(5.0, "SIGTERM-to-SIGKILL window when killing a "
                                                      "worker's process tree")
     max_request_bytes: int = option(256 << 20, "request size limit (413 beyond it)")
@@ -1473,6 +1476,7 @@ class KCoralServer:
                            if config.disk_cache_dir and config.disk_cache_capacity_mbytes > 0 else None)
         self.in_flight = 0
         self.in_flight_cond = threading.Condition()
+        self.last_post = -math.inf  # time.monotonic() of the latest POST, for the drain's quiet period
         self.closing = False
         self.pool = None
         self.httpd = None
@@ -1517,10 +1521,22 @@ class KCoralServer:
             log_event("shutdown_started", remaining=self.in_flight)
             while self.in_flight:
                 self.in_flight_cond.wait()
+            self.wait_for_quiet()
         self.httpd.shutdown()
         self.httpd.server_close()
         self.pool.shutdown()
         log_event("server_stopped")
+
+    def wait_for_quiet(self):
+        """Behind a load balancer, requests keep coming until its health check sees capacity 0.
+        Each gets 503 busy (nothing ran: the balancer retries it elsewhere); closing the port
+        instead would reset the connections queued on it after their requests were sent, which
+        no balancer may safely retry.  So the port closes only once POSTs have stopped for
+        `drain_quiet_seconds` (waiting at most ten times that).  Called with in_flight_cond held."""
+        quiet = self.config.drain_quiet_seconds
+        give_up = time.monotonic() + 10 * quiet
+        while self.in_flight or time.monotonic() < min(self.last_post + quiet, give_up):
+            self.in_flight_cond.wait(0.05)
 
     def health(self):
         return {"status": "ok", "instance_id": self.instance_id, "started_at": self.started_at,
@@ -1624,7 +1640,8 @@ def validate_config(config):
               (len(config.gpus) > 0, "gpus must not be empty"),
               (config.default_timeout_seconds > 0 and config.max_timeout_seconds > 0,
                "timeouts must be positive"),
-              (1 <= config.port <= 65535 or config.port == 0, "port must be 1-65535")]
+              (1 <= config.port <= 65535 or config.port == 0, "port must be 1-65535"),
+              (0 <= config.drain_quiet_seconds <= 3600, "drain_quiet_seconds must be 0-3600")]
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
@@ -1709,6 +1726,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         app = self.app
         with app.in_flight_cond:
             app.in_flight += 1
+            app.last_post = time.monotonic()
         started = time.monotonic()
         outcome = Outcome(500, "engine", "internal server error")
         try:
@@ -1988,9 +2006,12 @@ HAPROXY_TEMPLATE = """\
 {node_list}
 global
     maxconn 4096
+    log stderr format raw local0 info   # one line per request (status, node, timings, retries)
 
 defaults
     mode http
+    log global
+    option httplog
     option http-server-close      # a fresh node connection per request: a drained or restarted node
                                   # is never sent a request over a connection it has given up
     timeout connect 3s
@@ -2025,7 +2046,9 @@ defaults
     http-check expect status 200
     http-check expect ! rstring \\"request_capacity\\":0[,}}]
     # check: every second (every 250 ms while changing state); down after 2 failed checks, back
-    # after 2 good ones; a refused or reset connection marks the node down at once.
+    # after 2 good ones.  A refused connection marks the node down at once: least connections
+    # would otherwise keep choosing a dead node, the one with the fewest connections.  (Not
+    # "observe layer7": it would also take a healthy node out for a user program's 504.)
     default-server check inter 1s fastinter 250ms downinter 1s fall 2 rise 2 observe layer4 error-limit 1 on-error mark-down
 
 frontend kcoral
