@@ -117,9 +117,9 @@ class ServerConfig:
     max_timeout_seconds: float = option(900.0, "upper clamp for a request's timeout_seconds")
     worker_wait_timeout_seconds: float = option(1800.0, "how long a request waits for a free worker "
                                                 "before 503 busy")
-    drain_quiet_seconds: float = option(1.0, "on shutdown, once in-flight requests finish, keep answering "
-                                        "503 until no request came for this long (a load balancer's "
-                                        "health check stops sending; at most 10x this)")
+    drain_seconds: float = option(2.0, "on shutdown, answer new requests 503 no sooner than this after "
+                                  "the signal, and keep the port open until none came for this long (at "
+                                  "most 10x): time for a load balancer's health check to take the node out")
     worker_termination_grace_seconds: float = option(5.0, "SIGTERM-to-SIGKILL window when killing a "
                                                      "worker's process tree")
     max_request_bytes: int = option(256 << 20, "request size limit (413 beyond it)")
@@ -1118,7 +1118,7 @@ class Pool:
         """Run a job on the next free slot -> Outcome (503 when none frees up in time)."""
         start = time.monotonic()
         slot = self.acquire(self.config.worker_wait_timeout_seconds)
-        if slot is None:
+        if slot is None:  # nothing ran: a cohort's HAProxy retries a 503 on another node
             return Outcome(503, "busy", "server saturated" if not self.closing else "server is shutting down")
         queue_ms = (time.monotonic() - start) * 1e3
         retire = True
@@ -1477,6 +1477,7 @@ class KCoralServer:
         self.in_flight = 0
         self.in_flight_cond = threading.Condition()
         self.last_post = -math.inf  # time.monotonic() of the latest POST, for the drain's quiet period
+        self.drain_started = math.inf
         self.closing = False
         self.pool = None
         self.httpd = None
@@ -1515,6 +1516,7 @@ class KCoralServer:
 
     def close(self):
         """Graceful shutdown: capacity 0, new programs 503, in-flight ones finish."""
+        self.drain_started = time.monotonic()
         self.closing = True
         self.pool.close()
         with self.in_flight_cond:
@@ -1529,11 +1531,11 @@ class KCoralServer:
 
     def wait_for_quiet(self):
         """Behind a load balancer, requests keep coming until its health check sees capacity 0.
-        Each gets 503 busy (nothing ran: the balancer retries it elsewhere); closing the port
-        instead would reset the connections queued on it after their requests were sent, which
-        no balancer may safely retry.  So the port closes only once POSTs have stopped for
-        `drain_quiet_seconds` (waiting at most ten times that).  Called with in_flight_cond held."""
-        quiet = self.config.drain_quiet_seconds
+        Each gets 503 busy (see `refuse_while_draining`); closing the port instead would reset
+        the connections queued on it after their requests were sent, which no balancer may
+        safely retry.  So the port closes only once POSTs have stopped for `drain_seconds`
+        (waiting at most ten times that).  Called with in_flight_cond held."""
+        quiet = self.config.drain_seconds
         give_up = time.monotonic() + 10 * quiet
         while self.in_flight or time.monotonic() < min(self.last_post + quiet, give_up):
             self.in_flight_cond.wait(0.05)
@@ -1573,7 +1575,7 @@ class KCoralServer:
         if gpu_count and gpu_count > self.gpu_count:
             raise ValidationError("gpu_count exceeds this GPU server's configured capacity")
         if self.closing:
-            return Outcome(503, "busy", "server is shutting down")
+            return self.refuse_while_draining()
         save_program(request_id, data)
         options, config = program.options, self.config
         job = Job(request_id, program, blobs,
@@ -1584,9 +1586,19 @@ class KCoralServer:
         memory = [h for h, kinds in referenced.items() if "memory" in kinds]
         self.memory_cache.pin(memory)
         try:
-            return self.pool.execute(job)
+            outcome = self.pool.execute(job)
         finally:
             self.memory_cache.unpin(memory)
+        return self.refuse_while_draining() if outcome.http_status == 503 and self.closing else outcome
+
+    def refuse_while_draining(self):
+        """503 busy for a request that arrived during shutdown: nothing of it ran, so a load
+        balancer may retry it on another node.  The answer waits until `drain_seconds` after the
+        signal: by then the balancer's health check has seen capacity 0 and taken this node out,
+        so its retry goes elsewhere instead of straight back here (least connections would pick
+        this node again, the one with the fewest connections)."""
+        time.sleep(max(0.0, self.drain_started + self.config.drain_seconds - time.monotonic()))
+        return Outcome(503, "busy", "server is shutting down")
 
     def cache_file_blobs(self, program, supplied):
         """Start putting supplied file-upload blobs into the disk cache -> a thread to join, or None.
@@ -1641,7 +1653,7 @@ def validate_config(config):
               (config.default_timeout_seconds > 0 and config.max_timeout_seconds > 0,
                "timeouts must be positive"),
               (1 <= config.port <= 65535 or config.port == 0, "port must be 1-65535"),
-              (0 <= config.drain_quiet_seconds <= 3600, "drain_quiet_seconds must be 0-3600")]
+              (0 <= config.drain_seconds <= 3600, "drain_seconds must be 0-3600")]
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
@@ -2048,7 +2060,7 @@ defaults
     # check: every second (every 250 ms while changing state); down after 2 failed checks, back
     # after 2 good ones.  A refused connection marks the node down at once: least connections
     # would otherwise keep choosing a dead node, the one with the fewest connections.  (Not
-    # "observe layer7": it would also take a healthy node out for a user program's 504.)
+    # "observe layer7": it would also take a healthy node out for a program's 504 timeout.)
     default-server check inter 1s fastinter 250ms downinter 1s fall 2 rise 2 observe layer4 error-limit 1 on-error mark-down
 
 frontend kcoral
