@@ -83,7 +83,7 @@ def free_port():
 class Server:
     """One server process on a free loopback port, logs into the scratch directory."""
 
-    def __init__(self, name, argv_for_port, scratch):
+    def __init__(self, name, argv_for_port, scratch, cwd=ROOT):
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -91,7 +91,7 @@ class Server:
         self.log = open(self.log_path, "wb")
         tmpdir = os.path.join(scratch, f"{name}-tmp")  # its request workspaces
         os.mkdir(tmpdir)
-        self.proc = subprocess.Popen(argv_for_port(self.port), cwd=ROOT, stdout=self.log,
+        self.proc = subprocess.Popen(argv_for_port(self.port), cwd=cwd, stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True,
                                      env={**os.environ, "TMPDIR": tmpdir})
 
@@ -166,10 +166,10 @@ class CountingClient(Client):
         self.posts, self.blob_bytes = 0, 0
         return super().execute(program, **options)
 
-    def _post_execute(self, program_json, blobs, node):
+    def _post_execute(self, program_json, blobs, *routing):
         self.posts += 1
         self.blob_bytes += sum(memoryview(data).nbytes for _, data in blobs)
-        return super()._post_execute(program_json, blobs, node)
+        return super()._post_execute(program_json, blobs, *routing)
 
 
 # --- memory of a process tree ------------------------------------------------
