@@ -942,6 +942,8 @@ def _parse_header_value(value: str) -> tuple[str, list[tuple[str, str]]]:
             raise ValueError(f"malformed header parameters in {value!r}")
         if param.group(1):
             raw = param.group(2) if param.group(2) is not None else re.sub(r"\\(.)", r"\1", param.group(3))
+            if any(name == param.group(1).lower() for name, _ in params):
+                raise ValueError(f"header parameter {param.group(1)!r} given twice in {value!r}")
             params.append((param.group(1).lower(), raw))
         position = param.end()
     return match.group(1).lower(), params
@@ -1639,3 +1641,393 @@ def _check_literal(value: Any, containers: set[int]) -> None:
         for item in value:
             _check_literal(item, containers)
     containers.discard(id(value))
+
+
+# ---------------------------------------------------------------------------
+# Command line: `kcoral run TOOL [options] -- ARGS...` (the published 0.1.1 command line)
+#
+# The inputs travel as ordinary `file` uploads under inputs/, one blob per file, so the
+# client's blob cache applies file by file: a second run of the same inputs uploads only
+# what changed. One small module runs on the worker: it restores exec bits, starts the tool
+# as a child of the worker (same process group, so the server's timeout also ends it; fd 1
+# and 2 shared, so its output is the request's captured output) and copies the requested
+# artifacts into outputs/, which comes back as a folder.
+
+_REMOTE_RUNNER = '''
+import os, shutil, subprocess, sys
+from pathlib import Path
+
+
+def _command(tool, arguments, reports):
+    if tool == "python":
+        return [sys.executable, *arguments]
+    if tool == "shell":
+        return list(arguments)
+    if tool == "compute-sanitizer":
+        return ["compute-sanitizer", *arguments]
+    cut = arguments.index("--")
+    options, application = arguments[:cut], arguments[cut + 1:]
+    if tool == "ncu":
+        return ["ncu", "--config-file", "0", "--export", str(reports / "capture.ncu-rep"), *options, *application]
+    return ["run-iket", *options, "--", *application]  # run-iket writes under KCORAL_OUTPUT_DIR
+
+
+def _executable(name, workdir, path):
+    if "/" in name:
+        candidate = Path(name) if os.path.isabs(name) else workdir / name
+        return str(candidate) if os.access(candidate, os.X_OK) and candidate.is_file() else None
+    return shutil.which(name, path=path)
+
+
+def _collect(workdir, reports, paths):
+    missing = []
+    for name in paths:
+        source = workdir / name
+        for depth in range(1, len(Path(name).parts) + 1):
+            if (workdir / Path(*Path(name).parts[:depth])).is_symlink():
+                raise ValueError(f"--fetch {name}: a symbolic link cannot be fetched")
+        if not source.exists():
+            missing.append(name)
+        elif source.is_dir():
+            shutil.copytree(source, reports / name, symlinks=True, dirs_exist_ok=True)
+        else:
+            (reports / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, reports / name)
+    return missing
+
+
+def run(tool, arguments, overrides, executables, directories, fetch, expected):
+    workdir = Path("inputs").absolute()
+    reports = Path("outputs").absolute()
+    for directory in ["", *directories]:
+        (workdir / directory).mkdir(parents=True, exist_ok=True)
+    reports.mkdir()
+    for name in executables:
+        (workdir / name).chmod(0o700)
+    env = {**os.environ, **overrides, "KCORAL_DIR": str(workdir), "KCORAL_OUTPUT_DIR": str(reports)}
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    if tool == "ncu":
+        env.setdefault("NCU_PROFILE", "1")
+    command = _command(tool, arguments, reports)
+    program = _executable(command[0], workdir, env["PATH"])
+    if program is None:
+        return {"returncode": None, "absent": command[0], "missing": []}
+    code = subprocess.run([program, *command[1:]], cwd=workdir, env=env, stdin=subprocess.DEVNULL).returncode
+    missing = [name for name in expected if not (reports / name).exists()]
+    return {"returncode": code, "absent": None, "missing": missing + _collect(workdir, reports, fetch)}
+'''
+
+_TOOLS = {
+    "python": "run a script, -c code or -m module with the server's Python",
+    "shell": "run an executable (e.g. a --send script) in the uploaded directory",
+    "ncu": "profile an application with NVIDIA Nsight Compute; the report is saved in --out",
+    "compute-sanitizer": "check an application with NVIDIA Compute Sanitizer",
+    "run-iket": "profile an application with run-iket; its reports are saved in --out",
+}
+_PROFILERS = {"ncu": ("capture.ncu-rep",), "run-iket": ()}  # tool -> reports it must produce
+_NCU_MANAGED = ("--export", "-o", "--import", "-i", "--mode", "--config-file", "--config-file-path")
+_DEFAULT_OUTPUT_LIMIT = 256 * 1024 * 1024
+_PROGRESS_BYTES = 16 * 1024 * 1024
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+class _CommandError(Exception):
+    """A problem reported as one line and exit status 1 (not a usage error)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    """The --send trees, read into memory: workspace-relative path -> bytes."""
+
+    files: dict[str, bytes]
+    executables: list[str]
+    directories: list[str]
+
+
+def run_command(argv: list[str]) -> int:
+    """`kcoral run ...`: the exit status of the remote process, 1 on any other failure;
+    usage errors leave through argparse (SystemExit 2)."""
+    parser = _run_parser()
+    options_part, separated, tool_args = _split_at_separator(argv)
+    args, extra = parser.parse_known_args(options_part)
+    tool_parser = args.tool_parser
+    unknown = [token for token in extra if token.startswith("-")]
+    if unknown:
+        tool_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extra or not separated:
+        tool_parser.error("separate KCoral options from tool arguments with '--'")
+    if not tool_args:
+        tool_parser.error("arguments are required after '--'")
+    _check_usage(tool_parser, args, tool_args)
+    try:
+        return _run_remote(args, tool_args)
+    except _CommandError as exc:
+        print(f"kcoral run {args.tool}: {exc}", file=sys.stderr)
+    except TransportError as exc:
+        print(f"kcoral run {args.tool}: cannot reach {args.url}: {exc}", file=sys.stderr)
+    except ProtocolError as exc:
+        print(f"kcoral run {args.tool}: protocol error: {exc}", file=sys.stderr)
+    except KCoralError as exc:
+        print(f"kcoral run {args.tool}: server error: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"kcoral run {args.tool}: interrupted", file=sys.stderr)
+        return 130
+    return 1
+
+
+def _split_at_separator(argv: list[str]) -> tuple[list[str], bool, list[str]]:
+    """(kcoral options, whether '--' was given, the tool's arguments). The first '--' is
+    ours; any later one belongs to the tool (the profilers' own separator, say)."""
+    if "--" not in argv:
+        return argv, False, []
+    cut = argv.index("--")
+    return argv[:cut], True, argv[cut + 1:]
+
+
+def _run_parser() -> Any:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="kcoral run", description="Run a tool on a remote KCoral server.")
+    tools = parser.add_subparsers(dest="tool", required=True, metavar="TOOL")
+    for tool, summary in _TOOLS.items():
+        sub = tools.add_parser(tool, help=summary, description=f"Run {tool} on a KCoral worker: {summary}.",
+                               usage=f"kcoral run {tool} [options] -- ARGS...")
+        sub.set_defaults(tool_parser=sub)
+        sub.add_argument("--url", help="server URL; default: KCORAL_URL; cannot combine with --host or --port")
+        sub.add_argument("--host", help="server hostname or IP; overrides KCORAL_URL (default with --port: 127.0.0.1)")
+        sub.add_argument("--port", type=int, help="server port; overrides KCORAL_URL (default with --host: 8000)")
+        sub.add_argument("--token", help="bearer token for a server started with --token; default: KCORAL_TOKEN")
+        sub.add_argument("--timeout", type=float, default=300.0,
+                         help="execution timeout in seconds (default: 300; server caps apply)")
+        sub.add_argument("--output-limit-bytes", type=int, default=_DEFAULT_OUTPUT_LIMIT,
+                         help=f"capture limit per stream in bytes (default: {_DEFAULT_OUTPUT_LIMIT}; "
+                              "server caps apply)")
+        sub.add_argument("--send", action="append", default=[], metavar="PATH",
+                         help="upload a file or directory under its own name (exec bits kept); repeatable")
+        sub.add_argument("-e", "--env", action="append", default=[], metavar="NAME[=VALUE]",
+                         help="set a remote environment variable; NAME alone copies its local value")
+        sub.add_argument("--out", required=tool in _PROFILERS, metavar="DIR",
+                         help="new local directory for returned artifacts (must not exist)")
+        if tool not in _PROFILERS:
+            sub.add_argument("--fetch", action="append", default=[], metavar="PATH",
+                             help="workspace file or directory to save in --out; repeatable")
+    return parser
+
+
+def _check_usage(parser: Any, args: Any, tool_args: list[str]) -> None:
+    """Every check that needs neither the file system nor the server; also settles
+    args.url, args.env (a dict) and args.fetch."""
+    args.fetch = getattr(args, "fetch", [])
+    args.url = _server_url(parser, args)
+    args.token = args.token or os.environ.get("KCORAL_TOKEN") or None
+    if args.timeout <= 0:
+        parser.error("--timeout must be positive")
+    if args.output_limit_bytes <= 0:
+        parser.error("--output-limit-bytes must be positive")
+    if args.tool not in _PROFILERS and bool(args.fetch) != bool(args.out):
+        parser.error("--fetch and --out must be used together")
+    for path in args.fetch:
+        try:
+            _normalize_path(path)
+        except (ValueError, TypeError):
+            parser.error(f"--fetch {path!r}: expected a relative path inside the remote workspace")
+    args.env = _environment(parser, args.env)
+    if args.tool == "python":
+        _check_python_args(parser, tool_args)
+    elif args.tool in _PROFILERS:
+        _check_profiler_args(parser, args.tool, tool_args)
+
+
+def _server_url(parser: Any, args: Any) -> str:
+    if args.url and (args.host or args.port):
+        parser.error("--url cannot be combined with --host or --port")
+    if args.host or args.port:
+        if os.environ.get("KCORAL_URL"):
+            print("kcoral: warning: --host/--port override KCORAL_URL", file=sys.stderr)
+        host = args.host or "127.0.0.1"
+        return f"http://[{host}]:{args.port or 8000}" if ":" in host else f"http://{host}:{args.port or 8000}"
+    url: str = args.url or os.environ.get("KCORAL_URL", "")
+    if not url:
+        parser.error("set KCORAL_URL or pass --url, --host or --port")
+    split = urllib.parse.urlsplit(url)
+    if split.scheme not in ("http", "https") or not split.hostname:
+        parser.error(f"server URL must start with http:// or https:// and name a host: {url!r}")
+    return url
+
+
+def _environment(parser: Any, entries: list[str]) -> dict[str, str]:
+    env = {}
+    for entry in entries:
+        name, has_value, value = entry.partition("=")
+        if not _ENV_NAME.fullmatch(name):
+            parser.error(f"environment variable names must be identifiers: {entry!r}")
+        if name == "CUDA_VISIBLE_DEVICES":
+            parser.error("CUDA_VISIBLE_DEVICES is managed by the server")
+        if not has_value:
+            if name not in os.environ:
+                parser.error(f"local environment variable {name} is not set")
+            value = os.environ[name]
+        env[name] = value
+    return env
+
+
+def _check_python_args(parser: Any, tool_args: list[str]) -> None:
+    """The server's Python has no stdin and no terminal: a script, -c or -m is required."""
+    remaining = iter(tool_args)
+    for token in remaining:
+        if token == "--":
+            token = next(remaining, "-")
+            if token != "-":
+                return  # after Python's own '--' comes the script, whatever its name
+        if token == "-":
+            break
+        if not token.startswith("-"):
+            return  # the script
+        if token == "--check-hash-based-pycs":
+            next(remaining, None)
+        if token.startswith("--"):
+            continue
+        for index, letter in enumerate(token[1:], start=1):
+            if letter == "i":
+                parser.error("interactive Python is unsupported (there is no remote terminal)")
+            if letter in "cmWX":
+                if not token[index + 1:] and next(remaining, None) is None:
+                    parser.error(f"Python -{letter} requires an argument")
+                if letter in "cm":
+                    return
+                break
+    parser.error("a script, -c command or -m module is required; stdin execution is unsupported")
+
+
+def _check_profiler_args(parser: Any, tool: str, tool_args: list[str]) -> None:
+    if "--" not in tool_args:
+        parser.error("separate profiler options from the application with another '--'")
+    cut = tool_args.index("--")
+    if cut + 1 == len(tool_args):
+        parser.error("an application is required after the second '--'")
+    if tool == "ncu":
+        for option in tool_args[:cut]:
+            if option.split("=", 1)[0] in _NCU_MANAGED:
+                parser.error(f"{option.split('=', 1)[0]} conflicts with the report kcoral manages in --out")
+
+
+def _run_remote(args: Any, tool_args: list[str]) -> int:
+    out = pathlib.Path(args.out) if args.out else None
+    if out is not None and (out.exists() or out.is_symlink()):
+        raise _CommandError(f"--out {args.out} already exists; choose a new directory")
+    inputs = _read_inputs(args.send)
+    try:
+        program = _tool_program(args, tool_args, inputs, want_outputs=out is not None)
+    except ValidationError as exc:  # a file name the protocol cannot carry (a backslash, say)
+        raise _CommandError(f"--send: {exc}") from None
+    headers = {"Authorization": f"Bearer {args.token}"} if args.token else None
+    with _ProgressClient(args.url, headers=headers) as client:
+        result = client.execute(program, timeout_seconds=args.timeout, output_limit_bytes=args.output_limit_bytes)
+    _replay_output(result)
+    if not result.completed:
+        error = result.error or {}
+        message = (str(error.get("message") or "").strip().splitlines() or ["the program failed"])[0]
+        raise _CommandError(f"{error.get('kind', 'error')}: {message}")
+    outcome = result["outcome"]
+    if outcome["absent"]:
+        raise _CommandError(f"{outcome['absent']} is not installed on the server (or is not executable there)")
+    if out is not None:
+        try:
+            result["artifacts"].save(out)
+        except OSError as exc:
+            raise _CommandError(f"cannot save the artifacts in {out}: {exc.strerror or exc}") from None
+        print(f"kcoral: saved artifacts to {out}", file=sys.stderr)
+    if outcome["missing"]:
+        print(f"kcoral: missing artifacts: {', '.join(outcome['missing'])}", file=sys.stderr)
+    code = outcome["returncode"]
+    if code < 0:
+        return 128 - code  # killed by signal N: the shell's 128+N
+    return 1 if code == 0 and outcome["missing"] else code
+
+
+def _tool_program(args: Any, tool_args: list[str], inputs: _Inputs, *, want_outputs: bool) -> Program:
+    program = Program()
+    for path, data in inputs.files.items():
+        program.upload_file(blob=data, path=f"inputs/{path}")
+    runner = program.get_function(module=program.upload(kind="module", source=_REMOTE_RUNNER), name="run")
+    outcome = program.run(fn=runner, args=[args.tool, tool_args, args.env, inputs.executables,
+                                           inputs.directories, args.fetch, list(_PROFILERS.get(args.tool, ()))])
+    program.return_(key="outcome", value=outcome)
+    if want_outputs:
+        program.return_folder(key="artifacts", path="outputs")
+    return program
+
+
+def _read_inputs(paths: list[str]) -> _Inputs:
+    """Read every --send path. Each keeps its own name (its last component); symlinks and
+    special files are refused rather than silently followed or skipped."""
+    inputs = _Inputs({}, [], [])
+    names: set[str] = set()
+    for path in paths:
+        name = os.path.basename(os.path.normpath(path))
+        if name in ("", ".", "..", "/"):
+            raise _CommandError(f"--send {path}: cannot tell which name to upload it under")
+        if name in names:
+            raise _CommandError(f"--send {path}: another input is already named {name!r}")
+        names.add(name)
+        _read_entry(path, name, inputs)
+    return inputs
+
+
+def _read_entry(local: str, remote: str, inputs: _Inputs) -> None:
+    try:
+        info = os.lstat(local)
+    except OSError as exc:
+        raise _CommandError(f"--send {local}: {exc.strerror}") from None
+    if stat.S_ISLNK(info.st_mode):
+        raise _CommandError(f"--send: {local} is a symbolic link; send its target instead")
+    try:
+        if stat.S_ISDIR(info.st_mode):
+            entries = sorted(os.listdir(local))
+        elif stat.S_ISREG(info.st_mode):
+            with open(local, "rb") as f:
+                inputs.files[remote] = f.read()
+    except OSError as exc:
+        raise _CommandError(f"--send {local}: {exc.strerror or exc}") from None
+    if stat.S_ISDIR(info.st_mode):
+        inputs.directories.append(remote)
+        for entry in entries:
+            _read_entry(os.path.join(local, entry), f"{remote}/{entry}", inputs)
+    elif stat.S_ISREG(info.st_mode):
+        if info.st_mode & 0o111:
+            inputs.executables.append(remote)
+    else:
+        raise _CommandError(f"--send: {local} is not a regular file or directory")
+
+
+def _replay_output(result: ProgramResult) -> None:
+    for stream, text in ((sys.stdout, result.stdout), (sys.stderr, result.stderr)):
+        stream.write(text)
+        stream.flush()
+    if result.stdout_truncated or result.stderr_truncated:
+        print("kcoral: remote output was truncated (see --output-limit-bytes)", file=sys.stderr)
+
+
+class _ProgressClient(Client):
+    """A Client that says on a terminal's stderr when it actually sends a large upload
+    (blobs the server already holds are never sent, so a cached rerun prints nothing)."""
+
+    def _post_execute(self, program_json: bytes, blobs: list[tuple[str, bytes]], *rest: Any, **kw: Any) -> _Response:
+        size = sum(len(data) for _, data in blobs)
+        if size <= _PROGRESS_BYTES or not sys.stderr.isatty():
+            return super()._post_execute(program_json, blobs, *rest, **kw)
+        print(f"kcoral: uploading {len(blobs)} blobs, {size / 2**20:.1f} MiB ...", end="", file=sys.stderr, flush=True)
+        try:
+            response = super()._post_execute(program_json, blobs, *rest, **kw)
+        except BaseException:
+            print(" failed", file=sys.stderr)
+            raise
+        print(" sent", file=sys.stderr)
+        return response
+
+
+if __name__ == "__main__":  # a vendored copy: `python client.py run TOOL [options] -- ARGS...`
+    if sys.argv[1:2] != ["run"]:
+        print("usage: python client.py run TOOL [options] -- ARGS...", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(run_command(sys.argv[2:]))

@@ -10,9 +10,9 @@ here runs on the standard library: `http.server` threads, a hand-written
 multipart parser, `multiprocessing` pipes.  The wire contract is
 shared/spec/PROTOCOL.md; this file's section comments cite it as P§n.
 
-The client lives in client.py; `from kcoral import Client, Program` works
-when that file is importable (it is loaded lazily, so the server needs only
-this file and kcoral_worker.py).
+The client lives in client.py; `from kcoral import Client, Program` loads it
+lazily from beside this file (`load_client`), so the server needs only this
+file and kcoral_worker.py.
 """
 
 import argparse
@@ -36,6 +36,7 @@ import selectors
 import shutil
 import signal
 import stat
+import subprocess
 import sys
 import tempfile
 import threading
@@ -49,6 +50,9 @@ from multiprocessing import reduction
 import kcoral_worker
 from kcoral_worker import DTYPE_SIZES, ValidationError, large_buffer, normalize_path, recv_raw
 
+# `kcoral.errors` and `kcoral.builtins`, as in the published package (defined by the worker)
+errors, builtins = kcoral_worker.install_kcoral_modules()
+
 __version__ = "0.2.0"
 CLIENT_NAMES = ("Client", "KCoralError", "Program", "ProgramResult", "ProtocolError", "Register",
                 "RemoteExecutionError", "RemoteFunction", "ReturnedFile", "ReturnedFolder",
@@ -59,9 +63,37 @@ __all__ = sorted(CLIENT_NAMES + ("ServerConfig", "create_app", "parse_program"))
 def __getattr__(name):
     """Client names come from client.py on first use, so the server never needs it."""
     if name in CLIENT_NAMES:
-        import client
-        return getattr(client, name)
+        return getattr(load_client(), name)
     raise AttributeError(f"module 'kcoral' has no attribute {name!r}")
+
+
+CLIENT_MODULE = "kcoral_client"
+_client_lock = threading.Lock()
+
+
+def load_client():
+    """The client module from the file beside this one, whatever `client.py` lies on sys.path.
+
+    A checkout holds it as client.py (vendorable by copying); an installed distribution ships
+    it as kcoral_client.py (setup.py), so that no generic top-level name enters site-packages.
+    Either is loaded by path under the private name `kcoral_client`.
+    """
+    with _client_lock:
+        module = sys.modules.get(CLIENT_MODULE)
+        if module is not None:
+            return module
+        here = os.path.dirname(os.path.abspath(__file__))
+        installed = os.path.join(here, CLIENT_MODULE + ".py")
+        path = installed if os.path.exists(installed) else os.path.join(here, "client.py")
+        spec = importlib.util.spec_from_file_location(CLIENT_MODULE, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[CLIENT_MODULE] = module  # before running it: its dataclasses look themselves up there
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[CLIENT_MODULE]
+            raise
+        return module
 
 
 def default_disk_cache_dir():
@@ -122,6 +154,9 @@ class ServerConfig:
                                   "most 10x): time for a load balancer's health check to take the node out")
     worker_termination_grace_seconds: float = option(5.0, "SIGTERM-to-SIGKILL window when killing a "
                                                      "worker's process tree")
+    prepare_timeout_seconds: float = option(600.0, "how long the one-time preparation of the worker "
+                                            "template's imports may take at start-up (tvm_ffi may "
+                                            "compile its torch add-on); beyond it the add-on is disabled")
     max_request_bytes: int = option(256 << 20, "request size limit (413 beyond it)")
     max_response_bytes: int = option(256 << 20, "response size limit (500 response_too_large beyond it)")
     output_limit_bytes: int = option(1 << 20, "default per-stream stdout/stderr capture limit")
@@ -160,6 +195,7 @@ def strict_json(data):
 
 
 TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+MEDIA = re.compile(rf"{TOKEN.pattern}(?:/{TOKEN.pattern})?")  # `form-data`, `type/subtype`
 
 
 def parse_header_params(value):
@@ -181,6 +217,8 @@ def parse_header_params(value):
         raise ValidationError("unterminated quoted string in header")
     pieces.append("".join(current))
     media = pieces[0].strip().lower()
+    if not MEDIA.fullmatch(media):
+        raise ValidationError(f"malformed header value {pieces[0].strip()[:80]!r}")
     params = {}
     for piece in pieces[1:]:
         if not piece.strip():
@@ -768,18 +806,19 @@ def is_live(pid):
         return False
 
 
-def kill_group(pgid, grace, exclude=(), orphans=False):
+def kill_group(pgid, grace, exclude=(), orphans=False, kill_wait=10.0):
     """SIGTERM the group and its leader's descendants (with `orphans`, also every process
-    started under it), SIGKILL what is left after the grace period; wait until it is gone."""
+    started under it), SIGKILL what is left after the grace period; wait until it is gone.
+    -> whether it is gone: False when something outlived SIGKILL by `kill_wait` seconds."""
     marked = set(marked_processes(pgid)) - set(exclude) if orphans else set()
 
     def remaining():
         return group_members(pgid, exclude) + [pid for pid in marked if is_live(pid)]
 
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, kill_wait)):
         members = remaining()
         if not members:
-            return
+            return True
         for pid in members:
             try:
                 os.kill(pid, sig)
@@ -793,7 +832,8 @@ def kill_group(pgid, grace, exclude=(), orphans=False):
         while remaining() and time.monotonic() < deadline:
             time.sleep(0.01)
         if not remaining():
-            return
+            return True
+    return False
 
 
 # --- GPUs -----------------------------------------------------------------
@@ -818,6 +858,50 @@ def nvml_gpu_ids():
     return uuids
 
 
+WARM_TVM_FFI = "import torch, tvm_ffi"  # tvm_ffi builds its torch add-on on import when it must
+
+
+def prepare_template_imports(timeout, warm=WARM_TVM_FFI):
+    """Make the worker template's imports fast and free of CUDA before any worker starts.
+
+    PYTORCH_NVML_BASED_CUDA_CHECK=1 lets `torch.cuda.is_available()` (tvm_ffi calls it on
+    import) ask NVML instead of calling cuInit, so the template never holds CUDA state that
+    its forks would inherit unusable.  With a torch that lacks the DLPack exchange API,
+    `import tvm_ffi` compiles an add-on into its cache on first use (nvcc: minutes): that
+    happens here, once, in a separate process within `timeout` seconds; if it fails or takes
+    longer, the add-on is disabled for this server so no worker can meet the slow path.
+    -> "native", "warmed", "disabled" or "absent" (also logged).
+    """
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    if not (importlib.util.find_spec("torch") and importlib.util.find_spec("tvm_ffi")):
+        return "absent"
+    if os.environ.get("TVM_FFI_DISABLE_TORCH_C_DLPACK", "0") != "0" or torch_has_dlpack_exchange_api():
+        return "native"
+    started = time.monotonic()
+    try:
+        subprocess.run([sys.executable, "-c", warm], check=True, timeout=timeout,
+                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        state, error = "warmed", None
+    except (subprocess.SubprocessError, OSError) as exc:
+        os.environ["TVM_FFI_DISABLE_TORCH_C_DLPACK"] = "1"
+        state, error = "disabled", f"{type(exc).__name__}: {str(exc)[-300:]}"
+    log_event("template_prepared", "WARNING" if error else "INFO", tvm_ffi_torch_addon=state,
+              seconds=round(time.monotonic() - started, 1), error=error)
+    return state
+
+
+def torch_has_dlpack_exchange_api():
+    """Whether the installed torch exports the DLPack exchange API itself (read, not imported)."""
+    spec = importlib.util.find_spec("torch")
+    for location in spec.submodule_search_locations or ():
+        try:
+            with open(os.path.join(location, "_tensor.py"), encoding="utf-8") as f:
+                return "dlpack_exchange_api" in f.read()  # or its older name
+        except OSError:
+            pass
+    return importlib.util.find_spec("torch_c_dlpack_ext") is not None
+
+
 def same_gpu(seen, expected):
     """SERVER.md §1.1: UUIDs compare without the GPU- prefix, case-insensitively; unknown ones pass."""
     def bare(uuid):
@@ -827,6 +911,10 @@ def same_gpu(seen, expected):
 
 
 STARTUP_OWNER = "worker-startup"  # lease owner while a worker creates its CUDA context; not a request
+
+
+class LeaseRefused(Exception):
+    """A lease that will never be granted: its GPU is quarantined, or the server is shutting down."""
 
 
 class LeaseArbiter:
@@ -843,32 +931,56 @@ class LeaseArbiter:
         self.holder = {g: None for g in self.gpu_ids}
         self.queue = collections.deque()
         self.history = {g: collections.deque(maxlen=256) for g in self.gpu_ids}
+        self.quarantined = set()
+        self.closing = False
         self.cond = threading.Condition()
 
     def acquire(self, owner, gpus=None, count=None):
-        """Block until `gpus` (or any `count` GPUs) are ours; returns (granted GPUs, wait ms)."""
+        """Block until `gpus` (or any `count` GPUs) are ours; returns (granted GPUs, wait ms).
+        LeaseRefused when that can no longer happen (quarantine; "any n" waits at shutdown)."""
         start = time.monotonic()
         ticket = (object(), gpus, count)  # unique: queue.remove() must not take an equal twin
         with self.cond:
             self.queue.append(ticket)
-            while True:
-                granted = self.grantable(ticket)
-                if granted is not None:
-                    break
-                self.cond.wait()
-            self.queue.remove(ticket)
+            try:
+                while True:
+                    self.check_servable(gpus, count)
+                    granted = self.grantable(ticket)
+                    if granted is not None:
+                        break
+                    self.cond.wait()
+            finally:
+                self.queue.remove(ticket)
+                self.cond.notify_all()
             now = time.time()
             for g in granted:
                 self.holder[g] = owner
                 self.history[g].append((now, None, owner))
-            self.cond.notify_all()
         return granted, (time.monotonic() - start) * 1e3
+
+    def check_servable(self, gpus, count):
+        if count and self.closing:
+            raise LeaseRefused("server is shutting down")
+        if (count and count > len(self.gpu_ids) - len(self.quarantined)) or self.quarantined & set(gpus or ()):
+            raise LeaseRefused("GPU quarantined: a worker's process tree could not be confirmed gone")
+
+    def quarantine(self, gpus):
+        """SERVER.md §2.1: never lend these GPUs again; waiters that need them are refused."""
+        with self.cond:
+            self.quarantined.update(gpus)
+            self.cond.notify_all()
+
+    def close(self):
+        """Shutdown: requests still waiting for "any n" GPUs are refused (SERVER.md §8)."""
+        with self.cond:
+            self.closing = True
+            self.cond.notify_all()
 
     def grantable(self, ticket):
         blocked = set()
         for waiter in self.queue:
             _, gpus, count = waiter
-            free = [g for g in self.gpu_ids if self.holder[g] is None and g not in blocked]
+            free = [g for g in self.gpu_ids if self.holder[g] is None and g not in blocked | self.quarantined]
             wanted = free[:count] if count else [g for g in gpus if g in free]
             enough = len(wanted) == (count or len(gpus))
             if waiter is ticket:
@@ -901,10 +1013,17 @@ class WorkerCrashed(Exception):
     """The worker process died or stopped talking the protocol."""
 
 
+class WorkerStartTimeout(WorkerCrashed):
+    """A start-up phase outlived its time limit (a multi-GPU request answers 504, SERVER.md §7)."""
+
+
+WORKER_PHASE_SECONDS = 60.0  # each start-up phase (SERVER.md §1.1)
+
+
 class Worker:
     """One worker process forked from the template, with its pipe."""
 
-    def __init__(self, pool, gpus):
+    def __init__(self, pool, gpus, phase_timeout=WORKER_PHASE_SECONDS):
         self.gpus = gpus
         self.conn, child = pool.context.Pipe()
         visible = [pool.gpu_names[g] for g in gpus]
@@ -917,27 +1036,38 @@ class Worker:
         child.close()
         self.pid = self.process.pid
         self.served = 0
-        if not self.conn.poll(60) or self.conn.recv()[0] != "ready":
+        try:
+            if not self.conn.poll(phase_timeout):
+                raise WorkerStartTimeout(f"worker did not start within {phase_timeout:.0f} s")
+            message = self.conn.recv()
+            if message[0] != "ready":
+                raise WorkerCrashed(f"worker did not start: {message[-1]}")
+        except (EOFError, OSError, WorkerCrashed) as exc:
             self.kill(0)
-            raise WorkerCrashed("worker did not start")
+            if isinstance(exc, WorkerCrashed):
+                raise
+            raise WorkerCrashed("worker did not start") from exc
 
-    def initialize(self, expected_uuid):
+    def initialize(self, expected_uuid, phase_timeout=WORKER_PHASE_SECONDS):
         """GPU workers: create the CUDA context (the caller holds the lease) and check the pinning."""
         try:
             self.conn.send({"init": True})
-            if not self.conn.poll(60):
-                raise WorkerCrashed("worker did not initialize its GPU within 60 s")
+            if not self.conn.poll(phase_timeout):
+                raise WorkerStartTimeout(f"worker did not initialize its GPU within {phase_timeout:.0f} s")
             self.arch, self.cuda, uuid = self.conn.recv()
             if not same_gpu(uuid, expected_uuid):
                 raise WorkerCrashed(f"worker's device 0 is {uuid}, expected {expected_uuid}")
         except (EOFError, OSError, WorkerCrashed) as exc:
             self.kill(0)
-            raise WorkerCrashed(f"GPU worker failed to initialize: {str(exc) or type(exc).__name__}") from exc
+            kind = WorkerStartTimeout if isinstance(exc, WorkerStartTimeout) else WorkerCrashed
+            raise kind(f"GPU worker failed to initialize: {str(exc) or type(exc).__name__}") from exc
 
     def kill(self, grace, orphans=False):
-        kill_group(self.pid, grace, orphans=orphans)
+        """-> whether the whole tree is confirmed gone (else its GPUs must be quarantined)."""
+        gone = kill_group(self.pid, grace, orphans=orphans)
         self.process.join(5)
         self.conn.close()
+        return gone
 
     def stop(self, grace):
         """Tell an idle worker to exit; kill its group if it does not."""
@@ -1022,9 +1152,10 @@ class Pool:
         self.device = device
         self.gpu_names = gpu_names
         self.context = multiprocessing.get_context("forkserver")
-        preload = ["kcoral", "kcoral_worker", "numpy"]
-        if device == "cpu":  # GPU workers must set CUDA_VISIBLE_DEVICES before importing torch
-            preload += [m for m in ("torch", "tvm_ffi") if importlib.util.find_spec(m)]
+        prepare_template_imports(config.prepare_timeout_seconds)
+        # torch and tvm_ffi in the template keep their imports off every fresh worker's critical path;
+        # GPU workers pin CUDA_VISIBLE_DEVICES after the fork, before CUDA starts (never in the template)
+        preload = ["kcoral", "kcoral_worker", "numpy"] + [m for m in ("torch", "tvm_ffi") if importlib.util.find_spec(m)]
         self.context.set_forkserver_preload(preload)
         if device == "cuda":
             self.arbiter = LeaseArbiter(gpu_ids)
@@ -1042,6 +1173,21 @@ class Pool:
         for slot in self.slots:
             slot.worker = self.start_worker(slot.gpus)
             self.idle.append(slot)
+
+    def quarantine(self, gpus, reason):
+        """SERVER.md §2.1: a tree whose exit is unconfirmed may still use its GPUs.  Nobody gets
+        them again, and the pool begins shutting down (later requests: 503 busy)."""
+        log_event("gpu_quarantined", "ERROR", gpu_ids=list(gpus), reason=reason)
+        self.arbiter.quarantine(gpus)
+        self.close()
+
+    def dispose(self, worker, grace=0, orphans=False):
+        """Kill a worker's tree; its GPUs are quarantined when the kill cannot be confirmed.
+        -> whether it is confirmed gone."""
+        gone = worker.kill(grace, orphans=orphans)
+        if not gone and self.arbiter is not None:
+            self.quarantine(worker.gpus, "a worker's process tree outlived SIGKILL")
+        return gone
 
     def start_worker(self, gpus):
         worker = Worker(self, gpus)  # pinning and imports are host work: no lease yet
@@ -1141,31 +1287,37 @@ class Pool:
             outcome.worker_id = slot.name
             return outcome
         finally:
-            if retire and slot.worker is not None:
-                slot.worker.kill(0)
+            if retire and slot.worker is not None and not self.dispose(slot.worker):
+                slot.worker = None  # its GPU is quarantined: no replacement there
             self.release(slot, retire)
 
     def run_multi_gpu(self, slot, job, count, queue_ms):
         """P§8.9: a dedicated worker that sees `count` GPUs, started under all their leases."""
-        gpus, wait_ms = self.arbiter.acquire(job.request_id, count=count)
-        started = time.monotonic()
         try:
-            worker = Worker(self, gpus)
-            worker.initialize(self.gpu_names[gpus[0]])
+            gpus, wait_ms = self.arbiter.acquire(job.request_id, count=count)
+        except LeaseRefused as exc:
+            return Outcome(503, "busy", str(exc))
+        started = time.monotonic()
+        phase_timeout = min(WORKER_PHASE_SECONDS, job.timeout)  # start-up is part of the request's timeout
+        try:
+            worker = Worker(self, gpus, phase_timeout)
+            worker.initialize(self.gpu_names[gpus[0]], phase_timeout)
+        except WorkerStartTimeout:
+            return Outcome(504, "timeout", "execution timed out while the multi-GPU worker started")
         except WorkerCrashed:
             return Outcome(500, "engine", "multi-GPU worker failed to start")
         finally:
             self.arbiter.release(job.request_id, gpus)
         startup_s = time.monotonic() - started
         if startup_s >= job.timeout:
-            worker.kill(0)
+            self.dispose(worker)
             return Outcome(504, "timeout", "execution timed out")
         job.timeout -= startup_s
         execution = Execution(self, worker, gpus, job, queue_ms)
         execution.lease_wait_ms, execution.lease_held_ms = wait_ms, startup_s * 1e3
         execution.single_use = True  # so it exits under the lease, inside the request
         outcome, _ = execution.run()
-        worker.kill(0)
+        self.dispose(worker)
         if outcome.body is not None:
             outcome.body["gpu_ids"] = list(gpus)
             outcome.body["gpu_count"] = len(gpus)
@@ -1175,6 +1327,8 @@ class Pool:
         with self.cond:
             self.closing = True
             self.cond.notify_all()
+        if self.arbiter is not None:
+            self.arbiter.close()
 
     def shutdown(self):
         for thread in self.replacements:
@@ -1220,13 +1374,18 @@ class Execution:
             elif group_members(self.worker.pid, exclude=(self.worker.pid,)):
                 error, retire = self.background_processes(error), True
         except TimeoutError:
-            self.kill_worker()
+            if not self.kill_worker():
+                return Outcome(500, "engine", "the timed-out worker could not be confirmed gone"), True
             return Outcome(504, "timeout", "execution timed out"), True
         except WorkerCrashed:
-            self.kill_worker()
+            if not self.kill_worker():
+                return Outcome(500, "engine", "the crashed worker could not be confirmed gone"), True
             if self.last_index is None:
                 return Outcome(500, "engine", "worker crashed"), True
             error, retire = self.crash_error(), True
+        except LeaseRefused as exc:  # its GPU was quarantined while it waited
+            self.worker.kill(self.config.worker_termination_grace_seconds, orphans=True)
+            return Outcome(503, "busy", str(exc)), True
         finally:
             self.release_lease()
             output = self.drain.result(wait=2.0) if self.drain else ("", "", False, False)
@@ -1366,10 +1525,14 @@ class Execution:
         return error
 
     def kill_worker(self):
-        """Kill the tree holding the GPU lease: its CUDA teardown must not overlap someone's measurement."""
+        """Kill the tree holding the GPU lease: its CUDA teardown must not overlap someone's measurement.
+        -> whether it is confirmed gone (if not, the pool quarantines its GPUs)."""
         if self.pool.arbiter is not None and self.lease_since is None:
-            self.hold_lease()
-        self.worker.kill(self.config.worker_termination_grace_seconds, orphans=True)
+            try:
+                self.hold_lease()
+            except LeaseRefused:  # quarantined already: nobody else will use it
+                pass
+        return self.pool.dispose(self.worker, self.config.worker_termination_grace_seconds, orphans=True)
 
     def attribute_gpu_access(self, error):
         """SERVER.md §6: name the request that held our GPU(s) when a cpu_only call entered CUDA."""
@@ -2182,6 +2345,9 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["haproxy-config"]:
         return haproxy_config_main(argv[1:])
+    if argv[:1] == ["run"]:  # the client-side command line lives in client.py
+        import client
+        sys.exit(client.run_command(argv[1:]))
     if argv[:1] == ["server"]:  # the reference's `kcoral server ...` spelling
         argv = argv[1:]
     KCoralServer(parse_args(argv)).serve_forever()

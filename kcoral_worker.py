@@ -81,11 +81,14 @@ def normalize_path(raw):
     parts = [p for p in parts if p not in ("", ".")]
     if not parts:
         raise ValidationError("path names nothing")
-    if any(len(p.encode("utf-8", "surrogatepass")) > 255 for p in parts):
-        raise ValidationError("path component longer than 255 bytes")
     path = "/".join(parts)
-    if len(path.encode("utf-8", "surrogatepass")) > 4096:
-        raise ValidationError("path longer than 4096 bytes")
+    try:  # a lone surrogate ("\udc80" in the JSON) has no UTF-8 form, so no byte length
+        if any(len(p.encode("utf-8")) > 255 for p in parts):
+            raise ValidationError("path component longer than 255 bytes")
+        if len(path.encode("utf-8")) > 4096:
+            raise ValidationError("path longer than 4096 bytes")
+    except UnicodeEncodeError:
+        raise ValidationError("path is not valid Unicode (a lone surrogate)") from None
     return path
 
 
@@ -183,7 +186,15 @@ def recv_raw(conn, size):
 # --- what uploaded code imports -------------------------------------------
 
 def install_kcoral_modules():
-    """Publish `kcoral.errors` and `kcoral.builtins` for uploaded code."""
+    """Publish `kcoral.errors` and `kcoral.builtins` in sys.modules; -> (errors, builtins).
+
+    Once `kcoral` itself is imported (or not at all: `from kcoral.errors import X` finds a
+    published submodule directly), the import system takes these entries, so the names work
+    in uploaded code and, through kcoral.py calling this, in any process that can import
+    kcoral -- without this file importing kcoral back.  Idempotent.
+    """
+    if "kcoral.errors" in sys.modules and "kcoral.builtins" in sys.modules:
+        return sys.modules["kcoral.errors"], sys.modules["kcoral.builtins"]
     errors = types.ModuleType("kcoral.errors")
     errors.ExecutionError = ExecutionError
     errors.ValidationError = ValidationError
@@ -193,11 +204,7 @@ def install_kcoral_modules():
     builtins_mod.__all__ = ["benchmark", "compile_tirx"]
     sys.modules["kcoral.errors"] = errors
     sys.modules["kcoral.builtins"] = builtins_mod
-    try:
-        import kcoral
-        kcoral.errors, kcoral.builtins = errors, builtins_mod
-    except ImportError:  # only the worker file was copied: submodules still resolve
-        pass
+    return errors, builtins_mod
 
 
 def shorten(text, limit=600):
@@ -257,33 +264,23 @@ def compile_tirx(fn, bindings=None):
 def benchmark(mod, *args):
     """Per-call latency of mod(*args) (SERVER.md §5.2).
 
-    CUDA workers use the reference's method when cupti-python is installed:
-    CUPTI activity records, each call's span from its first GPU activity to
-    its last.  Without it they fall back to CUDA events around each call and
-    say so with "timer": "cuda_events" -- our extension: the reference
-    answers `unavailable`.  CPU workers use a host timer ("timer": "host").
+    CUDA workers use the reference's method: CUPTI activity records, each
+    call's span from its first GPU activity to its last; without usable
+    cupti-python the answer is `unavailable`, as in the reference.  CPU
+    workers use a host timer and say so with "timer": "host" (our extension).
     """
     config = dict(args[-1]) if args and isinstance(args[-1], dict) else {}
     if config:
         args = args[:-1]
     if not callable(mod):
         raise ExecutionError("runtime", "benchmark expects a compiled module handle")
-    unknown = set(config) - {"flush_l2", "warmup_ms", "repeat_ms", "warmup", "repeat"}
-    if unknown:
-        raise ExecutionError("runtime", f"unknown benchmark option(s): {sorted(unknown)}")
-    flush_l2 = bool(config.get("flush_l2", True))
-    timer = make_timer(flush_l2)
+    flush_l2 = bool(config.get("flush_l2", True))  # other keys are ignored, as the reference does
     try:
-        warmup, repeat = config.get("warmup"), config.get("repeat")
-        if warmup is None or repeat is None:
-            timer.call(mod, args)
-            estimate = timer.estimate(mod, args)
-            derive = (lambda budget: max(1, int(budget / estimate)) if estimate > 0 else 1000)
-            warmup = derive(config.get("warmup_ms", 25)) if warmup is None else warmup
-            repeat = derive(config.get("repeat_ms", 100)) if repeat is None else repeat
-        warmup, repeat = max(1, int(warmup)), max(1, int(repeat))
+        timer = make_timer(flush_l2)  # allocating the flush buffer can run out of memory: runtime
+        warmup, repeat = benchmark_counts(timer, mod, args, config)
         for _ in range(warmup):
             timer.call(mod, args)
+        timer.synchronize()
         samples, stable = timer.measure(mod, args, repeat)
     except RuntimeError as exc:
         raise ExecutionError("runtime", shorten(f"{type(exc).__name__}: {exc}")) from exc
@@ -299,13 +296,30 @@ def benchmark(mod, *args):
     return result
 
 
+def benchmark_counts(timer, mod, args, config):
+    """-> (warmup, repeat).  Explicit counts win (at least 1); a missing one is its ms budget
+    over the cost of one flush + call, estimated from 5 of them after an untimed one: the
+    budgets bound the time the benchmark really spends, flushes included (SERVER.md §5.2)."""
+    warmup, repeat = config.get("warmup"), config.get("repeat")
+    if warmup is None or repeat is None:
+        timer.call(mod, args)
+        timer.synchronize()
+        estimate = timer.estimate(mod, args)
+
+        def derive(budget):
+            return max(1, int(budget / estimate)) if estimate > 0 else 1000
+        warmup = derive(config.get("warmup_ms", 25)) if warmup is None else warmup
+        repeat = derive(config.get("repeat_ms", 100)) if repeat is None else repeat
+    return max(1, int(warmup)), max(1, int(repeat))
+
+
 def make_timer(flush_l2):
     if RUNTIME.device != "cuda":
         return HostTimer(flush_l2)
     try:
         from cupti import cupti
     except (ImportError, OSError):
-        return CudaTimer(flush_l2)
+        raise ExecutionError("unavailable", "benchmark needs cupti-python in the worker environment") from None
     return CuptiTimer(flush_l2, cupti)
 
 
@@ -324,8 +338,11 @@ class HostTimer:
         self.flush()
         mod(*args)
 
+    def synchronize(self):
+        pass
+
     def estimate(self, mod, args):
-        """ms per iteration, flush included, so the ms budgets bound the wall time spent."""
+        """ms per flush + call."""
         start = time.perf_counter()
         for _ in range(5):
             self.call(mod, args)
@@ -344,8 +361,8 @@ class HostTimer:
 
 
 class CudaTimer(HostTimer):
-    """CUDA events around each call, with the device's L2 flushed (2 x its size zeroed) before it."""
-    name = "cuda_events"
+    """The device's L2 flushed by zeroing 2 x its size, and the count estimate timed with CUDA events."""
+    name = None  # the reference's result has no "timer" field
 
     def __init__(self, flush_l2):
         import torch
@@ -359,24 +376,24 @@ class CudaTimer(HostTimer):
         if self.scratch is not None:
             self.scratch.zero_()
 
-    def estimate(self, mod, args):
-        return sum(self.timed(mod, args) for _ in range(5)) / 5
+    def synchronize(self):
+        self.torch.cuda.synchronize()
 
-    def timed(self, mod, args):
+    def estimate(self, mod, args):
+        """ms per flush + call: one pair of events around 5 of them, as the reference times it."""
         cuda = self.torch.cuda
-        self.flush()
         start, end = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
         cuda.synchronize()
         start.record()
-        mod(*args)
+        for _ in range(5):
+            self.call(mod, args)
         end.record()
         end.synchronize()
-        return start.elapsed_time(end)
+        return start.elapsed_time(end) / 5
 
 
 class CuptiTimer(CudaTimer):
     """The reference's measurement: CUPTI activity records of what each call launched."""
-    name = None  # the reference's result has no "timer" field
     API_KINDS = ("RUNTIME", "DRIVER")
     GPU_KINDS = ("CONCURRENT_KERNEL", "MEMCPY", "MEMSET")
 
@@ -502,6 +519,8 @@ class Runtime:
         if importlib.util.find_spec("tvm") is not None:
             with contextlib.suppress(Exception):  # tvm registers the loaders of device modules a library may embed
                 import tvm  # noqa: F401
+        if self.device == "cuda":
+            preload_cute_dsl_runtime()
         import tempfile
         fd, path = tempfile.mkstemp(prefix=f"{blob_hash}-", suffix=".so")
         try:
@@ -539,8 +558,79 @@ class Runtime:
             for index in range(torch.cuda.device_count()):
                 torch.cuda.synchronize(index)
 
+    def release_cached_memory(self):
+        """Drain every visible device and give the allocator's unused cache back to the driver,
+        so a peer sharing the GPU gets the memory once the lease is released (SERVER.md §2.2)."""
+        if self.device != "cuda":
+            return
+        import torch
+        self.synchronize()
+        for index in range(torch.cuda.device_count()):
+            if torch.cuda.memory_reserved(index) > torch.cuda.memory_allocated(index):
+                with torch.cuda.device(index):
+                    torch.cuda.empty_cache()
+
+    def take_last_error(self):
+        """Read and clear CUDA's last error (SERVER.md §3.4 step 3) in every libcudart loaded here:
+        a bad launch configuration sits there without failing a synchronize.
+        -> "CUDA error <name> (<code>): <description>" for the first pending one, or None."""
+        if self.device != "cuda":
+            return None
+        found = None
+        for cudart in loaded_cudarts():
+            code = cudart.cudaGetLastError()  # also clears it
+            if code and found is None:
+                name, text = cudart.cudaGetErrorName(code), cudart.cudaGetErrorString(code)
+                found = f"CUDA error {(name or b'?').decode()} ({code}): {(text or b'?').decode()}"
+        return found
+
 
 RUNTIME = Runtime("cpu")
+_cudarts = {}  # path -> the ctypes handle of a libcudart this process loaded
+
+
+def cudart_paths(maps):
+    """Paths of the CUDA runtime libraries mapped into a process, from its /proc/PID/maps text."""
+    paths = []
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and os.path.basename(fields[5]).startswith("libcudart.so") and fields[5] not in paths:
+            paths.append(fields[5])
+    return paths
+
+
+def loaded_cudarts():
+    """The libcudart copies already loaded (torch's, a library's own shared one): each keeps its own
+    last error.  Opening a loaded path again gives the same library, never a new copy."""
+    with open("/proc/self/maps") as f:
+        paths = cudart_paths(f.read())
+    for path in paths:
+        if path not in _cudarts:
+            try:
+                lib = ctypes.CDLL(path)
+            except OSError:
+                continue
+            lib.cudaGetLastError.restype = ctypes.c_int
+            for getter in (lib.cudaGetErrorName, lib.cudaGetErrorString):
+                getter.restype, getter.argtypes = ctypes.c_char_p, [ctypes.c_int]
+            _cudarts[path] = lib
+    return [_cudarts[p] for p in paths if p in _cudarts]
+
+
+_cute_preloaded = False
+
+
+def preload_cute_dsl_runtime():
+    """SERVER.md §4.2: libraries that CuTe DSL exported with `--enable-tvm-ffi` need its runtime
+    libraries loaded globally first.  Optional: without CuTe DSL (or with a broken one) nothing happens."""
+    global _cute_preloaded
+    if _cute_preloaded:
+        return
+    _cute_preloaded = True
+    with contextlib.suppress(Exception):
+        from cutlass.cute.runtime import find_runtime_libraries
+        for path in find_runtime_libraries(enable_tvm_ffi=True):
+            ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
 
 
 def torch_dtype(name):
@@ -631,6 +721,8 @@ def tensor_bytes(v):
         if dtype not in DTYPE_SIZES:
             raise ExecutionError("serialization", f"cannot return tensor dtype {dtype}")
         try:
+            if v.is_cuda:  # kernels on another stream may still be writing it
+                torch.cuda.synchronize(v.device)
             flat = v.detach().to("cpu").contiguous().reshape(-1)
             return dtype, list(v.shape), flat.view(torch.uint8).numpy()
         except Exception as exc:
@@ -837,6 +929,7 @@ class Program:
         self.root_fd = root_fd
         self.lease = lease
         self.handles = {}
+        self.last_index = 0
         self.cpu_only = set()
         self.encoder = Encoder(0, request["max_response_bytes"], lambda value: self.blobs.digest_of(value))
 
@@ -860,6 +953,11 @@ class Program:
 
     def ref(self, value):
         return self.handles[value["$ref"]]
+
+    def error_at_last(self, kind, message):
+        """An error attributed to the last instruction started (SERVER.md §3.4)."""
+        index = self.last_index
+        return error_object(kind, message, index, self.request["instructions"][index], "")
 
     def op_upload(self, ins):
         kind = ins["kind"]
@@ -985,9 +1083,7 @@ class GpuLease:
 
     def release(self):
         if self.held:
-            RUNTIME.synchronize()
-            import torch
-            torch.cuda.empty_cache()
+            RUNTIME.release_cached_memory()
             self.conn.send(("lease", "release"))
             self.held = False
 
@@ -1030,7 +1126,11 @@ class CudaCallGuard:
             self.first = (data.function_name, traceback.extract_stack()[:-1], time.time())
 
     def unsubscribe(self):
+        global _cupti_used
         if self.subscriber is not None:
+            _cupti_used = self.cupti
+            for domain in (self.cupti.CallbackDomain.RUNTIME_API, self.cupti.CallbackDomain.DRIVER_API):
+                self.cupti.enable_domain(0, self.subscriber, domain)
             self.cupti.unsubscribe(self.subscriber)
             self.subscriber = None
 
@@ -1041,6 +1141,18 @@ class CudaCallGuard:
         finally:
             if self.first is not None:
                 raise GpuAccessError(*self.first)  # also over the call's own exception
+
+
+_cupti_used = None  # the cupti module once the guard subscribed: finalised before the next request
+
+
+def finalize_cupti():
+    """SERVER.md §3.3: CUPTI is finalised when the cpu_only guard was used."""
+    global _cupti_used
+    if _cupti_used is not None:
+        cupti, _cupti_used = _cupti_used, None
+        with contextlib.suppress(Exception):
+            cupti.finalize()
 
 
 class GpuAccessError(ExecutionError):
@@ -1074,6 +1186,10 @@ def worker_main(conn, device, visible_gpus):
     die_with_parent()
     become_subreaper()
     os.environ[WORKER_MARK] = str(os.getpid())  # inherited: finds what escapes after a crash
+    problem = template_cuda_problem()
+    if problem:
+        conn.send(("failed", problem))
+        os._exit(1)
     global RUNTIME
     if device == "cuda":
         prepare_gpu(visible_gpus)
@@ -1175,14 +1291,36 @@ TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "G
                       "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID")
 
 
+def template_cuda_problem():
+    """Why this fork cannot use CUDA, or None.
+
+    The template preloads torch (and tvm_ffi) so that a fresh worker per request
+    costs a fork, not seconds of imports; that is only sound while the template
+    never initialised CUDA (a CUDA context does not survive fork).  The front-end
+    sets PYTORCH_NVML_BASED_CUDA_CHECK=1 for it, so availability checks on import
+    ask NVML instead of calling cuInit.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None or not hasattr(torch, "cuda"):
+        return None
+    bad_fork = getattr(torch.cuda, "_is_in_bad_fork", lambda: False)
+    if torch.cuda.is_initialized() or bad_fork():
+        return "the worker template initialised CUDA before forking; its workers cannot use the GPU"
+    return None
+
+
 def prepare_gpu(visible_gpus):
-    """Pin the worker to its GPU(s) before torch is imported; host work only, no CUDA context yet."""
+    """Pin the worker to its GPU(s) before CUDA starts; host work only, no CUDA context yet.
+
+    torch reads CUDA_VISIBLE_DEVICES when CUDA initialises, not on import, so
+    pinning after the template imported it still holds.
+    """
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpus)
     for name in TORCHRUN_VARIABLES:
         os.environ.pop(name, None)
     import torch  # noqa: F401  mandatory on GPU workers: failing here fails the start
     with contextlib.suppress(ImportError):
-        import tvm_ffi  # noqa: F401  imported now rather than under the lease later
+        import tvm_ffi  # noqa: F401  preloaded by the template; imported now rather than under the lease later
 
 
 def initialize_gpu():
@@ -1211,22 +1349,13 @@ def serve_request(conn, request):
     lease = GpuLease(conn) if RUNTIME.device == "cuda" else NoLease()
     root_fd = os.open(request["workspace"], NOFOLLOW_DIR)
     os.chdir(request["workspace"])
-    poisoned = False
     try:
         program = Program(conn, request, blobs, root_fd, lease)
         error = program.run()
-        try:
-            lease.finish()
-        except Exception as exc:
-            poisoned = True  # the CUDA context is unusable: this worker must not serve again
-            if error is None:
-                index = program.last_index
-                error = error_object("runtime", f"{type(exc).__name__}: {exc}", index,
-                                     request["instructions"][index], "")
+        error, poisoned = finish_on_device(program, error, lease, reused=not request["retire"])
         if terminate_escaped(request.get("grace", 5.0)) and error is None:
-            index = program.last_index
-            error = error_object("runtime", "program left background processes running; they were terminated",
-                                 index, request["instructions"][index], "")
+            error = program.error_at_last("runtime", "program left background processes running; "
+                                          "they were terminated")
     finally:
         os.close(root_fd)
         os.chdir("/")
@@ -1234,6 +1363,35 @@ def serve_request(conn, request):
             capture.restore()
     conn.send(("done", error, poisoned))
     return poisoned
+
+
+def finish_on_device(program, error, lease, reused):
+    """SERVER.md §3.4, under the lease: drain the devices, read and clear CUDA's last error, and
+    on a worker that serves again drop the request's objects and give their GPU memory back
+    before the front-end releases the lease, so an idle worker never sits on a peer's memory.
+    -> (error, poisoned): a CUDA failure here makes the context unusable for later requests."""
+    poisoned = False
+    try:
+        lease.finish()
+    except Exception as exc:
+        poisoned = True
+        error = error or program.error_at_last("runtime", f"{type(exc).__name__}: {exc}")
+    cuda_error = RUNTIME.take_last_error()
+    if cuda_error and error and error["kind"] == "gpu_access":
+        error["message"] += f"; CUDA also reports {cuda_error}"
+    elif cuda_error:
+        error = program.error_at_last("runtime", cuda_error)
+    program.handles.clear()
+    if reused and not poisoned and RUNTIME.device == "cuda":
+        import gc
+        gc.collect()  # module-scope tensors in reference cycles
+        try:
+            RUNTIME.release_cached_memory()
+        except Exception as exc:
+            poisoned = True
+            error = error or program.error_at_last("runtime", f"{type(exc).__name__}: {exc}")
+        finalize_cupti()
+    return error, poisoned
 
 
 def reset_process_state(env):

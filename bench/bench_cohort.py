@@ -22,14 +22,14 @@ import tempfile
 import threading
 import time
 
-from bench.bench_servers import REFERENCE_SCRIPT, CountingClient, Server
+from bench.bench_servers import CountingClient, Server
 from client import Program
-from tests.support import HAProxyProcess
+from tests.support import HAProxyProcess, reference_popen_options, reference_router_argv, reference_server_argv
 
 SLEEP_S = 0.5
 CLIENTS = 8
 BLOBS, BLOB_BYTES = 8, 9 << 20
-SLEEPER = "import time\ndef f(x):\n    time.sleep(%r)\n    return x\n" % SLEEP_S
+SLEEPER = f"import time\ndef f(x):\n    time.sleep({SLEEP_S!r})\n    return x\n"
 DIGEST = "import hashlib\ndef f(data):\n    return hashlib.sha256(data).hexdigest()\n"
 
 
@@ -46,12 +46,11 @@ def ours(nodes, scratch):
 
 
 def published(nodes, scratch):
-    router = Server("published-router", lambda port: ["bash", REFERENCE_SCRIPT, "router", "--port", str(port)],
-                    scratch, cwd="/tmp")
-    servers = [Server(f"published-n{k}", lambda port, k=k: [
-        "bash", REFERENCE_SCRIPT, "server", "--port", str(port), "--num-workers", "1",
-        "--router", router.url, "--node-id", f"n{k}", "--disk-cache-dir", os.path.join(scratch, f"pub-cache-{k}")],
-        scratch, cwd="/tmp") for k in range(nodes)]
+    outside = reference_popen_options()  # its own virtualenv, a cwd outside the repository
+    router = Server("published-router", reference_router_argv, scratch, **outside)
+    servers = [Server(f"published-n{k}", lambda port, k=k: reference_server_argv(
+        port, "--num-workers", "1", "--router", router.url, "--node-id", f"n{k}",
+        "--disk-cache-dir", os.path.join(scratch, f"pub-cache-{k}")), scratch, **outside) for k in range(nodes)]
     for server in servers:
         server.wait_ready()
     wait_for_capacity(router.url, nodes)
@@ -143,8 +142,8 @@ def main():
                 os.mkdir(workdir)
                 results[f"{name}, {nodes} nodes"] = measure(start, nodes, workdir)
                 print(name, nodes, results[f"{name}, {nodes} nodes"], flush=True)
-    lines = ["| cohort | sleep-bound: 8 clients x 0.5 s (ideal 4.0 s) | repeated 9 MiB blob: median latency "
-             "| POSTs for 8 blobs x 2 (ideal 24) |", "|---|---|---|---|"]
+    lines = [("| cohort | sleep-bound: 8 clients x 0.5 s (ideal 4.0 s) | repeated 9 MiB blob: median latency "
+              "| POSTs for 8 blobs x 2 (ideal 24) |"), "|---|---|---|---|"]
     for name, r in results.items():
         lines.append(f"| {name} | {r['sleep_wall_s']:.2f} s ({r['sleep_wall_s'] / r['ideal_s']:.2f}x ideal) "
                      f"| {r['repeat_median_ms']:.0f} ms | {r['posts']} |")

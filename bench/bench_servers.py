@@ -46,9 +46,9 @@ import time
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from client import Client, Program  (our client, for both servers)
+from client import Client, Program  # our client, for both servers
+from tests.support import reference_popen_options, reference_server_argv
 
-REFERENCE_SCRIPT = os.path.join(os.path.dirname(ROOT), "shared", "tools", "reference-kcoral.sh")
 WORKERS = 2
 MIB = 1 << 20
 COMMON_FLAGS = ["--num-workers", str(WORKERS), "--no-log-console", "--max-request-bytes", str(512 * MIB)]
@@ -83,7 +83,7 @@ def free_port():
 class Server:
     """One server process on a free loopback port, logs into the scratch directory."""
 
-    def __init__(self, name, argv_for_port, scratch, cwd=ROOT):
+    def __init__(self, name, argv_for_port, scratch, cwd=ROOT, env=os.environ):
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -93,7 +93,7 @@ class Server:
         os.mkdir(tmpdir)
         self.proc = subprocess.Popen(argv_for_port(self.port), cwd=cwd, stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, "TMPDIR": tmpdir})
+                                     env={**env, "TMPDIR": tmpdir})
 
     @property
     def pid(self):
@@ -142,14 +142,16 @@ class Server:
 def start_servers(scratch):
     """-> (published, ours), both started in parallel and ready."""
     def published_argv(port):
-        return ["bash", REFERENCE_SCRIPT, "server", "--port", str(port), "--disk-cache-dir",
-                os.path.join(scratch, "published-cache"), *COMMON_FLAGS]
+        return reference_server_argv(port, "--disk-cache-dir", os.path.join(scratch, "published-cache"),
+                                     *COMMON_FLAGS)
 
     def ours_argv(port):
         return [sys.executable, "-m", "kcoral", "--port", str(port), "--device", "cpu", "--log-dir", "",
                 "--disk-cache-dir", os.path.join(scratch, "ours-cache"), *COMMON_FLAGS]
 
-    servers = (Server("published", published_argv, scratch), Server("ours", ours_argv, scratch))
+    # the published server runs outside the repository, from its own cached virtualenv
+    servers = (Server("published", published_argv, scratch, **reference_popen_options()),
+               Server("ours", ours_argv, scratch))
     for server in servers:
         server.wait_ready()
     return servers
@@ -600,7 +602,7 @@ Machine: {m['nproc']} CPUs ({m['cpu']}), {m['ram_gib']} GiB RAM, Linux {m['kerne
 Python {m['python']}; {info['date']}; full run {info['wall_seconds']:.0f} s.
 
 Reproduce: `.venv/bin/python -m bench.bench_servers` (needs `pip install matplotlib`, the `bench`
-extra, and the published server via `../shared/tools/reference-kcoral.sh`).
+extra; the published server installs itself into a cached virtualenv on first use).
 """
 
 

@@ -24,8 +24,9 @@ import sys
 import time
 from pathlib import Path
 
+from tests.support import reference_popen_options, reference_server_argv
+
 REPO = Path(__file__).resolve().parents[1]
-REFERENCE = REPO.parent / "shared" / "tools" / "reference-kcoral.sh"
 SIZE_SOURCE = "def size(b):\n    return len(b)\ndef make(n):\n    return bytes(n)\n"
 
 
@@ -78,9 +79,9 @@ def start_reference(mib: int) -> tuple[subprocess.Popen, str]:
         port = s.getsockname()[1]
     limit = str((2 * mib + 64) * 1024 * 1024)
     process = subprocess.Popen(
-        ["bash", str(REFERENCE), "server", "--port", str(port), "--num-workers", "1",
-         "--disk-cache-dir", "", "--max-request-bytes", limit, "--max-response-bytes", limit,
-         "--no-log-console"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        reference_server_argv(port, "--num-workers", "1", "--disk-cache-dir", "", "--max-request-bytes", limit,
+                              "--max-response-bytes", limit, "--no-log-console"),
+        **reference_popen_options(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     import client
     for _ in range(300):
@@ -105,8 +106,8 @@ def main() -> None:
     process, url = (None, args.url) if args.url else start_reference(args.mib)
     try:
         for case in ("upload-bytes", "upload-tensor", "download"):
-            child = subprocess.run([sys.executable, __file__, "--case", case, "--url", url, "--mib", str(args.mib)],
-                                   capture_output=True, text=True)
+            child = subprocess.run([sys.executable, "-m", "bench.client_memory", "--case", case, "--url", url,
+                                    "--mib", str(args.mib)], cwd=REPO, capture_output=True, text=True)
             print(child.stdout.strip() or child.stderr[-2000:])
     finally:
         if process is not None:

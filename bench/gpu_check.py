@@ -1,30 +1,41 @@
-"""End-to-end checks of the GPU runtime against a real `python -m kcoral` server.
+"""One-shot check of the GPU runtime against real `python -m kcoral` servers.
 
-    .venv/bin/python -m bench.gpu_check --device gpu    # on a CUDA box: about 2 minutes
-    .venv/bin/python -m bench.gpu_check --device cpu    # what a CPU server allows (CI runs this)
+    python3 -m bench.gpu_check --device gpu --wheels bench/wheels --out "$OUT"   # a lent GPU machine
+    .venv/bin/python -m bench.gpu_check --device cpu                               # what CPU allows (CI)
 
-GPU mode starts one server with two workers on GPU 0 that are reused between
-requests (`--workers-per-gpu 2 --max-requests-per-worker 0`), so that lease
-contention and the replacement of a poisoned worker are both visible, and
-checks: pinning, /health target and versions, tensors of all 12 dtypes on
-CUDA, a TVM-FFI CUDA library built here with `tvm_ffi.cpp.build` (needs
-nvcc), `benchmark` on that kernel, lease timings of two concurrent requests,
-cpu_only runs (lease released and CUDA use reported with cupti-python;
-`unavailable` without it), compile_tirx, gpu_count, and a device-side fault
-that poisons a worker which is then replaced.  CPU mode runs the parts that
-need no GPU: tensors on CPU, a C++ library, the host-timer benchmark,
-compile_tirx, lease-free timings.
+docs/gpu-check.md says how to run it on a lent device and what each phase proves.
+It runs in phases (PHASES below), each writing its figures into one JSON
+report (`gpu_check.json` under --out, rewritten after every phase, so a run cut
+short still reports) beside the servers' logs:
 
-Prints one PASS/FAIL line per case and a final `N passed, M failed`; exits 1
-when anything failed.  Requests go over raw HTTP (test_kcoral's helpers), so
-the script does not depend on client.py.
+  preflight       no server: versions, import times, whether importing torch and
+                  tvm_ffi initialises CUDA (a fork of that state then fails), CUPTI
+                  smoke test -- environment problems show here, not as server bugs
+  default_server  default flags (one worker per GPU, fresh process per request):
+                  5 tiny requests, their queue/elapsed times and the slot downtime
+  cpu_mode        a --device cpu server on the CUDA host: its forked workers can
+                  still use CUDA (the template never called cuInit)
+  main_server     two reused workers on GPU 0: pinning, tensors (also transposed,
+                  expanded, side-stream) bit-exact, libraries, benchmark against
+                  the spec's warmup/repeat formula, lease timings, cpu_only and
+                  gpu_access, CUDA's last error read and cleared, memory released
+                  before the lease, a hang past timeout_seconds, device faults
+
+Other checks plug in as further entries of PHASES (a sandboxed pass, `kcoral run
+ncu` / compute-sanitizer).  Every request carries a bounded timeout_seconds and
+the whole run keeps to --budget-s.  Prints PASS/FAIL lines as it goes and exits
+1 when anything failed.
 """
 
 import argparse
 import concurrent.futures
+import glob
 import hashlib
+import json
 import os
 import re
+import shutil
+import subprocess
 import sys
 import tempfile
 import textwrap
@@ -33,74 +44,33 @@ import traceback
 import uuid
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SITE = os.path.join(tempfile.gettempdir(), "kcoral-gpu-check-site")
+
+
+def install_wheels(folder):
+    """Install the carried wheels for this interpreter (no index: the device reaches nothing)."""
+    wheels = sorted(glob.glob(os.path.join(folder, "*.whl")))
+    if not wheels:
+        raise SystemExit(f"gpu_check: no wheels in {folder} (run bench/fetch_wheels.sh here first)")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                    "--upgrade", "--target", SITE, *wheels], check=True, timeout=300)
+    sys.path.insert(0, SITE)
+    os.environ["PYTHONPATH"] = SITE + os.pathsep + os.environ.get("PYTHONPATH", "")  # servers and probes too
+
+
+if __name__ == "__main__" and "--wheels" in sys.argv:  # before numpy/tvm_ffi are imported
+    install_wheels(sys.argv[sys.argv.index("--wheels") + 1])
+
 import numpy
 
-from tests.support import ServerProcess, post, request
+from bench.cli_checks import cli_tool_checks
+from tests.support import ServerProcess, build_add_one, post
 
+REQUEST_TIMEOUT = 60  # timeout_seconds of every request unless a case says otherwise
 DTYPES = ["bool", "uint8", "int8", "float8_e4m3fn", "float8_e5m2", "int16", "float16", "bfloat16",
           "int32", "float32", "int64", "float64"]
 ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "int16": 2,
             "float16": 2, "bfloat16": 2, "int32": 4, "float32": 4, "int64": 8, "float64": 8}
-
-ADD_ONE_CPU = r"""
-#include <tvm/ffi/container/tensor.h>
-#include <tvm/ffi/dtype.h>
-#include <tvm/ffi/error.h>
-#include <tvm/ffi/function.h>
-
-void add_one(tvm::ffi::TensorView x, tvm::ffi::TensorView y) {
-  DLDataType f32{kDLFloat, 32, 1};
-  TVM_FFI_ICHECK(x.ndim() == 1 && y.ndim() == 1 && x.size(0) == y.size(0)) << "1-d tensors of one length";
-  TVM_FFI_ICHECK(x.dtype() == f32 && y.dtype() == f32) << "float32 only";
-  for (int64_t i = 0; i < x.size(0); ++i)
-    static_cast<float*>(y.data_ptr())[i] = static_cast<float*>(x.data_ptr())[i] + 1;
-}
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(add_one, add_one);
-"""
-
-ADD_ONE_CUDA = r"""
-#include <tvm/ffi/container/tensor.h>
-#include <tvm/ffi/dtype.h>
-#include <tvm/ffi/error.h>
-#include <tvm/ffi/extra/c_env_api.h>
-#include <tvm/ffi/function.h>
-
-__global__ void add_one_kernel(const float* x, float* y, int64_t n) {
-  int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i < n) y[i] = x[i] + 1;
-}
-
-void add_one(tvm::ffi::TensorView x, tvm::ffi::TensorView y) {
-  DLDataType f32{kDLFloat, 32, 1};
-  TVM_FFI_ICHECK(x.ndim() == 1 && y.ndim() == 1 && x.size(0) == y.size(0)) << "1-d tensors of one length";
-  TVM_FFI_ICHECK(x.dtype() == f32 && y.dtype() == f32) << "float32 only";
-  TVM_FFI_ICHECK(x.device().device_type == kDLCUDA) << "CUDA tensors only";
-  int64_t n = x.size(0);
-  auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(x.device().device_type, x.device().device_id));
-  add_one_kernel<<<(n + 255) / 256, 256, 0, stream>>>(static_cast<const float*>(x.data_ptr()),
-                                                      static_cast<float*>(y.data_ptr()), n);
-}
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(add_one, add_one);
-"""
-
-
-def build_add_one(device, arch=None):
-    """Build the add_one library with tvm_ffi.cpp.build (cached by source under the temp dir) -> bytes."""
-    import tvm_ffi.cpp
-    source = ADD_ONE_CUDA if device == "gpu" else ADD_ONE_CPU
-    if arch:  # build for the server's target, as a client would: "sm_90a" -> "9.0a"
-        digits, suffix = re.fullmatch(r"sm_(\d+)(a?)", arch).groups()
-        os.environ["TVM_FFI_CUDA_ARCH_LIST"] = f"{digits[:-1]}.{digits[-1]}{suffix}"
-    key = hashlib.sha256((source + str(arch)).encode()).hexdigest()[:16]
-    build_dir = os.path.join(tempfile.gettempdir(), "kcoral-add-one", key)
-    os.makedirs(build_dir, exist_ok=True)
-    source_path = os.path.join(build_dir, "add_one.cu" if device == "gpu" else "add_one.cc")
-    with open(source_path, "w") as f:
-        f.write(source)
-    bin_dir = os.path.dirname(sys.executable)  # a pip-installed ninja lives beside the interpreter
-    os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    with open(tvm_ffi.cpp.build(name="add_one", sources=[source_path], build_directory=build_dir), "rb") as f:
-        return f.read()
 
 
 # --- program building ---------------------------------------------------------
@@ -109,7 +79,8 @@ class Prog:
     """A tiny program builder: instructions plus the blobs they reference."""
 
     def __init__(self, options=None):
-        self.instructions, self.blobs, self.options = [], [], options or {}
+        self.instructions, self.blobs = [], []
+        self.options = {"timeout_seconds": REQUEST_TIMEOUT, **(options or {})}
 
     def blob(self, data):
         if data not in self.blobs:
@@ -140,8 +111,9 @@ class Prog:
     def ret(self, key, value):
         self.add(op="return", key=key, value=value)
 
-    def send(self, url, request_id=None, timeout=300):
+    def send(self, url, request_id=None):
         headers = {"X-Request-ID": request_id} if request_id else {}
+        timeout = self.options["timeout_seconds"] + 60  # the server answers 504 well before this
         program = {"instructions": self.instructions, "options": self.options}
         status, _, body = post(url, program, self.blobs, headers=headers, timeout=timeout)
         return status, body
@@ -296,6 +268,11 @@ def case_library_errors(ctx):
 
 
 def case_benchmark(ctx):
+    if ctx.device == "gpu" and not ctx.cupti:
+        error = failed(*call(ctx.url, "from kcoral.builtins import benchmark\ndef f():\n"
+                                      "    return benchmark(lambda: None)\n", "f"), "unavailable")
+        assert "cupti" in error["message"], error
+        return "CUPTI unusable here: unavailable, as the spec says"
     prog, fn, xs, ys, _ = library_program(ctx, 1 << 20)
     module = prog.module("""
     from kcoral.builtins import benchmark
@@ -319,10 +296,8 @@ def case_benchmark(ctx):
     timer = counted.get("timer")
     if ctx.device == "cpu":
         assert timer == "host" and counted["activities_stable"] is False, counted
-    elif ctx.cupti:
-        assert timer is None and counted["activities_stable"] is True, counted
     else:
-        assert timer == "cuda_events" and counted["activities_stable"] is False, counted
+        assert timer is None and counted["activities_stable"] is True, counted
     return f"median {counted['latency_ms_median']:.4f} ms, timer {timer or 'cupti'}"
 
 
@@ -409,6 +384,8 @@ def case_cpu_only(ctx):
 
 
 def case_gpu_access(ctx):
+    if not ctx.cupti:
+        return "CUPTI unusable here: cpu_only answers unavailable (case cpu_only)"
     holder_id = str(uuid.uuid4())
     intruder, holder = in_parallel(
         (0, lambda: call(ctx.url, HOLD, "intruder", 1.5, cpu_only=True)),
@@ -460,61 +437,433 @@ def case_poisoned_worker(ctx):
     return f"worker {poisoned} retired ({body['error']['kind']}), replaced by {sorted(after - before)}"
 
 
-GPU_CASES = [case_pinning, case_health, case_tensors, case_library, case_library_errors, case_benchmark,
-             case_compile_tirx, case_lease_timings, case_cpu_only, case_gpu_access, case_gpu_count,
-             case_poisoned_worker]
+# --- issue 14's device checks -------------------------------------------------------
+
+LAYOUTS = """
+import torch
+def layouts():
+    g = torch.Generator(device="cuda").manual_seed(1)
+    base = torch.randn(64, 48, device="cuda", generator=g)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        if hasattr(torch.cuda, "_sleep"):
+            torch.cuda._sleep(200_000_000)  # keep the side stream busy past the return
+        late = base * 3
+    return {"base": base, "transposed": base.t(), "expanded": base[0].expand(5, 48), "side": late}
+"""
+
+
+def case_layouts(ctx):
+    body = completed(*call(ctx.url, LAYOUTS, "layouts"))
+    result = body["results"]["out"]["value"]
+
+    def array(key, shape):
+        return numpy.frombuffer(tensor_bytes(body, result[key], "float32", shape), "<f4").reshape(shape)
+    base = array("base", [64, 48])
+    assert numpy.array_equal(array("transposed", [48, 64]), base.T), "transposed tensor differs"
+    assert numpy.array_equal(array("expanded", [5, 48]), numpy.tile(base[0], (5, 1))), "expanded tensor differs"
+    assert numpy.array_equal(array("side", [64, 48]), base * 3), "side-stream tensor read before its kernel ended"
+    return "transposed, expanded and side-stream results bit-exact"
+
+
+LAST_ERROR = """
+import ctypes, os
+def set_last_error():
+    import torch
+    torch.ones(1, device="cuda").sum().item()
+    paths = sorted({line.split()[-1] for line in open("/proc/self/maps") if "libcudart.so" in line})
+    if not paths:
+        return "no shared libcudart loaded"
+    return ctypes.CDLL(paths[0]).cudaSetDevice(9999)  # invalid device: a last error, no failed synchronize
+def fine():
+    import torch
+    return torch.ones(2, device="cuda").sum().item()
+"""
+
+
+def case_last_error(ctx):
+    status, body = call(ctx.url, LAST_ERROR, "set_last_error")
+    assert status == 200, (status, short(body))
+    if body["status"] == "COMPLETED":
+        raise AssertionError(f"a pending CUDA error went unnoticed: {short(body['results'])}")
+    error = body["error"]
+    assert error["kind"] == "runtime" and "cudaErrorInvalidDevice" in error["message"], error
+    assert error["instruction_index"] == 3, error  # the last instruction started: the return
+    after = [out(*call(ctx.url, LAST_ERROR, "fine")) for _ in range(4)]  # both reused workers, cleared
+    assert after == [2.0] * 4, after
+    return error["message"]
+
+
+MEMORY = """
+import torch
+held = []
+def free_bytes():
+    torch.ones(1, device="cuda").sum().item()
+    return torch.cuda.mem_get_info()[0]
+def hog(gib):
+    held.append(torch.empty(int(gib * (1 << 30)), dtype=torch.uint8, device="cuda"))
+    held.append(held)  # module scope, in a reference cycle: only a collection frees it
+    return torch.cuda.memory_reserved()
+"""
+
+
+def case_memory_released(ctx):
+    gib = 16
+    before = out(*call(ctx.url, MEMORY, "free_bytes"))
+    reserved = out(*call(ctx.url, MEMORY, "hog", gib))
+    assert reserved >= gib << 30, reserved
+    after = [out(*call(ctx.url, MEMORY, "free_bytes")) for _ in range(2)]
+    lost = (before - min(after)) / (1 << 30)
+    assert lost < 1.0, f"{lost:.1f} GiB still held by an idle reused worker"
+    return f"{gib} GiB hogged; free memory afterwards within {lost:.2f} GiB of before"
+
+
+HANG = """
+import time
+def hang():
+    import torch
+    torch.ones(1, device="cuda").sum().item()
+    time.sleep(600)
+"""
+
+
+def case_hang(ctx):
+    started = time.monotonic()
+    status, body = call(ctx.url, HANG, "hang", options={"timeout_seconds": 3})
+    waited = time.monotonic() - started
+    assert status == 504 and body["error"]["kind"] == "timeout", (status, short(body))
+    assert waited < 3 + 5 + 30, f"504 after {waited:.1f} s"  # timeout + grace + a replacement
+    assert out(*call(ctx.url, LAST_ERROR, "fine")) == 2.0
+    return f"504 after {waited:.1f} s; the next request completed"
+
+
+FAULT = """
+import torch
+def fault_then_tensor():
+    x = torch.zeros(4, device="cuda")
+    x[torch.tensor([1 << 30], device="cuda")] = 1.0  # device-side assert, reported asynchronously
+    return x
+def fault_in_benchmark():
+    from kcoral.builtins import benchmark
+    x = torch.zeros(4, device="cuda")
+    index = torch.tensor([1 << 30], device="cuda")
+    def step():
+        x[index] = 1.0
+    return benchmark(step, {"warmup": 2, "repeat": 3})
+"""
+
+
+def case_device_faults(ctx):
+    seen = []
+    for name, kinds in (("fault_then_tensor", {"runtime", "serialization"}),
+                        ("fault_in_benchmark", {"runtime"} if ctx.cupti else {"unavailable"})):
+        started = time.monotonic()
+        status, body = call(ctx.url, FAULT, name)
+        assert status == 200 and body["status"] == "FAILED", (name, status, short(body))
+        assert body["error"]["kind"] in kinds, (name, body["error"])
+        seen.append(f"{name}: {body['error']['kind']} in {time.monotonic() - started:.1f} s")
+        assert out(*call(ctx.url, LAST_ERROR, "fine")) == 2.0, "the server did not recover"
+    return "; ".join(seen)
+
+
+FORMULA = """
+import time
+import torch
+from kcoral.builtins import benchmark
+def formula():
+    x = torch.zeros(1 << 12, device="cuda")
+    def step():
+        x.add_(1)
+    started = time.perf_counter()
+    result = benchmark(step, {})
+    result["seconds"] = time.perf_counter() - started
+    # SERVER.md §5.2's estimate, made here: one untimed call, then 5 x (flush + call) between two events
+    scratch = torch.empty(2 * torch.cuda.get_device_properties(0).L2_cache_size, dtype=torch.int8, device="cuda")
+    scratch.zero_(); step(); torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        scratch.zero_(); step()
+    end.record(); end.synchronize()
+    estimate = start.elapsed_time(end) / 5
+    result.update(estimate_ms=estimate, expected_warmup=max(1, int(25 / estimate)),
+                  expected_repeat=max(1, int(100 / estimate)))
+    return result
+"""
+
+
+def case_benchmark_formula(ctx):
+    if not ctx.cupti:
+        return "CUPTI unusable here: benchmark answers unavailable (case benchmark)"
+    result = out(*call(ctx.url, FORMULA, "formula"))
+    ctx.data["benchmark_formula"] = result
+    for key in ("warmup", "repeat"):
+        ratio = result[key] / result[f"expected_{key}"]
+        assert 0.5 <= ratio <= 2.0, f"{key} {result[key]} vs the formula's {result[f'expected_{key}']}"
+    return (f"estimate {result['estimate_ms'] * 1e3:.1f} us/(flush+call): warmup {result['warmup']} "
+            f"(formula {result['expected_warmup']}), repeat {result['repeat']} (formula "
+            f"{result['expected_repeat']}), {result['seconds']:.2f} s in benchmark")
+
+
+# --- phases ---------------------------------------------------------------------------
+
+PROBE = r"""
+import json, os, sys, time
+started = time.perf_counter()
+import torch
+torch_s = time.perf_counter() - started
+started = time.perf_counter()
+import tvm_ffi
+tvm_ffi_s = time.perf_counter() - started
+report = {"python": sys.version.split()[0], "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+          "tvm_ffi": tvm_ffi.__version__, "torch_import_s": round(torch_s, 2), "tvm_ffi_import_s": round(tvm_ffi_s, 2),
+          "dlpack_exchange_api": hasattr(torch.Tensor, "__dlpack_c_exchange_api__"),
+          "torch_cuda_initialized_after_imports": torch.cuda.is_initialized()}
+pid = os.fork()  # what a template in this state hands its workers
+if pid == 0:
+    try:
+        torch.ones(1, device="cuda").sum().item()
+        os._exit(0)
+    except BaseException:
+        os._exit(3)
+report["fork_can_use_cuda"] = os.waitpid(pid, 0)[1] == 0
+started = time.perf_counter()
+torch.ones(1, device="cuda").sum().item()
+report["cuda_context_s"] = round(time.perf_counter() - started, 2)
+props = torch.cuda.get_device_properties(0)
+report.update(device=props.name, capability=list(torch.cuda.get_device_capability(0)), l2_bytes=props.L2_cache_size,
+              devices=torch.cuda.device_count())
+print(json.dumps(report))
+"""
+
+CUPTI_PROBE = r"""
+import importlib.metadata, json
+from cupti import cupti
+import torch
+x = torch.ones(1 << 20, device="cuda"); torch.cuda.synchronize()
+kinds = []
+cupti.activity_register_callbacks(lambda: (8 << 20, 0), lambda activities: kinds.extend(int(a.kind) for a in activities))
+cupti.activity_enable(cupti.ActivityKind.CONCURRENT_KERNEL)
+(x * 2).sum().item()
+cupti.activity_flush_all(1)
+cupti.activity_disable(cupti.ActivityKind.CONCURRENT_KERNEL)
+cupti.finalize()
+print(json.dumps({"cupti_python": importlib.metadata.version("cupti-python"), "kernel_records": len(kinds)}))
+"""
+
+
+def probe(code, env=None, timeout=120):
+    """Run `code` in a fresh interpreter -> (its JSON report or None, stderr tail)."""
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, check=False,
+                              env={**os.environ, **(env or {})}, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {timeout} s"
+    lines = done.stdout.strip().splitlines()
+    return (json.loads(lines[-1]) if done.returncode == 0 and lines else None), done.stderr[-1500:]
+
+
+def phase_preflight(ctx):
+    """No server: the environment itself, so its failures are not mistaken for server bugs."""
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        ctx.data["nvidia_smi"] = subprocess.run([smi, "--query-gpu=name,driver_version,memory.total",
+                                                 "--format=csv,noheader"], capture_output=True, text=True,
+                                                timeout=30, check=False).stdout.strip()
+    # as a user's script would import them; a cold tvm-ffi cache may build its torch add-on here (cached after)
+    plain_probe, error = probe(PROBE, timeout=240)
+    ctx.data["imports_plain"] = plain_probe or error
+    nvml_probe, error = probe(PROBE, {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"})  # as our templates do
+    ctx.data["imports_as_template"] = nvml_probe or error
+    assert nvml_probe, f"torch/tvm_ffi probe failed: {error}"
+    assert nvml_probe["fork_can_use_cuda"] and not nvml_probe["torch_cuda_initialized_after_imports"], nvml_probe
+    cupti_probe, error = probe(CUPTI_PROBE)
+    ctx.data["cupti"] = cupti_probe or error
+    ctx.cupti = bool(cupti_probe and cupti_probe["kernel_records"] > 0)
+    return (f"{nvml_probe['device']} torch {nvml_probe['torch']} (CUDA {nvml_probe['torch_cuda']}), "
+            f"imports {nvml_probe['torch_import_s']} + {nvml_probe['tvm_ffi_import_s']} s, "
+            f"fork after imports {'usable' if nvml_probe['fork_can_use_cuda'] else 'BROKEN'} "
+            f"(without NVML check: {plain_probe and plain_probe['fork_can_use_cuda']}), "
+            f"CUPTI {'ok' if ctx.cupti else 'UNUSABLE: ' + str(ctx.data['cupti'])[-200:]}")
+
+
+def phase_default_server(ctx):
+    """Default flags: a fresh worker per request.  Slot downtime = from an answer until the
+    replacement worker is ready again (/health capacity back to 1)."""
+    tiny = "def f():\n    import torch\n    return torch.ones(1, device='cuda').sum().item()\n"
+    rows = []
+    with started_server(ctx, "default", device="gpu") as server:
+        for _ in range(5):
+            sent = time.monotonic()
+            status, body = call(server.url, tiny, "f")
+            answered = time.monotonic()
+            completed(status, body)
+            while server.health()["load"]["request_capacity"] < 1 and time.monotonic() - answered < 120:
+                time.sleep(0.02)
+            rows.append({"client_ms": round((answered - sent) * 1e3, 1), "queue_ms": round(body["queue_ms"], 1),
+                         "elapsed_ms": round(body["elapsed_ms"], 1), "lease_held_ms": round(body["lease_held_ms"], 1),
+                         "slot_downtime_ms": round((time.monotonic() - answered) * 1e3, 1)})
+    ctx.data["requests"] = rows
+    downtime = sorted(r["slot_downtime_ms"] for r in rows)
+    return (f"elapsed {[r['elapsed_ms'] for r in rows]} ms, slot downtime median {downtime[2]:.0f} ms "
+            f"(max {downtime[-1]:.0f})")
+
+
+def phase_cpu_mode(ctx):
+    """A CPU server on a CUDA host: its template never called cuInit, so workers can still use CUDA."""
+    source = ("import os\n"
+              "def f():\n"
+              "    import torch\n"
+              "    before = torch.cuda.is_initialized()\n"
+              "    return [before, torch.cuda.is_available(), torch.ones(2, device='cuda').sum().item()]\n")
+    with started_server(ctx, "cpu", device="cpu") as server:
+        result = out(*call(server.url, source, "f"))
+    assert result == [False, True, 2.0], result
+    return "a CPU worker forked from the template used CUDA"
+
+
+def phase_main_server(ctx):
+    cases = GPU_CASES if ctx.device == "gpu" else CPU_CASES
+    flags = ["--workers-per-gpu", "2", "--max-requests-per-worker", "0"] if ctx.device == "gpu" else []
+    # torchrun variables in the server's environment must not reach GPU workers
+    with started_server(ctx, "main", *flags, device=ctx.device,
+                        env={"RANK": "3", "WORLD_SIZE": "8", "MASTER_ADDR": "10.0.0.1"}) as server:
+        ctx.url, ctx.health = server.url, server.health()
+        try:
+            ctx.library = build_add_one(ctx.device, ctx.health["target"].get("arch"))
+        except Exception as exc:
+            ctx.library = None
+            ctx.library_error = f"building the library failed: {type(exc).__name__}: {str(exc)[-400:]}"
+        failures = []
+        for case in cases:
+            if not run_case(ctx, case):
+                failures.append(case.__name__.removeprefix("case_"))
+    assert not failures, f"failed: {failures}"
+    return f"{len(cases)} cases"
+
+
+def phase_cli_tools(ctx):
+    """`kcoral run python`, `ncu` and `compute-sanitizer` as a user types them (a tool missing on
+    this box must give its one-line answer instead)."""
+    scratch = tempfile.mkdtemp(prefix="kcoral-cli-")
+    with started_server(ctx, "cli", device=ctx.device) as server:
+        checks = cli_tool_checks(server.url, scratch)
+    for name, ok, detail in checks:
+        ctx.cases[name] = {"ok": ok, "detail": detail[:2000]}
+        print(f"{'PASS' if ok else 'FAIL'} {name}: {detail[:300]}", flush=True)
+    failed = [name for name, ok, _ in checks if not ok]
+    assert not failed, f"failed: {failed}"
+    return f"{len(checks)} kcoral run checks"
+
+
+def run_case(ctx, case):
+    name = case.__name__.removeprefix("case_")
+    started = time.monotonic()
+    if time.monotonic() > ctx.deadline:
+        ctx.cases[name] = {"ok": False, "detail": "skipped: out of time budget"}
+        print(f"SKIP {name}: out of time budget", flush=True)
+        return False
+    try:
+        if ctx.library is None and name in ("library", "library_errors", "benchmark"):
+            raise AssertionError(ctx.library_error)
+        detail, ok = case(ctx), True
+        print(f"PASS {name}: {detail}", flush=True)
+    except Exception as exc:
+        detail, ok = f"{type(exc).__name__}: {exc}", False
+        print(f"FAIL {name}: {detail}", flush=True)
+        if not isinstance(exc, AssertionError):
+            traceback.print_exc(limit=3)
+    ctx.cases[name] = {"ok": ok, "detail": str(detail)[:2000], "seconds": round(time.monotonic() - started, 1)}
+    return ok
+
+
+class started_server:
+    """A ServerProcess whose log is kept under --out as server-<name>.log."""
+
+    def __init__(self, ctx, name, *flags, **kwargs):
+        self.ctx, self.name = ctx, name
+        # the template's one-time preparation is bounded well inside the run's 7 minutes
+        self.server = ServerProcess("--prepare-timeout-seconds", "120", *flags, ready_timeout=180, **kwargs)
+
+    def __enter__(self):
+        return self.server
+
+    def __exit__(self, *exc):
+        self.server.stop()
+        if self.ctx.out:
+            shutil.copy(self.server.stderr_path, os.path.join(self.ctx.out, f"server-{self.name}.log"))
+
+
+GPU_CASES = [case_pinning, case_health, case_tensors, case_layouts, case_library, case_library_errors,
+             case_benchmark, case_benchmark_formula, case_compile_tirx, case_lease_timings, case_cpu_only,
+             case_gpu_access, case_gpu_count, case_last_error, case_memory_released, case_hang,
+             case_device_faults, case_poisoned_worker]
 CPU_CASES = [case_health, case_tensors, case_library, case_library_errors, case_benchmark, case_compile_tirx,
              case_lease_timings, case_cpu_only, case_gpu_count]
 
+# (name, function, devices it runs on)
+PHASES = [
+    ("preflight", phase_preflight, ("gpu",)),
+    ("default_server", phase_default_server, ("gpu",)),
+    ("cpu_mode", phase_cpu_mode, ("gpu",)),
+    ("main_server", phase_main_server, ("gpu", "cpu")),
+    ("cli_tools", phase_cli_tools, ("gpu", "cpu")),
+]
+
 
 class Context:
-    pass
+    """What phases share: the device, CUPTI's state, the current server, figures for the report."""
+
+    def __init__(self, device, out, deadline):
+        self.device, self.out, self.deadline = device, out, deadline
+        self.cupti = False
+        self.arch_list_env = os.environ.get("TVM_FFI_CUDA_ARCH_LIST")
+        self.data, self.cases = {}, {}
+
+
+def write_report(ctx, report):
+    if ctx.out:
+        with open(os.path.join(ctx.out, "gpu_check.json"), "w") as f:
+            json.dump(report, f, indent=1, default=str)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
+    parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_check.json and server logs")
+    parser.add_argument("--wheels", help="folder of wheels to install first (done before imports)")
+    parser.add_argument("--only", help="comma-separated phases to run")
+    parser.add_argument("--budget-s", type=float, default=330,
+                        help="start no case after this many seconds (the whole run stays within 7 minutes)")
     args = parser.parse_args(argv)
-    ctx, results = Context(), []
-    ctx.device, ctx.arch_list_env = args.device, os.environ.get("TVM_FFI_CUDA_ARCH_LIST")
     started = time.monotonic()
-    flags = ["--workers-per-gpu", "2", "--max-requests-per-worker", "0"] if args.device == "gpu" else []
-    # torchrun variables in the server's environment must not reach GPU workers
-    server = ServerProcess(*flags, device=args.device,
-                           env={"RANK": "3", "WORLD_SIZE": "8", "MASTER_ADDR": "10.0.0.1"})
-    try:
-        ctx.url, ctx.health = server.url, server.health()
-        ctx.cupti = False
-        if args.device == "gpu":
-            ctx.cupti = out(*call(ctx.url, """
-            def has_cupti():
-                try:
-                    from cupti import cupti
-                    return True
-                except (ImportError, OSError):
-                    return False
-            """, "has_cupti"))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+    ctx = Context(args.device, args.out, started + args.budget_s)
+    report = {"device": args.device, "phases": {}}
+    only = set(args.only.split(",")) if args.only else None
+    results = []
+    for name, phase, devices in PHASES:
+        if args.device not in devices or (only and name not in only):
+            continue
+        ctx.data, ctx.cases, phase_started = {}, {}, time.monotonic()
         try:
-            ctx.library = build_add_one(args.device, ctx.health["target"].get("arch"))
+            detail, ok = phase(ctx), True
+            print(f"PASS phase {name}: {detail}", flush=True)
         except Exception as exc:
-            ctx.library = None
-            ctx.library_error = f"building the library failed: {type(exc).__name__}: {str(exc)[-400:]}"
-        for case in GPU_CASES if args.device == "gpu" else CPU_CASES:
-            name = case.__name__.removeprefix("case_")
-            try:
-                if ctx.library is None and name in ("library", "library_errors", "benchmark"):
-                    raise AssertionError(ctx.library_error)
-                detail = case(ctx)
-                results.append(True)
-                print(f"PASS {name}: {detail}", flush=True)
-            except Exception as exc:
-                results.append(False)
-                print(f"FAIL {name}: {type(exc).__name__}: {exc}", flush=True)
-                if not isinstance(exc, AssertionError):
-                    traceback.print_exc(limit=3)
-    finally:
-        server.stop()
-    passed = sum(results)
+            detail, ok = f"{type(exc).__name__}: {exc}", False
+            print(f"FAIL phase {name}: {detail}", flush=True)
+            if not isinstance(exc, AssertionError):
+                traceback.print_exc(limit=5)
+        results.extend([case["ok"] for case in ctx.cases.values()] or [ok])
+        report["phases"][name] = {"ok": ok, "detail": str(detail)[:2000], "data": ctx.data, "cases": ctx.cases,
+                                  "seconds": round(time.monotonic() - phase_started, 1)}
+        report["seconds"] = round(time.monotonic() - started, 1)
+        write_report(ctx, report)
+    passed = sum(results)  # cases, and phases that have none
+    report.update(passed=passed, failed=len(results) - passed)
+    write_report(ctx, report)
     print(f"({args.device} mode, {time.monotonic() - started:.0f} s)")
     print(f"{passed} passed, {len(results) - passed} failed")
     return 0 if passed == len(results) else 1

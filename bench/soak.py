@@ -6,7 +6,7 @@
 
 Prints a table of counts per item and exits 1 if any item failed (its first assertion is
 printed under the table).  The items are the functions the CI tests call, so the soak and
-the CI part can never drift apart.  Figures of a real long run: bench/RELIABILITY.md.
+the CI part can never drift apart.  Figures of a real long run: docs/reliability.md.
 """
 
 import argparse

@@ -75,7 +75,7 @@ def health():
     try:
         client.target()
     except ProtocolError:
-        pass  # CLIENT.md §4.5: a CPU server has no compilation target
+        pass  # docs/client.md §4.5: a CPU server has no compilation target
     else:
         raise AssertionError("target() should raise on a CPU server")
 
@@ -107,7 +107,7 @@ def bytes_round_trip_and_cache_miss_retry():
     result = client.execute(program)
     assert result.completed, result.error
     assert result["out"] == [data[::-1], data, b""]
-    # CLIENT.md §4.2: program alone -> CACHE_MISS -> program plus exactly the missing blob
+    # docs/client.md §4.2: program alone -> CACHE_MISS -> program plus exactly the missing blob
     assert POSTS[before:] == [["program"], ["blob:" + sha(data), "program"]], POSTS[before:]
     before = len(POSTS)
     assert client.execute(program)["out"][1] == data

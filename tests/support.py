@@ -5,6 +5,7 @@ Import them as `from tests.support import ...` (the repository root is on sys.pa
 pytest runs, and for `python -m bench.<script>`).
 """
 
+import fcntl
 import hashlib
 import http.client
 import json
@@ -15,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -32,7 +34,7 @@ def free_port():
 class ServerProcess:
     """`python -m kcoral` on a free port, CPU workers, no log files, a private disk cache."""
 
-    def __init__(self, *flags, workers=2, env=None, tmp_path=None, device="cpu", port=None):
+    def __init__(self, *flags, workers=2, env=None, tmp_path=None, device="cpu", ready_timeout=60, port=None):
         self.port = port or free_port()  # a given port: a restart where the last one left off
         self.url = f"http://127.0.0.1:{self.port}"
         cache = os.path.join(str(tmp_path) if tmp_path else f"/tmp/kcoral-test-{self.port}", "disk-cache")
@@ -44,7 +46,7 @@ class ServerProcess:
         self.stderr = open(self.stderr_path, "ab")
         self.proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, **(env or {})},
                                      stdout=subprocess.DEVNULL, stderr=self.stderr)
-        self.wait_ready()
+        self.wait_ready(ready_timeout)
 
     def wait_ready(self, timeout=60):
         deadline = time.monotonic() + timeout
@@ -205,6 +207,74 @@ def simple_program(source, name="f", args=(), options=None):
     if options:
         program["options"] = options
     return program
+
+
+# --- the published kcoral 0.1.1: interop peer and benchmark baseline ----------------
+
+REFERENCE_VERSION = "0.1.1"
+REFERENCE_DEPENDENCIES = ("httpx", "numpy", "ml_dtypes", "fastapi", "uvicorn", "pydantic", "grpcio", "protobuf")
+
+
+def reference_venv() -> str:
+    """A virtualenv holding the published kcoral 0.1.1, created on first use, then reused.
+
+    Its package is also named `kcoral`, so it never enters this project's environment, and
+    its programs run with a cwd outside the repository (`reference_popen_options`), where
+    our kcoral.py would shadow it.  A file lock lets concurrent test processes share one
+    installation; `KCORAL_REFERENCE_VENV` names another place for it.
+    """
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    venv = os.environ.get("KCORAL_REFERENCE_VENV") or os.path.join(
+        cache, "kcoral-test", f"reference-{REFERENCE_VERSION}")
+    ready = os.path.join(venv, ".kcoral-reference-ready")
+    if os.path.exists(ready):
+        return venv
+    os.makedirs(os.path.dirname(venv), exist_ok=True)
+    with open(venv + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not os.path.exists(ready):
+            install_reference(venv)
+            open(ready, "w").close()
+    return venv
+
+
+def install_reference(venv: str) -> None:
+    shutil.rmtree(venv, ignore_errors=True)  # a half-made one from an interrupted run
+    outside = tempfile.gettempdir()
+    python = os.path.join(venv, "bin", "python")
+    pip = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    for argv in ([PYTHON, "-m", "venv", venv],
+                 [*pip, "--no-deps", f"kcoral=={REFERENCE_VERSION}"],
+                 [*pip, *REFERENCE_DEPENDENCIES],
+                 [python, "-c", f"import kcoral; assert kcoral.__version__ == {REFERENCE_VERSION!r}, "
+                                "kcoral.__version__"]):
+        result = subprocess.run(argv, cwd=outside, env=reference_env(), capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"installing the reference kcoral failed: {argv}\n{result.stdout}{result.stderr}")
+
+
+def reference_env() -> dict:
+    """Our environment without what would point the reference's python at another one."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+
+
+def reference_popen_options() -> dict:
+    """cwd outside the repository (our kcoral.py would shadow its package) and a clean env."""
+    return {"cwd": reference_venv(), "env": reference_env()}
+
+
+def reference_python() -> str:
+    return os.path.join(reference_venv(), "bin", "python")
+
+
+def reference_server_argv(port: int, *flags: str) -> list:
+    """Its CPU server without sandbox or log files (flags are appended and may override)."""
+    kcoral = os.path.join(reference_venv(), "bin", "kcoral")
+    return [kcoral, "server", "--device", "cpu", "--sandbox", "none", "--log-dir", "", "--port", str(port), *flags]
+
+
+def reference_router_argv(port: int, *flags: str) -> list:
+    return [os.path.join(reference_venv(), "bin", "kcoral"), "router", "--port", str(port), *flags]
 
 
 @pytest.fixture(scope="module")
@@ -372,3 +442,66 @@ def process_gone(pid):
 def ok_run(url, answer=7):
     body = execute_ok(url, simple_program("def f(x):\n    return x\n", args=[answer]))
     assert assert_completed(body) == {"out": {"type": "integer", "value": answer}}
+
+
+# --- a TVM-FFI library to upload (tests and bench/gpu_check.py) ---------------------
+
+ADD_ONE_CPU = r"""
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/dtype.h>
+#include <tvm/ffi/error.h>
+#include <tvm/ffi/function.h>
+
+void add_one(tvm::ffi::TensorView x, tvm::ffi::TensorView y) {
+  DLDataType f32{kDLFloat, 32, 1};
+  TVM_FFI_ICHECK(x.ndim() == 1 && y.ndim() == 1 && x.size(0) == y.size(0)) << "1-d tensors of one length";
+  TVM_FFI_ICHECK(x.dtype() == f32 && y.dtype() == f32) << "float32 only";
+  for (int64_t i = 0; i < x.size(0); ++i)
+    static_cast<float*>(y.data_ptr())[i] = static_cast<float*>(x.data_ptr())[i] + 1;
+}
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(add_one, add_one);
+"""
+
+ADD_ONE_CUDA = r"""
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/dtype.h>
+#include <tvm/ffi/error.h>
+#include <tvm/ffi/extra/c_env_api.h>
+#include <tvm/ffi/function.h>
+
+__global__ void add_one_kernel(const float* x, float* y, int64_t n) {
+  int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n) y[i] = x[i] + 1;
+}
+
+void add_one(tvm::ffi::TensorView x, tvm::ffi::TensorView y) {
+  DLDataType f32{kDLFloat, 32, 1};
+  TVM_FFI_ICHECK(x.ndim() == 1 && y.ndim() == 1 && x.size(0) == y.size(0)) << "1-d tensors of one length";
+  TVM_FFI_ICHECK(x.dtype() == f32 && y.dtype() == f32) << "float32 only";
+  TVM_FFI_ICHECK(x.device().device_type == kDLCUDA) << "CUDA tensors only";
+  int64_t n = x.size(0);
+  auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(x.device().device_type, x.device().device_id));
+  add_one_kernel<<<(n + 255) / 256, 256, 0, stream>>>(static_cast<const float*>(x.data_ptr()),
+                                                      static_cast<float*>(y.data_ptr()), n);
+}
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(add_one, add_one);
+"""
+
+
+def build_add_one(device, arch=None):
+    """Build the add_one library with tvm_ffi.cpp.build (cached by source under the temp dir) -> bytes."""
+    import tvm_ffi.cpp
+    source = ADD_ONE_CUDA if device == "gpu" else ADD_ONE_CPU
+    if arch:  # build for the server's target, as a client would: "sm_90a" -> "9.0a"
+        digits, suffix = re.fullmatch(r"sm_(\d+)(a?)", arch).groups()
+        os.environ["TVM_FFI_CUDA_ARCH_LIST"] = f"{digits[:-1]}.{digits[-1]}{suffix}"
+    key = hashlib.sha256((source + str(arch)).encode()).hexdigest()[:16]
+    build_dir = os.path.join(tempfile.gettempdir(), "kcoral-add-one", key)
+    os.makedirs(build_dir, exist_ok=True)
+    source_path = os.path.join(build_dir, "add_one.cu" if device == "gpu" else "add_one.cc")
+    with open(source_path, "w") as f:
+        f.write(source)
+    bin_dir = os.path.dirname(sys.executable)  # a pip-installed ninja lives beside the interpreter
+    os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    with open(tvm_ffi.cpp.build(name="add_one", sources=[source_path], build_directory=build_dir), "rb") as f:
+        return f.read()

@@ -1,4 +1,4 @@
-"""Tests for client.py against CLIENT.md / PROTOCOL.md.
+"""Tests for client.py against docs/client.md / docs/protocol.md.
 
 Most tests talk to a scripted stub HTTP server (built on http.server, in a thread) that
 records every request and answers with canned responses; the interop tests at the end
@@ -38,6 +38,7 @@ from client import (
     Client, KCoralError, Program, ProgramResult, ProtocolError, Register, RemoteExecutionError,
     RemoteFunction, ReturnedFile, ReturnedFolder, TransportError, ValidationError,
 )
+from tests.support import reference_popen_options, reference_server_argv
 
 RID = "4aaf9d21-5934-405f-8a46-d46270796569"
 
@@ -216,7 +217,7 @@ def test_a_vendored_copy_works_alone(tmp_path):
 
 
 # ---------------------------------------------------------------------------
-# Program: ids and keys (CLIENT.md §3.1-3.2)
+# Program: ids and keys (docs/client.md §3.1-3.2)
 
 
 def ids(program: Program) -> list[str]:
@@ -287,7 +288,7 @@ def test_instructions_is_a_shallow_copy():
 
 
 # ---------------------------------------------------------------------------
-# Program: uploads (CLIENT.md §3.3-3.6)
+# Program: uploads (docs/client.md §3.3-3.6)
 
 
 def test_upload_wire_instructions():
@@ -534,7 +535,7 @@ def test_upload_folder_rejects_names_that_are_not_protocol_paths(tmp_path):
 
 
 # ---------------------------------------------------------------------------
-# Program: get_function, run, returns (CLIENT.md §3.7-3.10)
+# Program: get_function, run, returns (docs/client.md §3.7-3.10)
 
 
 def test_get_function_checks_in_order():
@@ -598,7 +599,7 @@ def test_returns():
 
 
 # ---------------------------------------------------------------------------
-# Client: request encoding and options (CLIENT.md §4.1)
+# Client: request encoding and options (docs/client.md §4.1)
 
 
 def test_request_encoding(stub, cli):
@@ -666,7 +667,7 @@ def test_headers_and_base_url(stub):
 
 
 # ---------------------------------------------------------------------------
-# Client: the CACHE_MISS negotiation (CLIENT.md §4.2) and the blob memory
+# Client: the CACHE_MISS negotiation (docs/client.md §4.2) and the blob memory
 
 
 def two_blob_program() -> tuple[Program, str, str]:
@@ -819,7 +820,7 @@ def test_blob_memory_is_bounded():
 
 
 # ---------------------------------------------------------------------------
-# Client: HTTP errors, transport, connections (CLIENT.md §4.4-4.6)
+# Client: HTTP errors, transport, connections (docs/client.md §4.4-4.6)
 
 
 @pytest.mark.parametrize("status, body, expected", [
@@ -954,7 +955,7 @@ def test_health_and_target(stub, cli):
 
 
 # ---------------------------------------------------------------------------
-# Response decoding (CLIENT.md §5)
+# Response decoding (docs/client.md §5)
 
 
 def run_response(stub: Stub, cli: Client, response: tuple) -> ProgramResult:
@@ -1132,7 +1133,7 @@ def test_malformed_responses_are_protocol_errors(stub, cli, response):
         run_response(stub, cli, response)
 
 
-# The same rules servers apply to request bodies (P§4.4-4.5).
+# The same rules servers apply to request bodies (docs/protocol.md §4.4-4.5).
 RESULT_HEAD = b'Content-Disposition: form-data; name="result"\r\nContent-Type: application/json\r\n\r\n'
 OK_JSON = json.dumps(body_fields(results={"v": binary("bytes", 0, b"data")})).encode()
 PART_HEAD = b'Content-Disposition: form-data; name="return:0"\r\nContent-Type: application/octet-stream\r\n\r\n'
@@ -1203,7 +1204,7 @@ def test_multipart_round_trip_of_arbitrary_payloads(payloads):
 
 
 # ---------------------------------------------------------------------------
-# ReturnedFile / ReturnedFolder (CLIENT.md §6)
+# ReturnedFile / ReturnedFolder (docs/client.md §6)
 
 
 def mode(path: pathlib.Path) -> int:
@@ -1324,7 +1325,7 @@ def test_returned_folder_save_removes_partial_output(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------
-# Remote functions (CLIENT.md §7)
+# Remote functions (docs/client.md §7)
 
 
 def add(a, b=2, *rest, scale: float = 1.0, **extra) -> dict:
@@ -1525,20 +1526,14 @@ def test_large_response_parts_are_views_until_decoded(stub, cli):
 # Interop: the same programs against real servers, started once per session.
 
 INTEROP_SERVERS = ["reference", "ours"]
-# shared/ lies beside the checkout (in CI too); the tool installs the published package on first use
-REFERENCE_SCRIPT = REPO.parent / "shared" / "tools" / "reference-kcoral.sh"
 
 
-def server_command(name: str, port: int) -> list[str]:
+def server_command(name: str, port: int) -> tuple[list[str], dict]:
+    """-> (argv, Popen options) of the published server (its own cached venv) or ours."""
     if name == "reference":
-        if not REFERENCE_SCRIPT.exists():
-            pytest.skip(f"the reference tool is not beside the checkout ({REFERENCE_SCRIPT})")
-        subprocess.run(["bash", str(REFERENCE_SCRIPT), "setup"], check=True, stdout=subprocess.DEVNULL)
-        return ["bash", str(REFERENCE_SCRIPT), "server", "--port", str(port), "--num-workers", "2"]
-    if not (REPO / "kcoral.py").exists():
-        pytest.skip("kcoral.py (our server) does not exist yet")
-    return [sys.executable, "-m", "kcoral", "--port", str(port), "--device", "cpu", "--num-workers", "2",
-            "--log-dir", ""]
+        return reference_server_argv(port, "--num-workers", "2"), reference_popen_options()
+    return ([sys.executable, "-m", "kcoral", "--port", str(port), "--device", "cpu", "--num-workers", "2",
+             "--log-dir", ""], {"cwd": REPO})
 
 
 @dataclasses.dataclass
@@ -1552,10 +1547,10 @@ def server(request, tmp_path_factory):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = server_command(request.param, port)
+    command, options = server_command(request.param, port)
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+        process = subprocess.Popen(command, **options, stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -7,7 +7,11 @@ process: the lease arbiter (FIFO, "any n GPUs", history), an Execution
 talking to a scripted fake worker over a real pipe (lease timings, a dead
 holder's lease freed, poisoned workers retired, gpu_access attribution),
 GpuLease's decision table, the cpu_only guard and CUPTI span arithmetic with
-a fake `cupti` module.  Finally bench/gpu_check.py in CPU mode.
+a fake `cupti` module.  Then what a desk review predicted would break on a real
+GPU (issue 14), against a fake `torch.cuda` (events on a fake clock, per-device
+memory), a fake libcudart and a fake CuTe DSL: the benchmark's count estimate,
+CUDA's last error, memory freed before the lease, quarantine, multi-GPU start-up
+and shutdown.  Finally bench/gpu_check.py in CPU mode.
 """
 
 import json
@@ -26,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import kcoral
 import kcoral_worker
-from tests.support import ServerProcess, post, sha256
+from tests.support import ServerProcess, build_add_one, post, sha256
 
 
 # --- over HTTP: libraries, benchmark, compile_tirx -------------------------------
@@ -40,8 +44,7 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def add_one_library():
     """The C++ add_one kernel built with tvm_ffi.cpp.build (cached under the temp dir)."""
-    from bench import gpu_check
-    return gpu_check.build_add_one("cpu")
+    return build_add_one("cpu")
 
 
 def library_program(library, name="add_one", n=6):
@@ -245,27 +248,39 @@ class FakeProcess:
 class FakeWorker:
     """The front-end's view of a worker whose other pipe end a test thread plays."""
 
-    def __init__(self, conn):
+    def __init__(self, conn, gpus):
         self.conn = conn
+        self.gpus = gpus
         self.pid = 4194000  # no such process group: group_members() finds nobody
         self.served = 0
         self.process = FakeProcess()
         self.killed = False
+        self.gone = True  # what kill_group reports
 
     def kill(self, grace, orphans=False):
         self.killed = True
         self.conn.close()
+        return self.gone
 
 
 def fake_pool(gpus=(0,)):
+    """The parts of a Pool an Execution uses; quarantines are recorded and reach the real arbiter."""
     config = kcoral.ServerConfig(max_requests_per_worker=0, worker_termination_grace_seconds=0.1)
-    return types.SimpleNamespace(config=config, arbiter=kcoral.LeaseArbiter(list(gpus)))
+    pool = types.SimpleNamespace(config=config, arbiter=kcoral.LeaseArbiter(list(gpus)), quarantined=[])
+
+    def quarantine(gpus, reason):
+        pool.quarantined.append(list(gpus))
+        pool.arbiter.quarantine(gpus)
+    pool.quarantine = quarantine
+    pool.dispose = types.MethodType(kcoral.Pool.dispose, pool)
+    return pool
 
 
-def execution(pool, script, timeout=10.0, request_id="req-1", gpus=(0,)):
+def execution(pool, script, timeout=10.0, request_id="req-1", gpus=(0,), gone=True):
     """Run an Execution whose worker follows `script(conn)` in a thread -> (Outcome, retire, worker)."""
     ours, theirs = multiprocessing.Pipe()
-    worker = FakeWorker(ours)
+    worker = FakeWorker(ours, list(gpus))
+    worker.gone = gone
     instructions = [{"op": "upload", "id": "m", "kind": "module", "source": ""},
                     {"op": "run", "id": "r", "fn": {"$ref": "m"}}]
     program = kcoral.ValidProgram(instructions, {}, {}, [])
@@ -344,7 +359,7 @@ def test_a_timed_out_worker_is_killed_under_the_lease():
 
     def kill(self, grace, orphans=False):
         seen["holder"] = pool.arbiter.holder[0]
-        original_kill(self, grace, orphans)
+        return original_kill(self, grace, orphans)
 
     FakeWorker.kill = kill
     try:
@@ -396,12 +411,21 @@ def test_gpu_access_names_the_request_that_held_the_gpu(holder, expected):
 
 # --- the worker side ----------------------------------------------------------------
 
+DEVNULL = open(os.devnull, "wb")  # noqa: SIM115  the fake pipe's raw writes, for the whole session
+
+
 class FakeConn:
     def __init__(self):
         self.sent = []
 
     def send(self, message):
         self.sent.append(message)
+
+    def send_bytes(self, data):  # a pickled "return" message
+        self.sent.append(("return", len(data)))
+
+    def fileno(self):  # its binary parts go here
+        return DEVNULL.fileno()
 
     def recv(self):
         return ("lease", "granted")
@@ -448,14 +472,14 @@ class FakeCupti:
     CallbackDomain = types.SimpleNamespace(RUNTIME_API=3, DRIVER_API=1)
 
     def __init__(self):
-        self.callback, self.subscribed, self.domains = None, False, []
+        self.callback, self.subscribed, self.domains, self.disabled = None, False, [], []
 
     def subscribe(self, callback, userdata):
         self.callback, self.subscribed = callback, True
         return 7
 
     def enable_domain(self, enable, subscriber, domain):
-        self.domains.append(domain)
+        (self.domains if enable else self.disabled).append(domain)
 
     def unsubscribe(self, subscriber):
         self.subscribed = False
@@ -588,3 +612,428 @@ def test_gpu_check_cpu_mode():
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "0 failed" in out.stdout.splitlines()[-1], out.stdout
+
+
+# --- issue 14: what a desk review predicted would break on a real GPU ----------------
+
+class FakeClock:
+    """GPU time in ms: the L2 flush and the kernel advance it, CUDA events read it."""
+
+    def __init__(self):
+        self.now = 0.0
+
+
+class FakeEvent:
+    def __init__(self, clock):
+        self.clock, self.at = clock, None
+
+    def record(self):
+        self.at = self.clock.now
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end):
+        return end.at - self.at
+
+
+class FakeFlushBuffer:
+    def __init__(self, clock, cost_ms):
+        self.clock, self.cost_ms = clock, cost_ms
+
+    def zero_(self):
+        self.clock.now += self.cost_ms
+
+
+class FakeOutOfMemory(RuntimeError):
+    """torch.cuda.OutOfMemoryError is a RuntimeError."""
+
+
+def fake_torch(log, clock=None, flush_ms=0.040, devices=2, reserved=(512, 0), oom=False):
+    """Enough of `torch` for the CUDA paths of the worker: events, the flush buffer, per-device memory."""
+    clock = clock or FakeClock()
+    current = [0]
+
+    @__import__("contextlib").contextmanager
+    def device(index):
+        before, current[0] = current[0], index
+        yield
+        current[0] = before
+
+    def empty(n, dtype, device):
+        if oom:
+            raise FakeOutOfMemory(f"CUDA out of memory. Tried to allocate {n} bytes")
+        log.append(("flush buffer", n))
+        return FakeFlushBuffer(clock, flush_ms)
+
+    cuda = types.SimpleNamespace(
+        Event=lambda enable_timing: FakeEvent(clock),
+        synchronize=lambda index=None: log.append(("synchronize", index)),
+        get_device_properties=lambda index: types.SimpleNamespace(L2_cache_size=60 << 20),
+        device_count=lambda: devices, device=device,
+        memory_reserved=lambda index: reserved[index], memory_allocated=lambda index: 0,
+        empty_cache=lambda: log.append(("empty_cache", current[0])),
+        is_initialized=lambda: False, _is_in_bad_fork=lambda: False)
+    torch = types.ModuleType("torch")
+    torch.cuda, torch.int8, torch.empty, torch.Tensor = cuda, "int8", empty, type("Tensor", (), {})
+    return torch, clock
+
+
+@pytest.fixture
+def cuda_worker(monkeypatch):
+    """A worker on a "cuda" runtime whose torch is a fake that logs what the worker asks of it."""
+    log = []
+    torch, clock = fake_torch(log)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setattr(kcoral_worker, "RUNTIME", kcoral_worker.Runtime("cuda"))
+    return types.SimpleNamespace(log=log, clock=clock, torch=torch)
+
+
+def test_count_estimate_times_the_flush_with_the_call(cuda_worker):
+    """Risk 1: 5 x (flush + call) inside one pair of CUDA events; the budgets bound flushes too."""
+    clock = cuda_worker.clock
+
+    def kernel():
+        clock.now += 0.005  # a 5 us kernel after a 40 us flush
+
+    timer = kcoral_worker.CudaTimer(flush_l2=True)
+    assert cuda_worker.log[0] == ("flush buffer", 2 * (60 << 20))  # 2 x the device's L2
+    estimate = timer.estimate(kernel, ())
+    assert estimate == pytest.approx(0.045)
+    warmup, repeat = kcoral_worker.benchmark_counts(timer, kernel, (), {})
+    assert (warmup, repeat) == (int(25 / estimate), int(100 / estimate))  # about 555, 2222; not 5000, 20000
+    assert kcoral_worker.benchmark_counts(timer, kernel, (), {"repeat": 7, "warmup_ms": 9}) == (int(9 / estimate), 7)
+    assert kcoral_worker.benchmark_counts(timer, kernel, (), {"warmup": 0, "repeat": 3}) == (1, 3)
+    unflushed = kcoral_worker.CudaTimer(flush_l2=False)
+    estimate = unflushed.estimate(kernel, ())
+    assert estimate == pytest.approx(0.005)
+    assert kcoral_worker.benchmark_counts(unflushed, kernel, (), {}) == (int(25 / estimate), int(100 / estimate))
+
+
+def test_benchmark_without_cupti_is_unavailable(cuda_worker, monkeypatch):
+    """Risk 9: unusable cupti-python degrades as the spec says (SERVER.md §5.2)."""
+    monkeypatch.setitem(sys.modules, "cupti", None)
+    with pytest.raises(kcoral_worker.ExecutionError) as info:
+        kcoral_worker.benchmark(lambda: None, {"warmup": 1, "repeat": 1})
+    assert info.value.kind == "unavailable" and "cupti-python" in info.value.message
+
+
+def test_flush_buffer_out_of_memory_is_runtime(monkeypatch):
+    """Risk 10: an OOM allocating the flush buffer is a torch RuntimeError: kind runtime, not engine."""
+    torch, _ = fake_torch([], oom=True)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setattr(kcoral_worker, "RUNTIME", kcoral_worker.Runtime("cuda"))
+    monkeypatch.setitem(sys.modules, "cupti", types.SimpleNamespace(cupti=FakeCupti()))
+    with pytest.raises(kcoral_worker.ExecutionError) as info:
+        kcoral_worker.benchmark(lambda: None)
+    assert info.value.kind == "runtime" and "out of memory" in info.value.message
+
+
+def test_unknown_benchmark_keys_are_ignored():
+    result = kcoral_worker.benchmark(lambda: None, {"warmup": 2, "repeat": 3, "flush_l2": False, "bogus": 1})
+    assert (result["warmup"], result["repeat"], result["timer"]) == (2, 3, "host")
+
+
+class FakeCudart:
+    """A libcudart as ctypes shows it: the last error is read and cleared by cudaGetLastError."""
+
+    def __init__(self, pending=0):
+        self.pending = pending
+
+    def cudaGetLastError(self):
+        code, self.pending = self.pending, 0
+        return code
+
+    def cudaGetErrorName(self, code):
+        return b"cudaErrorInvalidConfiguration"
+
+    def cudaGetErrorString(self, code):
+        return b"invalid configuration argument"
+
+
+def serve(tmp_path, source, retire=False, cpu_only=False):
+    """serve_request on a scripted pipe: upload a module, run f, return its result -> (done message, sent)."""
+    conn = FakeConn()
+    request = {"instructions": [
+        {"op": "upload", "id": "m", "kind": "module", "source": source},
+        {"op": "get_function", "id": "f", "module": {"$ref": "m"}, "name": "f", "cpu_only": cpu_only},
+        {"op": "run", "id": "r", "fn": {"$ref": "f"}},
+        {"op": "return", "key": "out", "value": {"$ref": "r"}}],
+        "blob_file": None, "blob_index": {}, "capture": False, "workspace": str(tmp_path),
+        "retire": retire, "max_response_bytes": 1 << 20, "grace": 0.1}
+    cwd = os.getcwd()
+    try:
+        kcoral_worker.serve_request(conn, request)
+    finally:
+        os.chdir(cwd)
+    return conn.sent[-1], conn.sent
+
+
+def test_pending_cuda_error_fails_a_completed_request_and_is_cleared(cuda_worker, monkeypatch, tmp_path):
+    """Risk 3: SERVER.md §3.4 step 3, read and cleared through libcudart."""
+    cudarts = [FakeCudart(), FakeCudart(pending=9)]
+    monkeypatch.setattr(kcoral_worker, "loaded_cudarts", lambda: cudarts)
+    (tag, error, poisoned), _ = serve(tmp_path, "def f():\n    return 1\n")
+    assert tag == "done" and not poisoned
+    assert error["kind"] == "runtime" and error["instruction_index"] == 3 and error["instruction_id"] is None
+    assert error["message"] == "CUDA error cudaErrorInvalidConfiguration (9): invalid configuration argument"
+    assert [c.pending for c in cudarts] == [0, 0]  # cleared: the next request starts clean
+    (_, error, _), _ = serve(tmp_path, "def f():\n    return 1\n")
+    assert error is None
+
+
+def test_pending_cuda_error_is_appended_to_a_gpu_access_error(cuda_worker, monkeypatch, tmp_path, fake_cupti):
+    monkeypatch.setattr(kcoral_worker, "loaded_cudarts", lambda: [FakeCudart(pending=9)])
+    kcoral_worker.FAKE_CUPTI = fake_cupti
+    try:
+        (_, error, _), _ = serve(tmp_path, "import kcoral_worker\ndef f():\n"
+                                 "    kcoral_worker.FAKE_CUPTI.api('cudaMalloc')\n", cpu_only=True)
+    finally:
+        del kcoral_worker.FAKE_CUPTI
+    assert error["kind"] == "gpu_access" and error["cuda_call"] == "cudaMalloc"
+    assert error["message"].endswith("; CUDA also reports CUDA error cudaErrorInvalidConfiguration (9): "
+                                     "invalid configuration argument")
+
+
+def test_cudart_paths_come_from_the_memory_map():
+    maps = ("7f00-7f10 r-xp 00000000 08:01 1 /usr/lib/libc.so.6\n"
+            "7f20-7f30 r--p 00000000 08:01 2 /site/nvidia/cuda_runtime/lib/libcudart.so.13\n"
+            "7f30-7f40 r-xp 00001000 08:01 2 /site/nvidia/cuda_runtime/lib/libcudart.so.13\n"
+            "7f50-7f60 rw-p 00000000 00:00 0 \n")
+    assert kcoral_worker.cudart_paths(maps) == ["/site/nvidia/cuda_runtime/lib/libcudart.so.13"]
+    assert kcoral_worker.Runtime("cpu").take_last_error() is None  # CPU workers never look
+    assert kcoral_worker.loaded_cudarts() == []  # this test process has no CUDA runtime
+
+
+def test_reused_worker_frees_gpu_memory_before_the_lease_goes(cuda_worker, monkeypatch, tmp_path):
+    """Risk 4 (and 10's multi-GPU empty_cache): handles dropped, garbage collected, every device
+    synchronized and its cache emptied, all before "done" lets the front-end release the lease."""
+    monkeypatch.setattr(kcoral_worker, "loaded_cudarts", list)
+    log = cuda_worker.log
+    kcoral_worker.EVENTS = log
+    try:
+        message, sent = serve(tmp_path, "import kcoral_worker, weakref\n"
+                              "class Big:\n    pass\n"
+                              "def f():\n"
+                              "    big = Big()\n"
+                              "    big.cycle = big  # only a collection frees it\n"
+                              "    weakref.finalize(big, kcoral_worker.EVENTS.append, ('freed',))\n"
+                              "    return 1\n")
+    finally:
+        del kcoral_worker.EVENTS
+    assert message[0] == "done" and message[1] is None
+    cleanup = log[log.index(("freed",)):]
+    assert cleanup == [("freed",), ("synchronize", 0), ("synchronize", 1), ("empty_cache", 0)]  # device 1: nothing cached
+    assert sent[-1][0] == "done"
+
+
+def test_retiring_worker_leaves_memory_to_the_exit(cuda_worker, monkeypatch, tmp_path):
+    monkeypatch.setattr(kcoral_worker, "loaded_cudarts", list)
+    serve(tmp_path, "def f():\n    return 1\n", retire=True)
+    assert ("empty_cache", 0) not in cuda_worker.log
+
+
+def test_cpu_only_release_empties_the_cache_on_every_device(monkeypatch):
+    log = []
+    torch, _ = fake_torch(log, reserved=(512, 256))
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setattr(kcoral_worker, "RUNTIME", kcoral_worker.Runtime("cuda"))
+    conn = FakeConn()
+    lease = kcoral_worker.GpuLease(conn)
+    lease.held = True
+    lease.release()
+    assert log == [("synchronize", 0), ("synchronize", 1), ("empty_cache", 0), ("empty_cache", 1)]
+    assert conn.sent == [("lease", "release")]
+
+
+def test_cpu_only_guard_disables_its_domains_and_cupti_is_finalized(fake_cupti):
+    finalized = []
+    fake_cupti.finalize = lambda: finalized.append(True)
+    error, _ = run_cpu_only("def f():\n    return 5\n")
+    assert error is None
+    assert fake_cupti.domains == [3, 1] and fake_cupti.disabled == [3, 1] and not fake_cupti.subscribed
+    kcoral_worker.finalize_cupti()
+    kcoral_worker.finalize_cupti()  # once per use
+    assert finalized == [True]
+
+
+def test_tensor_export_synchronizes_first(monkeypatch):
+    """Risk 10: a side-stream kernel may still be writing the tensor when it is copied out."""
+    import torch
+
+    class OnDevice(torch.Tensor):
+        is_cuda = True
+
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    tensor = torch.Tensor._make_subclass(OnDevice, torch.arange(4, dtype=torch.int32))
+    dtype, shape, data = kcoral_worker.tensor_bytes(tensor)
+    assert (dtype, shape, bytes(data)) == ("int32", [4], numpy.arange(4, dtype="<i4").tobytes())
+    assert synced == [tensor.device]
+
+
+def test_numpy_arrays_encode_as_tensors_on_gpu_workers_too(monkeypatch):
+    """Risk 10, decided: our extension 1 (numpy arrays are tensors on any server) holds on GPU servers."""
+    monkeypatch.setattr(kcoral_worker, "RUNTIME", kcoral_worker.Runtime("cuda"))
+    encoded = kcoral_worker.Encoder(0, 1 << 20).value(numpy.arange(3, dtype="<f4"))
+    assert (encoded["type"], encoded["dtype"], encoded["shape"]) == ("tensor", "float32", [3])
+
+
+def test_cute_dsl_runtime_is_preloaded_once_before_libraries(monkeypatch):
+    """Risk 5: SERVER.md §4.2, guarded: absent CuTe DSL is a no-op."""
+    loaded, asked = [], []
+
+    def find_runtime_libraries(enable_tvm_ffi):
+        asked.append(enable_tvm_ffi)
+        return ["/opt/cute/libcute_dsl_runtime.so"]
+
+    runtime = types.ModuleType("cutlass.cute.runtime")
+    runtime.find_runtime_libraries = find_runtime_libraries
+    for name, module in (("cutlass", types.ModuleType("cutlass")), ("cutlass.cute", types.ModuleType("cutlass.cute")),
+                         ("cutlass.cute.runtime", runtime)):
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(kcoral_worker.ctypes, "CDLL", lambda path, mode=0: loaded.append((path, mode)))
+    monkeypatch.setattr(kcoral_worker, "_cute_preloaded", False)
+    kcoral_worker.preload_cute_dsl_runtime()
+    kcoral_worker.preload_cute_dsl_runtime()
+    assert asked == [True] and loaded == [("/opt/cute/libcute_dsl_runtime.so", kcoral_worker.ctypes.RTLD_GLOBAL)]
+    monkeypatch.setitem(sys.modules, "cutlass.cute.runtime", None)  # not installed
+    monkeypatch.setattr(kcoral_worker, "_cute_preloaded", False)
+    kcoral_worker.preload_cute_dsl_runtime()
+    assert len(loaded) == 1
+
+
+def test_cute_dsl_preload_comes_before_the_first_gpu_library_load(monkeypatch, add_one_library):
+    order = []
+    monkeypatch.setattr(kcoral_worker, "preload_cute_dsl_runtime", lambda: order.append("cute"))
+    import tvm_ffi
+    real_load = tvm_ffi.load_module
+    monkeypatch.setattr(tvm_ffi, "load_module", lambda path: order.append("load") or real_load(path))
+    runtime = kcoral_worker.Runtime("cuda")
+    module = runtime.load_library("ab" * 32, add_one_library)
+    assert order == ["cute", "load"] and module.implements_function("add_one")
+
+
+def test_template_with_cuda_state_is_refused(monkeypatch):
+    """Risk 6: a worker forked from a template that initialised CUDA must not start."""
+    log = []
+    torch, _ = fake_torch(log)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    assert kcoral_worker.template_cuda_problem() is None
+    torch.cuda.is_initialized = lambda: True
+    assert "initialised CUDA" in kcoral_worker.template_cuda_problem()
+    torch.cuda.is_initialized, torch.cuda._is_in_bad_fork = (lambda: False), (lambda: True)
+    assert "initialised CUDA" in kcoral_worker.template_cuda_problem()
+
+
+def test_workers_come_from_a_template_with_torch_loaded_and_cuda_untouched(server):
+    """Risks 6 and 7, on the real server: torch and tvm_ffi arrive preloaded (so a fresh process per
+    request costs a fork), CUDA was never initialised, and availability checks go through NVML."""
+    body = run_source(server, "import os, sys, time\n"
+                              "loaded = {m: m in sys.modules for m in ('torch', 'tvm_ffi')}\n"
+                              "def f():\n"
+                              "    import torch\n"
+                              "    return {**loaded, 'initialized': torch.cuda.is_initialized(),\n"
+                              "            'nvml': os.environ.get('PYTORCH_NVML_BASED_CUDA_CHECK')}\n")
+    assert body["status"] == "COMPLETED", body
+    assert plain(body["results"]["out"]) == {"torch": True, "tvm_ffi": True, "initialized": False, "nvml": "1"}
+
+
+def test_tvm_ffi_preparation_is_bounded_and_disables_the_slow_path(monkeypatch):
+    """Risk 2: the add-on build runs once before the pool with its own timeout; past it, disabled."""
+    monkeypatch.delenv("TVM_FFI_DISABLE_TORCH_C_DLPACK", raising=False)
+    monkeypatch.setattr(kcoral, "torch_has_dlpack_exchange_api", lambda: False)
+    started = time.monotonic()
+    assert kcoral.prepare_template_imports(0.5, warm="import time; time.sleep(30)") == "disabled"
+    assert time.monotonic() - started < 10
+    assert os.environ["TVM_FFI_DISABLE_TORCH_C_DLPACK"] == "1"
+    assert kcoral.prepare_template_imports(0.5) == "native"  # disabled: nothing left to build
+    monkeypatch.delenv("TVM_FFI_DISABLE_TORCH_C_DLPACK")
+    assert kcoral.prepare_template_imports(60, warm="pass") == "warmed"
+    assert "TVM_FFI_DISABLE_TORCH_C_DLPACK" not in os.environ
+    assert os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1"
+
+
+def test_this_torch_exports_the_dlpack_exchange_api_itself():
+    import torch
+    assert kcoral.torch_has_dlpack_exchange_api() == (hasattr(torch.Tensor, "__dlpack_c_exchange_api__") or
+                                                     hasattr(torch.Tensor, "__c_dlpack_exchange_api__"))
+
+
+# --- quarantine, multi-GPU start-up, shutdown --------------------------------------
+
+def test_kill_group_reports_a_tree_it_cannot_confirm_gone(monkeypatch):
+    monkeypatch.setattr(kcoral, "group_members", lambda pgid, exclude=(): [4194001])  # never goes away
+    started = time.monotonic()
+    assert kcoral.kill_group(4194001, 0.05, kill_wait=0.1) is False
+    assert time.monotonic() - started < 5
+    monkeypatch.setattr(kcoral, "group_members", lambda pgid, exclude=(): [])
+    assert kcoral.kill_group(4194001, 0.05) is True
+
+
+def test_unconfirmed_kill_quarantines_the_gpu():
+    """Risk 8: SERVER.md §2.1, the GPU is never lent again (the request: 500 engine)."""
+    pool = fake_pool()
+
+    def script(conn):
+        conn.send(("start", 0))
+        time.sleep(1)
+
+    outcome, retire, _ = execution(pool, script, timeout=0.2, gone=False)
+    assert (outcome.http_status, outcome.kind, retire) == (500, "engine", True)
+    assert pool.quarantined == [[0]] and pool.arbiter.holder[0] is None
+    with pytest.raises(kcoral.LeaseRefused, match="quarantined"):
+        pool.arbiter.acquire("next", [0])
+
+
+def test_quarantine_refuses_waiters_already_queued():
+    arbiter, refused = kcoral.LeaseArbiter([0, 1]), []
+    arbiter.acquire("holder", [0])
+
+    def wait(**kwargs):
+        try:
+            arbiter.acquire("waiter", **kwargs)
+        except kcoral.LeaseRefused as exc:
+            refused.append(str(exc))
+    threads = [threading.Thread(target=wait, kwargs=k, daemon=True) for k in ({"gpus": [0]}, {"count": 2})]
+    for n, thread in enumerate(threads):
+        thread.start()
+        wait_until(lambda n=n: queued(arbiter) == n + 1)
+    arbiter.quarantine([0])
+    for thread in threads:
+        thread.join(5)
+    assert len(refused) == 2 and queued(arbiter) == 0
+    assert arbiter.acquire("other", [1])[0] == [1]  # the healthy GPU still serves
+
+
+def test_waits_for_n_gpus_end_at_shutdown():
+    pool = object.__new__(kcoral.Pool)
+    pool.arbiter, pool.cond, pool.closing = kcoral.LeaseArbiter([0, 1]), threading.Condition(), False
+    pool.arbiter.acquire("busy", [0])
+    job = kcoral.Job("big", kcoral.ValidProgram([], {"gpu_count": 2}, {}, []), {}, timeout=10.0, output_limit=0)
+    outcomes = []
+    thread = threading.Thread(target=lambda: outcomes.append(pool.run_multi_gpu(None, job, 2, 0.0)), daemon=True)
+    thread.start()
+    wait_until(lambda: queued(pool.arbiter) == 1)
+    pool.close()
+    thread.join(5)
+    assert (outcomes[0].http_status, outcomes[0].kind) == (503, "busy")
+    assert pool.arbiter.acquire("in-flight", [1])[0] == [1]  # a running request's own lease still works
+
+
+@pytest.mark.parametrize("failure, status, kind", [(kcoral.WorkerStartTimeout, 504, "timeout"),
+                                                   (kcoral.WorkerCrashed, 500, "engine")])
+def test_multi_gpu_start_up_failures(monkeypatch, failure, status, kind):
+    pool = object.__new__(kcoral.Pool)
+    pool.arbiter, pool.gpu_names = kcoral.LeaseArbiter([0, 1]), {0: "0", 1: "1"}
+    phases = []
+
+    def worker(pool_, gpus, phase_timeout):
+        phases.append(phase_timeout)
+        raise failure("did not start")
+    monkeypatch.setattr(kcoral, "Worker", worker)
+    job = kcoral.Job("r", kcoral.ValidProgram([], {"gpu_count": 2}, {}, []), {}, timeout=3.0, output_limit=0)
+    outcome = pool.run_multi_gpu(None, job, 2, 0.0)
+    assert (outcome.http_status, outcome.kind) == (status, kind)
+    assert phases == [3.0]  # bounded by the request's timeout, not 60 s
+    assert pool.arbiter.holder == {0: None, 1: None}

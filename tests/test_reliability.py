@@ -3,7 +3,7 @@
 Every item is a function `<item>_item(scale, workdir) -> {counter: value}` that raises
 AssertionError on the first violation.  The pytest tests at the bottom run them at CI size
 (`CI`); `python -m bench.soak --long` runs the same functions at full size (`LONG`) and prints
-the table quoted in bench/RELIABILITY.md.
+the table quoted in docs/reliability.md.
 
 "Nothing leaks" is measured from outside the server process:
 - processes: the server's descendants (forkserver, resource tracker, one idle worker per slot)
@@ -155,7 +155,7 @@ class Server(ServerProcess):
         return [n for n in os.listdir(self.tmpdir) if n.startswith("kcoral-program-")]
 
     def wait_idle(self, timeout=60):
-        """Every slot has a ready worker and nothing runs or waits (P§3 load fields)."""
+        """Every slot has a ready worker and nothing runs or waits (docs/protocol.md §3 load fields)."""
         want = {"request_capacity": self.workers, "requests_in_progress": 0, "requests_waiting": 0}
         deadline = time.monotonic() + timeout
         while True:
@@ -203,7 +203,7 @@ def new_tag():
 # --- answers ------------------------------------------------------------------------
 
 def check_error(status, headers, body, expected=None, kind=None):
-    """P§9.8: an ERROR answer is application/json with exactly these fields; -> the body dict."""
+    """docs/protocol.md §9.8: an ERROR answer is application/json with exactly these fields; -> the body dict."""
     where = f"HTTP {status}: {str(body)[:400]}"
     if expected is not None:
         assert status == expected, where
@@ -304,7 +304,7 @@ def part_headers(name, content_type="application/octet-stream", quoted=True):
 
 def encode_parts(parts, boundary, newline=b"\r\n", padding=b"", preamble=b"", epilogue=b"",
                  final_newline=True):
-    """[(header lines, payload)] -> a multipart body (P§4.4)."""
+    """[(header lines, payload)] -> a multipart body (docs/protocol.md §4.4)."""
     out = [preamble]
     for headers, payload in parts:
         out.append(b"--" + boundary + padding + newline)
@@ -481,7 +481,7 @@ def random_bad_path(rng):
 
 
 class Fuzzer:
-    """Structure-aware malformed requests, each a 4xx by construction (P§4-6).
+    """Structure-aware malformed requests, each a 4xx by construction (docs/protocol.md §4-6).
 
     case(i) -> (category, description, raw HTTP request, expected status, mode).
     Categories rotate so every family is covered at any size.
@@ -916,7 +916,7 @@ NAME_CHARS = st.characters(blacklist_categories=("Cs",), blacklist_characters="\
 
 @st.composite
 def multipart_bodies(draw):
-    """(body, boundary, [(name, media, payload)]) encoded with the framing variations P§4.4 allows."""
+    """(body, boundary, [(name, media, payload)]) encoded with the framing variations docs/protocol.md §4.4 allows."""
     boundary = draw(st.text(BCHARS, min_size=1, max_size=70)).encode()
     parts = draw(st.lists(st.tuples(st.text(NAME_CHARS, min_size=1, max_size=12),
                                     st.sampled_from(["application/json", "application/octet-stream",
@@ -1103,7 +1103,7 @@ def property_item(scale, workdir):
 # --- 2. faults -------------------------------------------------------------------------
 
 def crashed(index=2, op="run"):
-    """P§10: the worker died while an instruction index was known."""
+    """docs/protocol.md §10: the worker died while an instruction index was known."""
     def check(status, headers, body, tag):
         assert status == 200 and body["status"] == "FAILED", body
         error = body["error"]
@@ -1158,7 +1158,7 @@ def surrogate_id(status, headers, body, tag):
 
 
 def too_large(status, headers, body, tag):
-    check_error(status, headers, body, 500, "response_too_large")  # P§9.8
+    check_error(status, headers, body, 500, "response_too_large")  # docs/protocol.md §9.8
 
 
 def survived(status, headers, body, tag):
@@ -1395,7 +1395,7 @@ def corrupt_entry(path, how):
 
 
 def cache_corruption(workdir, counts):
-    """A damaged disk-cache entry is a miss, and the resend repairs it (P§7.5)."""
+    """A damaged disk-cache entry is a miss, and the resend repairs it (docs/protocol.md §7.5)."""
     server = Server(workdir)
     try:
         for how in ("flipped byte", "truncated", "symlink", "directory"):
@@ -1455,7 +1455,7 @@ def cache_unwritable(workdir, counts):
 
 
 def cache_pinning(workdir, counts, pressure=24):
-    """P§7.4: a blob pinned by a running request survives eviction pressure from concurrent uploads."""
+    """docs/protocol.md §7.4: a blob pinned by a running request survives eviction pressure from concurrent uploads."""
     size = 900 << 10
     server = Server(workdir, "--cache-capacity-bytes", str(4 << 20))  # room for 4 such blobs
     try:
