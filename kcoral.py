@@ -2162,7 +2162,8 @@ def parse_args(argv):
     if args.sandbox != "none" or args.sandbox_readonly_path:
         p.error("the bubblewrap sandbox is not implemented in this server; run with --sandbox none")
     if args.router or args.node_id or args.node_token:
-        p.error("router mode is not implemented in this server; scale out behind HAProxy instead")
+        p.error("router mode is not implemented in this server; scale out behind HAProxy instead "
+                "(python -m kcoral haproxy-config prints its configuration; see docs/scaling.md)")
     try:
         config = config_from_args(args)
         validate_config(config)

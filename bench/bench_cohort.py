@@ -24,7 +24,12 @@ import time
 
 from bench.bench_servers import CountingClient, Server
 from client import Program
-from tests.support import HAProxyProcess, reference_popen_options, reference_router_argv, reference_server_argv
+from tests.support import (
+    HAProxyProcess,
+    reference_popen_options,
+    reference_router_argv,
+    reference_server_argv,
+)
 
 SLEEP_S = 0.5
 CLIENTS = 8

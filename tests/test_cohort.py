@@ -293,3 +293,25 @@ def test_generated_config_is_valid_and_bad_nodes_are_refused(cohort, tmp_path):
     from_health = haproxy_config("--listen", "127.0.0.1:8080", "--token", TOKEN, cohort.nodes[0].url)
     assert from_health.returncode == 0 and "maxconn 1\n" in from_health.stdout
     assert f'hdr Authorization "Bearer {TOKEN}"' in from_health.stdout
+
+
+def test_client_marks_only_requests_with_blobs_by_their_largest_blob(cohort, monkeypatch):
+    sent = []
+    with Client(cohort.nodes[0].url, headers=AUTH) as client:  # a node directly: it ignores the header
+        real = client._request
+
+        def recording(method, path, headers=None, chunks=None):
+            sent.append((headers or {}).get("X-KCoral-Affinity"))
+            return real(method, path, headers, chunks)
+
+        monkeypatch.setattr(client, "_request", recording)
+        assert client.execute(echo_program("plain", 0, cohort.ledger)).completed
+        small, large = os.urandom(1000), os.urandom(3000)
+        program = Program()
+        fn = program.get_function(module=program.upload(kind="module", source="def f(a, b):\n    return len(a) + len(b)\n"),
+                                  name="f")
+        args = [program.upload(kind="bytes", value=small), program.upload(kind="bytes", value=large)]
+        program.return_(key="n", value=program.run(fn=fn, args=args))
+        assert client.execute(program)["n"] == 4000
+    assert sent[0] is None
+    assert sent[1:] and set(sent[1:]) == {hashlib.sha256(large).hexdigest()}, sent
