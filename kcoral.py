@@ -2195,9 +2195,9 @@ defaults
     # server: the longest execution a node allows, plus teardown.  queue: queueing, not
     # refusal; beyond the cohort's slots a request waits here (FIFO) as long as a node would
     # have let it wait for a worker, then gets 503 busy.
-    timeout client {server_timeout}s
-    timeout server {server_timeout}s
-    timeout queue {queue_timeout}s
+    timeout client {server_timeout}
+    timeout server {server_timeout}
+    timeout queue {queue_timeout}
     timeout check 5s
     # Retries.  A POST /execute runs user code, so it is retried on another node ONLY when
     # nothing ran: the connection failed before the request was sent (conn-failure), or the
@@ -2294,6 +2294,11 @@ def server_id(address: str) -> int:
     return 1 + int(hashlib.sha256(address.encode()).hexdigest()[:7], 16)
 
 
+def haproxy_time(seconds: float) -> str:
+    """HAProxy takes whole numbers with a unit."""
+    return f"{seconds:.0f}s" if seconds == int(seconds) else f"{round(seconds * 1000)}ms"
+
+
 def haproxy_config(listen: str, nodes: list[CohortNode], token: str | None,
                    queue_timeout: float, server_timeout: float) -> str:
     """The commented haproxy.cfg text for a cohort whose slots are all known."""
@@ -2304,12 +2309,12 @@ def haproxy_config(listen: str, nodes: list[CohortNode], token: str | None,
     servers = "".join(f"    server {n.address} {n.address} id {server_id(n.address)} maxconn {n.slots}\n"
                       for n in nodes)
     node_list = "\n".join(f"#   {n.url}  {n.slots} slot{'s' if n.slots != 1 else ''}" for n in nodes)
-    if token is not None and not re.fullmatch(r"[\x21-\x7e]+", token) or token and '"' in token:
-        raise ValueError("the token must be printable ASCII without spaces or quotes")
+    if token is not None and not re.fullmatch(r"[A-Za-z0-9._~+/-]+=*", token):  # RFC 6750 b64token
+        raise ValueError("the token must be a bearer token (letters, digits and -._~+/, then optional '=')")
     return HAPROXY_TEMPLATE.format(
         version=__version__, total=sum(n.slots for n in nodes), node_list=node_list, listen=listen,
-        servers=servers, header=AFFINITY_HEADER, queue_timeout=f"{queue_timeout:g}",
-        server_timeout=f"{server_timeout:g}",
+        servers=servers, header=AFFINITY_HEADER, queue_timeout=haproxy_time(queue_timeout),
+        server_timeout=haproxy_time(server_timeout),
         check_auth=f' hdr Authorization "Bearer {token}"' if token else "")
 
 
@@ -2333,6 +2338,8 @@ def haproxy_config_main(argv: list[str]) -> None:
     args = p.parse_args(argv)
     if not re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[\w.-]*):\d+", args.listen):
         p.error(f"--listen {args.listen!r}: expected HOST:PORT")
+    if not (0 < args.queue_timeout < math.inf and 0 < args.server_timeout < math.inf):
+        p.error("--queue-timeout and --server-timeout must be positive numbers of seconds")
     try:
         nodes = [parse_node(text) for text in args.nodes]
         nodes = [n if n.slots else dataclasses.replace(n, slots=node_capacity(n, args.token)) for n in nodes]

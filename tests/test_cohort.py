@@ -290,6 +290,12 @@ def test_generated_config_is_valid_and_bad_nodes_are_refused(cohort, tmp_path):
     for bad in ("https://10.0.0.5:8000", "http://10.0.0.5", "http://10.0.0.5:8000/x", "http://10.0.0.5:8000=0"):
         refused = haproxy_config("--listen", "127.0.0.1:8080", bad)
         assert refused.returncode == 2 and "node" in refused.stderr, (bad, refused.stderr)
+    for flags, message in ((["--listen", "8080"], "expected HOST:PORT"),
+                           (["--listen", ":8080", "--token", 'to"ken'], "bearer token"),
+                           (["--listen", ":8080", "--queue-timeout", "0"], "positive"),
+                           (["--listen", ":8080", "http://10.0.0.5:8000=1"], "listed twice")):
+        refused = haproxy_config(*flags, "http://10.0.0.5:8000=1")
+        assert refused.returncode == 2 and message in refused.stderr, (flags, refused.stderr)
     from_health = haproxy_config("--listen", "127.0.0.1:8080", "--token", TOKEN, cohort.nodes[0].url)
     assert from_health.returncode == 0 and "maxconn 1\n" in from_health.stdout
     assert f'hdr Authorization "Bearer {TOKEN}"' in from_health.stdout
