@@ -16,6 +16,7 @@ Prints a Markdown table and writes bench/cohort_results.json.
 
 import json
 import os
+import pathlib
 import statistics
 import sys
 import tempfile
@@ -58,21 +59,20 @@ def published(nodes, scratch):
         "--disk-cache-dir", os.path.join(scratch, f"pub-cache-{k}")), scratch, **outside) for k in range(nodes)]
     for server in servers:
         server.wait_ready()
-    wait_for_capacity(router.url, nodes)
+    wait_until_every_node_served(router.url, servers)
     return router.url, [router, *servers]
 
 
-def wait_for_capacity(url, nodes, timeout=120):
-    """Until the cohort answers `nodes` requests at once without queueing (all nodes joined)."""
+def wait_until_every_node_served(url, servers, timeout=180):
+    """Warm-up requests through the router until each node has answered one (all joined)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while not all(b"request_finished" in pathlib.Path(s.log_path).read_bytes() for s in servers):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url}: not every node joined the router")
         try:
-            wall = sleep_bound(url, clients=nodes, requests=nodes)
-            if wall < 2 * SLEEP_S:
-                return
-        except Exception:  # noqa: BLE001 - the router answers 503 until its nodes have joined
+            sleep_bound(url, clients=len(servers), requests=len(servers))
+        except RuntimeError:  # the router answers 503 until a node has joined
             time.sleep(1)
-    raise RuntimeError(f"{url}: the cohort never ran {nodes} requests in parallel")
 
 
 def sleep_bound(url, clients, requests):
