@@ -2354,8 +2354,7 @@ def main(argv=None):
     if argv[:1] == ["haproxy-config"]:
         return haproxy_config_main(argv[1:])
     if argv[:1] == ["run"]:  # the client-side command line lives in client.py
-        import client
-        sys.exit(client.run_command(argv[1:]))
+        sys.exit(load_client().run_command(argv[1:]))
     if argv[:1] == ["server"]:  # the reference's `kcoral server ...` spelling
         argv = argv[1:]
     KCoralServer(parse_args(argv)).serve_forever()
