@@ -17,6 +17,7 @@ file and kcoral_worker.py.
 
 import argparse
 import collections
+import contextlib
 import ctypes
 import dataclasses
 import datetime
@@ -30,6 +31,7 @@ import json
 import math
 import multiprocessing
 import os
+import queue
 import re
 import secrets
 import selectors
@@ -102,15 +104,17 @@ def default_disk_cache_dir():
     return os.path.join(base, "kcoral", "files")
 
 
-def option(default, help, *, env=None, cli_default=None, factory=None, choices=None, parse=None):
+def option(default, help, *, env=None, cli_default=None, factory=None, choices=None, parse=None, flag=None):
     """One server setting: its default, its help text and how the command line spells it.
 
     The command line is generated from these (`parse_args`), so a default is written once.
     `cli_default` is the command line's default where it differs from the dataclass's
     (the reference's `log_dir`: None embedded, "logs" from the CLI); `parse` turns the flag's
-    string into the field's value.
+    string into the field's value.  A `flag` names a repeatable option whose values make up
+    the field's tuple (`--sandbox-readonly-path` fills `sandbox_readonly_paths`).
     """
-    meta = {"help": help, "env": env, "cli_default": cli_default, "choices": choices, "parse": parse}
+    meta = {"help": help, "env": env, "cli_default": cli_default, "choices": choices, "parse": parse,
+            "flag": flag}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -161,7 +165,10 @@ class ServerConfig:
     max_response_bytes: int = option(256 << 20, "response size limit (500 response_too_large beyond it)")
     output_limit_bytes: int = option(1 << 20, "default per-stream stdout/stderr capture limit")
     max_output_limit_bytes: int = option(16 << 20, "upper clamp for a request's output_limit_bytes")
-    sandbox: str = option("none", "isolate each request's code", choices=("none", "bubblewrap"))
+    sandbox: str = option("none", "isolate each request's code in a bubblewrap container (docs/sandbox.md)",
+                          choices=("none", "bubblewrap"))
+    sandbox_readonly_paths: tuple = option((), "extra path mounted read-only in the sandbox (repeatable)",
+                                           flag="--sandbox-readonly-path")
     token: str | None = option(None, "require 'Authorization: Bearer <token>' on every endpoint",
                                env="KCORAL_TOKEN")
 
@@ -1007,6 +1014,358 @@ class LeaseArbiter:
         return None
 
 
+# --- the sandbox (docs/sandbox.md) ----------------------------------------------
+
+SANDBOX_ROOT = "/kcoral"  # inside a sandbox: the slot's private directory (work/, blobs, home/, cache/)
+SANDBOX_SCRATCH = ("tmp", "shm")  # bound at /tmp, /var/tmp and /dev/shm: emptied, never replaced
+SANDBOX_ETC = ("alternatives", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "passwd", "group", "nsswitch.conf",
+               "hosts", "localtime", "ssl", "ca-certificates", "os-release", "debian_version", "gitconfig")
+SANDBOX_ENV_NAMES = ("PATH", "LANG", "LANGUAGE", "TZ", "LD_LIBRARY_PATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+# tool settings, never secrets: the cache locations among them are replaced by the sandbox's own
+SANDBOX_ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "NVCC_", "TORCH_", "PYTORCH_", "TRITON_", "TVM_FFI_")
+SANDBOX_ADDONS = "/opt/kcoral-tvm-ffi"  # inside: the tvm_ffi torch add-on the server built (read-only)
+GPU_CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-caps")
+
+
+def sandbox_environment() -> dict[str, str]:
+    """An allow-list of the server's variables, never its secrets; home, temporary files and the
+    compiler/JIT caches all inside the slot's private directory, so they vanish with the request."""
+    env = {k: v for k, v in os.environ.items() if k in SANDBOX_ENV_NAMES or k.startswith(SANDBOX_ENV_PREFIXES)}
+    cache = f"{SANDBOX_ROOT}/cache"
+    env.update(HOME=f"{SANDBOX_ROOT}/home", TMPDIR="/tmp", XDG_CACHE_HOME=cache,
+               TORCH_EXTENSIONS_DIR=f"{cache}/torch_extensions", TRITON_CACHE_DIR=f"{cache}/triton",
+               CUDA_CACHE_PATH=f"{cache}/nv", TVM_FFI_CACHE_DIR=f"{cache}/tvm-ffi")
+    return env
+
+
+def is_under(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+def python_paths() -> list[str]:
+    """What the interpreter needs to run our worker: its prefixes and import path, minus the
+    server's working directory (only the project's own files are shown from there)."""
+    project = os.path.dirname(os.path.abspath(kcoral_worker.__file__))
+    skipped = {"", os.getcwd(), project}
+    paths = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]
+    paths += [p for p in sys.path if p not in skipped and os.path.exists(p)]
+    return sorted(set(map(os.path.abspath, paths)))
+
+
+def project_files() -> tuple[str, list[str]]:
+    project = os.path.dirname(os.path.abspath(kcoral_worker.__file__))
+    names = ("kcoral_worker.py", "kcoral.py", "client.py")
+    return project, [os.path.join(project, n) for n in names if os.path.exists(os.path.join(project, n))]
+
+
+def shown_paths(config: ServerConfig) -> list[str]:
+    """The host paths a sandbox shows read-only at the same place: Python, our files, the operator's."""
+    _, files = project_files()
+    return python_paths() + files + [os.path.abspath(p) for p in config.sandbox_readonly_paths]
+
+
+def scratch_mount_points(config: ServerConfig, root: str) -> list[str]:
+    """Where read-only mounts sit inside the private /tmp, /var/tmp and /dev/shm (a checkout or a
+    --sandbox-readonly-path under /tmp, say), as paths in `root`: emptying must leave their way."""
+    scratch = {"/tmp": "tmp", "/var/tmp": "tmp", "/dev/shm": "shm"}
+    return [os.path.join(root, name, os.path.relpath(path, top)) for path in shown_paths(config)
+            for top, name in scratch.items() if is_under(path, top) and path != top]
+
+
+def empty_directory(path: str, keep: list[str] | tuple = ()) -> None:
+    """Remove what `path` holds, except the files and directories on the way to each of `keep`."""
+    for entry in os.listdir(path):
+        full = os.path.join(path, entry)
+        ahead = [k for k in keep if is_under(k, full)]
+        if not ahead:
+            remove_entry(full)
+        elif full not in ahead:
+            empty_directory(full, ahead)
+
+
+def torch_addons() -> list[str]:
+    """The tvm_ffi torch add-on(s) prepare_template_imports built into the host's cache, if any:
+    the sandbox shows them so its template does not compile them again (minutes with nvcc)."""
+    cache = os.path.expanduser(os.environ.get("TVM_FFI_CACHE_DIR", "~/.cache/tvm-ffi"))
+    try:
+        return [os.path.join(cache, n) for n in sorted(os.listdir(cache)) if n.startswith("libtorch_c_dlpack_addon")]
+    except OSError:
+        return []
+
+
+def gpu_device_node(gpu_id: int) -> str:
+    """/dev/nvidiaN of a physical GPU id: NVML's minor number, the id itself where NVML cannot say."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        handle, minor = ctypes.c_void_p(), ctypes.c_uint()
+        if (nvml.nvmlInit_v2() == 0 and nvml.nvmlDeviceGetHandleByIndex_v2(gpu_id, ctypes.byref(handle)) == 0
+                and nvml.nvmlDeviceGetMinorNumber(handle, ctypes.byref(minor)) == 0):
+            return f"/dev/nvidia{minor.value}"
+    except OSError:
+        pass
+    return f"/dev/nvidia{gpu_id}"
+
+
+def bwrap_command(config: ServerConfig, gpus: list[int], root: str) -> list[str]:
+    """The bubblewrap command line of a slot whose private directory is `root` (SERVER.md §3.1).
+
+    Every namespace is new (no network, own PIDs), no capabilities, no nested user namespaces;
+    the system, the Python environment, our files and --sandbox-readonly-path entries read-only;
+    the log directory, disk cache and the server's temporary directory hidden where they would
+    otherwise show through one of those."""
+    args = [shutil.which("bwrap") or "bwrap", "--die-with-parent", "--unshare-all", "--unshare-user",
+            "--disable-userns", "--cap-drop", "ALL", "--new-session", "--clearenv"]
+    for name, value in sandbox_environment().items():
+        args += ["--setenv", name, value]
+    for top in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(top):
+            args += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            args += ["--ro-bind", top, top]
+    for name in SANDBOX_ETC:
+        args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
+    args += ["--ro-bind", "/sys", "/sys", "--proc", "/proc", "--dev", "/dev"]
+    for node in [gpu_device_node(g) for g in gpus] + list(GPU_CONTROL_NODES if gpus else ()):
+        args += ["--dev-bind-try", node, node]
+    for addon in torch_addons():
+        args += ["--ro-bind", addon, os.path.join(SANDBOX_ADDONS, os.path.basename(addon))]
+    args += ["--bind", root, SANDBOX_ROOT, "--bind", os.path.join(root, "tmp"), "/tmp",
+             "--bind", os.path.join(root, "tmp"), "/var/tmp", "--bind", os.path.join(root, "shm"), "/dev/shm"]
+    shown = shown_paths(config)
+    hidden = [p for p in (config.log_dir, config.disk_cache_dir, tempfile.gettempdir(), os.path.expanduser("~"))
+              if p and any(is_under(os.path.abspath(p), s) for s in shown)]
+    # parents before children, so a hidden directory's tmpfs never covers a mount inside it
+    for path, kind in sorted([(p, "--ro-bind") for p in shown] + [(os.path.abspath(p), "--tmpfs") for p in hidden]):
+        args += [kind, path] if kind == "--tmpfs" else [kind, path, path]
+    return args + ["--chdir", "/"]
+
+
+def children_of(pid: int | None) -> list[int]:
+    """Live children of a process, from the kernel's per-thread child lists: a few small reads
+    instead of a scan of every process on the machine (this runs on every request)."""
+    found = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for tid in tasks:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/children") as f:
+            found += [int(child) for child in f.read().split()]
+    return [child for child in found if is_live(child)]
+
+
+def descendants(pid: int | None) -> list[int]:
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [child for parent in frontier for child in children_of(parent)]
+        found += frontier
+    return found
+
+
+def inner_pid(pid: int) -> int | None:
+    """A process's id in its own (innermost) PID namespace."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return int(next(line for line in f if line.startswith("NSpid:")).split()[-1])
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def probe_bubblewrap(config: ServerConfig) -> None:
+    """--sandbox bubblewrap without a working bwrap stops the start-up; it never runs unsandboxed."""
+    if shutil.which("bwrap") is None:
+        raise SystemExit("kcoral: --sandbox bubblewrap needs bwrap on PATH (Debian: apt-get install bubblewrap)")
+    root = tempfile.mkdtemp(prefix="kcoral-sandbox-probe-")
+    try:
+        for name in SANDBOX_SCRATCH:
+            os.mkdir(os.path.join(root, name))
+        project, _ = project_files()
+        code = f"import sys; sys.path.insert(0, {project!r}); import kcoral_worker"
+        result = subprocess.run(bwrap_command(config, [], root) + [sys.executable, "-c", code], check=False,
+                                env=sandbox_environment(), stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise SystemExit(f"kcoral: --sandbox bubblewrap: bwrap does not work here: {exc}") from None
+    finally:
+        remove_tree(root)
+    if result.returncode != 0:
+        lines = result.stderr.decode(errors="replace").strip().splitlines() or [f"exit code {result.returncode}"]
+        raise SystemExit(f"kcoral: --sandbox bubblewrap: bwrap does not work here: {lines[-1]}")
+
+
+SPAWNS = {"queue": None, "lock": threading.Lock()}
+
+
+def lasting_popen(args: list[str], **options) -> subprocess.Popen:
+    """subprocess.Popen run by one thread that lives as long as the server.
+
+    bwrap --die-with-parent ties a container to the *thread* that started it (PR_SET_PDEATHSIG),
+    and the pool starts containers from threads that come and go.
+    """
+    with SPAWNS["lock"]:
+        if SPAWNS["queue"] is None:
+            SPAWNS["queue"] = queue.SimpleQueue()
+            threading.Thread(target=serve_spawns, args=(SPAWNS["queue"],), name="kcoral-spawner",
+                             daemon=True).start()
+    reply = queue.SimpleQueue()
+    SPAWNS["queue"].put((args, options, reply))
+    outcome = reply.get()
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome
+
+
+def serve_spawns(requests: queue.SimpleQueue) -> None:
+    while True:
+        args, options, reply = requests.get()
+        try:
+            reply.put(subprocess.Popen(args, **options))
+        except (OSError, ValueError, subprocess.SubprocessError) as exc:  # handed to the caller
+            reply.put(exc)
+
+
+class SandboxTemplate:
+    """A slot's bubblewrap container, and in it a warm template that forks one worker at a time.
+
+    Starting a container and importing torch takes seconds; forking a worker from a template
+    that did both once takes milliseconds.  So a slot keeps its container: each request gets a
+    fresh process in it, a private directory emptied after the request, and everything the
+    request started is killed (the container's PID namespace holds nothing else).
+    """
+
+    def __init__(self, config: ServerConfig, device: str, gpus: list[int]):
+        self.root = tempfile.mkdtemp(prefix="kcoral-sandbox-")
+        for name in SANDBOX_SCRATCH:
+            os.mkdir(os.path.join(self.root, name), 0o1777)
+        self.mount_points = scratch_mount_points(config, self.root)
+        self.conn, child = multiprocessing.Pipe()
+        project, _ = project_files()
+        # as the unsandboxed template: GPU workers pin their device after the fork, before CUDA starts
+        preload = ["numpy"] + [m for m in ("torch", "tvm_ffi") if importlib.util.find_spec(m)]
+        import_env = {"TVM_FFI_CACHE_DIR": SANDBOX_ADDONS} if torch_addons() else {}
+        code = (f"import sys; sys.path.insert(0, {project!r}); import kcoral_worker; "
+                f"kcoral_worker.template_main({child.fileno()}, {preload!r}, {import_env!r})")
+        # bwrap's own processes get the clean environment too: the container's PID 1 is one of them
+        self.process = lasting_popen(bwrap_command(config, gpus, self.root) + [sys.executable, "-c", code],
+                                     env=sandbox_environment(), pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
+        child.close()
+        self.init_pid = self.pid = self.current = None
+
+    def ready(self, timeout: float) -> None:
+        """Wait for the template's first message; find its init and template processes."""
+        if self.pid is not None:
+            return
+        try:
+            if not self.conn.poll(timeout):
+                raise WorkerStartTimeout(f"the sandbox did not start within {timeout:.0f} s")
+            _, template_pid = self.conn.recv()
+        except (EOFError, OSError) as exc:
+            self.close()
+            raise WorkerCrashed("the sandbox did not start") from exc
+        except WorkerCrashed:
+            self.close()
+            raise
+        self.init_pid = next(iter(children_of(self.process.pid)), None)
+        self.pid = next((p for p in children_of(self.init_pid) if inner_pid(p) == template_pid), None)
+        if self.pid is None:
+            self.close()
+            raise WorkerCrashed("the sandbox's template is gone")
+
+    def alive(self) -> bool:
+        return self.process.poll() is None and (self.pid is None or is_live(self.pid))
+
+    def fork(self, conn, device: str, visible: list[str], timeout: float) -> "SandboxedProcess":
+        """A fresh worker for `conn` in a freshly emptied private directory -> its SandboxedProcess.
+
+        A template that does not answer (a program may have stopped it) takes its container
+        down with it, so that the slot's next worker comes from a new one."""
+        self.ready(timeout)
+        try:
+            if self.current is not None:  # its exit status comes first on the pipe
+                self.current.join(5)
+                if self.current.exitcode is None:
+                    raise WorkerCrashed("the sandbox's previous worker did not exit")
+            self.clear()
+            try:
+                self.conn.send((device, visible))
+                reduction.send_handle(self.conn, conn.fileno(), self.pid)
+                if not self.conn.poll(60):
+                    raise WorkerCrashed("the sandbox's template did not fork")
+                _, pid = self.conn.recv()
+            except (EOFError, OSError) as exc:
+                raise WorkerCrashed("the sandbox's template is gone") from exc
+            host_pid = next((p for p in children_of(self.pid) if inner_pid(p) == pid), None)
+            if host_pid is None:
+                raise WorkerCrashed("the sandbox's new worker is gone")
+        except WorkerCrashed:
+            self.close()
+            raise
+        self.current = SandboxedProcess(self, host_pid)
+        return self.current
+
+    def kill_requests(self, grace: float) -> bool:
+        """SIGTERM everything in the container but its init and template, SIGKILL it after `grace`.
+        -> whether it is all gone (as kill_group)."""
+        def remaining():
+            return [p for p in descendants(self.init_pid) if p != self.pid]
+
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+            pids = remaining()
+            if not pids:
+                return True
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, sig)
+            deadline = time.monotonic() + wait
+            while remaining() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return not remaining()
+
+    def clear(self) -> None:
+        """Empty the private directory; /tmp and /dev/shm are bind mounts, so those are emptied in place."""
+        for name in os.listdir(self.root):
+            path = os.path.join(self.root, name)
+            if name in SANDBOX_SCRATCH:
+                os.chmod(path, 0o1777)
+                empty_directory(path, self.mount_points)
+            else:
+                remove_entry(path)
+        for name in ("home", "cache"):
+            os.mkdir(os.path.join(self.root, name), 0o700)
+
+    def close(self) -> None:
+        """End the container (its template exits when the pipe closes; bwrap's --die-with-parent
+        takes everything else in it down once bwrap itself is killed)."""
+        with contextlib.suppress(OSError):
+            self.conn.close()
+        try:
+            self.process.wait(5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        remove_tree(self.root)
+
+
+class SandboxedProcess:
+    """The parts of multiprocessing.Process the pool uses, for a worker its template forked."""
+
+    def __init__(self, template: SandboxTemplate, pid: int | None):
+        self.template = template
+        self.pid = pid
+        self.exitcode = None
+
+    def join(self, timeout: float | None = None) -> None:
+        if self.exitcode is None:
+            try:
+                if self.template.conn.poll(timeout):
+                    self.exitcode = self.template.conn.recv()[1]
+            except (EOFError, OSError):  # the whole container is gone
+                self.exitcode = -signal.SIGKILL
+
+    def is_alive(self) -> bool:
+        self.join(0)
+        return self.exitcode is None
+
+
 # --- workers and the pool ---------------------------------------------------
 
 class WorkerCrashed(Exception):
@@ -1021,19 +1380,26 @@ WORKER_PHASE_SECONDS = 60.0  # each start-up phase (SERVER.md §1.1)
 
 
 class Worker:
-    """One worker process forked from the template, with its pipe."""
+    """One worker process forked from the template (a slot's sandbox template, if any), with its pipe."""
 
-    def __init__(self, pool, gpus, phase_timeout=WORKER_PHASE_SECONDS):
+    def __init__(self, pool, gpus, phase_timeout=WORKER_PHASE_SECONDS, template=None):
         self.gpus = gpus
+        self.template = template
         self.conn, child = pool.context.Pipe()
         visible = [pool.gpu_names[g] for g in gpus]
-        self.process = pool.context.Process(target=kcoral_worker.worker_main,
-                                            args=(child, pool.device, visible), name="kcoral-worker")
-        self.process.start()
-        # Process.start() on another thread polls every child multiprocessing tracks; two threads
-        # reading one forkserver exit status make join() report 255 for a clean exit.  We track ours.
-        multiprocessing.process._children.discard(self.process)
-        child.close()
+        if template is not None:
+            try:
+                self.process = template.fork(child, pool.device, visible, phase_timeout)
+            finally:
+                child.close()
+        else:
+            self.process = pool.context.Process(target=kcoral_worker.worker_main,
+                                                args=(child, pool.device, visible), name="kcoral-worker")
+            self.process.start()
+            # Process.start() on another thread polls every child multiprocessing tracks; two threads
+            # reading one forkserver exit status make join() report 255 for a clean exit.  We track ours.
+            multiprocessing.process._children.discard(self.process)
+            child.close()
         self.pid = self.process.pid
         self.served = 0
         try:
@@ -1064,7 +1430,10 @@ class Worker:
 
     def kill(self, grace, orphans=False):
         """-> whether the whole tree is confirmed gone (else its GPUs must be quarantined)."""
-        gone = kill_group(self.pid, grace, orphans=orphans)
+        if self.template is not None:  # its container holds exactly what this worker started
+            gone = self.template.kill_requests(grace)
+        else:
+            gone = kill_group(self.pid, grace, orphans=orphans)
         self.process.join(5)
         self.conn.close()
         return gone
@@ -1084,6 +1453,7 @@ class Slot:
         self.name = name
         self.gpus = gpus
         self.worker = None
+        self.template = None  # its SandboxTemplate under --sandbox bubblewrap
 
 
 @dataclasses.dataclass
@@ -1170,9 +1540,30 @@ class Pool:
         self.in_progress = 0
         self.closing = False
         self.replacements = []
+        if config.sandbox == "bubblewrap":
+            probe_bubblewrap(config)
+            for slot in self.slots:  # the containers import in parallel
+                slot.template = SandboxTemplate(config, device, slot.gpus)
         for slot in self.slots:
-            slot.worker = self.start_worker(slot.gpus)
+            slot.worker = self.start_slot_worker(slot)
             self.idle.append(slot)
+
+    def start_slot_worker(self, slot: Slot) -> Worker:
+        """The slot's next worker.  Under the sandbox, from the slot's container, started again if a
+        program killed or stopped its template (a container that failed to fork is closed)."""
+        try:
+            return self.start_worker(slot.gpus, self.live_template(slot))
+        except WorkerCrashed:
+            if slot.template is None or slot.template.alive():
+                raise
+            return self.start_worker(slot.gpus, self.live_template(slot))
+
+    def live_template(self, slot: Slot) -> "SandboxTemplate | None":
+        """The slot's sandbox template, a new one if the old one is gone; None without a sandbox."""
+        if slot.template is not None and not slot.template.alive():
+            slot.template.close()
+            slot.template = SandboxTemplate(self.config, self.device, slot.gpus)
+        return slot.template
 
     def quarantine(self, gpus, reason):
         """SERVER.md §2.1: a tree whose exit is unconfirmed may still use its GPUs.  Nobody gets
@@ -1189,8 +1580,8 @@ class Pool:
             self.quarantine(worker.gpus, "a worker's process tree outlived SIGKILL")
         return gone
 
-    def start_worker(self, gpus):
-        worker = Worker(self, gpus)  # pinning and imports are host work: no lease yet
+    def start_worker(self, gpus, template=None):
+        worker = Worker(self, gpus, template=template)  # pinning and imports are host work: no lease yet
         if self.arbiter is not None:
             # context creation must not overlap someone else's measurement
             self.arbiter.acquire(STARTUP_OWNER, gpus)
@@ -1252,7 +1643,7 @@ class Pool:
     def replace(self, slot):
         """Start the slot's next worker off the request's critical path."""
         try:
-            slot.worker = self.start_worker(slot.gpus)
+            slot.worker = self.start_slot_worker(slot)
         except Exception as exc:
             slot.worker = None
             log_event("worker_replace_failed", "ERROR", worker_id=slot.name, error=str(exc))
@@ -1274,7 +1665,7 @@ class Pool:
                 slot.worker.kill(0)
                 slot.worker = None
                 try:
-                    slot.worker = self.start_worker(slot.gpus)
+                    slot.worker = self.start_slot_worker(slot)
                 except Exception as exc:
                     log_event("worker_replace_failed", "ERROR", worker_id=slot.name, error=str(exc))
             if slot.worker is None:
@@ -1297,10 +1688,19 @@ class Pool:
             gpus, wait_ms = self.arbiter.acquire(job.request_id, count=count)
         except LeaseRefused as exc:
             return Outcome(503, "busy", str(exc))
+        # under the sandbox, its own container showing exactly these GPUs: a cold start
+        template = SandboxTemplate(self.config, self.device, gpus) if self.config.sandbox == "bubblewrap" else None
+        try:
+            return self.run_dedicated_worker(job, gpus, wait_ms, queue_ms, template)
+        finally:
+            if template is not None:
+                template.close()
+
+    def run_dedicated_worker(self, job, gpus, wait_ms, queue_ms, template):
         started = time.monotonic()
         phase_timeout = min(WORKER_PHASE_SECONDS, job.timeout)  # start-up is part of the request's timeout
         try:
-            worker = Worker(self, gpus, phase_timeout)
+            worker = Worker(self, gpus, phase_timeout, template=template)
             worker.initialize(self.gpu_names[gpus[0]], phase_timeout)
         except WorkerStartTimeout:
             return Outcome(504, "timeout", "execution timed out while the multi-GPU worker started")
@@ -1336,6 +1736,8 @@ class Pool:
         for slot in self.slots:
             if slot.worker is not None:
                 slot.worker.stop(self.config.worker_termination_grace_seconds)
+            if slot.template is not None:
+                slot.template.close()
 
 
 class Execution:
@@ -1355,8 +1757,12 @@ class Execution:
         self.last_index = None
         self.results = {}
         self.parts = []
-        # <root>/work is the program's working directory; the file <root>/blobs stages its blobs
-        self.root = tempfile.mkdtemp(prefix="kcoral-program-")
+        # <root>/work is the program's working directory; the file <root>/blobs stages its blobs.
+        # In a sandbox the root is the slot's private directory, which the worker sees as SANDBOX_ROOT.
+        if worker.template is None:
+            self.root = self.inside = tempfile.mkdtemp(prefix="kcoral-program-")
+        else:
+            self.root, self.inside = worker.template.root, SANDBOX_ROOT
         self.workspace = os.path.join(self.root, "work")
         self.blob_file = os.path.join(self.root, "blobs")
 
@@ -1389,7 +1795,7 @@ class Execution:
         finally:
             self.release_lease()
             output = self.drain.result(wait=2.0) if self.drain else ("", "", False, False)
-            remove_tree(self.root)
+            self.remove_workspace()
         body = {"status": "FAILED" if error else "COMPLETED", "request_id": self.job.request_id,
                 "queue_ms": self.queue_ms, "elapsed_ms": (time.monotonic() - started) * 1e3,
                 "lease_wait_ms": self.lease_wait_ms, "lease_held_ms": self.lease_held_ms,
@@ -1400,12 +1806,18 @@ class Execution:
             body["error"] = error
         return Outcome(body=body, parts=self.parts), retire
 
+    def remove_workspace(self) -> None:
+        if self.worker.template is None:
+            remove_tree(self.root)
+        else:  # what the request left in its /tmp and /dev/shm goes too
+            self.worker.template.clear()
+
     def send_job(self):
         program = self.job.program
         limit = self.config.max_requests_per_worker
         request = {"request_id": self.job.request_id, "instructions": program.instructions,
                    "retire": self.single_use or (bool(limit) and self.worker.served + 1 >= limit),
-                   "workspace": self.workspace, "blob_file": self.blob_file,
+                   "workspace": os.path.join(self.inside, "work"), "blob_file": os.path.join(self.inside, "blobs"),
                    "capture": self.job.output_limit > 0, "grace": self.config.worker_termination_grace_seconds,
                    "max_response_bytes": self.config.max_response_bytes}
         request["blob_index"] = self.stage_blobs()
@@ -1567,6 +1979,15 @@ def remove_tree(path):
         shutil.rmtree(path, ignore_errors=True)
 
 
+def remove_entry(path: str) -> None:
+    """Remove a file, link or directory tree."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        remove_tree(path)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
 # --- logging (SERVER.md §10) ---------------------------------------------------
 
 LOG = {"console": True, "file": None, "programs": None, "lock": threading.Lock()}
@@ -1658,8 +2079,8 @@ class KCoralServer:
         self.httpd.app = self
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
-        log_event("server_started", url=self.url, device=device, workers=len(self.pool.slots),
-                  run_dir=run_dir, instance_id=self.instance_id)
+        log_event("server_started", url=self.url, device=device, sandbox=self.config.sandbox,
+                  workers=len(self.pool.slots), run_dir=run_dir, instance_id=self.instance_id)
         return self
 
     @property
@@ -1806,8 +2227,12 @@ def create_app(config=None):
 def validate_config(config):
     if config.device not in ("auto", "cpu", "gpu"):
         raise ValueError("device must be 'auto', 'cpu' or 'gpu'")
-    if config.sandbox != "none":
-        raise ValueError("the bubblewrap sandbox is not implemented; use --sandbox none")
+    if config.sandbox not in ("none", "bubblewrap"):
+        raise ValueError("sandbox must be 'none' or 'bubblewrap'")
+    if config.sandbox_readonly_paths and config.sandbox != "bubblewrap":
+        raise ValueError("--sandbox-readonly-path requires --sandbox bubblewrap")
+    if not all(os.path.isabs(path) for path in config.sandbox_readonly_paths):
+        raise ValueError("--sandbox-readonly-path takes absolute paths")
     checks = [(config.disk_cache_capacity_mbytes >= 0, "disk_cache_capacity_mbytes must be >= 0"),
               (config.num_workers >= 1, "num_workers must be >= 1"),
               (config.workers_per_gpu >= 1, "workers_per_gpu must be >= 1"),
@@ -2125,7 +2550,9 @@ def add_config_flags(parser):
             default = os.environ[meta["env"]]
         flag = "--" + field.name.replace("_", "-")
         env_note = f" [env {meta['env']}]" if meta["env"] else ""
-        if field.type is bool:  # every boolean setting defaults to on; the flag turns it off
+        if meta["flag"]:
+            parser.add_argument(meta["flag"], dest=field.name, action="append", default=[], help=meta["help"])
+        elif field.type is bool:  # every boolean setting defaults to on; the flag turns it off
             parser.add_argument("--no-" + flag[2:], dest=field.name, action="store_false",
                                 help=f"do not {meta['help']}")
         else:
@@ -2142,6 +2569,8 @@ def config_from_args(args):
         value = getattr(args, field.name)
         if field.metadata["parse"]:
             value = field.metadata["parse"](value)
+        elif field.metadata["flag"]:
+            value = tuple(value)
         elif field.type == str | None and value == "":  # '' disables, as in the reference
             value = None
         values[field.name] = value
@@ -2154,13 +2583,9 @@ def parse_args(argv):
                                             "It executes arbitrary code by design; bind it to trusted networks.")
     p.add_argument("--version", action="version", version=f"kcoral {__version__}")
     add_config_flags(p)
-    p.add_argument("--sandbox-readonly-path", action="append", default=[],
-                   help="extra path mounted read-only in the sandbox (repeatable)")
     for flag in ("--router", "--node-id", "--node-token"):
         p.add_argument(flag, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.sandbox != "none" or args.sandbox_readonly_path:
-        p.error("the bubblewrap sandbox is not implemented in this server; run with --sandbox none")
     if args.router or args.node_id or args.node_token:
         p.error("router mode is not implemented in this server; scale out behind HAProxy instead "
                 "(python -m kcoral haproxy-config prints its configuration; see docs/scaling.md)")

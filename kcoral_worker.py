@@ -1219,6 +1219,56 @@ def worker_main(conn, device, visible_gpus):
 WORKER_MARK = "KCORAL_WORKER_PID"
 
 
+def template_main(fd: int, preload: list[str], import_env: dict[str, str]) -> None:
+    """Entry point of a slot's template inside its bubblewrap sandbox (kcoral.py SandboxTemplate).
+
+    It imports once (with `import_env` set meanwhile), then per message (device, visible GPUs)
+    plus the worker's pipe forks one worker, answers ("forked", pid) and, once that worker is
+    gone, ("exited", exit code).
+    """
+    import importlib
+    from multiprocessing.connection import Connection
+    set_dumpable(False)  # a request may not ptrace or read the process that forks the next one
+    saved = {name: os.environ.get(name) for name in import_env}
+    os.environ.update(import_env)
+    for name in preload:
+        importlib.import_module(name)
+    for name, value in saved.items():
+        if value is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = value
+    conn = Connection(fd)
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            os._exit(0)
+        if message is None:
+            os._exit(0)
+        pipe = reduction.recv_handle(conn)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                conn.close()
+                set_dumpable(True)
+                worker_main(Connection(pipe), *message)
+            finally:
+                os._exit(1)
+        os.close(pipe)
+        conn.send(("forked", pid))
+        conn.send(("exited", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])))
+
+
+def set_dumpable(flag: bool) -> None:
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(4, int(flag), 0, 0, 0)  # PR_SET_DUMPABLE
+    except (OSError, AttributeError):
+        pass
+
+
 def become_subreaper():
     """Orphans of the program stay our descendants, so a new session cannot hide them."""
     try:

@@ -277,14 +277,16 @@ def reference_router_argv(port: int, *flags: str) -> list:
     return [os.path.join(reference_venv(), "bin", "kcoral"), "router", "--port", str(port), *flags]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """The shared default server; its TMPDIR is private so workspace leaks are visible."""
+@pytest.fixture(scope="module", params=["none", "bubblewrap"], ids=["unsandboxed", "sandboxed"])
+def server(request, tmp_path_factory):
+    """The shared default server, once without and once with the sandbox; its TMPDIR is private
+    so workspace leaks are visible."""
     base = tmp_path_factory.mktemp("server")
     tmpdir = base / "tmp"
     tmpdir.mkdir()
-    with ServerProcess(tmp_path=base, env={"TMPDIR": str(tmpdir)}) as srv:
+    with ServerProcess("--sandbox", request.param, tmp_path=base, env={"TMPDIR": str(tmpdir)}) as srv:
         srv.tmpdir = str(tmpdir)
+        srv.sandbox = request.param
         yield srv
 
 
@@ -417,8 +419,34 @@ def execute_ok(url, program, blobs=(), **kw):
     return body
 
 
+SANDBOX_SKELETON = ("cache", "home", "shm", "tmp")  # what a sandbox's private directory keeps between requests
+
+
+SANDBOX_SCRATCH_MOUNTS = {"tmp": ("/tmp", "/var/tmp"), "shm": ("/dev/shm",)}
+
+
 def workspaces(srv):
-    return sorted(n for n in os.listdir(srv.tmpdir) if n.startswith("kcoral-program-"))
+    """What requests left in the server's TMPDIR: unsandboxed workspaces, and in a sandbox's
+    private directory anything beyond its skeleton, or any file in it.  Its /tmp keeps the
+    empty mount points of read-only paths there (a checkout under /tmp, say): an empty file
+    whose path exists on the host is one of those."""
+    found = []
+    for name in sorted(os.listdir(srv.tmpdir)):
+        path = os.path.join(srv.tmpdir, name)
+        if name.startswith("kcoral-program-"):
+            found.append(name)
+        elif name.startswith("kcoral-sandbox-"):
+            found += [f"{name}/{entry}" for entry in os.listdir(path) if entry not in SANDBOX_SKELETON]
+            for entry in SANDBOX_SKELETON:
+                base = os.path.join(path, entry)
+                for folder, _, files in os.walk(base):
+                    for file in (os.path.join(folder, f) for f in files):
+                        rel = os.path.relpath(file, base)
+                        mount_point = os.path.getsize(file) == 0 and any(
+                            os.path.exists(os.path.join(top, rel)) for top in SANDBOX_SCRATCH_MOUNTS.get(entry, ()))
+                        if not mount_point:
+                            found.append(file)
+    return sorted(found)
 
 
 def wait_for(predicate, timeout=10.0, interval=0.02):

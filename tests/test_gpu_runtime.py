@@ -251,6 +251,7 @@ class FakeWorker:
     def __init__(self, conn, gpus):
         self.conn = conn
         self.gpus = gpus
+        self.template = None  # not sandboxed
         self.pid = 4194000  # no such process group: group_members() finds nobody
         self.served = 0
         self.process = FakeProcess()
@@ -1026,9 +1027,10 @@ def test_waits_for_n_gpus_end_at_shutdown():
 def test_multi_gpu_start_up_failures(monkeypatch, failure, status, kind):
     pool = object.__new__(kcoral.Pool)
     pool.arbiter, pool.gpu_names = kcoral.LeaseArbiter([0, 1]), {0: "0", 1: "1"}
+    pool.config = kcoral.ServerConfig()
     phases = []
 
-    def worker(pool_, gpus, phase_timeout):
+    def worker(pool_, gpus, phase_timeout, template=None):
         phases.append(phase_timeout)
         raise failure("did not start")
     monkeypatch.setattr(kcoral, "Worker", worker)
