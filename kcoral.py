@@ -2650,7 +2650,8 @@ defaults
     # after 2 good ones.  A refused connection marks the node down at once: least connections
     # would otherwise keep choosing a dead node, the one with the fewest connections.  (Not
     # "observe layer7": it would also take a healthy node out for a program's 504 timeout.)
-    default-server check inter 1s fastinter 250ms downinter 1s fall 2 rise 2 observe layer4 error-limit 1 on-error mark-down
+    default-server check inter 1s fastinter 250ms downinter 1s fall 2 rise 2 \
+observe layer4 error-limit 1 on-error mark-down
 
 frontend kcoral
     bind {listen}

@@ -65,7 +65,8 @@ class Cohort:
         """Every node answered at least one of a burst of spread requests."""
         before = self.posts()
         with Client(self.proxy.url, headers=AUTH) as client:
-            threads = [threading.Thread(target=run_echo, args=(client, f"up-{k}", 0.2, {}, self.ledger)) for k in range(2 * NODES)]
+            threads = [threading.Thread(target=run_echo, args=(client, f"up-{k}", 0.2, {}, self.ledger))
+                       for k in range(2 * NODES)]
             for t in threads:
                 t.start()
             for t in threads:
@@ -314,8 +315,8 @@ def test_client_marks_only_requests_with_blobs_by_their_largest_blob(cohort, mon
         assert client.execute(echo_program("plain", 0, cohort.ledger)).completed
         small, large = os.urandom(1000), os.urandom(3000)
         program = Program()
-        fn = program.get_function(module=program.upload(kind="module", source="def f(a, b):\n    return len(a) + len(b)\n"),
-                                  name="f")
+        source = "def f(a, b):\n    return len(a) + len(b)\n"
+        fn = program.get_function(module=program.upload(kind="module", source=source), name="f")
         args = [program.upload(kind="bytes", value=small), program.upload(kind="bytes", value=large)]
         program.return_(key="n", value=program.run(fn=fn, args=args))
         assert client.execute(program)["n"] == 4000
