@@ -2578,9 +2578,14 @@ def config_from_args(args):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="kcoral", allow_abbrev=False,
-                                description="KCoral server: runs uploaded programs on GPU or CPU workers. "
-                                            "It executes arbitrary code by design; bind it to trusted networks.")
+    p = argparse.ArgumentParser(
+        prog="kcoral", allow_abbrev=False,
+        usage="%(prog)s [server] [flags]\n       %(prog)s run TOOL [options] -- ARGS...\n"
+              "       %(prog)s haproxy-config --listen HOST:PORT NODE_URL[=SLOTS]...",
+        description="KCoral server: runs uploaded programs on GPU or CPU workers. "
+                    "It executes arbitrary code by design; bind it to trusted networks.",
+        epilog="`kcoral run --help` runs a local script or tool on a server; "
+               "`kcoral haproxy-config --help` writes the HAProxy configuration of a cohort of servers.")
     p.add_argument("--version", action="version", version=f"kcoral {__version__}")
     add_config_flags(p)
     for flag in ("--router", "--node-id", "--node-token"):
