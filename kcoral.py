@@ -55,7 +55,7 @@ from kcoral_worker import DTYPE_SIZES, ValidationError, large_buffer, normalize_
 # `kcoral.errors` and `kcoral.builtins`, as in the published package (defined by the worker)
 errors, builtins = kcoral_worker.install_kcoral_modules()
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 CLIENT_NAMES = ("Client", "KCoralError", "Program", "ProgramResult", "ProtocolError", "Register",
                 "RemoteExecutionError", "RemoteFunction", "ReturnedFile", "ReturnedFolder",
                 "TransportError")
