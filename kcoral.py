@@ -44,6 +44,8 @@ import tempfile
 import threading
 import time
 import types
+import urllib.parse
+import urllib.request
 import uuid
 from multiprocessing import reduction
 
@@ -53,7 +55,7 @@ from kcoral_worker import DTYPE_SIZES, ValidationError, large_buffer, normalize_
 # `kcoral.errors` and `kcoral.builtins`, as in the published package (defined by the worker)
 errors, builtins = kcoral_worker.install_kcoral_modules()
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 CLIENT_NAMES = ("Client", "KCoralError", "Program", "ProgramResult", "ProtocolError", "Register",
                 "RemoteExecutionError", "RemoteFunction", "ReturnedFile", "ReturnedFolder",
                 "TransportError")
@@ -151,6 +153,9 @@ class ServerConfig:
     max_timeout_seconds: float = option(900.0, "upper clamp for a request's timeout_seconds")
     worker_wait_timeout_seconds: float = option(1800.0, "how long a request waits for a free worker "
                                                 "before 503 busy")
+    drain_seconds: float = option(2.0, "on shutdown, answer new requests 503 no sooner than this after "
+                                  "the signal, and keep the port open until none came for this long (at "
+                                  "most 10x): time for a load balancer's health check to take the node out")
     worker_termination_grace_seconds: float = option(5.0, "SIGTERM-to-SIGKILL window when killing a "
                                                      "worker's process tree")
     prepare_timeout_seconds: float = option(600.0, "how long the one-time preparation of the worker "
@@ -1549,7 +1554,6 @@ class Pool:
         self.idle = []
         self.waiters = collections.deque()
         self.in_progress = 0
-        self.replacing = 0
         self.closing = False
         self.replacements = []
         if config.sandbox == "bubblewrap":
@@ -1604,8 +1608,11 @@ class Pool:
         return worker
 
     def load(self):
+        # A slot whose worker is being replaced still counts: it is back within tens of ms, and
+        # with one request per worker a 1-worker node would otherwise read as full after every
+        # request (a load balancer sizing or checking on it would take it out of rotation).
         with self.cond:
-            capacity = 0 if self.closing else len(self.slots) - self.replacing
+            capacity = 0 if self.closing else len(self.slots)
             return {"request_capacity": capacity, "requests_in_progress": self.in_progress,
                     "requests_waiting": len(self.waiters)}
 
@@ -1639,7 +1646,6 @@ class Pool:
     def release(self, slot, retire):
         if retire:
             with self.cond:
-                self.replacing += 1
                 self.in_progress -= 1
             thread = threading.Thread(target=self.replace, args=(slot,), daemon=True)
             self.replacements.append(thread)
@@ -1658,7 +1664,6 @@ class Pool:
             slot.worker = None
             log_event("worker_replace_failed", "ERROR", worker_id=slot.name, error=str(exc))
         with self.cond:
-            self.replacing -= 1
             self.idle.append(slot)
             self.cond.notify_all()
 
@@ -1666,7 +1671,7 @@ class Pool:
         """Run a job on the next free slot -> Outcome (503 when none frees up in time)."""
         start = time.monotonic()
         slot = self.acquire(self.config.worker_wait_timeout_seconds)
-        if slot is None:
+        if slot is None:  # nothing ran: a cohort's HAProxy retries a 503 on another node
             return Outcome(503, "busy", "server saturated" if not self.closing else "server is shutting down")
         queue_ms = (time.monotonic() - start) * 1e3
         retire = True
@@ -2065,6 +2070,8 @@ class KCoralServer:
                            if config.disk_cache_dir and config.disk_cache_capacity_mbytes > 0 else None)
         self.in_flight = 0
         self.in_flight_cond = threading.Condition()
+        self.last_post = -math.inf  # time.monotonic() of the latest POST, for the drain's quiet period
+        self.drain_started = math.inf
         self.closing = False
         self.pool = None
         self.httpd = None
@@ -2103,16 +2110,29 @@ class KCoralServer:
 
     def close(self):
         """Graceful shutdown: capacity 0, new programs 503, in-flight ones finish."""
+        self.drain_started = time.monotonic()
         self.closing = True
         self.pool.close()
         with self.in_flight_cond:
             log_event("shutdown_started", remaining=self.in_flight)
             while self.in_flight:
                 self.in_flight_cond.wait()
+            self.wait_for_quiet()
         self.httpd.shutdown()
         self.httpd.server_close()
         self.pool.shutdown()
         log_event("server_stopped")
+
+    def wait_for_quiet(self):
+        """Behind a load balancer, requests keep coming until its health check sees capacity 0.
+        Each gets 503 busy (see `refuse_while_draining`); closing the port instead would reset
+        the connections queued on it after their requests were sent, which no balancer may
+        safely retry.  So the port closes only once POSTs have stopped for `drain_seconds`
+        (waiting at most ten times that).  Called with in_flight_cond held."""
+        quiet = self.config.drain_seconds
+        give_up = time.monotonic() + 10 * quiet
+        while self.in_flight or time.monotonic() < min(self.last_post + quiet, give_up):
+            self.in_flight_cond.wait(0.05)
 
     def health(self):
         return {"status": "ok", "instance_id": self.instance_id, "started_at": self.started_at,
@@ -2149,7 +2169,7 @@ class KCoralServer:
         if gpu_count and gpu_count > self.gpu_count:
             raise ValidationError("gpu_count exceeds this GPU server's configured capacity")
         if self.closing:
-            return Outcome(503, "busy", "server is shutting down")
+            return self.refuse_while_draining()
         save_program(request_id, data)
         options, config = program.options, self.config
         job = Job(request_id, program, blobs,
@@ -2160,9 +2180,19 @@ class KCoralServer:
         memory = [h for h, kinds in referenced.items() if "memory" in kinds]
         self.memory_cache.pin(memory)
         try:
-            return self.pool.execute(job)
+            outcome = self.pool.execute(job)
         finally:
             self.memory_cache.unpin(memory)
+        return self.refuse_while_draining() if outcome.http_status == 503 and self.closing else outcome
+
+    def refuse_while_draining(self):
+        """503 busy for a request that arrived during shutdown: nothing of it ran, so a load
+        balancer may retry it on another node.  The answer waits until `drain_seconds` after the
+        signal: by then the balancer's health check has seen capacity 0 and taken this node out,
+        so its retry goes elsewhere instead of straight back here (least connections would pick
+        this node again, the one with the fewest connections)."""
+        time.sleep(max(0.0, self.drain_started + self.config.drain_seconds - time.monotonic()))
+        return Outcome(503, "busy", "server is shutting down")
 
     def cache_file_blobs(self, program, supplied):
         """Start putting supplied file-upload blobs into the disk cache -> a thread to join, or None.
@@ -2220,7 +2250,8 @@ def validate_config(config):
               (len(config.gpus) > 0, "gpus must not be empty"),
               (config.default_timeout_seconds > 0 and config.max_timeout_seconds > 0,
                "timeouts must be positive"),
-              (1 <= config.port <= 65535 or config.port == 0, "port must be 1-65535")]
+              (1 <= config.port <= 65535 or config.port == 0, "port must be 1-65535"),
+              (0 <= config.drain_seconds <= 3600, "drain_seconds must be 0-3600")]
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
@@ -2305,6 +2336,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         app = self.app
         with app.in_flight_cond:
             app.in_flight += 1
+            app.last_post = time.monotonic()
         started = time.monotonic()
         outcome = Outcome(500, "engine", "internal server error")
         try:
@@ -2556,16 +2588,22 @@ def config_from_args(args):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="kcoral", allow_abbrev=False,
-                                description="KCoral server: runs uploaded programs on GPU or CPU workers. "
-                                            "It executes arbitrary code by design; bind it to trusted networks.")
+    p = argparse.ArgumentParser(
+        prog="kcoral", allow_abbrev=False,
+        usage="%(prog)s [server] [flags]\n       %(prog)s run TOOL [options] -- ARGS...\n"
+              "       %(prog)s haproxy-config --listen HOST:PORT NODE_URL[=SLOTS]...",
+        description="KCoral server: runs uploaded programs on GPU or CPU workers. "
+                    "It executes arbitrary code by design; bind it to trusted networks.",
+        epilog="`kcoral run --help` runs a local script or tool on a server; "
+               "`kcoral haproxy-config --help` writes the HAProxy configuration of a cohort of servers.")
     p.add_argument("--version", action="version", version=f"kcoral {__version__}")
     add_config_flags(p)
     for flag in ("--router", "--node-id", "--node-token"):
         p.add_argument(flag, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.router or args.node_id or args.node_token:
-        p.error("router mode is not implemented in this server; scale out behind HAProxy instead")
+        p.error("router mode is not implemented in this server; scale out behind HAProxy instead "
+                "(python -m kcoral haproxy-config prints its configuration; see docs/scaling.md)")
     try:
         config = config_from_args(args)
         validate_config(config)
@@ -2574,8 +2612,188 @@ def parse_args(argv):
     return config
 
 
+# --- a cohort of nodes behind HAProxy (`python -m kcoral haproxy-config`) -----------------
+
+AFFINITY_HEADER = "X-KCoral-Affinity"  # client.py sets it to the sha256 of a request's largest blob
+HAPROXY_TEMPLATE = """\
+# HAProxy configuration for a KCoral cohort, generated by `python -m kcoral haproxy-config`
+# (kcoral {version}).  Run it with `haproxy -f THIS_FILE`; regenerate it to add or remove a node.
+# Nodes ({total} slots in all):
+{node_list}
+global
+    maxconn 4096
+    log stderr format raw local0 info   # one line per request (status, node, timings, retries)
+
+defaults
+    mode http
+    log global
+    option httplog
+    option http-server-close      # a fresh node connection per request: a drained or restarted node
+                                  # is never sent a request over a connection it has given up
+    timeout connect 3s
+    timeout http-request 300s     # receiving a request (uploads), as the nodes' own limit
+    # server: the longest execution a node allows, plus teardown.  queue: queueing, not
+    # refusal; beyond the cohort's slots a request waits here (FIFO) as long as a node would
+    # have let it wait for a worker, then gets 503 busy.
+    timeout client {server_timeout}
+    timeout server {server_timeout}
+    timeout queue {queue_timeout}
+    timeout check 5s
+    # Retries.  A POST /execute runs user code, so it is retried on another node ONLY when
+    # nothing ran: the connection failed before the request was sent (conn-failure), or the
+    # node answered 503 busy, which a KCoral node sends only before execution starts (it is
+    # shutting down, or no worker freed up).  Never "empty-response", "junk-response" or
+    # "response-timeout": a node killed mid-execution would have its program run twice.
+    # Requests larger than tune.bufsize (16 KiB) cannot be replayed; their 503 reaches the client.
+    retries 3
+    retry-on conn-failure 503
+    option redispatch 1           # every retry goes to another node
+    # HAProxy's own answers keep the KCoral error shape, so clients report them clearly.
+    http-error status 502 content-type application/json lf-string '{{"status":"ERROR","request_id":"%[uuid]",\
+"error":{{"kind":"engine","message":"the node failed before answering (it may have run the program); not retried"}}}}'
+    http-error status 503 content-type application/json lf-string '{{"status":"ERROR","request_id":"%[uuid]",\
+"error":{{"kind":"busy","message":"no node of the cohort could take the request in time"}}}}' hdr Retry-After 1
+    http-error status 504 content-type application/json lf-string '{{"status":"ERROR","request_id":"%[uuid]",\
+"error":{{"kind":"timeout","message":"the node did not answer within the proxy server timeout"}}}}'
+    # Health: GET /health must answer 200 with a non-zero request_capacity (a node that has
+    # begun a graceful shutdown reports 0, so HAProxy stops sending it work while it drains).
+    option httpchk
+    http-check send meth GET uri /health{check_auth}
+    http-check expect status 200
+    http-check expect ! rstring \\"request_capacity\\":0[,}}]
+    # check: every second (every 250 ms while changing state); down after 2 failed checks, back
+    # after 2 good ones.  A refused connection marks the node down at once: least connections
+    # would otherwise keep choosing a dead node, the one with the fewest connections.  (Not
+    # "observe layer7": it would also take a healthy node out for a program's 504 timeout.)
+    default-server check inter 1s fastinter 250ms downinter 1s fall 2 rise 2 \
+observe layer4 error-limit 1 on-error mark-down
+
+frontend kcoral
+    bind {listen}
+    # Requests carrying blobs (the client sends {header}) go where their largest blob is cached.
+    use_backend kcoral_affinity if {{ req.hdr({header}) -m found }}
+    default_backend kcoral_spread
+
+backend kcoral_spread
+    # Least connections; maxconn = the node's worker slots, the rest wait in HAProxy's queue.
+    balance leastconn
+{servers}
+backend kcoral_affinity
+    # Consistent hashing on the blob key with bounded load: a node takes at most 150% of the
+    # average load, so one hot blob cannot pile its requests onto one node.  Each node is also
+    # in kcoral_spread with its own maxconn: under mixed traffic a node can be sent up to twice
+    # its slots, the excess waiting in the node's own FIFO queue (it is never refused).
+    balance hdr({header})
+    hash-type consistent
+    hash-balance-factor 150
+{servers}"""
+
+
+@dataclasses.dataclass(frozen=True)
+class CohortNode:
+    url: str
+    address: str  # host:port
+    slots: int | None  # None: read from the node's /health
+
+
+def parse_node(text: str) -> CohortNode:
+    """NODE_URL[=SLOTS] -> CohortNode (http:// URLs with a host and port, no path)."""
+    url, _, slots = text.rpartition("=") if re.fullmatch(r".*=\d+", text) else (text, "", "")
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme != "http" or not parts.hostname or port is None or parts.path not in ("", "/") \
+            or parts.query or parts.fragment:
+        raise ValueError(f"node {text!r}: expected http://HOST:PORT[=SLOTS]")
+    if slots and int(slots) < 1:
+        raise ValueError(f"node {text!r}: SLOTS must be at least 1")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return CohortNode(url.rstrip("/"), f"{host}:{port}", int(slots) if slots else None)
+
+
+def node_capacity(node: CohortNode, token: str | None, timeout: float = 10.0) -> int:
+    """The node's /health load.request_capacity, read now."""
+    request = urllib.request.Request(node.url + "/health",
+                                     headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            capacity = json.loads(response.read())["load"]["request_capacity"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"cannot read {node.url}/health ({exc}); start the node, or give its slots "
+                         f"as {node.url}=SLOTS") from None
+    if not is_integer(capacity) or capacity < 1:
+        raise ValueError(f"{node.url} reports request_capacity {capacity!r} (shutting down?); "
+                         f"give its slots as {node.url}=SLOTS")
+    return capacity
+
+
+def server_id(address: str) -> int:
+    """A stable HAProxy server id from the node's address: consistent hashing places servers
+    on its ring by id, so a node keeps its blobs' keys when others are added or removed."""
+    return 1 + int(hashlib.sha256(address.encode()).hexdigest()[:7], 16)
+
+
+def haproxy_time(seconds: float) -> str:
+    """HAProxy takes whole numbers with a unit."""
+    return f"{seconds:.0f}s" if seconds == int(seconds) else f"{round(seconds * 1000)}ms"
+
+
+def haproxy_config(listen: str, nodes: list[CohortNode], token: str | None,
+                   queue_timeout: float, server_timeout: float) -> str:
+    """The commented haproxy.cfg text for a cohort whose slots are all known."""
+    if len({n.address for n in nodes}) != len(nodes):
+        raise ValueError("a node is listed twice")
+    if len({server_id(n.address) for n in nodes}) != len(nodes):
+        raise ValueError("two node addresses hash to the same HAProxy server id; change a port")
+    servers = "".join(f"    server {n.address} {n.address} id {server_id(n.address)} maxconn {n.slots}\n"
+                      for n in nodes)
+    node_list = "\n".join(f"#   {n.url}  {n.slots} slot{'s' if n.slots != 1 else ''}" for n in nodes)
+    if token is not None and not re.fullmatch(r"[A-Za-z0-9._~+/-]+=*", token):  # RFC 6750 b64token
+        raise ValueError("the token must be a bearer token (letters, digits and -._~+/, then optional '=')")
+    return HAPROXY_TEMPLATE.format(
+        version=__version__, total=sum(n.slots for n in nodes), node_list=node_list, listen=listen,
+        servers=servers, header=AFFINITY_HEADER, queue_timeout=haproxy_time(queue_timeout),
+        server_timeout=haproxy_time(server_timeout),
+        check_auth=f' hdr Authorization "Bearer {token}"' if token else "")
+
+
+def haproxy_config_main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(prog="kcoral haproxy-config", allow_abbrev=False,
+                                description="Print an haproxy.cfg that spreads requests over a cohort of "
+                                            "KCoral nodes: queueing, health checks, drain and failover, "
+                                            "blob affinity.")
+    p.add_argument("--listen", required=True, metavar="HOST:PORT", help="address HAProxy binds")
+    p.add_argument("nodes", nargs="+", metavar="NODE_URL[=SLOTS]",
+                   help="a node, e.g. http://10.0.0.5:8000; SLOTS defaults to its /health request_capacity")
+    p.add_argument("--token", default=os.environ.get("KCORAL_TOKEN"),
+                   help="the nodes' bearer token, for reading /health and for HAProxy's health checks "
+                        "[env KCORAL_TOKEN]")
+    p.add_argument("--queue-timeout", type=float, default=ServerConfig.worker_wait_timeout_seconds,
+                   help="seconds a request may wait in HAProxy's queue before 503 busy (default: %(default)s, "
+                        "the nodes' default worker wait)")
+    p.add_argument("--server-timeout", type=float, default=ServerConfig.max_timeout_seconds + 60,
+                   help="seconds HAProxy waits for a node's answer (default: %(default)s, the nodes' default "
+                        "maximum execution timeout plus a minute)")
+    args = p.parse_args(argv)
+    if not re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[\w.-]*):\d+", args.listen):
+        p.error(f"--listen {args.listen!r}: expected HOST:PORT")
+    if not (0 < args.queue_timeout < math.inf and 0 < args.server_timeout < math.inf):
+        p.error("--queue-timeout and --server-timeout must be positive numbers of seconds")
+    try:
+        nodes = [parse_node(text) for text in args.nodes]
+        nodes = [n if n.slots else dataclasses.replace(n, slots=node_capacity(n, args.token)) for n in nodes]
+        text = haproxy_config(args.listen, nodes, args.token, args.queue_timeout, args.server_timeout)
+    except ValueError as exc:
+        p.error(str(exc))
+    sys.stdout.write(text)
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["haproxy-config"]:
+        return haproxy_config_main(argv[1:])
     if argv[:1] == ["run"]:  # the client-side command line lives in client.py
         sys.exit(load_client().run_command(argv[1:]))
     if argv[:1] == ["server"]:  # the reference's `kcoral server ...` spelling

@@ -188,10 +188,10 @@ class CountingClient(Client):
         self.posts, self.blob_bytes = 0, 0
         return super().execute(program, **options)
 
-    def _post_execute(self, program_json, blobs, node):
+    def _post_execute(self, program_json, blobs, *routing):
         self.posts += 1
         self.blob_bytes += sum(memoryview(data).nbytes for _, data in blobs)
-        return super()._post_execute(program_json, blobs, node)
+        return super()._post_execute(program_json, blobs, *routing)
 
 
 # --- memory of a process tree ------------------------------------------------

@@ -34,8 +34,8 @@ def free_port():
 class ServerProcess:
     """`python -m kcoral` on a free port, CPU workers, no log files, a private disk cache."""
 
-    def __init__(self, *flags, workers=2, env=None, tmp_path=None, device="cpu", ready_timeout=60):
-        self.port = free_port()
+    def __init__(self, *flags, workers=2, env=None, tmp_path=None, device="cpu", ready_timeout=60, port=None):
+        self.port = port or free_port()  # a given port: a restart where the last one left off
         self.url = f"http://127.0.0.1:{self.port}"
         cache = os.path.join(str(tmp_path) if tmp_path else f"/tmp/kcoral-test-{self.port}", "disk-cache")
         device_flags = ["--device", device] if device else []  # None: the CLI's own default (auto)
@@ -43,7 +43,7 @@ class ServerProcess:
                 "--num-workers", str(workers), "--log-dir", "", "--disk-cache-dir", cache, *flags]
         self.stderr_path = os.path.join(os.path.dirname(cache), f"server-{self.port}.log")
         os.makedirs(os.path.dirname(cache), exist_ok=True)
-        self.stderr = open(self.stderr_path, "wb")
+        self.stderr = open(self.stderr_path, "ab")
         self.proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, **(env or {})},
                                      stdout=subprocess.DEVNULL, stderr=self.stderr)
         self.wait_ready(ready_timeout)
@@ -87,6 +87,47 @@ class ServerProcess:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+class HAProxyProcess:
+    """A real `haproxy` in front of KCoral nodes, configured by `python -m kcoral haproxy-config`."""
+
+    def __init__(self, node_urls, workdir, token=None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.config_path = os.path.join(str(workdir), f"haproxy-{self.port}.cfg")
+        token_flags = ["--token", token] if token else []
+        config = subprocess.run([PYTHON, "-m", "kcoral", "haproxy-config", "--listen", f"127.0.0.1:{self.port}",
+                                 *token_flags, *node_urls], cwd=ROOT, capture_output=True, text=True, check=True)
+        with open(self.config_path, "w") as f:
+            f.write(config.stdout)
+        self.stderr = open(self.config_path + ".log", "ab")
+        self.proc = subprocess.Popen([HAPROXY, "-db", "-f", self.config_path],
+                                     stdout=subprocess.DEVNULL, stderr=self.stderr)
+        deadline = time.monotonic() + 30
+        while not self.accepting():
+            assert self.proc.poll() is None and time.monotonic() < deadline, "haproxy did not start"
+            time.sleep(0.05)
+
+    def accepting(self):
+        try:
+            socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+            return True
+        except OSError:
+            return False
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.stderr.close()
+
+
+HAPROXY = shutil.which("haproxy", path=os.environ.get("PATH", "") + os.pathsep + "/usr/sbin")
 
 
 def request(method, url, body=b"", headers=None, timeout=120):
