@@ -1259,8 +1259,9 @@ class Client:
                  and sum(len(blobs[h]) for h in unknown) <= self._eager_upload_bytes)
         send = [h for h in blobs if h in unknown] if eager else []  # type: ignore[operator]
         node = None
+        affinity = _affinity_key(blobs)
         for attempt in (1, 2, 3):
-            response = self._post_execute(program_json, [(h, blobs[h]) for h in send], node)
+            response = self._post_execute(program_json, [(h, blobs[h]) for h in send], node, affinity)
             if response.status != 200:
                 raise _http_error(response)
             payload, parts = _response_body(response.content_type, response.body)
@@ -1282,13 +1283,15 @@ class Client:
     # -- HTTP plumbing
 
     def _post_execute(self, program_json: bytes, blobs: list[tuple[str, bytes]],
-                      node: str | None) -> _Response:
+                      node: str | None, affinity: str | None) -> _Response:
         boundary = f"kcoral-{secrets.token_hex(16)}"
         chunks = _multipart_chunks(boundary, program_json, blobs)
         headers = {"Content-Type": f"multipart/form-data; boundary={boundary}",
                    "Content-Length": str(sum(memoryview(c).nbytes for c in chunks))}
         if node is not None:
             headers["X-KCoral-Node"] = node
+        if affinity is not None:
+            headers["X-KCoral-Affinity"] = affinity
         return self._request("POST", "/execute", headers, chunks)
 
     def _request(self, method: str, path: str, headers: dict[str, str] | None = None,
@@ -1418,6 +1421,17 @@ def _multipart_chunks(boundary: str, program_json: bytes,
     framing.append(f"\r\n--{boundary}--\r\n".encode())
     chunks.append(b"".join(framing))
     return chunks
+
+
+def _affinity_key(blobs: dict[str, bytes]) -> str | None:
+    """The hash of the program's largest blob (ties: the smaller hash), or None without blobs.
+
+    A cohort behind HAProxy hashes on it (`python -m kcoral haproxy-config`), so a program
+    that reuses a large blob lands on the node that already caches it; a single server
+    ignores the header."""
+    if not blobs:
+        return None
+    return min(blobs, key=lambda digest: (-len(blobs[digest]), digest))
 
 
 def _blob_caches(program: Program) -> dict[str, set[str]]:

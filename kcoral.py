@@ -17,6 +17,7 @@ file and kcoral_worker.py.
 
 import argparse
 import collections
+import contextlib
 import ctypes
 import dataclasses
 import datetime
@@ -33,6 +34,7 @@ import json
 import math
 import multiprocessing
 import os
+import queue
 import re
 import resource
 import secrets
@@ -47,6 +49,8 @@ import tempfile
 import threading
 import time
 import types
+import urllib.parse
+import urllib.request
 import uuid
 from multiprocessing import reduction
 
@@ -56,7 +60,7 @@ from kcoral_worker import DTYPE_SIZES, ValidationError, large_buffer, normalize_
 # `kcoral.errors` and `kcoral.builtins`, as in the published package (defined by the worker)
 errors, builtins = kcoral_worker.install_kcoral_modules()
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 CLIENT_NAMES = ("Client", "KCoralError", "Program", "ProgramResult", "ProtocolError", "Register",
                 "RemoteExecutionError", "RemoteFunction", "ReturnedFile", "ReturnedFolder",
                 "TransportError")
@@ -105,15 +109,17 @@ def default_disk_cache_dir():
     return os.path.join(base, "kcoral", "files")
 
 
-def option(default, help, *, env=None, cli_default=None, factory=None, choices=None, parse=None):
+def option(default, help, *, env=None, cli_default=None, factory=None, choices=None, parse=None, flag=None):
     """One server setting: its default, its help text and how the command line spells it.
 
     The command line is generated from these (`parse_args`), so a default is written once.
     `cli_default` is the command line's default where it differs from the dataclass's
     (the reference's `log_dir`: None embedded, "logs" from the CLI); `parse` turns the flag's
-    string into the field's value.
+    string into the field's value.  A `flag` names a repeatable option whose values make up
+    the field's tuple (`--sandbox-readonly-path` fills `sandbox_readonly_paths`).
     """
-    meta = {"help": help, "env": env, "cli_default": cli_default, "choices": choices, "parse": parse}
+    meta = {"help": help, "env": env, "cli_default": cli_default, "choices": choices, "parse": parse,
+            "flag": flag}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -152,6 +158,9 @@ class ServerConfig:
     max_timeout_seconds: float = option(900.0, "upper clamp for a request's timeout_seconds")
     worker_wait_timeout_seconds: float = option(1800.0, "how long a request waits for a free worker "
                                                 "before 503 busy")
+    drain_seconds: float = option(2.0, "on shutdown, answer new requests 503 no sooner than this after "
+                                  "the signal, and keep the port open until none came for this long (at "
+                                  "most 10x): time for a load balancer's health check to take the node out")
     worker_termination_grace_seconds: float = option(5.0, "SIGTERM-to-SIGKILL window when killing a "
                                                      "worker's process tree")
     prepare_timeout_seconds: float = option(600.0, "how long the one-time preparation of the worker "
@@ -176,7 +185,10 @@ class ServerConfig:
     max_response_bytes: int = option(256 << 20, "response size limit (500 response_too_large beyond it)")
     output_limit_bytes: int = option(1 << 20, "default per-stream stdout/stderr capture limit")
     max_output_limit_bytes: int = option(16 << 20, "upper clamp for a request's output_limit_bytes")
-    sandbox: str = option("none", "isolate each request's code", choices=("none", "bubblewrap"))
+    sandbox: str = option("none", "isolate each request's code in a bubblewrap container (docs/sandbox.md)",
+                          choices=("none", "bubblewrap"))
+    sandbox_readonly_paths: tuple = option((), "extra path mounted read-only in the sandbox (repeatable)",
+                                           flag="--sandbox-readonly-path")
     token: str | None = option(None, "require 'Authorization: Bearer <token>' on every endpoint",
                                env="KCORAL_TOKEN")
 
@@ -1043,6 +1055,369 @@ class LeaseArbiter:
         return None
 
 
+# --- the sandbox (docs/sandbox.md) ----------------------------------------------
+
+SANDBOX_ROOT = "/kcoral"  # inside a sandbox: the slot's private directory (work/, blobs, home/, cache/)
+SANDBOX_SCRATCH = ("tmp", "shm")  # bound at /tmp, /var/tmp and /dev/shm: emptied, never replaced
+SANDBOX_ETC = ("alternatives", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "passwd", "group", "nsswitch.conf",
+               "hosts", "localtime", "ssl", "ca-certificates", "os-release", "debian_version", "gitconfig")
+SANDBOX_ENV_NAMES = ("PATH", "LANG", "LANGUAGE", "TZ", "LD_LIBRARY_PATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+# tool settings, never secrets: the cache locations among them are replaced by the sandbox's own
+SANDBOX_ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "NVCC_", "TORCH_", "PYTORCH_", "TRITON_", "TVM_FFI_")
+SANDBOX_ADDONS = "/opt/kcoral-tvm-ffi"  # inside: the tvm_ffi torch add-on the server built (read-only)
+GPU_CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-caps")
+
+
+def sandbox_environment() -> dict[str, str]:
+    """An allow-list of the server's variables, never its secrets; home, temporary files and the
+    compiler/JIT caches all inside the slot's private directory, so they vanish with the request."""
+    env = {k: v for k, v in os.environ.items() if k in SANDBOX_ENV_NAMES or k.startswith(SANDBOX_ENV_PREFIXES)}
+    cache = f"{SANDBOX_ROOT}/cache"
+    env.update(HOME=f"{SANDBOX_ROOT}/home", TMPDIR="/tmp", XDG_CACHE_HOME=cache,
+               TORCH_EXTENSIONS_DIR=f"{cache}/torch_extensions", TRITON_CACHE_DIR=f"{cache}/triton",
+               CUDA_CACHE_PATH=f"{cache}/nv", TVM_FFI_CACHE_DIR=f"{cache}/tvm-ffi")
+    return env
+
+
+def is_under(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+def python_paths() -> list[str]:
+    """What the interpreter needs to run our worker: its prefixes and import path, minus the
+    server's working directory (only the project's own files are shown from there)."""
+    project = os.path.dirname(os.path.abspath(kcoral_worker.__file__))
+    skipped = {"", os.getcwd(), project}
+    paths = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]
+    paths += [p for p in sys.path if p not in skipped and os.path.exists(p)]
+    return sorted(set(map(os.path.abspath, paths)))
+
+
+def project_files() -> tuple[str, list[str]]:
+    project = os.path.dirname(os.path.abspath(kcoral_worker.__file__))
+    names = ("kcoral_worker.py", "kcoral.py", "client.py")
+    return project, [os.path.join(project, n) for n in names if os.path.exists(os.path.join(project, n))]
+
+
+def shown_paths(config: ServerConfig) -> list[str]:
+    """The host paths a sandbox shows read-only at the same place: Python, our files, the operator's."""
+    _, files = project_files()
+    return python_paths() + files + [os.path.abspath(p) for p in config.sandbox_readonly_paths]
+
+
+def scratch_mount_points(config: ServerConfig, root: str) -> list[str]:
+    """Where read-only mounts sit inside the private /tmp, /var/tmp and /dev/shm (a checkout or a
+    --sandbox-readonly-path under /tmp, say), as paths in `root`: emptying must leave their way."""
+    scratch = {"/tmp": "tmp", "/var/tmp": "tmp", "/dev/shm": "shm"}
+    return [os.path.join(root, name, os.path.relpath(path, top)) for path in shown_paths(config)
+            for top, name in scratch.items() if is_under(path, top) and path != top]
+
+
+def empty_directory(path: str, keep: list[str] | tuple = ()) -> None:
+    """Remove what `path` holds, except the files and directories on the way to each of `keep`."""
+    for entry in os.listdir(path):
+        full = os.path.join(path, entry)
+        ahead = [k for k in keep if is_under(k, full)]
+        if not ahead:
+            remove_entry(full)
+        elif full not in ahead:
+            empty_directory(full, ahead)
+
+
+def torch_addons() -> list[str]:
+    """The tvm_ffi torch add-on(s) prepare_template_imports built into the host's cache, if any:
+    the sandbox shows them so its template does not compile them again (minutes with nvcc)."""
+    cache = os.path.expanduser(os.environ.get("TVM_FFI_CACHE_DIR", "~/.cache/tvm-ffi"))
+    try:
+        return [os.path.join(cache, n) for n in sorted(os.listdir(cache)) if n.startswith("libtorch_c_dlpack_addon")]
+    except OSError:
+        return []
+
+
+def gpu_device_node(gpu_id: int) -> str:
+    """/dev/nvidiaN of a physical GPU id: NVML's minor number, the id itself where NVML cannot say."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        handle, minor = ctypes.c_void_p(), ctypes.c_uint()
+        if (nvml.nvmlInit_v2() == 0 and nvml.nvmlDeviceGetHandleByIndex_v2(gpu_id, ctypes.byref(handle)) == 0
+                and nvml.nvmlDeviceGetMinorNumber(handle, ctypes.byref(minor)) == 0):
+            return f"/dev/nvidia{minor.value}"
+    except OSError:
+        pass
+    return f"/dev/nvidia{gpu_id}"
+
+
+def bwrap_command(config: ServerConfig, gpus: list[int], root: str) -> list[str]:
+    """The bubblewrap command line of a slot whose private directory is `root` (SERVER.md §3.1).
+
+    Every namespace is new (no network, own PIDs), no capabilities, no nested user namespaces;
+    the system, the Python environment, our files and --sandbox-readonly-path entries read-only;
+    the log directory, disk cache and the server's temporary directory hidden where they would
+    otherwise show through one of those."""
+    args = [shutil.which("bwrap") or "bwrap", "--die-with-parent", "--unshare-all", "--unshare-user",
+            "--disable-userns", "--cap-drop", "ALL", "--new-session", "--clearenv"]
+    for name, value in sandbox_environment().items():
+        args += ["--setenv", name, value]
+    for top in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(top):
+            args += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            args += ["--ro-bind", top, top]
+    for name in SANDBOX_ETC:
+        args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
+    args += ["--ro-bind", "/sys", "/sys", "--proc", "/proc", "--dev", "/dev"]
+    for node in [gpu_device_node(g) for g in gpus] + list(GPU_CONTROL_NODES if gpus else ()):
+        args += ["--dev-bind-try", node, node]
+    for addon in torch_addons():
+        args += ["--ro-bind", addon, os.path.join(SANDBOX_ADDONS, os.path.basename(addon))]
+    args += ["--bind", root, SANDBOX_ROOT, "--bind", os.path.join(root, "tmp"), "/tmp",
+             "--bind", os.path.join(root, "tmp"), "/var/tmp", "--bind", os.path.join(root, "shm"), "/dev/shm"]
+    shown = shown_paths(config)
+    hidden = [p for p in (config.log_dir, config.disk_cache_dir, tempfile.gettempdir(), os.path.expanduser("~"))
+              if p and any(is_under(os.path.abspath(p), s) for s in shown)]
+    # parents before children, so a hidden directory's tmpfs never covers a mount inside it
+    for path, kind in sorted([(p, "--ro-bind") for p in shown] + [(os.path.abspath(p), "--tmpfs") for p in hidden]):
+        args += [kind, path] if kind == "--tmpfs" else [kind, path, path]
+    return args + ["--chdir", "/"]
+
+
+def children_of(pid: int | None) -> list[int]:
+    """Live children of a process, from the kernel's per-thread child lists: a few small reads
+    instead of a scan of every process on the machine (this runs on every request)."""
+    found = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for tid in tasks:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/children") as f:
+            found += [int(child) for child in f.read().split()]
+    return [child for child in found if is_live(child)]
+
+
+def descendants(pid: int | None) -> list[int]:
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [child for parent in frontier for child in children_of(parent)]
+        found += frontier
+    return found
+
+
+def inner_pid(pid: int) -> int | None:
+    """A process's id in its own (innermost) PID namespace."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return int(next(line for line in f if line.startswith("NSpid:")).split()[-1])
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def probe_bubblewrap(config: ServerConfig) -> None:
+    """--sandbox bubblewrap without a working bwrap stops the start-up; it never runs unsandboxed."""
+    if shutil.which("bwrap") is None:
+        raise SystemExit("kcoral: --sandbox bubblewrap needs bwrap on PATH (Debian: apt-get install bubblewrap)")
+    root = tempfile.mkdtemp(prefix="kcoral-sandbox-probe-")
+    try:
+        for name in SANDBOX_SCRATCH:
+            os.mkdir(os.path.join(root, name))
+        project, _ = project_files()
+        code = f"import sys; sys.path.insert(0, {project!r}); import kcoral_worker"
+        result = subprocess.run(bwrap_command(config, [], root) + [sys.executable, "-c", code], check=False,
+                                env=sandbox_environment(), stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise SystemExit(f"kcoral: --sandbox bubblewrap: bwrap does not work here: {exc}") from None
+    finally:
+        remove_tree(root)
+    if result.returncode != 0:
+        lines = result.stderr.decode(errors="replace").strip().splitlines() or [f"exit code {result.returncode}"]
+        raise SystemExit(f"kcoral: --sandbox bubblewrap: bwrap does not work here: {lines[-1]}")
+
+
+SPAWNS = {"queue": None, "lock": threading.Lock()}
+
+
+def lasting_popen(args: list[str], **options) -> subprocess.Popen:
+    """subprocess.Popen run by one thread that lives as long as the server.
+
+    bwrap --die-with-parent ties a container to the *thread* that started it (PR_SET_PDEATHSIG),
+    and the pool starts containers from threads that come and go.
+    """
+    with SPAWNS["lock"]:
+        if SPAWNS["queue"] is None:
+            SPAWNS["queue"] = queue.SimpleQueue()
+            threading.Thread(target=serve_spawns, args=(SPAWNS["queue"],), name="kcoral-spawner",
+                             daemon=True).start()
+    reply = queue.SimpleQueue()
+    SPAWNS["queue"].put((args, options, reply))
+    outcome = reply.get()
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome
+
+
+def serve_spawns(requests: queue.SimpleQueue) -> None:
+    while True:
+        args, options, reply = requests.get()
+        try:
+            reply.put(subprocess.Popen(args, **options))
+        except (OSError, ValueError, subprocess.SubprocessError) as exc:  # handed to the caller
+            reply.put(exc)
+
+
+class SandboxTemplate:
+    """A slot's bubblewrap container, and in it a warm template that forks one worker at a time.
+
+    Starting a container and importing torch takes seconds; forking a worker from a template
+    that did both once takes milliseconds.  So a slot keeps its container: each request gets a
+    fresh process in it, a private directory emptied after the request, and everything the
+    request started is killed (the container's PID namespace holds nothing else).
+    """
+
+    def __init__(self, config: ServerConfig, device: str, gpus: list[int]):
+        self.root = tempfile.mkdtemp(prefix="kcoral-sandbox-")
+        for name in SANDBOX_SCRATCH:
+            os.mkdir(os.path.join(self.root, name), 0o1777)
+        self.mount_points = scratch_mount_points(config, self.root)
+        self.conn, child = multiprocessing.Pipe()
+        project, _ = project_files()
+        # as the unsandboxed template: GPU workers pin their device after the fork, before CUDA starts
+        preload = ["numpy"] + [m for m in ("torch", "tvm_ffi") if importlib.util.find_spec(m)]
+        import_env = {"TVM_FFI_CACHE_DIR": SANDBOX_ADDONS} if torch_addons() else {}
+        code = (f"import sys; sys.path.insert(0, {project!r}); import kcoral_worker; "
+                f"kcoral_worker.template_main({child.fileno()}, {preload!r}, {import_env!r})")
+        # bwrap's own processes get the clean environment too: the container's PID 1 is one of them
+        self.process = lasting_popen(bwrap_command(config, gpus, self.root) + [sys.executable, "-c", code],
+                                     env=sandbox_environment(), pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
+        child.close()
+        self.init_pid = self.pid = self.current = None
+
+    def ready(self, timeout: float) -> None:
+        """Wait for the template's first message; find its init and template processes."""
+        if self.pid is not None:
+            return
+        try:
+            if not self.conn.poll(timeout):
+                raise WorkerStartTimeout(f"the sandbox did not start within {timeout:.0f} s")
+            message = self.conn.recv()
+            if not isinstance(message, kcoral_worker.WorkerReady):
+                raise WorkerCrashed(f"the sandbox's template sent {message!r} instead of WorkerReady")
+            template_pid = message.pid
+        except (EOFError, OSError) as exc:
+            self.close()
+            raise WorkerCrashed("the sandbox did not start") from exc
+        except WorkerCrashed:
+            self.close()
+            raise
+        self.init_pid = next(iter(children_of(self.process.pid)), None)
+        self.pid = next((p for p in children_of(self.init_pid) if inner_pid(p) == template_pid), None)
+        if self.pid is None:
+            self.close()
+            raise WorkerCrashed("the sandbox's template is gone")
+
+    def alive(self) -> bool:
+        return self.process.poll() is None and (self.pid is None or is_live(self.pid))
+
+    def fork(self, conn, device: str, visible: list[str], timeout: float) -> "SandboxedProcess":
+        """A fresh worker for `conn` in a freshly emptied private directory -> its SandboxedProcess.
+
+        A template that does not answer (a program may have stopped it) takes its container
+        down with it, so that the slot's next worker comes from a new one."""
+        self.ready(timeout)
+        try:
+            if self.current is not None:  # its exit status comes first on the pipe
+                self.current.join(5)
+                if self.current.exitcode is None:
+                    raise WorkerCrashed("the sandbox's previous worker did not exit")
+            self.clear()
+            try:
+                self.conn.send(kcoral_worker.ForkWorker(device, visible))
+                reduction.send_handle(self.conn, conn.fileno(), self.pid)
+                if not self.conn.poll(60):
+                    raise WorkerCrashed("the sandbox's template did not fork")
+                forked = self.conn.recv()
+            except (EOFError, OSError) as exc:
+                raise WorkerCrashed("the sandbox's template is gone") from exc
+            if not isinstance(forked, kcoral_worker.WorkerForked):
+                raise WorkerCrashed(f"the sandbox's template sent {forked!r} instead of WorkerForked")
+            host_pid = next((p for p in children_of(self.pid) if inner_pid(p) == forked.pid), None)
+            if host_pid is None:
+                raise WorkerCrashed("the sandbox's new worker is gone")
+        except WorkerCrashed:
+            self.close()
+            raise
+        self.current = SandboxedProcess(self, host_pid)
+        return self.current
+
+    def kill_requests(self, grace: float) -> bool:
+        """SIGTERM everything in the container but its init and template, SIGKILL it after `grace`.
+        -> whether it is all gone (as kill_group)."""
+        def remaining():
+            return [p for p in descendants(self.init_pid) if p != self.pid]
+
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+            pids = remaining()
+            if not pids:
+                return True
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, sig)
+            deadline = time.monotonic() + wait
+            while remaining() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return not remaining()
+
+    def clear(self) -> None:
+        """Empty the private directory; /tmp and /dev/shm are bind mounts, so those are emptied in place."""
+        for name in os.listdir(self.root):
+            path = os.path.join(self.root, name)
+            if name in SANDBOX_SCRATCH:
+                os.chmod(path, 0o1777)
+                empty_directory(path, self.mount_points)
+            else:
+                remove_entry(path)
+        for name in ("home", "cache"):
+            os.mkdir(os.path.join(self.root, name), 0o700)
+
+    def close(self) -> None:
+        """End the container (its template exits when the pipe closes; bwrap's --die-with-parent
+        takes everything else in it down once bwrap itself is killed)."""
+        with contextlib.suppress(OSError):
+            self.conn.close()
+        try:
+            self.process.wait(5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        remove_tree(self.root)
+
+
+class SandboxedProcess:
+    """The parts of multiprocessing.Process the pool uses, for a worker its template forked."""
+
+    def __init__(self, template: SandboxTemplate, pid: int | None):
+        self.template = template
+        self.pid = pid
+        self.exitcode = None
+
+    def join(self, timeout: float | None = None) -> None:
+        if self.exitcode is None:
+            try:
+                if self.template.conn.poll(timeout):
+                    message = self.template.conn.recv()
+                    if not isinstance(message, kcoral_worker.WorkerExited):
+                        raise WorkerCrashed(f"the sandbox's template sent {message!r} instead of WorkerExited")
+                    self.exitcode = message.exit_code
+            except WorkerCrashed:  # a template that breaks the protocol takes its container down
+                self.template.close()
+                self.exitcode = -signal.SIGKILL
+            except (EOFError, OSError):  # the whole container is gone
+                self.exitcode = -signal.SIGKILL
+
+    def is_alive(self) -> bool:
+        self.join(0)
+        return self.exitcode is None
+
+
 # --- workers and the pool ---------------------------------------------------
 
 class WorkerCrashed(Exception):
@@ -1057,27 +1432,36 @@ WORKER_PHASE_SECONDS = 60.0  # each start-up phase (SERVER.md §1.1)
 
 
 class Worker:
-    """One worker process forked from the template, with its pipe."""
+    """One worker process forked from the template (a slot's sandbox template, if any), with its pipe."""
 
-    def __init__(self, pool, gpus, phase_timeout=WORKER_PHASE_SECONDS):
+    def __init__(self, pool, gpus, phase_timeout=WORKER_PHASE_SECONDS, template=None):
         self.gpus = gpus
+        self.template = template
         self.conn, child = pool.context.Pipe()
         visible = [pool.gpu_names[g] for g in gpus]
-        self.process = pool.context.Process(target=kcoral_worker.worker_main,
-                                            args=(child, pool.device, visible), name="kcoral-worker")
-        self.process.start()
-        # Process.start() on another thread polls every child multiprocessing tracks; two threads
-        # reading one forkserver exit status make join() report 255 for a clean exit.  We track ours.
-        multiprocessing.process._children.discard(self.process)
-        child.close()
+        if template is not None:
+            try:
+                self.process = template.fork(child, pool.device, visible, phase_timeout)
+            finally:
+                child.close()
+        else:
+            self.process = pool.context.Process(target=kcoral_worker.worker_main,
+                                                args=(child, pool.device, visible), name="kcoral-worker")
+            self.process.start()
+            # Process.start() on another thread polls every child multiprocessing tracks; two threads
+            # reading one forkserver exit status make join() report 255 for a clean exit.  We track ours.
+            multiprocessing.process._children.discard(self.process)
+            child.close()
         self.pid = self.process.pid
         self.served = 0
         try:
             if not self.conn.poll(phase_timeout):
                 raise WorkerStartTimeout(f"worker did not start within {phase_timeout:.0f} s")
             message = self.conn.recv()
-            if message[0] != "ready":
-                raise WorkerCrashed(f"worker did not start: {message[-1]}")
+            if isinstance(message, kcoral_worker.WorkerFailed):
+                raise WorkerCrashed(f"worker did not start: {message.reason}")
+            if not isinstance(message, kcoral_worker.WorkerReady):
+                raise WorkerCrashed(f"worker sent {message!r} instead of WorkerReady")
         except (EOFError, OSError, WorkerCrashed) as exc:
             self.kill(0)
             if isinstance(exc, WorkerCrashed):
@@ -1087,12 +1471,15 @@ class Worker:
     def initialize(self, expected_uuid, phase_timeout=WORKER_PHASE_SECONDS):
         """GPU workers: create the CUDA context (the caller holds the lease) and check the pinning."""
         try:
-            self.conn.send({"init": True})
+            self.conn.send(kcoral_worker.InitGpu())
             if not self.conn.poll(phase_timeout):
                 raise WorkerStartTimeout(f"worker did not initialize its GPU within {phase_timeout:.0f} s")
-            self.arch, self.cuda, uuid = self.conn.recv()
-            if not same_gpu(uuid, expected_uuid):
-                raise WorkerCrashed(f"worker's device 0 is {uuid}, expected {expected_uuid}")
+            reply = self.conn.recv()
+            if not isinstance(reply, kcoral_worker.GpuInitialized):
+                raise WorkerCrashed(f"worker sent {reply!r} instead of GpuInitialized")
+            self.arch, self.cuda = reply.arch, reply.cuda
+            if not same_gpu(reply.uuid, expected_uuid):
+                raise WorkerCrashed(f"worker's device 0 is {reply.uuid}, expected {expected_uuid}")
         except (EOFError, OSError, WorkerCrashed) as exc:
             self.kill(0)
             kind = WorkerStartTimeout if isinstance(exc, WorkerStartTimeout) else WorkerCrashed
@@ -1100,7 +1487,10 @@ class Worker:
 
     def kill(self, grace, orphans=False):
         """-> whether the whole tree is confirmed gone (else its GPUs must be quarantined)."""
-        gone = kill_group(self.pid, grace, orphans=orphans)
+        if self.template is not None:  # its container holds exactly what this worker started
+            gone = self.template.kill_requests(grace)
+        else:
+            gone = kill_group(self.pid, grace, orphans=orphans)
         self.process.join(5)
         self.conn.close()
         return gone
@@ -1108,7 +1498,7 @@ class Worker:
     def stop(self, grace):
         """Tell an idle worker to exit; kill its group if it does not."""
         try:
-            self.conn.send(None)
+            self.conn.send(kcoral_worker.StopWorker())
         except OSError:
             pass
         self.process.join(grace)
@@ -1120,6 +1510,7 @@ class Slot:
         self.name = name
         self.gpus = gpus
         self.worker = None
+        self.template = None  # its SandboxTemplate under --sandbox bubblewrap
 
 
 @dataclasses.dataclass
@@ -1204,12 +1595,32 @@ class Pool:
         self.idle = []
         self.waiters = collections.deque()
         self.in_progress = 0
-        self.replacing = 0
         self.closing = False
         self.replacements = []
+        if config.sandbox == "bubblewrap":
+            probe_bubblewrap(config)
+            for slot in self.slots:  # the containers import in parallel
+                slot.template = SandboxTemplate(config, device, slot.gpus)
         for slot in self.slots:
-            slot.worker = self.start_worker(slot.gpus)
+            slot.worker = self.start_slot_worker(slot)
             self.idle.append(slot)
+
+    def start_slot_worker(self, slot: Slot) -> Worker:
+        """The slot's next worker.  Under the sandbox, from the slot's container, started again if a
+        program killed or stopped its template (a container that failed to fork is closed)."""
+        try:
+            return self.start_worker(slot.gpus, self.live_template(slot))
+        except WorkerCrashed:
+            if slot.template is None or slot.template.alive():
+                raise
+            return self.start_worker(slot.gpus, self.live_template(slot))
+
+    def live_template(self, slot: Slot) -> "SandboxTemplate | None":
+        """The slot's sandbox template, a new one if the old one is gone; None without a sandbox."""
+        if slot.template is not None and not slot.template.alive():
+            slot.template.close()
+            slot.template = SandboxTemplate(self.config, self.device, slot.gpus)
+        return slot.template
 
     def quarantine(self, gpus, reason):
         """SERVER.md §2.1: a tree whose exit is unconfirmed may still use its GPUs.  Nobody gets
@@ -1226,8 +1637,8 @@ class Pool:
             self.quarantine(worker.gpus, "a worker's process tree outlived SIGKILL")
         return gone
 
-    def start_worker(self, gpus):
-        worker = Worker(self, gpus)  # pinning and imports are host work: no lease yet
+    def start_worker(self, gpus, template=None):
+        worker = Worker(self, gpus, template=template)  # pinning and imports are host work: no lease yet
         if self.arbiter is not None:
             # context creation must not overlap someone else's measurement
             self.arbiter.acquire(STARTUP_OWNER, gpus)
@@ -1238,8 +1649,11 @@ class Pool:
         return worker
 
     def load(self):
+        # A slot whose worker is being replaced still counts: it is back within tens of ms, and
+        # with one request per worker a 1-worker node would otherwise read as full after every
+        # request (a load balancer sizing or checking on it would take it out of rotation).
         with self.cond:
-            capacity = 0 if self.closing else len(self.slots) - self.replacing
+            capacity = 0 if self.closing else len(self.slots)
             return {"request_capacity": capacity, "requests_in_progress": self.in_progress,
                     "requests_waiting": len(self.waiters)}
 
@@ -1273,7 +1687,6 @@ class Pool:
     def release(self, slot, retire):
         if retire:
             with self.cond:
-                self.replacing += 1
                 self.in_progress -= 1
             thread = threading.Thread(target=self.replace, args=(slot,), daemon=True)
             self.replacements.append(thread)
@@ -1287,12 +1700,11 @@ class Pool:
     def replace(self, slot):
         """Start the slot's next worker off the request's critical path."""
         try:
-            slot.worker = self.start_worker(slot.gpus)
+            slot.worker = self.start_slot_worker(slot)
         except Exception as exc:
             slot.worker = None
             log_event("worker_replace_failed", "ERROR", worker_id=slot.name, error=str(exc))
         with self.cond:
-            self.replacing -= 1
             self.idle.append(slot)
             self.cond.notify_all()
 
@@ -1300,7 +1712,7 @@ class Pool:
         """Run a job on the next free slot -> Outcome (503 when none frees up in time)."""
         start = time.monotonic()
         slot = self.acquire(self.config.worker_wait_timeout_seconds)
-        if slot is None:
+        if slot is None:  # nothing ran: a cohort's HAProxy retries a 503 on another node
             return Outcome(503, "busy", "server saturated" if not self.closing else "server is shutting down")
         queue_ms = (time.monotonic() - start) * 1e3
         retire = True
@@ -1310,7 +1722,7 @@ class Pool:
                 slot.worker.kill(0)
                 slot.worker = None
                 try:
-                    slot.worker = self.start_worker(slot.gpus)
+                    slot.worker = self.start_slot_worker(slot)
                 except Exception as exc:
                     log_event("worker_replace_failed", "ERROR", worker_id=slot.name, error=str(exc))
             if slot.worker is None:
@@ -1333,10 +1745,19 @@ class Pool:
             gpus, wait_ms = self.arbiter.acquire(job.request_id, count=count)
         except LeaseRefused as exc:
             return Outcome(503, "busy", str(exc))
+        # under the sandbox, its own container showing exactly these GPUs: a cold start
+        template = SandboxTemplate(self.config, self.device, gpus) if self.config.sandbox == "bubblewrap" else None
+        try:
+            return self.run_dedicated_worker(job, gpus, wait_ms, queue_ms, template)
+        finally:
+            if template is not None:
+                template.close()
+
+    def run_dedicated_worker(self, job, gpus, wait_ms, queue_ms, template):
         started = time.monotonic()
         phase_timeout = min(WORKER_PHASE_SECONDS, job.timeout)  # start-up is part of the request's timeout
         try:
-            worker = Worker(self, gpus, phase_timeout)
+            worker = Worker(self, gpus, phase_timeout, template=template)
             worker.initialize(self.gpu_names[gpus[0]], phase_timeout)
         except WorkerStartTimeout:
             return Outcome(504, "timeout", "execution timed out while the multi-GPU worker started")
@@ -1372,6 +1793,8 @@ class Pool:
         for slot in self.slots:
             if slot.worker is not None:
                 slot.worker.stop(self.config.worker_termination_grace_seconds)
+            if slot.template is not None:
+                slot.template.close()
 
 
 class Execution:
@@ -1391,8 +1814,12 @@ class Execution:
         self.last_index = None
         self.results = {}
         self.parts = []
-        # <root>/work is the program's working directory; the file <root>/blobs stages its blobs
-        self.root = tempfile.mkdtemp(prefix=workspace_prefix())
+        # <root>/work is the program's working directory; the file <root>/blobs stages its blobs.
+        # In a sandbox the root is the slot's private directory, which the worker sees as SANDBOX_ROOT.
+        if worker.template is None:
+            self.root = self.inside = tempfile.mkdtemp(prefix=workspace_prefix())
+        else:
+            self.root, self.inside = worker.template.root, SANDBOX_ROOT
         self.workspace = os.path.join(self.root, "work")
         self.blob_file = os.path.join(self.root, "blobs")
 
@@ -1425,7 +1852,7 @@ class Execution:
         finally:
             self.release_lease()
             output = self.drain.result(wait=2.0) if self.drain else ("", "", False, False)
-            remove_tree(self.root)
+            self.remove_workspace()
         body = {"status": "FAILED" if error else "COMPLETED", "request_id": self.job.request_id,
                 "queue_ms": self.queue_ms, "elapsed_ms": (time.monotonic() - started) * 1e3,
                 "lease_wait_ms": self.lease_wait_ms, "lease_held_ms": self.lease_held_ms,
@@ -1436,20 +1863,26 @@ class Execution:
             body["error"] = error
         return Outcome(body=body, parts=self.parts), retire
 
+    def remove_workspace(self) -> None:
+        if self.worker.template is None:
+            remove_tree(self.root)
+        else:  # what the request left in its /tmp and /dev/shm goes too
+            self.worker.template.clear()
+
     def send_job(self):
         program = self.job.program
         limit = self.config.max_requests_per_worker
-        request = {"request_id": self.job.request_id, "instructions": program.instructions,
-                   "retire": self.single_use or (bool(limit) and self.worker.served + 1 >= limit),
-                   "workspace": self.workspace, "blob_file": self.blob_file,
-                   "capture": self.job.output_limit > 0, "grace": self.config.worker_termination_grace_seconds,
-                   "max_response_bytes": self.config.max_response_bytes}
-        request["blob_index"] = self.stage_blobs()
-        self.retiring = request["retire"]
+        request = kcoral_worker.JobRequest(
+            instructions=program.instructions,
+            retire=self.single_use or (bool(limit) and self.worker.served + 1 >= limit),
+            workspace=os.path.join(self.inside, "work"), blob_file=os.path.join(self.inside, "blobs"),
+            blob_index=self.stage_blobs(), capture=self.job.output_limit > 0,
+            grace=self.config.worker_termination_grace_seconds, max_response_bytes=self.config.max_response_bytes)
+        self.retiring = request.retire
         conn = self.worker.conn
         try:
             conn.send(request)
-            if request["capture"]:
+            if request.capture:
                 out_r, out_w = os.pipe()
                 err_r, err_w = os.pipe()
                 self.drain = OutputDrain(out_r, err_r, self.job.output_limit)
@@ -1491,32 +1924,26 @@ class Execution:
                 if remaining <= 0 or not conn.poll(remaining):
                     raise TimeoutError
                 message = conn.recv()
-                tag = message[0]
-                if tag == "start":
-                    self.last_index = message[1]
-                elif tag == "return":
-                    _, key, encoded, sizes = message
-                    self.parts.extend(recv_raw(conn, n) for n in sizes)
-                    self.results[key] = encoded
-                elif tag == "lease":
-                    self.lease(message[1])
-                elif tag == "done":
-                    _, error, poisoned = message
-                    self.retiring = self.retiring or poisoned
-                    return self.attribute_gpu_access(error)
-                else:
-                    raise WorkerCrashed(f"unexpected worker message {tag!r}")
+                match message:
+                    case kcoral_worker.InstructionStarted():
+                        self.last_index = message.index
+                    case kcoral_worker.ReturnValue():
+                        self.parts.extend(recv_raw(conn, n) for n in message.part_sizes)
+                        self.results[message.key] = message.encoded
+                    case kcoral_worker.AcquireLease():
+                        self.hold_lease()
+                        conn.send(kcoral_worker.LeaseGranted())
+                    case kcoral_worker.ReleaseLease():
+                        self.release_lease()
+                    case kcoral_worker.RequestDone():
+                        self.retiring = self.retiring or message.poisoned
+                        return self.attribute_gpu_access(message.error)
+                    case _:
+                        raise WorkerCrashed(f"unexpected worker message {message!r}")
         except TimeoutError:  # an OSError too, but it is no crash: the answer is 504
             raise
         except (EOFError, OSError) as exc:
             raise WorkerCrashed(str(exc)) from exc
-
-    def lease(self, action):
-        if action == "acquire":
-            self.hold_lease()
-            self.worker.conn.send(("lease", "granted"))
-        else:
-            self.release_lease()
 
     def hold_lease(self):
         asked_at = time.monotonic()
@@ -1637,6 +2064,15 @@ def remove_tree(path):
         shutil.rmtree(path, ignore_errors=True)
 
 
+def remove_entry(path: str) -> None:
+    """Remove a file, link or directory tree."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        remove_tree(path)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
 # --- logging (SERVER.md §10) ---------------------------------------------------
 
 LOG = {"console": True, "file": None, "programs": None, "lock": threading.Lock()}
@@ -1710,6 +2146,8 @@ class KCoralServer:
         self.in_flight = 0
         self.in_flight_cond = threading.Condition()
         self.bodies = BodyBudget(config.max_body_bytes_in_flight)
+        self.last_post = -math.inf  # time.monotonic() of the latest POST, for the drain's quiet period
+        self.drain_started = math.inf
         self.closing = False
         self.pool = None
         self.httpd = None
@@ -1729,8 +2167,8 @@ class KCoralServer:
         self.httpd = HTTPServer((self.config.host, self.config.port), RequestHandler, self)
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
-        log_event("server_started", url=self.url, device=device, workers=len(self.pool.slots),
-                  run_dir=run_dir, instance_id=self.instance_id)
+        log_event("server_started", url=self.url, device=device, sandbox=self.config.sandbox,
+                  workers=len(self.pool.slots), run_dir=run_dir, instance_id=self.instance_id)
         return self
 
     @property
@@ -1750,18 +2188,31 @@ class KCoralServer:
 
     def close(self):
         """Graceful shutdown: capacity 0, new programs 503, in-flight ones finish."""
+        self.drain_started = time.monotonic()
         self.closing = True
         self.pool.close()
         self.bodies.close()
-        self.httpd.guard.cut_all("shutdown")  # slow uploads and idle connections; executions finish
+        self.httpd.guard.cut_phase("body", "shutdown")  # uploads still arriving; executions finish
         with self.in_flight_cond:
             log_event("shutdown_started", remaining=self.in_flight)
             while self.in_flight:
                 self.in_flight_cond.wait()
+            self.wait_for_quiet()
         self.httpd.shutdown()
         self.httpd.server_close()
         self.pool.shutdown()
         log_event("server_stopped")
+
+    def wait_for_quiet(self):
+        """Behind a load balancer, requests keep coming until its health check sees capacity 0.
+        Each gets 503 busy (see `refuse_while_draining`); closing the port instead would reset
+        the connections queued on it after their requests were sent, which no balancer may
+        safely retry.  So the port closes only once POSTs have stopped for `drain_seconds`
+        (waiting at most ten times that).  Called with in_flight_cond held."""
+        quiet = self.config.drain_seconds
+        give_up = time.monotonic() + 10 * quiet
+        while self.in_flight or time.monotonic() < min(self.last_post + quiet, give_up):
+            self.in_flight_cond.wait(0.05)
 
     def health(self):
         return {"status": "ok", "instance_id": self.instance_id, "started_at": self.started_at,
@@ -1798,7 +2249,7 @@ class KCoralServer:
         if gpu_count and gpu_count > self.gpu_count:
             raise ValidationError("gpu_count exceeds this GPU server's configured capacity")
         if self.closing:
-            return Outcome(503, "busy", "server is shutting down")
+            return self.refuse_while_draining()
         save_program(request_id, data)
         options, config = program.options, self.config
         job = Job(request_id, program, blobs,
@@ -1809,9 +2260,19 @@ class KCoralServer:
         memory = [h for h, kinds in referenced.items() if "memory" in kinds]
         self.memory_cache.pin(memory)
         try:
-            return self.pool.execute(job)
+            outcome = self.pool.execute(job)
         finally:
             self.memory_cache.unpin(memory)
+        return self.refuse_while_draining() if outcome.http_status == 503 and self.closing else outcome
+
+    def refuse_while_draining(self):
+        """503 busy for a request that arrived during shutdown: nothing of it ran, so a load
+        balancer may retry it on another node.  The answer waits until `drain_seconds` after the
+        signal: by then the balancer's health check has seen capacity 0 and taken this node out,
+        so its retry goes elsewhere instead of straight back here (least connections would pick
+        this node again, the one with the fewest connections)."""
+        time.sleep(max(0.0, self.drain_started + self.config.drain_seconds - time.monotonic()))
+        return Outcome(503, "busy", "server is shutting down")
 
     def cache_file_blobs(self, program, supplied):
         """Start putting supplied file-upload blobs into the disk cache -> a thread to join, or None.
@@ -1856,8 +2317,12 @@ def create_app(config=None):
 def validate_config(config):
     if config.device not in ("auto", "cpu", "gpu"):
         raise ValueError("device must be 'auto', 'cpu' or 'gpu'")
-    if config.sandbox != "none":
-        raise ValueError("the bubblewrap sandbox is not implemented; use --sandbox none")
+    if config.sandbox not in ("none", "bubblewrap"):
+        raise ValueError("sandbox must be 'none' or 'bubblewrap'")
+    if config.sandbox_readonly_paths and config.sandbox != "bubblewrap":
+        raise ValueError("--sandbox-readonly-path requires --sandbox bubblewrap")
+    if not all(os.path.isabs(path) for path in config.sandbox_readonly_paths):
+        raise ValueError("--sandbox-readonly-path takes absolute paths")
     checks = [(config.disk_cache_capacity_mbytes >= 0, "disk_cache_capacity_mbytes must be >= 0"),
               (config.num_workers >= 1, "num_workers must be >= 1"),
               (config.workers_per_gpu >= 1, "workers_per_gpu must be >= 1"),
@@ -1865,7 +2330,8 @@ def validate_config(config):
               (len(config.gpus) > 0, "gpus must not be empty"),
               (config.default_timeout_seconds > 0 and config.max_timeout_seconds > 0,
                "timeouts must be positive"),
-              (1 <= config.port <= 65535 or config.port == 0, "port must be 1-65535")]
+              (1 <= config.port <= 65535 or config.port == 0, "port must be 1-65535"),
+              (0 <= config.drain_seconds <= 3600, "drain_seconds must be 0-3600")]
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
@@ -2000,12 +2466,12 @@ class ConnectionGuard:
             self.cut(handler, "idle", phase)
         return len(idle)
 
-    def cut_all(self, reason):
-        """Shutdown: idle connections close, headers and bodies still arriving are cut."""
+    def cut_phase(self, name, reason):
+        """Cut every connection now in phase `name` (shutdown: the bodies still arriving)."""
         with self.lock:
-            handlers = list(self.watched)
-        for handler in handlers:
-            self.cut(handler, reason)
+            found = [(h, phase) for h, phase in self.watched.items() if phase.name == name]
+        for handler, phase in found:
+            self.cut(handler, reason, phase)
 
     def stop(self):
         self.stopped.set()
@@ -2275,6 +2741,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         app = self.app
         with app.in_flight_cond:
             app.in_flight += 1
+            app.last_post = time.monotonic()
         started = time.monotonic()
         outcome = Outcome(500, "engine", "internal server error")
         try:
@@ -2321,7 +2788,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             self.disconnected("body", reason=reason)
             return Outcome(408, "parse", f"request body slower than {config.body_rate_min_bytes} bytes per "
                                          f"{config.body_rate_window_seconds:g} s")
-        return Outcome(503, "busy", "server is shutting down")
+        return self.app.refuse_while_draining()
 
     def route_error(self):
         self.drain_body()
@@ -2416,7 +2883,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         reserved = min(limit, config.max_body_bytes_in_flight) if chunked else size
         if not self.app.bodies.admit(reserved, config.body_admission_wait_seconds):
             self.close_connection = True
-            return Outcome(503, "busy", "server is shutting down" if self.app.closing else "server saturated")
+            return self.app.refuse_while_draining() if self.app.closing else Outcome(503, "busy", "server saturated")
         try:
             if self.expects_continue:
                 self.send_response_only(100)
@@ -2569,7 +3036,9 @@ def add_config_flags(parser):
             default = os.environ[meta["env"]]
         flag = "--" + field.name.replace("_", "-")
         env_note = f" [env {meta['env']}]" if meta["env"] else ""
-        if field.type is bool:  # every boolean setting defaults to on; the flag turns it off
+        if meta["flag"]:
+            parser.add_argument(meta["flag"], dest=field.name, action="append", default=[], help=meta["help"])
+        elif field.type is bool:  # every boolean setting defaults to on; the flag turns it off
             parser.add_argument("--no-" + flag[2:], dest=field.name, action="store_false",
                                 help=f"do not {meta['help']}")
         else:
@@ -2586,6 +3055,8 @@ def config_from_args(args):
         value = getattr(args, field.name)
         if field.metadata["parse"]:
             value = field.metadata["parse"](value)
+        elif field.metadata["flag"]:
+            value = tuple(value)
         elif field.type == str | None and value == "":  # '' disables, as in the reference
             value = None
         values[field.name] = value
@@ -2593,20 +3064,22 @@ def config_from_args(args):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="kcoral", allow_abbrev=False,
-                                description="KCoral server: runs uploaded programs on GPU or CPU workers. "
-                                            "It executes arbitrary code by design; bind it to trusted networks.")
+    p = argparse.ArgumentParser(
+        prog="kcoral", allow_abbrev=False,
+        usage="%(prog)s [server] [flags]\n       %(prog)s run TOOL [options] -- ARGS...\n"
+              "       %(prog)s haproxy-config --listen HOST:PORT NODE_URL[=SLOTS]...",
+        description="KCoral server: runs uploaded programs on GPU or CPU workers. "
+                    "It executes arbitrary code by design; bind it to trusted networks.",
+        epilog="`kcoral run --help` runs a local script or tool on a server; "
+               "`kcoral haproxy-config --help` writes the HAProxy configuration of a cohort of servers.")
     p.add_argument("--version", action="version", version=f"kcoral {__version__}")
     add_config_flags(p)
-    p.add_argument("--sandbox-readonly-path", action="append", default=[],
-                   help="extra path mounted read-only in the sandbox (repeatable)")
     for flag in ("--router", "--node-id", "--node-token"):
         p.add_argument(flag, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.sandbox != "none" or args.sandbox_readonly_path:
-        p.error("the bubblewrap sandbox is not implemented in this server; run with --sandbox none")
     if args.router or args.node_id or args.node_token:
-        p.error("router mode is not implemented in this server; scale out behind HAProxy instead")
+        p.error("router mode is not implemented in this server; scale out behind HAProxy instead "
+                "(python -m kcoral haproxy-config prints its configuration; see docs/scaling.md)")
     try:
         config = config_from_args(args)
         validate_config(config)
@@ -2615,11 +3088,190 @@ def parse_args(argv):
     return config
 
 
+# --- a cohort of nodes behind HAProxy (`python -m kcoral haproxy-config`) -----------------
+
+AFFINITY_HEADER = "X-KCoral-Affinity"  # client.py sets it to the sha256 of a request's largest blob
+HAPROXY_TEMPLATE = """\
+# HAProxy configuration for a KCoral cohort, generated by `python -m kcoral haproxy-config`
+# (kcoral {version}).  Run it with `haproxy -f THIS_FILE`; regenerate it to add or remove a node.
+# Nodes ({total} slots in all):
+{node_list}
+global
+    maxconn 4096
+    log stderr format raw local0 info   # one line per request (status, node, timings, retries)
+
+defaults
+    mode http
+    log global
+    option httplog
+    option http-server-close      # a fresh node connection per request: a drained or restarted node
+                                  # is never sent a request over a connection it has given up
+    timeout connect 3s
+    timeout http-request 300s     # receiving a request (uploads), as the nodes' own limit
+    # server: the longest execution a node allows, plus teardown.  queue: queueing, not
+    # refusal; beyond the cohort's slots a request waits here (FIFO) as long as a node would
+    # have let it wait for a worker, then gets 503 busy.
+    timeout client {server_timeout}
+    timeout server {server_timeout}
+    timeout queue {queue_timeout}
+    timeout check 5s
+    # Retries.  A POST /execute runs user code, so it is retried on another node ONLY when
+    # nothing ran: the connection failed before the request was sent (conn-failure), or the
+    # node answered 503 busy, which a KCoral node sends only before execution starts (it is
+    # shutting down, or no worker freed up).  Never "empty-response", "junk-response" or
+    # "response-timeout": a node killed mid-execution would have its program run twice.
+    # Requests larger than tune.bufsize (16 KiB) cannot be replayed; their 503 reaches the client.
+    retries 3
+    retry-on conn-failure 503
+    option redispatch 1           # every retry goes to another node
+    # HAProxy's own answers keep the KCoral error shape, so clients report them clearly.
+    http-error status 502 content-type application/json lf-string '{{"status":"ERROR","request_id":"%[uuid]",\
+"error":{{"kind":"engine","message":"the node failed before answering (it may have run the program); not retried"}}}}'
+    http-error status 503 content-type application/json lf-string '{{"status":"ERROR","request_id":"%[uuid]",\
+"error":{{"kind":"busy","message":"no node of the cohort could take the request in time"}}}}' hdr Retry-After 1
+    http-error status 504 content-type application/json lf-string '{{"status":"ERROR","request_id":"%[uuid]",\
+"error":{{"kind":"timeout","message":"the node did not answer within the proxy server timeout"}}}}'
+    # Health: GET /health must answer 200 with a non-zero request_capacity (a node that has
+    # begun a graceful shutdown reports 0, so HAProxy stops sending it work while it drains).
+    option httpchk
+    http-check send meth GET uri /health{check_auth}
+    http-check expect status 200
+    http-check expect ! rstring \\"request_capacity\\":0[,}}]
+    # check: every second (every 250 ms while changing state); down after 2 failed checks, back
+    # after 2 good ones.  A refused connection marks the node down at once: least connections
+    # would otherwise keep choosing a dead node, the one with the fewest connections.  (Not
+    # "observe layer7": it would also take a healthy node out for a program's 504 timeout.)
+    default-server check inter 1s fastinter 250ms downinter 1s fall 2 rise 2 \
+observe layer4 error-limit 1 on-error mark-down
+
+frontend kcoral
+    bind {listen}
+    # Requests carrying blobs (the client sends {header}) go where their largest blob is cached.
+    use_backend kcoral_affinity if {{ req.hdr({header}) -m found }}
+    default_backend kcoral_spread
+
+backend kcoral_spread
+    # Least connections; maxconn = the node's worker slots, the rest wait in HAProxy's queue.
+    balance leastconn
+{servers}
+backend kcoral_affinity
+    # Consistent hashing on the blob key with bounded load: a node takes at most 150% of the
+    # average load, so one hot blob cannot pile its requests onto one node.  Each node is also
+    # in kcoral_spread with its own maxconn: under mixed traffic a node can be sent up to twice
+    # its slots, the excess waiting in the node's own FIFO queue (it is never refused).
+    balance hdr({header})
+    hash-type consistent
+    hash-balance-factor 150
+{servers}"""
+
+
+@dataclasses.dataclass(frozen=True)
+class CohortNode:
+    url: str
+    address: str  # host:port
+    slots: int | None  # None: read from the node's /health
+
+
+def parse_node(text: str) -> CohortNode:
+    """NODE_URL[=SLOTS] -> CohortNode (http:// URLs with a host and port, no path)."""
+    url, _, slots = text.rpartition("=") if re.fullmatch(r".*=\d+", text) else (text, "", "")
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme != "http" or not parts.hostname or port is None or parts.path not in ("", "/") \
+            or parts.query or parts.fragment:
+        raise ValueError(f"node {text!r}: expected http://HOST:PORT[=SLOTS]")
+    if slots and int(slots) < 1:
+        raise ValueError(f"node {text!r}: SLOTS must be at least 1")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return CohortNode(url.rstrip("/"), f"{host}:{port}", int(slots) if slots else None)
+
+
+def node_capacity(node: CohortNode, token: str | None, timeout: float = 10.0) -> int:
+    """The node's /health load.request_capacity, read now."""
+    request = urllib.request.Request(node.url + "/health",
+                                     headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            capacity = json.loads(response.read())["load"]["request_capacity"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"cannot read {node.url}/health ({exc}); start the node, or give its slots "
+                         f"as {node.url}=SLOTS") from None
+    if not is_integer(capacity) or capacity < 1:
+        raise ValueError(f"{node.url} reports request_capacity {capacity!r} (shutting down?); "
+                         f"give its slots as {node.url}=SLOTS")
+    return capacity
+
+
+def server_id(address: str) -> int:
+    """A stable HAProxy server id from the node's address: consistent hashing places servers
+    on its ring by id, so a node keeps its blobs' keys when others are added or removed."""
+    return 1 + int(hashlib.sha256(address.encode()).hexdigest()[:7], 16)
+
+
+def haproxy_time(seconds: float) -> str:
+    """HAProxy takes whole numbers with a unit."""
+    return f"{seconds:.0f}s" if seconds == int(seconds) else f"{round(seconds * 1000)}ms"
+
+
+def haproxy_config(listen: str, nodes: list[CohortNode], token: str | None,
+                   queue_timeout: float, server_timeout: float) -> str:
+    """The commented haproxy.cfg text for a cohort whose slots are all known."""
+    if len({n.address for n in nodes}) != len(nodes):
+        raise ValueError("a node is listed twice")
+    if len({server_id(n.address) for n in nodes}) != len(nodes):
+        raise ValueError("two node addresses hash to the same HAProxy server id; change a port")
+    servers = "".join(f"    server {n.address} {n.address} id {server_id(n.address)} maxconn {n.slots}\n"
+                      for n in nodes)
+    node_list = "\n".join(f"#   {n.url}  {n.slots} slot{'s' if n.slots != 1 else ''}" for n in nodes)
+    if token is not None and not re.fullmatch(r"[A-Za-z0-9._~+/-]+=*", token):  # RFC 6750 b64token
+        raise ValueError("the token must be a bearer token (letters, digits and -._~+/, then optional '=')")
+    return HAPROXY_TEMPLATE.format(
+        version=__version__, total=sum(n.slots for n in nodes), node_list=node_list, listen=listen,
+        servers=servers, header=AFFINITY_HEADER, queue_timeout=haproxy_time(queue_timeout),
+        server_timeout=haproxy_time(server_timeout),
+        check_auth=f' hdr Authorization "Bearer {token}"' if token else "")
+
+
+def haproxy_config_main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(prog="kcoral haproxy-config", allow_abbrev=False,
+                                description="Print an haproxy.cfg that spreads requests over a cohort of "
+                                            "KCoral nodes: queueing, health checks, drain and failover, "
+                                            "blob affinity.")
+    p.add_argument("--listen", required=True, metavar="HOST:PORT", help="address HAProxy binds")
+    p.add_argument("nodes", nargs="+", metavar="NODE_URL[=SLOTS]",
+                   help="a node, e.g. http://10.0.0.5:8000; SLOTS defaults to its /health request_capacity")
+    p.add_argument("--token", default=os.environ.get("KCORAL_TOKEN"),
+                   help="the nodes' bearer token, for reading /health and for HAProxy's health checks "
+                        "[env KCORAL_TOKEN]")
+    p.add_argument("--queue-timeout", type=float, default=ServerConfig.worker_wait_timeout_seconds,
+                   help="seconds a request may wait in HAProxy's queue before 503 busy (default: %(default)s, "
+                        "the nodes' default worker wait)")
+    p.add_argument("--server-timeout", type=float, default=ServerConfig.max_timeout_seconds + 60,
+                   help="seconds HAProxy waits for a node's answer (default: %(default)s, the nodes' default "
+                        "maximum execution timeout plus a minute)")
+    args = p.parse_args(argv)
+    if not re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[\w.-]*):\d+", args.listen):
+        p.error(f"--listen {args.listen!r}: expected HOST:PORT")
+    if not (0 < args.queue_timeout < math.inf and 0 < args.server_timeout < math.inf):
+        p.error("--queue-timeout and --server-timeout must be positive numbers of seconds")
+    try:
+        nodes = [parse_node(text) for text in args.nodes]
+        nodes = [n if n.slots else dataclasses.replace(n, slots=node_capacity(n, args.token)) for n in nodes]
+        text = haproxy_config(args.listen, nodes, args.token, args.queue_timeout, args.server_timeout)
+    except ValueError as exc:
+        p.error(str(exc))
+    sys.stdout.write(text)
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["haproxy-config"]:
+        return haproxy_config_main(argv[1:])
     if argv[:1] == ["run"]:  # the client-side command line lives in client.py
-        import client
-        sys.exit(client.run_command(argv[1:]))
+        sys.exit(load_client().run_command(argv[1:]))
     if argv[:1] == ["server"]:  # the reference's `kcoral server ...` spelling
         argv = argv[1:]
     KCoralServer(parse_args(argv)).serve_forever()

@@ -1,30 +1,44 @@
 """KCoral worker: the process that runs programs, and the wire helpers it shares.
 
-The front-end (kcoral.py) forks one worker per request from a warm template
-process; the worker runs the program's instructions in order and streams what
-happens back over a multiprocessing pipe:
+The front-end (kcoral.py) forks workers from a warm template process (a
+forkserver that imported torch, numpy and tvm_ffi; under `--sandbox bubblewrap`,
+a template inside the slot's container, `template_main`).  A worker serves one
+request at a time, running its instructions in order, and reports over a
+multiprocessing pipe with the typed messages defined below (section "the
+messages"), pickled because they are small:
 
-    front-end -> worker   {"init": True}    GPU workers, once, under the lease
-                          request dict      then every blob as raw bytes
-    worker -> front-end   ("ready", pid)    pinned and imported, no CUDA context
-                          (arch, cuda, uuid)  answering "init"
-                          ("start", index)  before each instruction
-                          ("return", key, encoded, part sizes, part hashes)
-                                            then the parts as raw bytes
-                          ("lease", "acquire" | "release")   GPU workers only
-                          ("done", error-or-None, poisoned)
+    worker -> front-end   WorkerReady | WorkerFailed      once, after the fork
+    front-end -> worker   InitGpu -> GpuInitialized        GPU workers, once, under the lease
+    front-end -> worker   JobRequest                       per request, then for captured output
+                                                           the two pipe write ends as passed fds
+    worker -> front-end   InstructionStarted               before each instruction
+                          ReturnValue + raw parts          as each return completes
+                          AcquireLease -> LeaseGranted     GPU workers only
+                          ReleaseLease
+                          RequestDone                      the request's last message
+    front-end -> worker   StopWorker                       an idle worker exits
+    front-end -> sandbox template   ForkWorker + the worker's pipe as a passed fd
+    sandbox template -> front-end   WorkerReady once, then WorkerForked and WorkerExited per worker
 
-Streaming returns as they happen is what lets the front-end keep them when
-uploaded native code later kills the process.  Output is captured at the
-file-descriptor level into pipes whose read ends the front-end holds, for
-the same reason.  Importing this module must stay cheap (the front-end does):
-torch, numpy and tvm_ffi are imported by the template process or on first use.
+Payloads are never pickled.  The front-end stages the request's blobs back to
+back in one file (JobRequest.blob_file, indexed by hash) that the worker reads
+each blob from straight into its final object, or copies into the workspace
+with sendfile; returned tensors, bytes and files go back as raw bytes on the
+pipe right after their ReturnValue.  Streaming returns as they happen is what
+lets the front-end keep them when uploaded native code later kills the
+process.  Output is captured at the file-descriptor level into pipes whose
+read ends the front-end holds, for the same reason.  Importing this module
+must stay cheap (the front-end does): torch, numpy and tvm_ffi are imported
+by the template process or on first use.
 """
+
+from __future__ import annotations
 
 import bisect
 import collections
 import contextlib
 import ctypes
+import dataclasses
 import hashlib
 import importlib.util
 import io
@@ -36,7 +50,10 @@ import sys
 import time
 import traceback
 import types
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing import reduction
+from multiprocessing.connection import Connection
+from typing import IO, Any
 
 DTYPE_SIZES = {
     "bool": 1, "uint8": 1, "int8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
@@ -46,6 +63,10 @@ DTYPE_SIZES = {
 ERROR_KINDS = frozenset({"parse", "compile", "runtime", "gpu_access", "correctness",
                          "serialization", "unavailable", "engine"})
 TRACEBACK_CHARS = 8192
+Buffer = bytes | bytearray | memoryview | mmap.mmap  # what the raw-bytes helpers accept (any buffer, in fact)
+Instruction = dict[str, Any]  # one validated program instruction, as the front-end passed it
+ErrorObject = dict[str, Any]  # a FAILED result's "error" (P§9.7)
+Activity = tuple[int, int, int, int, tuple]  # (kind, start ns, end ns, correlation id, identity)
 RAW_CHUNK = 1 << 20
 
 
@@ -56,16 +77,16 @@ class ValidationError(ValueError):
 class ExecutionError(Exception):
     """Raised (also by uploaded code) to fail an instruction with a chosen kind."""
 
-    def __init__(self, kind, message):
+    def __init__(self, kind: str, message: str) -> None:
         super().__init__(kind, message)
         self.kind = kind
         self.message = message
 
-    def __str__(self):
+    def __str__(self) -> str:
         return f"{self.kind}: {self.message}"
 
 
-def normalize_path(raw):
+def normalize_path(raw: object) -> str:
     """P§6.7: the canonical relative form of a workspace path, or ValidationError."""
     if not isinstance(raw, str) or not raw:
         raise ValidationError("path must be a non-empty string")
@@ -92,7 +113,7 @@ def normalize_path(raw):
     return path
 
 
-def send_raw(conn, data):
+def send_raw(conn: Connection, data: Buffer) -> None:
     """Write a buffer straight to the pipe: no pickling, no intermediate copy."""
     view = memoryview(data).cast("B")
     fd = conn.fileno()
@@ -107,12 +128,12 @@ class StagedBlobs:
     uploads are copied by the kernel: a blob never sits twice in worker memory.
     """
 
-    def __init__(self, path, index):
+    def __init__(self, path: str | None, index: dict[str, tuple[int, int]]) -> None:
         self.path = path
         self.index = index  # hash -> (offset, size) in the file
         self.handed_out = {}  # id -> (bytes object, hash) for what read() returned
 
-    def digest_of(self, value):
+    def digest_of(self, value: object) -> str | None:
         """The hash of `value` if it is a bytes object read() returned, else None.
 
         bytes are immutable, so a returned upload need not be hashed a second time
@@ -120,7 +141,7 @@ class StagedBlobs:
         entry = self.handed_out.get(id(value))
         return entry[1] if entry is not None and entry[0] is value else None
 
-    def read(self, digest):
+    def read(self, digest: str) -> bytes:
         offset, size = self.index[digest]
         chunks = []
         with open(self.path, "rb", buffering=0) as f:
@@ -134,7 +155,7 @@ class StagedBlobs:
         self.handed_out[id(data)] = (data, digest)
         return data
 
-    def read_writable(self, digest):
+    def read_writable(self, digest: str) -> bytearray:
         offset, size = self.index[digest]
         data = bytearray(size)
         view = memoryview(data)
@@ -146,7 +167,7 @@ class StagedBlobs:
                 view, offset = view[n:], offset + n
         return data
 
-    def copy_to(self, digest, out_fd):
+    def copy_to(self, digest: str, out_fd: int) -> None:
         offset, size = self.index[digest]
         with open(self.path, "rb", buffering=0) as f:
             while size:
@@ -156,7 +177,7 @@ class StagedBlobs:
                 offset, size = offset + n, size - n
 
 
-def large_buffer(size):
+def large_buffer(size: int) -> bytearray | mmap.mmap:
     """A zeroed writable buffer of `size` bytes for receiving data.
 
     Big ones are anonymous memory on transparent huge pages: filling a bytearray
@@ -170,7 +191,7 @@ def large_buffer(size):
     return buf
 
 
-def recv_raw(conn, size):
+def recv_raw(conn: Connection, size: int) -> bytearray | mmap.mmap:
     """Read exactly `size` raw bytes from the pipe into a new buffer (see large_buffer)."""
     buf = large_buffer(size)
     view = memoryview(buf)
@@ -183,9 +204,123 @@ def recv_raw(conn, size):
     return buf
 
 
+# --- the messages between the front-end and its worker processes -------------------
+# Pickled small objects on the pipe; every payload (blobs, returned parts) travels as raw bytes
+# next to them, never pickled.  Each side dispatches on the type and treats any other message
+# as a broken peer: the front-end answers WorkerCrashed, the worker raises UnexpectedMessage.
+
+class UnexpectedMessage(RuntimeError):
+    """The peer sent a message the protocol does not allow at this point."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerReady:
+    """Worker -> front-end, once after the fork: pinned to its GPU(s) and imported, no CUDA context yet.
+    The sandbox template sends it too, once it has imported what its workers preload."""
+    pid: int  # as the sender sees it (a sandbox has its own PID namespace)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerFailed:
+    """Worker -> front-end, instead of WorkerReady: this fork cannot serve (the template initialised CUDA)."""
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class InitGpu:
+    """Front-end -> GPU worker, once after WorkerReady, while the front-end holds the lease: create the
+    CUDA context.  Answered by GpuInitialized."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuInitialized:
+    """Worker -> front-end, the answer to InitGpu: what device 0 is, to check the pinning."""
+    arch: str  # like "sm_90a"
+    cuda: str | None  # the CUDA version torch was built with
+    uuid: str  # device 0's UUID, or ""
+
+
+@dataclasses.dataclass(frozen=True)
+class JobRequest:
+    """Front-end -> worker, once per request.  The blobs wait in the staging file `blob_file`
+    (`blob_index`: hash -> (offset, size)); with `capture`, the write ends of the stdout and
+    stderr pipes follow as two passed file descriptors."""
+    instructions: list[dict]
+    retire: bool  # exit after this request
+    workspace: str  # the program's working directory, as the worker sees it
+    blob_file: str | None
+    blob_index: dict[str, tuple[int, int]]
+    capture: bool
+    grace: float  # seconds between SIGTERM and SIGKILL for processes the program left behind
+    max_response_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StopWorker:
+    """Front-end -> idle worker: exit now."""
+
+
+@dataclasses.dataclass(frozen=True)
+class InstructionStarted:
+    """Worker -> front-end, before each instruction: a crash from here on is attributed to it."""
+    index: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ReturnValue:
+    """Worker -> front-end, as each `return` instruction completes (so a later crash cannot lose it);
+    the parts follow on the pipe as raw bytes, `part_sizes` long."""
+    key: str
+    encoded: dict  # the result's JSON, naming its parts
+    part_sizes: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class AcquireLease:
+    """GPU worker -> front-end, before an instruction that may touch the GPU; answered by LeaseGranted."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaseGranted:
+    """Front-end -> GPU worker, the answer to AcquireLease: the worker's GPU(s) are its own now."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReleaseLease:
+    """GPU worker -> front-end, before host-only work (file uploads and returns, cpu_only runs),
+    after giving its cached GPU memory back.  Not answered."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestDone:
+    """Worker -> front-end, the last message of a request."""
+    error: dict | None  # the FAILED result's error object
+    poisoned: bool  # the CUDA context is unusable: retire the worker
+
+
+@dataclasses.dataclass(frozen=True)
+class ForkWorker:
+    """Front-end -> sandbox template: fork one worker; the worker's pipe follows as a passed file
+    descriptor.  Answered by WorkerForked, then WorkerExited once that worker is gone."""
+    device: str
+    visible_gpus: list[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerForked:
+    """Sandbox template -> front-end: the new worker's pid inside the sandbox."""
+    pid: int
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerExited:
+    """Sandbox template -> front-end: the worker it forked last is gone, with this exit code."""
+    exit_code: int
+
+
 # --- what uploaded code imports -------------------------------------------
 
-def install_kcoral_modules():
+def install_kcoral_modules() -> tuple[types.ModuleType, types.ModuleType]:
     """Publish `kcoral.errors` and `kcoral.builtins` in sys.modules; -> (errors, builtins).
 
     Once `kcoral` itself is imported (or not at all: `from kcoral.errors import X` finds a
@@ -207,7 +342,7 @@ def install_kcoral_modules():
     return errors, builtins_mod
 
 
-def shorten(text, limit=600):
+def shorten(text: str, limit: int = 600) -> str:
     """Keep the head and the tail of a long diagnostic."""
     if len(text) <= limit:
         return text
@@ -215,10 +350,10 @@ def shorten(text, limit=600):
     return text[:head] + " …[truncated]… " + text[-(limit - head):]
 
 
-_compiled = {}
+_compiled: dict[int, Any] = {}  # structural hash -> executable, least recently used first
 
 
-def compile_tirx(fn, bindings=None):
+def compile_tirx(fn: Any, bindings: dict[str, Any] | None = None) -> Any:
     """Compile a TVM TIRx kernel for CUDA (SERVER.md §5.1); cached by structural hash."""
     try:
         import tvm
@@ -261,7 +396,7 @@ def compile_tirx(fn, bindings=None):
     return executable
 
 
-def benchmark(mod, *args):
+def benchmark(mod: Callable[..., Any], *args: Any) -> dict[str, Any]:
     """Per-call latency of mod(*args) (SERVER.md §5.2).
 
     CUDA workers use the reference's method: CUPTI activity records, each
@@ -287,7 +422,7 @@ def benchmark(mod, *args):
     samples.sort()
     mid = len(samples) // 2
     median = samples[mid] if len(samples) % 2 else (samples[mid - 1] + samples[mid]) / 2
-    result = {"latency_ms_median": median, "latency_ms_mean": sum(samples) / len(samples),
+    result: dict[str, Any] = {"latency_ms_median": median, "latency_ms_mean": sum(samples) / len(samples),
               "latency_ms_min": samples[0], "latency_ms_max": samples[-1],
               "activities_stable": stable, "flush_l2": flush_l2,
               "warmup": warmup, "repeat": repeat}
@@ -296,7 +431,8 @@ def benchmark(mod, *args):
     return result
 
 
-def benchmark_counts(timer, mod, args, config):
+def benchmark_counts(timer: HostTimer, mod: Callable[..., Any], args: Sequence[Any],
+                     config: dict[str, Any]) -> tuple[int, int]:
     """-> (warmup, repeat).  Explicit counts win (at least 1); a missing one is its ms budget
     over the cost of one flush + call, estimated from 5 of them after an untimed one: the
     budgets bound the time the benchmark really spends, flushes included (SERVER.md §5.2)."""
@@ -306,14 +442,14 @@ def benchmark_counts(timer, mod, args, config):
         timer.synchronize()
         estimate = timer.estimate(mod, args)
 
-        def derive(budget):
+        def derive(budget: float) -> int:
             return max(1, int(budget / estimate)) if estimate > 0 else 1000
         warmup = derive(config.get("warmup_ms", 25)) if warmup is None else warmup
         repeat = derive(config.get("repeat_ms", 100)) if repeat is None else repeat
     return max(1, int(warmup)), max(1, int(repeat))
 
 
-def make_timer(flush_l2):
+def make_timer(flush_l2: bool) -> HostTimer:
     if RUNTIME.device != "cuda":
         return HostTimer(flush_l2)
     try:
@@ -327,34 +463,34 @@ class HostTimer:
     """Wall-clock timing for CPU workers; the L2 flush overwrites a buffer larger than the last-level cache."""
     name = "host"
 
-    def __init__(self, flush_l2):
+    def __init__(self, flush_l2: bool) -> None:
         self.scratch = (ctypes.c_char * (64 << 20))() if flush_l2 else None
 
-    def flush(self):
+    def flush(self) -> None:
         if self.scratch is not None:
             ctypes.memset(self.scratch, 0, len(self.scratch))
 
-    def call(self, mod, args):
+    def call(self, mod: Callable[..., Any], args: Sequence[Any]) -> None:
         self.flush()
         mod(*args)
 
-    def synchronize(self):
+    def synchronize(self) -> None:
         pass
 
-    def estimate(self, mod, args):
+    def estimate(self, mod: Callable[..., Any], args: Sequence[Any]) -> float:
         """ms per flush + call."""
         start = time.perf_counter()
         for _ in range(5):
             self.call(mod, args)
         return (time.perf_counter() - start) * 1e3 / 5
 
-    def timed(self, mod, args):
+    def timed(self, mod: Callable[..., Any], args: Sequence[Any]) -> float:
         self.flush()
         start = time.perf_counter()
         mod(*args)
         return (time.perf_counter() - start) * 1e3
 
-    def measure(self, mod, args, repeat):
+    def measure(self, mod: Callable[..., Any], args: Sequence[Any], repeat: int) -> tuple[list[float], bool]:
         """-> (samples in ms, activities_stable).  A timer around the call sees no
         activity records, so stability is not measured and never claimed: False."""
         return [self.timed(mod, args) for _ in range(repeat)], False
@@ -364,7 +500,7 @@ class CudaTimer(HostTimer):
     """The device's L2 flushed by zeroing 2 x its size, and the count estimate timed with CUDA events."""
     name = None  # the reference's result has no "timer" field
 
-    def __init__(self, flush_l2):
+    def __init__(self, flush_l2: bool) -> None:
         import torch
         self.torch = torch
         self.scratch = None
@@ -372,14 +508,14 @@ class CudaTimer(HostTimer):
             l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 64 << 20)
             self.scratch = torch.empty(2 * l2, dtype=torch.int8, device="cuda")
 
-    def flush(self):
+    def flush(self) -> None:
         if self.scratch is not None:
             self.scratch.zero_()
 
-    def synchronize(self):
+    def synchronize(self) -> None:
         self.torch.cuda.synchronize()
 
-    def estimate(self, mod, args):
+    def estimate(self, mod: Callable[..., Any], args: Sequence[Any]) -> float:
         """ms per flush + call: one pair of events around 5 of them, as the reference times it."""
         cuda = self.torch.cuda
         start, end = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
@@ -397,12 +533,12 @@ class CuptiTimer(CudaTimer):
     API_KINDS = ("RUNTIME", "DRIVER")
     GPU_KINDS = ("CONCURRENT_KERNEL", "MEMCPY", "MEMSET")
 
-    def __init__(self, flush_l2, cupti):
+    def __init__(self, flush_l2: bool, cupti: Any) -> None:
         super().__init__(flush_l2)
         self.cupti = cupti
         self.kinds = [int(getattr(cupti.ActivityKind, k)) for k in self.API_KINDS + self.GPU_KINDS]
 
-    def measure(self, mod, args, repeat):
+    def measure(self, mod: Callable[..., Any], args: Sequence[Any], repeat: int) -> tuple[list[float], bool]:
         cupti, sync, records, windows = self.cupti, self.torch.cuda.synchronize, [], []
         with cupti_unavailable("cannot start CUPTI activity tracing"):
             # records are copied out at once: their buffer is reused when the callback returns
@@ -426,7 +562,7 @@ class CuptiTimer(CudaTimer):
             self.stop()
         return activity_spans(records, windows, set(self.kinds[:len(self.API_KINDS)]))
 
-    def stop(self):
+    def stop(self) -> None:
         self.cupti.activity_flush_all(1)
         for kind in self.kinds:
             self.cupti.activity_disable(kind)
@@ -434,7 +570,7 @@ class CuptiTimer(CudaTimer):
 
 
 @contextlib.contextmanager
-def cupti_unavailable(what):
+def cupti_unavailable(what: str) -> Iterator[None]:
     """CUPTI failures answer `unavailable` (SERVER.md §5.2, §6)."""
     try:
         yield
@@ -444,7 +580,7 @@ def cupti_unavailable(what):
         raise ExecutionError("unavailable", shorten(f"{what}: {type(exc).__name__}: {exc}")) from exc
 
 
-def activity_fields(record):
+def activity_fields(record: Any) -> Activity:
     """(kind, start ns, end ns, correlation id, identity) of a CUPTI activity record."""
     kind = int(record.kind)
     identity = (kind, getattr(record, "name", None), getattr(record, "copy_kind", None),
@@ -452,7 +588,8 @@ def activity_fields(record):
     return kind, record.start, record.end, record.correlation_id, identity
 
 
-def activity_spans(records, windows, api_kinds):
+def activity_spans(records: list[Activity], windows: list[tuple[int, int]],
+                   api_kinds: set[int]) -> tuple[list[float], bool]:
     """Per timed call (host timestamp window): ms from its first GPU activity's start to its
     last one's end, and whether every call launched the same multiset of activities.
 
@@ -489,11 +626,11 @@ class Runtime:
     installed (numpy arrays otherwise); libraries load with tvm_ffi on both.
     """
 
-    def __init__(self, device="cpu"):
+    def __init__(self, device: str = "cpu") -> None:
         self.device = device
-        self.libraries = {}
+        self.libraries: dict[str, Any] = {}  # blob hash -> loaded module, least recently used first
 
-    def load_tensor(self, data, dtype, shape):
+    def load_tensor(self, data: bytearray, dtype: str, shape: list[int]) -> Any:
         """`data` is a private writable buffer: the tensor may keep it."""
         try:
             import torch
@@ -507,7 +644,7 @@ class Runtime:
         except Exception as exc:
             raise ExecutionError("runtime", f"malformed tensor: {exc}") from exc
 
-    def load_library(self, blob_hash, data):
+    def load_library(self, blob_hash: str, data: bytes) -> Any:
         if blob_hash in self.libraries:
             self.libraries[blob_hash] = module = self.libraries.pop(blob_hash)
             return module
@@ -536,7 +673,7 @@ class Runtime:
             self.libraries.pop(next(iter(self.libraries)))
         return module
 
-    def library_function(self, module, name):
+    def library_function(self, module: Any, name: str) -> Any:
         try:
             exported = module.implements_function(name)
         except Exception as exc:
@@ -548,17 +685,17 @@ class Runtime:
         except Exception as exc:
             raise ExecutionError("compile", shorten(f"cannot bind {name!r}: {exc}")) from exc
 
-    def is_library(self, value):
+    def is_library(self, value: object) -> bool:
         tvm_ffi = sys.modules.get("tvm_ffi")
         return tvm_ffi is not None and isinstance(value, tvm_ffi.Module)
 
-    def synchronize(self):
+    def synchronize(self) -> None:
         if self.device == "cuda":
             import torch
             for index in range(torch.cuda.device_count()):
                 torch.cuda.synchronize(index)
 
-    def release_cached_memory(self):
+    def release_cached_memory(self) -> None:
         """Drain every visible device and give the allocator's unused cache back to the driver,
         so a peer sharing the GPU gets the memory once the lease is released (SERVER.md §2.2)."""
         if self.device != "cuda":
@@ -570,7 +707,7 @@ class Runtime:
                 with torch.cuda.device(index):
                     torch.cuda.empty_cache()
 
-    def take_last_error(self):
+    def take_last_error(self) -> str | None:
         """Read and clear CUDA's last error (SERVER.md §3.4 step 3) in every libcudart loaded here:
         a bad launch configuration sits there without failing a synchronize.
         -> "CUDA error <name> (<code>): <description>" for the first pending one, or None."""
@@ -586,10 +723,10 @@ class Runtime:
 
 
 RUNTIME = Runtime("cpu")
-_cudarts = {}  # path -> the ctypes handle of a libcudart this process loaded
+_cudarts: dict[str, ctypes.CDLL] = {}  # path -> the ctypes handle of a libcudart this process loaded
 
 
-def cudart_paths(maps):
+def cudart_paths(maps: str) -> list[str]:
     """Paths of the CUDA runtime libraries mapped into a process, from its /proc/PID/maps text."""
     paths = []
     for line in maps.splitlines():
@@ -599,7 +736,7 @@ def cudart_paths(maps):
     return paths
 
 
-def loaded_cudarts():
+def loaded_cudarts() -> list[ctypes.CDLL]:
     """The libcudart copies already loaded (torch's, a library's own shared one): each keeps its own
     last error.  Opening a loaded path again gives the same library, never a new copy."""
     with open("/proc/self/maps") as f:
@@ -620,7 +757,7 @@ def loaded_cudarts():
 _cute_preloaded = False
 
 
-def preload_cute_dsl_runtime():
+def preload_cute_dsl_runtime() -> None:
     """SERVER.md §4.2: libraries that CuTe DSL exported with `--enable-tvm-ffi` need its runtime
     libraries loaded globally first.  Optional: without CuTe DSL (or with a broken one) nothing happens."""
     global _cute_preloaded
@@ -633,12 +770,12 @@ def preload_cute_dsl_runtime():
             ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
 
 
-def torch_dtype(name):
+def torch_dtype(name: str) -> Any:
     import torch
     return getattr(torch, name)
 
 
-def numpy_dtype(name):
+def numpy_dtype(name: str) -> Any:
     import numpy
     if name in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
         import ml_dtypes
@@ -646,7 +783,7 @@ def numpy_dtype(name):
     return numpy.dtype(name).newbyteorder("<")
 
 
-def numpy_dtype_array(data, dtype, shape):
+def numpy_dtype_array(data: Buffer, dtype: str, shape: list[int]) -> Any:
     import numpy
     return numpy.frombuffer(data, dtype=numpy_dtype(dtype)).reshape(shape)
 
@@ -656,13 +793,14 @@ def numpy_dtype_array(data, dtype, shape):
 class Encoder:
     """Encodes returned values depth-first, collecting binary parts in order."""
 
-    def __init__(self, first_part, byte_budget, known_digest=lambda value: None):
+    def __init__(self, first_part: int, byte_budget: int,
+                 known_digest: Callable[[object], str | None] = lambda value: None) -> None:
         self.next_part = first_part
         self.byte_budget = byte_budget
-        self.parts = []
+        self.parts: list[memoryview] = []
         self.known_digest = known_digest  # value -> its SHA-256 when already known, else None
 
-    def part(self, data, digest=None):
+    def part(self, data: Buffer, digest: str | None = None) -> tuple[str, str]:
         # Only file/folder returns are held to the byte budget (P§8.6, checked while reading);
         # an oversized value makes the front-end answer 500 response_too_large (P§9.8).
         data = memoryview(data).cast("B")
@@ -672,7 +810,7 @@ class Encoder:
         self.next_part += 1
         return name, digest or hashlib.sha256(data).hexdigest()
 
-    def value(self, v, depth=0):
+    def value(self, v: object, depth: int = 0) -> dict[str, Any]:
         if depth > 900:
             raise ExecutionError("serialization", "returned value is nested too deeply")
         if v is None:
@@ -708,12 +846,12 @@ class Encoder:
             return {"type": "tensor", "dtype": dtype, "shape": shape, "part": name, "sha256": digest}
         raise ExecutionError("serialization", f"cannot return value of type {type(v).__name__}")
 
-    def file(self, data):
+    def file(self, data: Buffer) -> dict[str, Any]:
         name, digest = self.part(data)
         return {"type": "file", "part": name, "sha256": digest, "size": len(data)}
 
 
-def tensor_bytes(v):
+def tensor_bytes(v: object) -> tuple[str, list[int], Any] | None:
     """(dtype, shape, little-endian bytes) for torch tensors and numpy arrays/scalars, else None."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(v, torch.Tensor):
@@ -744,7 +882,7 @@ def tensor_bytes(v):
 NOFOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def open_parent(root_fd, path, create):
+def open_parent(root_fd: int, path: str, create: bool) -> tuple[int, str]:
     """Open the directory holding `path`'s last component without following links."""
     parts = path.split("/")
     fd = os.dup(root_fd)
@@ -764,7 +902,7 @@ def open_parent(root_fd, path, create):
     return fd, parts[-1]
 
 
-def materialize(root_fd, path, blobs, digest):
+def materialize(root_fd: int, path: str, blobs: StagedBlobs, digest: str) -> None:
     try:
         dir_fd, name = open_parent(root_fd, path, create=True)
         try:
@@ -781,7 +919,7 @@ def materialize(root_fd, path, blobs, digest):
         raise ExecutionError("runtime", f"cannot materialize file {path!r}: {exc.strerror or exc}") from exc
 
 
-def read_regular(dir_fd, name, budget, what):
+def read_regular(dir_fd: int, name: str, budget: int, what: str) -> bytearray:
     """Read a regular file (never a link or special file) that must not change meanwhile."""
     fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
@@ -802,7 +940,7 @@ def read_regular(dir_fd, name, budget, what):
         os.close(fd)
 
 
-def collect_file(root_fd, path, budget):
+def collect_file(root_fd: int, path: str, budget: int) -> bytearray:
     try:
         dir_fd, name = open_parent(root_fd, path, create=False)
         try:
@@ -813,11 +951,11 @@ def collect_file(root_fd, path, budget):
         raise ExecutionError("serialization", f"cannot return file {path!r}: {exc.strerror or exc}") from exc
 
 
-def collect_folder(root_fd, path, budget):
+def collect_folder(root_fd: int, path: str, budget: int) -> tuple[dict[str, bytearray], list[str]]:
     """Snapshot a directory tree: ({relpath: bytes}, [dirs]) sorted by path."""
     files, dirs, seen = {}, [], set()
 
-    def walk(fd, prefix):
+    def walk(fd: int, prefix: str) -> None:
         info = os.fstat(fd)
         if (info.st_dev, info.st_ino) in seen:
             raise ExecutionError("serialization", "cannot return folder: a directory is reached twice")
@@ -860,7 +998,7 @@ def collect_folder(root_fd, path, budget):
 class Capture:
     """Points fds 1 and 2 (and sys.stdout/err) at the front-end's pipes for one request."""
 
-    def __init__(self, out_fd, err_fd):
+    def __init__(self, out_fd: int, err_fd: int) -> None:
         for stream in (sys.stdout, sys.stderr):
             flush_quietly(stream)
         self.saved = (os.dup(1), os.dup(2), sys.stdout, sys.stderr)
@@ -871,7 +1009,7 @@ class Capture:
         sys.stdout = text_stream(1)
         sys.stderr = text_stream(2)
 
-    def restore(self):
+    def restore(self) -> None:
         saved_out, saved_err, sys_out, sys_err = self.saved
         for stream in (sys.stdout, sys.stderr):
             flush_quietly(stream)
@@ -882,13 +1020,13 @@ class Capture:
         sys.stdout, sys.stderr = sys_out, sys_err
 
 
-def text_stream(fd):
+def text_stream(fd: int) -> io.TextIOWrapper:
     # line-buffered like a terminal: printed lines reach the pipe before a native crash can lose them
     return io.TextIOWrapper(open(fd, "wb", closefd=False), encoding="utf-8", errors="replace",
                             line_buffering=True)
 
 
-def flush_quietly(stream):
+def flush_quietly(stream: IO[str]) -> None:
     try:
         stream.flush()
     except (OSError, ValueError, AttributeError):  # user code may have closed the fd
@@ -900,11 +1038,11 @@ def flush_quietly(stream):
 class UploadedModule:
     """The namespace of an uploaded Python module."""
 
-    def __init__(self, namespace):
+    def __init__(self, namespace: dict[str, Any]) -> None:
         self.namespace = namespace
 
 
-def load_module(source):
+def load_module(source: str) -> UploadedModule:
     filename = f"<uploaded:{hashlib.sha1(source.encode('utf-8', 'surrogatepass')).hexdigest()[:16]}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     try:
@@ -919,24 +1057,25 @@ def load_module(source):
     return UploadedModule(namespace)
 
 
-class Program:
+class ProgramRun:
     """One request's execution: handles, returns streamed to the front-end, the error."""
 
-    def __init__(self, conn, request, blobs, root_fd, lease):
+    def __init__(self, conn: Connection, request: JobRequest, blobs: StagedBlobs, root_fd: int,
+                 lease: GpuLease | NoLease) -> None:
         self.conn = conn
         self.request = request
         self.blobs = blobs
         self.root_fd = root_fd
         self.lease = lease
-        self.handles = {}
+        self.handles: dict[str, Any] = {}
         self.last_index = 0
-        self.cpu_only = set()
-        self.encoder = Encoder(0, request["max_response_bytes"], lambda value: self.blobs.digest_of(value))
+        self.cpu_only: set[str] = set()
+        self.encoder = Encoder(0, request.max_response_bytes, lambda value: self.blobs.digest_of(value))
 
-    def run(self):
-        for index, ins in enumerate(self.request["instructions"]):
+    def run(self) -> ErrorObject | None:
+        for index, ins in enumerate(self.request.instructions):
             self.last_index = index
-            self.conn.send(("start", index))
+            self.conn.send(InstructionStarted(index))
             try:
                 self.lease.before(ins, self.cpu_only)
                 getattr(self, "op_" + ins["op"])(ins)
@@ -951,15 +1090,15 @@ class Program:
                 return error_object("engine", f"{type(exc).__name__}: {exc}", index, ins, traceback_text(exc))
         return None
 
-    def ref(self, value):
+    def ref(self, value: dict[str, str]) -> Any:
         return self.handles[value["$ref"]]
 
-    def error_at_last(self, kind, message):
+    def error_at_last(self, kind: str, message: str) -> ErrorObject:
         """An error attributed to the last instruction started (SERVER.md §3.4)."""
         index = self.last_index
-        return error_object(kind, message, index, self.request["instructions"][index], "")
+        return error_object(kind, message, index, self.request.instructions[index], "")
 
-    def op_upload(self, ins):
+    def op_upload(self, ins: Instruction) -> None:
         kind = ins["kind"]
         if kind == "module":
             value = load_module(ins["source"])
@@ -974,7 +1113,7 @@ class Program:
             value = ins["path"]
         self.handles[ins["id"]] = value
 
-    def op_get_function(self, ins):
+    def op_get_function(self, ins: Instruction) -> None:
         target, name = self.ref(ins["module"]), ins["name"]
         if isinstance(target, UploadedModule):
             if name not in target.namespace:
@@ -990,7 +1129,7 @@ class Program:
             self.cpu_only.add(ins["id"])
         self.handles[ins["id"]] = value
 
-    def op_run(self, ins):
+    def op_run(self, ins: Instruction) -> None:
         fn = self.ref(ins["fn"])
         if not callable(fn):
             raise ExecutionError("runtime", f"handle {ins['fn']['$ref']!r} is not callable")
@@ -999,14 +1138,14 @@ class Program:
         with CudaCallGuard() if watched else contextlib.nullcontext():
             self.handles[ins["id"]] = fn(*args)
 
-    def op_return(self, ins):
+    def op_return(self, ins: Instruction) -> None:
         self.encoder.parts = []
         first_part = self.encoder.next_part
         try:
             encoded = self.encode_return(ins)
             # pickle recurses twice per level: a value the encoder took can still be too deep
             message = reduction.ForkingPickler.dumps(
-                ("return", ins["key"], encoded, [p.nbytes for p in self.encoder.parts]))
+                ReturnValue(ins["key"], encoded, [p.nbytes for p in self.encoder.parts]))
         except BaseException as exc:
             # a failing return contributes nothing: give its part numbers back
             self.encoder.byte_budget += sum(p.nbytes for p in self.encoder.parts)
@@ -1019,7 +1158,7 @@ class Program:
         for part in parts:
             send_raw(self.conn, part)
 
-    def encode_return(self, ins):
+    def encode_return(self, ins: Instruction) -> dict[str, Any]:
         kind = ins.get("kind")
         if kind is None:
             return self.encoder.value(self.ref(ins["value"]))
@@ -1036,37 +1175,37 @@ class Program:
                 "directories": dirs}
 
 
-def is_ref(value):
+def is_ref(value: object) -> bool:
     return isinstance(value, dict) and len(value) == 1 and isinstance(value.get("$ref"), str) and value["$ref"] != ""
 
 
-def error_object(kind, message, index, ins, tb):
+def error_object(kind: str, message: str, index: int, ins: Instruction, tb: str) -> ErrorObject:
     return {"kind": kind, "message": message, "instruction_index": index,
             "instruction_op": ins["op"], "instruction_id": ins.get("id"), "traceback": tb}
 
 
-def traceback_text(exc):
+def traceback_text(exc: BaseException) -> str:
     return "".join(traceback.format_exception(exc))[-TRACEBACK_CHARS:]
 
 
 class NoLease:
     """CPU workers have no GPU lease to take or give back."""
 
-    def before(self, ins, cpu_only):
+    def before(self, ins: Instruction, cpu_only: set[str]) -> None:
         pass
 
-    def finish(self):
+    def finish(self) -> None:
         pass
 
 
 class GpuLease:
     """The worker's side of the front-end's lease on its GPU(s) (SERVER.md §2.2)."""
 
-    def __init__(self, conn):
+    def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self.held = False
 
-    def before(self, ins, cpu_only):
+    def before(self, ins: Instruction, cpu_only: set[str]) -> None:
         op, kind = ins["op"], ins.get("kind")
         if (op == "upload" and kind == "file") or (op == "return" and kind in ("file", "folder")) \
                 or (op == "run" and ins["fn"]["$ref"] in cpu_only):
@@ -1074,20 +1213,21 @@ class GpuLease:
         elif not (op == "upload" and kind == "bytes"):
             self.acquire()
 
-    def acquire(self):
+    def acquire(self) -> None:
         if not self.held:
-            self.conn.send(("lease", "acquire"))
+            self.conn.send(AcquireLease())
             reply = self.conn.recv()
-            assert reply == ("lease", "granted"), reply
+            if not isinstance(reply, LeaseGranted):
+                raise UnexpectedMessage(f"expected LeaseGranted, got {reply!r}")
             self.held = True
 
-    def release(self):
+    def release(self) -> None:
         if self.held:
             RUNTIME.release_cached_memory()
-            self.conn.send(("lease", "release"))
+            self.conn.send(ReleaseLease())
             self.held = False
 
-    def finish(self):
+    def finish(self) -> None:
         """End-of-request drain under the lease; a CUDA error here fails the program."""
         self.acquire()
         RUNTIME.synchronize()
@@ -1103,7 +1243,7 @@ class CudaCallGuard:
     so, like the reference, the run is answered `unavailable`.
     """
 
-    def __enter__(self):
+    def __enter__(self) -> CudaCallGuard:
         try:
             from cupti import cupti
         except (ImportError, OSError):
@@ -1120,12 +1260,12 @@ class CudaCallGuard:
                 raise
         return self
 
-    def on_api(self, userdata, domain, cbid, data):
+    def on_api(self, userdata: object, domain: int, cbid: int, data: Any) -> None:
         if self.first is None and data.callback_site == self.cupti.ApiCallbackSite.API_ENTER:
             # wall-clock time: the front-end's lease history uses it too
             self.first = (data.function_name, traceback.extract_stack()[:-1], time.time())
 
-    def unsubscribe(self):
+    def unsubscribe(self) -> None:
         global _cupti_used
         if self.subscriber is not None:
             _cupti_used = self.cupti
@@ -1134,7 +1274,7 @@ class CudaCallGuard:
             self.cupti.unsubscribe(self.subscriber)
             self.subscriber = None
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         try:
             with cupti_unavailable("CUPTI cleanup failed"):
                 self.unsubscribe()
@@ -1146,7 +1286,7 @@ class CudaCallGuard:
 _cupti_used = None  # the cupti module once the guard subscribed: finalised before the next request
 
 
-def finalize_cupti():
+def finalize_cupti() -> None:
     """SERVER.md §3.3: CUPTI is finalised when the cpu_only guard was used."""
     global _cupti_used
     if _cupti_used is not None:
@@ -1158,7 +1298,7 @@ def finalize_cupti():
 class GpuAccessError(ExecutionError):
     """A cpu_only call entered CUDA: P§9.7's extra fields, and the stack at that call."""
 
-    def __init__(self, cuda_call, stack, when):
+    def __init__(self, cuda_call: str, stack: list[traceback.FrameSummary], when: float) -> None:
         location = call_site(stack)
         super().__init__("gpu_access", f"cpu_only function called {cuda_call} at {location}")
         self.stack = "".join(traceback.format_list(stack))[-TRACEBACK_CHARS:]
@@ -1166,7 +1306,7 @@ class GpuAccessError(ExecutionError):
         self.fields = {"cuda_call": cuda_call, "location": location, "lease_time": when}
 
 
-def call_site(stack):
+def call_site(stack: traceback.StackSummary | list[traceback.FrameSummary]) -> str:
     """The innermost frame of uploaded code, else the innermost one outside the server."""
     uploaded = [f for f in stack if f.filename.startswith("<uploaded:")]
     outside = [f for f in stack if os.path.basename(f.filename) not in ("kcoral.py", "kcoral_worker.py")]
@@ -1176,7 +1316,7 @@ def call_site(stack):
 
 # --- the worker process -------------------------------------------------------
 
-def worker_main(conn, device, visible_gpus):
+def worker_main(conn: Connection, device: str, visible_gpus: list[str]) -> None:
     """Entry point of a worker process forked from the template.
 
     It leads its own process group so that the front-end can kill everything
@@ -1188,7 +1328,7 @@ def worker_main(conn, device, visible_gpus):
     os.environ[WORKER_MARK] = str(os.getpid())  # inherited: finds what escapes after a crash
     problem = template_cuda_problem()
     if problem:
-        conn.send(("failed", problem))
+        conn.send(WorkerFailed(problem))
         os._exit(1)
     global RUNTIME
     if device == "cuda":
@@ -1198,28 +1338,80 @@ def worker_main(conn, device, visible_gpus):
     import gc
     gc.freeze()  # the template's objects are permanent: later collections skip them
     env = dict(os.environ)
-    conn.send(("ready", os.getpid()))
+    conn.send(WorkerReady(os.getpid()))
     while True:
         try:
             message = conn.recv()
         except EOFError:
             os._exit(0)
-        if message is None:
-            os._exit(0)
-        if "init" in message:
-            conn.send(initialize_gpu())
-            env = dict(os.environ)
-            continue
-        poisoned = serve_request(conn, message)
-        if message["retire"] or poisoned:
-            os._exit(0)
-        reset_process_state(env)
+        match message:
+            case StopWorker():
+                os._exit(0)
+            case InitGpu():
+                conn.send(initialize_gpu())
+                env = dict(os.environ)
+            case JobRequest():
+                poisoned = serve_request(conn, message)
+                if message.retire or poisoned:
+                    os._exit(0)
+                reset_process_state(env)
+            case _:
+                raise UnexpectedMessage(f"a worker cannot serve {message!r}")
 
 
 WORKER_MARK = "KCORAL_WORKER_PID"
 
 
-def become_subreaper():
+def template_main(fd: int, preload: list[str], import_env: dict[str, str]) -> None:
+    """Entry point of a slot's template inside its bubblewrap sandbox (kcoral.py SandboxTemplate).
+
+    It imports once (with `import_env` set meanwhile), then per message (device, visible GPUs)
+    plus the worker's pipe forks one worker, answers ("forked", pid) and, once that worker is
+    gone, ("exited", exit code).
+    """
+    import importlib
+    set_dumpable(False)  # a request may not ptrace or read the process that forks the next one
+    saved = {name: os.environ.get(name) for name in import_env}
+    os.environ.update(import_env)
+    for name in preload:
+        importlib.import_module(name)
+    for name, value in saved.items():
+        if value is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = value
+    conn = Connection(fd)
+    conn.send(WorkerReady(os.getpid()))
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            os._exit(0)
+        if not isinstance(message, ForkWorker):
+            raise UnexpectedMessage(f"a sandbox template cannot serve {message!r}")
+        pipe = reduction.recv_handle(conn)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                conn.close()
+                set_dumpable(True)
+                worker_main(Connection(pipe), message.device, message.visible_gpus)
+            finally:
+                os._exit(1)
+        os.close(pipe)
+        conn.send(WorkerForked(pid))
+        conn.send(WorkerExited(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])))
+
+
+def set_dumpable(flag: bool) -> None:
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(4, int(flag), 0, 0, 0)  # PR_SET_DUMPABLE
+    except (OSError, AttributeError):
+        pass
+
+
+def become_subreaper() -> None:
     """Orphans of the program stay our descendants, so a new session cannot hide them."""
     try:
         import ctypes
@@ -1228,7 +1420,7 @@ def become_subreaper():
         pass
 
 
-def escaped_descendants():
+def escaped_descendants() -> list[int]:
     """Live descendants outside our process group (started with a new session or group).
 
     The front-end kills and reports what is left in the group; these it cannot see.
@@ -1251,7 +1443,7 @@ def escaped_descendants():
     return sorted(pid for pid in tree if groups[pid] != group)
 
 
-def terminate_escaped(grace):
+def terminate_escaped(grace: float) -> bool:
     """SIGTERM the escaped descendants, SIGKILL them after `grace` s; -> whether there were any."""
     import signal
     found = escaped_descendants()
@@ -1276,7 +1468,7 @@ def terminate_escaped(grace):
     return bool(found)
 
 
-def die_with_parent():
+def die_with_parent() -> None:
     """If the server dies hard, its template exits and takes the workers with it."""
     try:
         import ctypes
@@ -1291,7 +1483,7 @@ TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "G
                       "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID")
 
 
-def template_cuda_problem():
+def template_cuda_problem() -> str | None:
     """Why this fork cannot use CUDA, or None.
 
     The template preloads torch (and tvm_ffi) so that a fresh worker per request
@@ -1309,7 +1501,7 @@ def template_cuda_problem():
     return None
 
 
-def prepare_gpu(visible_gpus):
+def prepare_gpu(visible_gpus: list[str]) -> None:
     """Pin the worker to its GPU(s) before CUDA starts; host work only, no CUDA context yet.
 
     torch reads CUDA_VISIBLE_DEVICES when CUDA initialises, not on import, so
@@ -1323,10 +1515,10 @@ def prepare_gpu(visible_gpus):
         import tvm_ffi  # noqa: F401  preloaded by the template; imported now rather than under the lease later
 
 
-def initialize_gpu():
+def initialize_gpu() -> GpuInitialized:
     """Create the CUDA context (the front-end holds the lease meanwhile).
 
-    -> (arch like "sm_90a", CUDA version torch was built with, device 0's UUID or "").
+    -> GpuInitialized(arch like "sm_90a", CUDA version torch was built with, device 0's UUID or "").
     """
     import torch
     torch.cuda.init()
@@ -1336,24 +1528,24 @@ def initialize_gpu():
     # later CPU-only compiles then need not query the driver
     os.environ.setdefault("TVM_FFI_CUDA_ARCH_LIST", f"{major}.{minor}{suffix}")
     uuid = getattr(torch.cuda.get_device_properties(0), "uuid", None)
-    return f"sm_{major}{minor}{suffix}", torch.version.cuda, str(uuid or "")
+    return GpuInitialized(f"sm_{major}{minor}{suffix}", torch.version.cuda, str(uuid or ""))
 
 
-def serve_request(conn, request):
-    blobs = StagedBlobs(request["blob_file"], request["blob_index"])
+def serve_request(conn: Connection, request: JobRequest) -> bool:
+    blobs = StagedBlobs(request.blob_file, request.blob_index)
     capture = None
-    if request["capture"]:
+    if request.capture:
         out_fd = reduction.recv_handle(conn)
         err_fd = reduction.recv_handle(conn)
         capture = Capture(out_fd, err_fd)
     lease = GpuLease(conn) if RUNTIME.device == "cuda" else NoLease()
-    root_fd = os.open(request["workspace"], NOFOLLOW_DIR)
-    os.chdir(request["workspace"])
+    root_fd = os.open(request.workspace, NOFOLLOW_DIR)
+    os.chdir(request.workspace)
     try:
-        program = Program(conn, request, blobs, root_fd, lease)
+        program = ProgramRun(conn, request, blobs, root_fd, lease)
         error = program.run()
-        error, poisoned = finish_on_device(program, error, lease, reused=not request["retire"])
-        if terminate_escaped(request.get("grace", 5.0)) and error is None:
+        error, poisoned = finish_on_device(program, error, lease, reused=not request.retire)
+        if terminate_escaped(request.grace) and error is None:
             error = program.error_at_last("runtime", "program left background processes running; "
                                           "they were terminated")
     finally:
@@ -1361,11 +1553,12 @@ def serve_request(conn, request):
         os.chdir("/")
         if capture is not None:
             capture.restore()
-    conn.send(("done", error, poisoned))
+    conn.send(RequestDone(error, poisoned))
     return poisoned
 
 
-def finish_on_device(program, error, lease, reused):
+def finish_on_device(program: ProgramRun, error: ErrorObject | None, lease: GpuLease | NoLease,
+                     reused: bool) -> tuple[ErrorObject | None, bool]:
     """SERVER.md §3.4, under the lease: drain the devices, read and clear CUDA's last error, and
     on a worker that serves again drop the request's objects and give their GPU memory back
     before the front-end releases the lease, so an idle worker never sits on a peer's memory.
@@ -1394,7 +1587,7 @@ def finish_on_device(program, error, lease, reused):
     return error, poisoned
 
 
-def reset_process_state(env):
+def reset_process_state(env: dict[str, str]) -> None:
     """Between requests of a reused worker: environment, source cache, garbage."""
     import gc
     for key in set(os.environ) - set(env):

@@ -1133,16 +1133,20 @@ def test_file_upload_materialised_at_its_position(server):
 
 
 def test_workspace_is_fresh_private_and_removed(server):
-    source = "import os\ndef f():\n    return [os.getcwd(), os.listdir('.')]\n"
+    source = ("import os\ndef f():\n    listing = os.listdir('.')\n    open('left-behind', 'w').close()\n"
+              "    return [os.getcwd(), listing]\n")
     seen = []
-    for _ in range(2):
+    for _ in range(3):  # two workers: some slot serves twice
         results = assert_completed(execute_ok(server.url, simple_program(source)))
         cwd, listing = plain(results["out"])
         assert listing == []
-        assert "kcoral-program-" in cwd and cwd.startswith(server.tmpdir)
-        assert not os.path.exists(cwd)
+        if server.sandbox == "none":
+            assert "kcoral-program-" in cwd and cwd.startswith(server.tmpdir)
+            assert not os.path.exists(cwd)
+        else:  # the container's fixed private directory; the host's path is not visible inside
+            assert cwd == "/kcoral/work"
         seen.append(cwd)
-    assert seen[0] != seen[1]
+    assert len(set(seen)) == (3 if server.sandbox == "none" else 1)
     assert workspaces(server) == []
 
 
@@ -1458,29 +1462,43 @@ def test_waited_subprocess_is_fine(server):
     assert assert_completed(execute_ok(server.url, simple_program(source)))["out"]["value"] == 0
 
 
-TIMEOUT_SOURCE = """import subprocess, time
-def f(pidfile, new_session):
-    p = subprocess.Popen(["sleep", "60"], start_new_session=new_session)
-    with open(pidfile + ".tmp", "w") as fh:
-        fh.write(str(p.pid))
-    import os
-    os.rename(pidfile + ".tmp", pidfile)
+TIMEOUT_SOURCE = """import subprocess, sys, time
+def f(marker, new_session):
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", marker], start_new_session=new_session)
     print("looping")
     while True:
         time.sleep(0.05)
 """
 
 
+def marked_pids(marker):
+    """Host pids of the processes whose command line carries `marker` (a sandboxed program
+    cannot tell us its children's pids: it sees its own PID namespace)."""
+    found = []
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(name))
+        except OSError:
+            pass
+    return found
+
+
 @pytest.mark.parametrize("new_session", [False, True], ids=["same-group", "new-session"])
-def test_timeout_kills_the_whole_tree(server, tmp_path, new_session):
-    pidfile = str(tmp_path / "grandchild.pid")
-    program = call_program(TIMEOUT_SOURCE, "f", pidfile, new_session, options={"timeout_seconds": 1})
+def test_timeout_kills_the_whole_tree(server, new_session):
+    marker = f"kcoral-grandchild-{uuid.uuid4().hex}"
+    program = call_program(TIMEOUT_SOURCE, "f", marker, new_session, options={"timeout_seconds": 2})
+    seen = []
+    watcher = threading.Thread(target=lambda: seen.extend(wait_for(lambda: marked_pids(marker), timeout=30) or []))
+    watcher.start()
     started = time.monotonic()
     status, headers, body = post(server.url, program)
+    watcher.join()
     assert_error_body(status, headers, body, 504, "timeout")
     assert time.monotonic() - started < 30
-    pid = int(open(pidfile).read())
-    assert wait_for(lambda: process_gone(pid), timeout=10), f"grandchild {pid} survived the timeout"
+    assert seen, "the grandchild never ran"
+    assert wait_for(lambda: all(process_gone(pid) for pid in seen), timeout=10), f"grandchild {seen} survived"
     ok_run(server.url)
     assert workspaces(server) == []
 
@@ -1856,9 +1874,10 @@ def test_reused_worker_is_replaced_after_a_crash(reuse_server):
 # --- process lifecycle: CLI, graceful shutdown, restart -----------------------------------------------------
 
 @pytest.mark.parametrize("flags,fragment", [
-    (["--sandbox", "bubblewrap"], "sandbox"),
-    (["server", "--sandbox", "bubblewrap"], "sandbox"),
-    (["--sandbox-readonly-path", "/opt"], "sandbox"),
+    (["--sandbox", "firejail"], "sandbox"),
+    (["server", "--sandbox", "docker"], "sandbox"),
+    (["--sandbox-readonly-path", "/opt"], "requires --sandbox bubblewrap"),
+    (["--sandbox", "bubblewrap", "--sandbox-readonly-path", "opt"], "absolute"),
     (["--router", "x"], "router"),
     (["--router", "http://r", "--node-id", "n"], "router"),
     (["--node-token", "t"], "router"),
@@ -1867,8 +1886,9 @@ def test_reused_worker_is_replaced_after_a_crash(reuse_server):
     (["--num-workers", "0"], "num_workers"),
     (["--num-work", "2"], "--num-work"),
     (["--no-such-flag"], "--no-such-flag"),
-], ids=["sandbox", "server-word-sandbox", "sandbox-path", "router", "router-node", "node-token", "gpu-absent",
-        "device-unknown", "zero-workers", "abbreviation", "unknown-flag"])
+], ids=["sandbox-unknown", "server-word-sandbox-unknown", "sandbox-path-unsandboxed", "sandbox-path-relative",
+        "router", "router-node", "node-token", "gpu-absent", "device-unknown", "zero-workers", "abbreviation",
+        "unknown-flag"])
 def test_cli_refuses_unsupported_or_invalid_flags(flags, fragment):
     result = subprocess.run([PYTHON, "-m", "kcoral", "--port", str(free_port()), "--log-dir", "", *flags],
                             cwd=ROOT, capture_output=True, text=True, timeout=120)

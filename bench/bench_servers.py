@@ -58,6 +58,7 @@ STDOUT_SOURCE = f"import sys\n\ndef f():\n    sys.stdout.write('x' * {STDOUT_BYT
 FOLDER_FILES = 500
 RSS_PAYLOAD = 256 * MIB
 RSS_TARGET_TIMES_PAYLOAD = 3.0
+SANDBOX_COST_TARGET = 1.5  # ours sandboxed / ours unsandboxed
 
 # (key, title, unit, target ratio ours/published or None)
 SCENARIOS = [
@@ -67,6 +68,7 @@ SCENARIOS = [
     ("cachehit64", "64 MiB cache hit (same blob again)", "ms", 0.7),
     ("folder", f"{FOLDER_FILES}-file folder upload + return", "ms", 0.7),
     ("stdout4", "4 MiB of stdout captured", "ms", None),
+    ("trivial_sandboxed", "trivial request latency, both `--sandbox bubblewrap`", "ms", None),
     ("rss256", "256 MiB upload: peak tree RSS increase", "MiB", None),
     ("pss256", "256 MiB upload: peak tree PSS increase", "MiB", None),
 ]
@@ -157,6 +159,24 @@ def start_servers(scratch):
     return servers
 
 
+def start_sandboxed_servers(scratch):
+    """-> (published, ours), both with `--sandbox bubblewrap`; the published one from /tmp."""
+    def published_argv(port):
+        return reference_server_argv(port, "--sandbox", "bubblewrap", "--disk-cache-dir",
+                                     os.path.join(scratch, "published-sandboxed-cache"), *COMMON_FLAGS)
+
+    def ours_argv(port):
+        return [sys.executable, "-m", "kcoral", "--port", str(port), "--device", "cpu", "--log-dir", "",
+                "--sandbox", "bubblewrap", "--disk-cache-dir", os.path.join(scratch, "ours-sandboxed-cache"),
+                *COMMON_FLAGS]
+
+    servers = (Server("published-sandboxed", published_argv, scratch, **{**reference_popen_options(), "cwd": "/tmp"}),
+               Server("ours-sandboxed", ours_argv, scratch))
+    for server in servers:
+        server.wait_ready()
+    return servers
+
+
 class CountingClient(Client):
     """Our client, counting what each execute() puts on the wire: the POSTs and blob bytes.
 
@@ -168,10 +188,10 @@ class CountingClient(Client):
         self.posts, self.blob_bytes = 0, 0
         return super().execute(program, **options)
 
-    def _post_execute(self, program_json, blobs, node):
+    def _post_execute(self, program_json, blobs, *routing):
         self.posts += 1
         self.blob_bytes += sum(memoryview(data).nbytes for _, data in blobs)
-        return super()._post_execute(program_json, blobs, node)
+        return super()._post_execute(program_json, blobs, *routing)
 
 
 # --- memory of a process tree ------------------------------------------------
@@ -397,6 +417,39 @@ def scenario_burst(servers, rounds, concurrency=4, per_client=10):
                 client.close()
 
 
+def scenario_sandbox(ours, scratch, trivial_rounds, burst_rounds):
+    """Trivial latency of both servers sandboxed, and what the sandbox costs ours: trivial and
+    burst with and without it, all alternating -> (trivial_sandboxed, sandbox_cost) raw samples."""
+    sandboxed = start_sandboxed_servers(scratch)
+    try:
+        clients = {server.name: Client(server.url) for server in (*sandboxed, ours)}
+        trivial = scenario_trivial((*sandboxed, ours), clients, trivial_rounds)
+        burst = scenario_burst((ours, sandboxed[1]), burst_rounds)
+        for client in clients.values():
+            client.close()
+    finally:
+        for server in sandboxed:
+            server.stop()
+    return ({"published": trivial["published-sandboxed"], "ours": trivial["ours-sandboxed"]},
+            {"trivial": {"unsandboxed": trivial["ours"], "sandboxed": trivial["ours-sandboxed"]},
+             "burst": {"unsandboxed": burst["ours"], "sandboxed": burst["ours-sandboxed"]}})
+
+
+def sandbox_cost_table(cost):
+    """Markdown: ours with and without the sandbox, side by side."""
+    lines = ["| ours | unsandboxed median / p90 | sandboxed median / p90 | sandboxed/unsandboxed | target | met? |",
+             "|---|---|---|---|---|---|"]
+    titles = {"trivial": "trivial request latency (sequential)", "burst": "burst: 4 clients x 10 trivial, wall time"}
+    for key, title in titles.items():
+        plain, boxed = summary(cost[key]["unsandboxed"]), summary(cost[key]["sandboxed"])
+        ratio = boxed["median"] / plain["median"]
+        met = "yes" if ratio <= SANDBOX_COST_TARGET else "**no**"
+        lines.append(f"| {title} | {fmt(plain['median'], 'ms')} / {fmt(plain['p90'], 'ms')} | "
+                     f"{fmt(boxed['median'], 'ms')} / {fmt(boxed['p90'], 'ms')} | {ratio:.2f} | "
+                     f"≤ {SANDBOX_COST_TARGET:g} | {met} |")
+    return "\n".join(lines)
+
+
 def scenario_bytes64(servers, clients, rounds):
     """-> (round trip samples, cache hit samples): each round's fresh payload is then re-sent."""
     trips = {server.name: [] for server in servers}
@@ -598,6 +651,10 @@ and disk caches under `{info['scratch_parent']}`, where creating a small file to
 
 ![](bench/results.png)
 
+What the sandbox costs ours (`--sandbox bubblewrap` against `--sandbox none`, alternating):
+
+{sandbox_cost_table(info["sandbox_cost"])}
+
 Machine: {m['nproc']} CPUs ({m['cpu']}), {m['ram_gib']} GiB RAM, Linux {m['kernel']},
 Python {m['python']}; {info['date']}; full run {info['wall_seconds']:.0f} s.
 
@@ -617,7 +674,10 @@ def main():
     parser.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)), help="output directory")
     parser.add_argument("--scratch-parent", help="where the servers' TMPDIR and disk caches go "
                         "(default: the system temp dir)")
+    parser.add_argument("--sandbox-only", action="store_true", help="only the sandbox rows, printed")
     args = parser.parse_args()
+    if args.sandbox_only:
+        return print_sandbox_rows(args)
     begun = time.monotonic()
     scratch = tempfile.mkdtemp(prefix="kcoral-bench-", dir=args.scratch_parent)
     servers = ()
@@ -633,6 +693,8 @@ def main():
             (("bytes64", "cachehit64"), lambda: scenario_bytes64(servers, clients, args.rounds)),
             ("folder", lambda: scenario_folder(servers, clients, args.rounds, scratch)),
             ("stdout4", lambda: scenario_stdout(servers, clients, args.rounds)),
+            (("trivial_sandboxed", "sandbox_cost"),
+             lambda: scenario_sandbox(servers[1], scratch, args.trivial, args.burst_rounds)),
         ]
         for keys, step in steps:
             started = time.monotonic()
@@ -652,7 +714,7 @@ def main():
             "machine": machine(), "workers": WORKERS, "wall_seconds": time.monotonic() - begun,
             "command": ".venv/bin/python -m bench.bench_servers", "flags_both": COMMON_FLAGS,
             "scratch_parent": args.scratch_parent or tempfile.gettempdir(),
-            "file_create_ms": file_create_ms(args.scratch_parent)}
+            "file_create_ms": file_create_ms(args.scratch_parent), "sandbox_cost": raw["sandbox_cost"]}
     intervals = [run["mean_sample_interval_ms"] for runs in raw["rss_detail"].values() for run in runs]
     info["sample_interval_ms"] = {kind: statistics.mean(i[kind] for i in intervals) for kind in ("rss", "pss")}
     rows = evaluate(raw)
@@ -664,6 +726,23 @@ def main():
     with open(os.path.join(args.out, "RESULTS.md"), "w") as f:
         f.write(text)
     print(text)
+
+
+def print_sandbox_rows(args):
+    """--sandbox-only: the sandboxed trivial row and the sandbox's cost, without the other scenarios."""
+    scratch = tempfile.mkdtemp(prefix="kcoral-bench-", dir=args.scratch_parent)
+    ours = Server("ours", lambda port: [sys.executable, "-m", "kcoral", "--port", str(port), "--device", "cpu",
+                                        "--log-dir", "", "--disk-cache-dir", os.path.join(scratch, "ours-cache"),
+                                        *COMMON_FLAGS], scratch)
+    try:
+        ours.wait_ready()
+        trivial, cost = scenario_sandbox(ours, scratch, args.trivial, args.burst_rounds)
+    finally:
+        ours.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
+    print(markdown_table(evaluate({"trivial_sandboxed": trivial})))
+    print()
+    print(sandbox_cost_table(cost))
 
 
 if __name__ == "__main__":

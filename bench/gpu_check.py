@@ -757,6 +757,35 @@ def phase_cli_tools(ctx):
     return f"{len(checks)} kcoral run checks"
 
 
+SANDBOX_NODES = """
+import os
+def nodes():
+    return sorted(n for n in os.listdir("/dev") if n.startswith("nvidia"))
+"""
+
+
+def phase_sandboxed(ctx):
+    """The main program kinds again under `--sandbox bubblewrap` (docs/sandbox.md), and the device
+    nodes a sandboxed worker sees: its own GPU's and the control nodes, nothing else."""
+    cases = ([case_pinning] if ctx.device == "gpu" else []) + [case_tensors, case_library, case_benchmark,
+                                                                case_gpu_count]
+    with started_server(ctx, "sandboxed", "--sandbox", "bubblewrap", device=ctx.device) as server:
+        ctx.url, ctx.health = server.url, server.health()
+        if not hasattr(ctx, "library"):  # when the main server's phase did not run
+            try:
+                ctx.library = build_add_one(ctx.device, ctx.health["target"].get("arch"))
+            except Exception as exc:
+                ctx.library = None
+                ctx.library_error = f"building the library failed: {type(exc).__name__}: {str(exc)[-400:]}"
+        failures = [case.__name__.removeprefix("case_") for case in cases if not run_case(ctx, case)]
+        nodes = out(*call(server.url, SANDBOX_NODES, "nodes"))
+    gpus = [n for n in nodes if re.fullmatch(r"nvidia\d+", n)]
+    control = {"nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-caps"}
+    assert len(gpus) == (1 if ctx.device == "gpu" else 0) and set(nodes) - set(gpus) <= control, nodes
+    assert not failures, f"failed: {failures}"
+    return f"{len(cases)} cases; device nodes inside: {nodes}"
+
+
 def run_case(ctx, case):
     name = case.__name__.removeprefix("case_")
     started = time.monotonic()
@@ -809,6 +838,7 @@ PHASES = [
     ("cpu_mode", phase_cpu_mode, ("gpu",)),
     ("main_server", phase_main_server, ("gpu", "cpu")),
     ("cli_tools", phase_cli_tools, ("gpu", "cpu")),
+    ("sandboxed", phase_sandboxed, ("gpu", "cpu")),
 ]
 
 

@@ -34,8 +34,8 @@ def free_port():
 class ServerProcess:
     """`python -m kcoral` on a free port, CPU workers, no log files, a private disk cache."""
 
-    def __init__(self, *flags, workers=2, env=None, tmp_path=None, device="cpu", ready_timeout=60):
-        self.port = free_port()
+    def __init__(self, *flags, workers=2, env=None, tmp_path=None, device="cpu", ready_timeout=60, port=None):
+        self.port = port or free_port()  # a given port: a restart where the last one left off
         self.url = f"http://127.0.0.1:{self.port}"
         cache = os.path.join(str(tmp_path) if tmp_path else f"/tmp/kcoral-test-{self.port}", "disk-cache")
         device_flags = ["--device", device] if device else []  # None: the CLI's own default (auto)
@@ -43,7 +43,7 @@ class ServerProcess:
                 "--num-workers", str(workers), "--log-dir", "", "--disk-cache-dir", cache, *flags]
         self.stderr_path = os.path.join(os.path.dirname(cache), f"server-{self.port}.log")
         os.makedirs(os.path.dirname(cache), exist_ok=True)
-        self.stderr = open(self.stderr_path, "wb")
+        self.stderr = open(self.stderr_path, "ab")
         self.proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, **(env or {})},
                                      stdout=subprocess.DEVNULL, stderr=self.stderr)
         self.wait_ready(ready_timeout)
@@ -87,6 +87,47 @@ class ServerProcess:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+class HAProxyProcess:
+    """A real `haproxy` in front of KCoral nodes, configured by `python -m kcoral haproxy-config`."""
+
+    def __init__(self, node_urls, workdir, token=None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.config_path = os.path.join(str(workdir), f"haproxy-{self.port}.cfg")
+        token_flags = ["--token", token] if token else []
+        config = subprocess.run([PYTHON, "-m", "kcoral", "haproxy-config", "--listen", f"127.0.0.1:{self.port}",
+                                 *token_flags, *node_urls], cwd=ROOT, capture_output=True, text=True, check=True)
+        with open(self.config_path, "w") as f:
+            f.write(config.stdout)
+        self.stderr = open(self.config_path + ".log", "ab")
+        self.proc = subprocess.Popen([HAPROXY, "-db", "-f", self.config_path],
+                                     stdout=subprocess.DEVNULL, stderr=self.stderr)
+        deadline = time.monotonic() + 30
+        while not self.accepting():
+            assert self.proc.poll() is None and time.monotonic() < deadline, "haproxy did not start"
+            time.sleep(0.05)
+
+    def accepting(self):
+        try:
+            socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+            return True
+        except OSError:
+            return False
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.stderr.close()
+
+
+HAPROXY = shutil.which("haproxy", path=os.environ.get("PATH", "") + os.pathsep + "/usr/sbin")
 
 
 def request(method, url, body=b"", headers=None, timeout=120):
@@ -236,14 +277,16 @@ def reference_router_argv(port: int, *flags: str) -> list:
     return [os.path.join(reference_venv(), "bin", "kcoral"), "router", "--port", str(port), *flags]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """The shared default server; its TMPDIR is private so workspace leaks are visible."""
+@pytest.fixture(scope="module", params=["none", "bubblewrap"], ids=["unsandboxed", "sandboxed"])
+def server(request, tmp_path_factory):
+    """The shared default server, once without and once with the sandbox; its TMPDIR is private
+    so workspace leaks are visible."""
     base = tmp_path_factory.mktemp("server")
     tmpdir = base / "tmp"
     tmpdir.mkdir()
-    with ServerProcess(tmp_path=base, env={"TMPDIR": str(tmpdir)}) as srv:
+    with ServerProcess("--sandbox", request.param, tmp_path=base, env={"TMPDIR": str(tmpdir)}) as srv:
         srv.tmpdir = str(tmpdir)
+        srv.sandbox = request.param
         yield srv
 
 
@@ -376,8 +419,34 @@ def execute_ok(url, program, blobs=(), **kw):
     return body
 
 
+SANDBOX_SKELETON = ("cache", "home", "shm", "tmp")  # what a sandbox's private directory keeps between requests
+
+
+SANDBOX_SCRATCH_MOUNTS = {"tmp": ("/tmp", "/var/tmp"), "shm": ("/dev/shm",)}
+
+
 def workspaces(srv):
-    return sorted(n for n in os.listdir(srv.tmpdir) if n.startswith("kcoral-program-"))
+    """What requests left in the server's TMPDIR: unsandboxed workspaces, and in a sandbox's
+    private directory anything beyond its skeleton, or any file in it.  Its /tmp keeps the
+    empty mount points of read-only paths there (a checkout under /tmp, say): an empty file
+    whose path exists on the host is one of those."""
+    found = []
+    for name in sorted(os.listdir(srv.tmpdir)):
+        path = os.path.join(srv.tmpdir, name)
+        if name.startswith("kcoral-program-"):
+            found.append(name)
+        elif name.startswith("kcoral-sandbox-"):
+            found += [f"{name}/{entry}" for entry in os.listdir(path) if entry not in SANDBOX_SKELETON]
+            for entry in SANDBOX_SKELETON:
+                base = os.path.join(path, entry)
+                for folder, _, files in os.walk(base):
+                    for file in (os.path.join(folder, f) for f in files):
+                        rel = os.path.relpath(file, base)
+                        mount_point = os.path.getsize(file) == 0 and any(
+                            os.path.exists(os.path.join(top, rel)) for top in SANDBOX_SCRATCH_MOUNTS.get(entry, ()))
+                        if not mount_point:
+                            found.append(file)
+    return sorted(found)
 
 
 def wait_for(predicate, timeout=10.0, interval=0.02):

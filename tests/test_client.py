@@ -1587,9 +1587,9 @@ def count_attempts(monkeypatch, c: Client) -> list[list[str]]:
     attempts: list[list[str]] = []
     real = c._post_execute
 
-    def recording(program_json, blobs, node):
+    def recording(program_json, blobs, *routing):
         attempts.append([h for h, _ in blobs])
-        return real(program_json, blobs, node)
+        return real(program_json, blobs, *routing)
 
     monkeypatch.setattr(c, "_post_execute", recording)
     return attempts

@@ -251,6 +251,7 @@ class FakeWorker:
     def __init__(self, conn, gpus):
         self.conn = conn
         self.gpus = gpus
+        self.template = None  # not sandboxed
         self.pid = 4194000  # no such process group: group_members() finds nobody
         self.served = 0
         self.process = FakeProcess()
@@ -301,8 +302,8 @@ def execution(pool, script, timeout=10.0, request_id="req-1", gpus=(0,), gone=Tr
 
 
 def acquire(conn):
-    conn.send(("lease", "acquire"))
-    assert conn.recv() == ("lease", "granted")
+    conn.send(kcoral_worker.AcquireLease())
+    assert conn.recv() == kcoral_worker.LeaseGranted()
 
 
 def test_lease_timings_add_up_around_a_cpu_only_release():
@@ -311,15 +312,15 @@ def test_lease_timings_add_up_around_a_cpu_only_release():
     threading.Timer(0.5, pool.arbiter.release, ("someone-else", [0])).start()
 
     def script(conn):
-        conn.send(("start", 0))
+        conn.send(kcoral_worker.InstructionStarted(0))
         acquire(conn)               # waits ~0.5 s for someone-else
         time.sleep(0.2)
-        conn.send(("lease", "release"))  # a cpu_only run: 0.3 s without the lease
-        conn.send(("start", 1))
+        conn.send(kcoral_worker.ReleaseLease())  # a cpu_only run: 0.3 s without the lease
+        conn.send(kcoral_worker.InstructionStarted(1))
         time.sleep(0.3)
         acquire(conn)
         time.sleep(0.1)
-        conn.send(("done", None, False))
+        conn.send(kcoral_worker.RequestDone(None, False))
 
     outcome, retire, _ = execution(pool, script, timeout=0.85)  # lease waits do not consume the timeout
     body = outcome.body
@@ -335,7 +336,7 @@ def test_a_dead_holders_lease_is_freed():
     pool = fake_pool()
 
     def script(conn):
-        conn.send(("start", 1))
+        conn.send(kcoral_worker.InstructionStarted(1))
         acquire(conn)
         conn.close()  # the worker dies holding the lease
 
@@ -352,7 +353,7 @@ def test_a_timed_out_worker_is_killed_under_the_lease():
     pool, seen = fake_pool(), {}
 
     def script(conn):
-        conn.send(("start", 0))
+        conn.send(kcoral_worker.InstructionStarted(0))
         time.sleep(1)  # hangs without the lease (say, in a cpu_only run)
 
     original_kill = FakeWorker.kill
@@ -370,13 +371,33 @@ def test_a_timed_out_worker_is_killed_under_the_lease():
     assert seen["holder"] == "req-1" and pool.arbiter.holder[0] is None
 
 
+def test_an_unexpected_worker_message_is_a_crash():
+    """A message the protocol does not define (here the old tuple form) is a crashed worker: killed,
+    retired, the lease freed, the failure attributed to the instruction it had started."""
+    pool = fake_pool()
+
+    def script(conn):
+        conn.send(kcoral_worker.InstructionStarted(1))
+        acquire(conn)
+        conn.send(("lease", "release"))
+        time.sleep(1)
+
+    started = time.monotonic()
+    outcome, retire, worker = execution(pool, script)
+    assert time.monotonic() - started < 5  # not the 10 s timeout
+    assert retire and worker.killed
+    error = outcome.body["error"]
+    assert (error["kind"], error["instruction_index"]) == ("runtime", 1)
+    assert pool.arbiter.holder[0] is None
+
+
 def test_a_poisoned_worker_is_retired():
     pool = fake_pool()
 
     def script(conn):
-        conn.send(("start", 0))
+        conn.send(kcoral_worker.InstructionStarted(0))
         acquire(conn)
-        conn.send(("done", None, True))
+        conn.send(kcoral_worker.RequestDone(None, True))
 
     outcome, retire, _ = execution(pool, script)
     assert outcome.body["status"] == "COMPLETED" and retire
@@ -399,8 +420,8 @@ def test_gpu_access_names_the_request_that_held_the_gpu(holder, expected):
         pool.arbiter.release(holder, [0])
 
     def script(conn):
-        conn.send(("start", 1))
-        conn.send(("done", gpu_access_error(when), False))
+        conn.send(kcoral_worker.InstructionStarted(1))
+        conn.send(kcoral_worker.RequestDone(gpu_access_error(when), False))
 
     outcome, _, _ = execution(pool, script)
     error = outcome.body["error"]
@@ -421,14 +442,14 @@ class FakeConn:
     def send(self, message):
         self.sent.append(message)
 
-    def send_bytes(self, data):  # a pickled "return" message
+    def send_bytes(self, data):  # a pickled ReturnValue
         self.sent.append(("return", len(data)))
 
     def fileno(self):  # its binary parts go here
         return DEVNULL.fileno()
 
     def recv(self):
-        return ("lease", "granted")
+        return kcoral_worker.LeaseGranted()
 
 
 LEASE_TABLE = [
@@ -454,16 +475,25 @@ def test_gpu_lease_before_each_instruction(ins, action, held):
     lease = kcoral_worker.GpuLease(conn)
     lease.held = held
     lease.before(ins, cpu_only={"cheap"})
-    expected = {("release", True): [("lease", "release")], ("acquire", False): [("lease", "acquire")]}
+    expected = {("release", True): [kcoral_worker.ReleaseLease()], ("acquire", False): [kcoral_worker.AcquireLease()]}
     assert conn.sent == expected.get((action, held), [])
     assert lease.held == (action == "acquire" or (action == "unchanged" and held))
+
+
+def test_gpu_lease_refuses_an_answer_other_than_granted():
+    conn = FakeConn()
+    conn.recv = lambda: kcoral_worker.ReleaseLease()
+    lease = kcoral_worker.GpuLease(conn)
+    with pytest.raises(kcoral_worker.UnexpectedMessage, match="LeaseGranted"):
+        lease.acquire()
+    assert conn.sent == [kcoral_worker.AcquireLease()] and not lease.held
 
 
 def test_gpu_lease_finish_reacquires():
     conn = FakeConn()
     lease = kcoral_worker.GpuLease(conn)
     lease.finish()
-    assert conn.sent == [("lease", "acquire")] and lease.held
+    assert conn.sent == [kcoral_worker.AcquireLease()] and lease.held
 
 
 class FakeCupti:
@@ -500,13 +530,19 @@ def fake_cupti(monkeypatch):
     return cupti
 
 
+def job_request(instructions, workspace="", retire=False):
+    return kcoral_worker.JobRequest(instructions=instructions, retire=retire, workspace=workspace, blob_file=None,
+                                    blob_index={}, capture=False, grace=0.1, max_response_bytes=1 << 20)
+
+
 def run_cpu_only(source, cpu_only=True):
     """A Program on a "cuda" runtime without a lease: upload, get_function (cpu_only), run."""
-    request = {"max_response_bytes": 1 << 20, "instructions": [
+    request = job_request([
         {"op": "upload", "id": "m", "kind": "module", "source": source},
         {"op": "get_function", "id": "f", "module": {"$ref": "m"}, "name": "f", "cpu_only": cpu_only},
-        {"op": "run", "id": "r", "fn": {"$ref": "f"}}]}
-    program = kcoral_worker.Program(FakeConn(), request, kcoral_worker.StagedBlobs(None, {}), None, kcoral_worker.NoLease())
+        {"op": "run", "id": "r", "fn": {"$ref": "f"}}])
+    program = kcoral_worker.ProgramRun(FakeConn(), request, kcoral_worker.StagedBlobs(None, {}), None,
+                                       kcoral_worker.NoLease())
     return program.run(), program
 
 
@@ -754,13 +790,11 @@ class FakeCudart:
 def serve(tmp_path, source, retire=False, cpu_only=False):
     """serve_request on a scripted pipe: upload a module, run f, return its result -> (done message, sent)."""
     conn = FakeConn()
-    request = {"instructions": [
+    request = job_request([
         {"op": "upload", "id": "m", "kind": "module", "source": source},
         {"op": "get_function", "id": "f", "module": {"$ref": "m"}, "name": "f", "cpu_only": cpu_only},
         {"op": "run", "id": "r", "fn": {"$ref": "f"}},
-        {"op": "return", "key": "out", "value": {"$ref": "r"}}],
-        "blob_file": None, "blob_index": {}, "capture": False, "workspace": str(tmp_path),
-        "retire": retire, "max_response_bytes": 1 << 20, "grace": 0.1}
+        {"op": "return", "key": "out", "value": {"$ref": "r"}}], workspace=str(tmp_path), retire=retire)
     cwd = os.getcwd()
     try:
         kcoral_worker.serve_request(conn, request)
@@ -773,23 +807,25 @@ def test_pending_cuda_error_fails_a_completed_request_and_is_cleared(cuda_worker
     """Risk 3: SERVER.md §3.4 step 3, read and cleared through libcudart."""
     cudarts = [FakeCudart(), FakeCudart(pending=9)]
     monkeypatch.setattr(kcoral_worker, "loaded_cudarts", lambda: cudarts)
-    (tag, error, poisoned), _ = serve(tmp_path, "def f():\n    return 1\n")
-    assert tag == "done" and not poisoned
+    done, _ = serve(tmp_path, "def f():\n    return 1\n")
+    error = done.error
+    assert isinstance(done, kcoral_worker.RequestDone) and not done.poisoned
     assert error["kind"] == "runtime" and error["instruction_index"] == 3 and error["instruction_id"] is None
     assert error["message"] == "CUDA error cudaErrorInvalidConfiguration (9): invalid configuration argument"
     assert [c.pending for c in cudarts] == [0, 0]  # cleared: the next request starts clean
-    (_, error, _), _ = serve(tmp_path, "def f():\n    return 1\n")
-    assert error is None
+    done, _ = serve(tmp_path, "def f():\n    return 1\n")
+    assert done.error is None
 
 
 def test_pending_cuda_error_is_appended_to_a_gpu_access_error(cuda_worker, monkeypatch, tmp_path, fake_cupti):
     monkeypatch.setattr(kcoral_worker, "loaded_cudarts", lambda: [FakeCudart(pending=9)])
     kcoral_worker.FAKE_CUPTI = fake_cupti
     try:
-        (_, error, _), _ = serve(tmp_path, "import kcoral_worker\ndef f():\n"
+        done, _ = serve(tmp_path, "import kcoral_worker\ndef f():\n"
                                  "    kcoral_worker.FAKE_CUPTI.api('cudaMalloc')\n", cpu_only=True)
     finally:
         del kcoral_worker.FAKE_CUPTI
+    error = done.error
     assert error["kind"] == "gpu_access" and error["cuda_call"] == "cudaMalloc"
     assert error["message"].endswith("; CUDA also reports CUDA error cudaErrorInvalidConfiguration (9): "
                                      "invalid configuration argument")
@@ -807,7 +843,7 @@ def test_cudart_paths_come_from_the_memory_map():
 
 def test_reused_worker_frees_gpu_memory_before_the_lease_goes(cuda_worker, monkeypatch, tmp_path):
     """Risk 4 (and 10's multi-GPU empty_cache): handles dropped, garbage collected, every device
-    synchronized and its cache emptied, all before "done" lets the front-end release the lease."""
+    synchronized and its cache emptied, all before RequestDone lets the front-end release the lease."""
     monkeypatch.setattr(kcoral_worker, "loaded_cudarts", list)
     log = cuda_worker.log
     kcoral_worker.EVENTS = log
@@ -821,10 +857,10 @@ def test_reused_worker_frees_gpu_memory_before_the_lease_goes(cuda_worker, monke
                               "    return 1\n")
     finally:
         del kcoral_worker.EVENTS
-    assert message[0] == "done" and message[1] is None
+    assert message == kcoral_worker.RequestDone(None, False)
     cleanup = log[log.index(("freed",)):]
     assert cleanup == [("freed",), ("synchronize", 0), ("synchronize", 1), ("empty_cache", 0)]  # device 1: nothing cached
-    assert sent[-1][0] == "done"
+    assert isinstance(sent[-1], kcoral_worker.RequestDone)
 
 
 def test_retiring_worker_leaves_memory_to_the_exit(cuda_worker, monkeypatch, tmp_path):
@@ -843,7 +879,7 @@ def test_cpu_only_release_empties_the_cache_on_every_device(monkeypatch):
     lease.held = True
     lease.release()
     assert log == [("synchronize", 0), ("synchronize", 1), ("empty_cache", 0), ("empty_cache", 1)]
-    assert conn.sent == [("lease", "release")]
+    assert conn.sent == [kcoral_worker.ReleaseLease()]
 
 
 def test_cpu_only_guard_disables_its_domains_and_cupti_is_finalized(fake_cupti):
@@ -976,7 +1012,7 @@ def test_unconfirmed_kill_quarantines_the_gpu():
     pool = fake_pool()
 
     def script(conn):
-        conn.send(("start", 0))
+        conn.send(kcoral_worker.InstructionStarted(0))
         time.sleep(1)
 
     outcome, retire, _ = execution(pool, script, timeout=0.2, gone=False)
@@ -1026,9 +1062,10 @@ def test_waits_for_n_gpus_end_at_shutdown():
 def test_multi_gpu_start_up_failures(monkeypatch, failure, status, kind):
     pool = object.__new__(kcoral.Pool)
     pool.arbiter, pool.gpu_names = kcoral.LeaseArbiter([0, 1]), {0: "0", 1: "1"}
+    pool.config = kcoral.ServerConfig()
     phases = []
 
-    def worker(pool_, gpus, phase_timeout):
+    def worker(pool_, gpus, phase_timeout, template=None):
         phases.append(phase_timeout)
         raise failure("did not start")
     monkeypatch.setattr(kcoral, "Worker", worker)
