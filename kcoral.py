@@ -1928,7 +1928,13 @@ class Execution:
                     case kcoral_worker.InstructionStarted():
                         self.last_index = message.index
                     case kcoral_worker.ReturnValue():
-                        self.parts.extend(recv_raw(conn, n) for n in message.part_sizes)
+                        for part in message.parts:  # a size to read off the pipe, or a blob of ours
+                            if isinstance(part, int):
+                                self.parts.append(recv_raw(conn, part))
+                            elif isinstance(part, str) and part in self.job.blobs:  # returned unchanged
+                                self.parts.append(self.job.blobs[part])
+                            else:
+                                raise WorkerCrashed(f"worker returned an unknown blob {part!r:.80}")
                         self.results[message.key] = message.encoded
                     case kcoral_worker.AcquireLease():
                         self.hold_lease()

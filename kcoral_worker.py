@@ -268,11 +268,13 @@ class InstructionStarted:
 
 @dataclasses.dataclass(frozen=True)
 class ReturnValue:
-    """Worker -> front-end, as each `return` instruction completes (so a later crash cannot lose it);
-    the parts follow on the pipe as raw bytes, `part_sizes` long."""
+    """Worker -> front-end, as each `return` instruction completes (so a later crash cannot lose it).
+
+    Each entry of `parts` is either a size: that many raw bytes follow on the pipe, or the hash of
+    a staged blob returned unchanged: the front-end holds those bytes already and sends its own."""
     key: str
     encoded: dict  # the result's JSON, naming its parts
-    part_sizes: list[int]
+    parts: list[int | str]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -797,15 +799,15 @@ class Encoder:
                  known_digest: Callable[[object], str | None] = lambda value: None) -> None:
         self.next_part = first_part
         self.byte_budget = byte_budget
-        self.parts: list[memoryview] = []
-        self.known_digest = known_digest  # value -> its SHA-256 when already known, else None
+        self.parts: list[tuple[memoryview, str | None]] = []  # (bytes, hash if a staged blob)
+        self.known_digest = known_digest  # a staged blob -> its SHA-256, anything else -> None
 
     def part(self, data: Buffer, digest: str | None = None) -> tuple[str, str]:
         # Only file/folder returns are held to the byte budget (P§8.6, checked while reading);
         # an oversized value makes the front-end answer 500 response_too_large (P§9.8).
         data = memoryview(data).cast("B")
         self.byte_budget -= data.nbytes
-        self.parts.append(data)
+        self.parts.append((data, digest))
         name = f"return:{self.next_part}"
         self.next_part += 1
         return name, digest or hashlib.sha256(data).hexdigest()
@@ -1145,18 +1147,19 @@ class ProgramRun:
             encoded = self.encode_return(ins)
             # pickle recurses twice per level: a value the encoder took can still be too deep
             message = reduction.ForkingPickler.dumps(
-                ReturnValue(ins["key"], encoded, [p.nbytes for p in self.encoder.parts]))
+                ReturnValue(ins["key"], encoded, [digest or data.nbytes for data, digest in self.encoder.parts]))
         except BaseException as exc:
             # a failing return contributes nothing: give its part numbers back
-            self.encoder.byte_budget += sum(p.nbytes for p in self.encoder.parts)
+            self.encoder.byte_budget += sum(data.nbytes for data, _ in self.encoder.parts)
             self.encoder.next_part = first_part
             if isinstance(exc, RecursionError):
                 raise ExecutionError("serialization", "returned value is nested too deeply") from exc
             raise
         parts = self.encoder.parts
         self.conn.send_bytes(message)
-        for part in parts:
-            send_raw(self.conn, part)
+        for data, staged in parts:
+            if staged is None:
+                send_raw(self.conn, data)
 
     def encode_return(self, ins: Instruction) -> dict[str, Any]:
         kind = ins.get("kind")
