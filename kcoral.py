@@ -633,6 +633,21 @@ def check_return(ins, ids, keys, where):
         ins["path"] = check_path(ins["path"], where)
 
 
+def check_no_unreferenced_blobs(program, supplied):
+    extra = [h for h in supplied if h not in program.blob_kinds]
+    if extra:
+        raise ValidationError(f"unreferenced blob part(s): {', '.join(extra)}")
+
+
+def check_tensor_sizes(program, blobs):
+    """P§7.3: a tensor's blob holds exactly product(shape) * itemsize bytes (checked once present)."""
+    for ident, digest, expected in program.tensor_sizes:
+        if digest in blobs and len(blobs[digest]) != expected:
+            raise ValidationError(f"tensor upload {ident!r} expects "
+                                  f"{expected if expected < 1 << 64 else 'at least 2**64'} bytes, "
+                                  f"got {len(blobs[digest])}")
+
+
 # --- blob caches (P§7.4, 7.5) -----------------------------------------------
 
 def pinned_bytes(data):
@@ -787,6 +802,60 @@ class DiskCache:
                     self.total -= size
                 except OSError:
                     pass
+
+
+class BlobStore:
+    """What survives between requests: blobs by SHA-256, in memory (bytes, tensors and
+    libraries) and on disk (file uploads), P§7.4-7.5."""
+
+    def __init__(self, config):
+        self.memory = MemoryCache(config.cache_capacity_bytes)
+        self.disk = (DiskCache(config.disk_cache_dir, config.disk_cache_capacity_mbytes << 20)
+                     if config.disk_cache_dir and config.disk_cache_capacity_mbytes > 0 else None)
+
+    def keep_file_blobs(self, program, supplied):
+        """Start putting supplied file-upload blobs into the disk cache -> a thread to join, or None.
+
+        Creating hundreds of small files can take a while on a busy disk; meanwhile the
+        request goes on, and its worker creates the workspace copies in parallel.
+        """
+        items = [(digest, data) for digest, data in supplied.items() if "file" in program.blob_kinds[digest]]
+        if not items or self.disk is None:
+            return None
+        thread = threading.Thread(target=self.disk.put_all, args=(items,), daemon=True)
+        thread.start()
+        return thread
+
+    def resolve(self, program, supplied):
+        """P§7.1: supplied parts go into the memory cache (the disk cache: keep_file_blobs),
+        then every referenced blob is looked up, supplied parts first -> (blobs, missing)."""
+        for digest, data in supplied.items():
+            if "memory" in program.blob_kinds[digest]:
+                # a small blob must not keep a large request body alive in the cache
+                keep = data if len(data) * 2 >= len(data.obj) else bytes(data)
+                self.memory.put(digest, keep)
+        blobs, missing = {}, []
+        for digest, kinds in program.blob_kinds.items():
+            data = supplied.get(digest)
+            if data is None and "file" in kinds and self.disk is not None:
+                data = self.disk.get(digest)
+            if data is None and "memory" in kinds:
+                data = self.memory.get(digest)
+            if data is None:
+                missing.append(digest)
+            else:
+                blobs[digest] = data
+        return blobs, missing
+
+    @contextlib.contextmanager
+    def pinned(self, program):
+        """While a program runs, the memory blobs it uses stay cached (its retry would need them)."""
+        memory = [h for h, kinds in program.blob_kinds.items() if "memory" in kinds]
+        self.memory.pin(memory)
+        try:
+            yield
+        finally:
+            self.memory.unpin(memory)
 
 
 # --- process groups ---------------------------------------------------------
@@ -1582,7 +1651,8 @@ class Pool:
         prepare_template_imports(config.prepare_timeout_seconds)
         # torch and tvm_ffi in the template keep their imports off every fresh worker's critical path;
         # GPU workers pin CUDA_VISIBLE_DEVICES after the fork, before CUDA starts (never in the template)
-        preload = ["kcoral", "kcoral_worker", "numpy"] + [m for m in ("torch", "tvm_ffi") if importlib.util.find_spec(m)]
+        preload = ["kcoral", "kcoral_worker", "numpy"]
+        preload += [m for m in ("torch", "tvm_ffi") if importlib.util.find_spec(m)]
         self.context.set_forkserver_preload(preload)
         if device == "cuda":
             self.arbiter = LeaseArbiter(gpu_ids)
@@ -1708,7 +1778,7 @@ class Pool:
             self.idle.append(slot)
             self.cond.notify_all()
 
-    def execute(self, job):
+    def run_job(self, job):
         """Run a job on the next free slot -> Outcome (503 when none frees up in time)."""
         start = time.monotonic()
         slot = self.acquire(self.config.worker_wait_timeout_seconds)
@@ -2140,9 +2210,7 @@ class KCoralServer:
         self.config = config
         self.instance_id = str(uuid.uuid4())
         self.started_at = utc_now().isoformat(timespec="microseconds").replace("+00:00", "Z")
-        self.memory_cache = MemoryCache(config.cache_capacity_bytes)
-        self.disk_cache = (DiskCache(config.disk_cache_dir, config.disk_cache_capacity_mbytes << 20)
-                           if config.disk_cache_dir and config.disk_cache_capacity_mbytes > 0 else None)
+        self.blobs = BlobStore(config)
         self.in_flight = 0
         self.in_flight_cond = threading.Condition()
         self.bodies = BodyBudget(config.max_body_bytes_in_flight)
@@ -2214,40 +2282,59 @@ class KCoralServer:
         while self.in_flight or time.monotonic() < min(self.last_post + quiet, give_up):
             self.in_flight_cond.wait(0.05)
 
+    def token_accepted(self, authorization):
+        """Our extension: with --token, every endpoint needs `Authorization: Bearer <token>`."""
+        token = self.config.token
+        return token is None or hmac.compare_digest(authorization.encode("utf-8", "replace"),
+                                                    f"Bearer {token}".encode())
+
+    @contextlib.contextmanager
+    def request_in_flight(self):
+        """Counts a POST from its arrival until its answer is out: close() waits for none left."""
+        with self.in_flight_cond:
+            self.in_flight += 1
+            self.last_post = time.monotonic()
+        try:
+            yield
+        finally:
+            with self.in_flight_cond:
+                self.in_flight -= 1
+                self.in_flight_cond.notify_all()
+
     def health(self):
         return {"status": "ok", "instance_id": self.instance_id, "started_at": self.started_at,
                 "gpu_count": self.gpu_count, "load": self.pool.load(),
                 "target": self.target, "versions": self.versions}
 
-    def execute(self, request_id, body, content_type):
-        """A read request body -> Outcome (P§4.7 order of checks)."""
-        data, supplied = split_request(body, content_type)
-        program = parse_program(strict_json(data))
-        referenced = program.blob_kinds
-        extra = [h for h in supplied if h not in referenced]
-        if extra:
-            raise ValidationError(f"unreferenced blob part(s): {', '.join(extra)}")
-        disk_writes = self.cache_file_blobs(program, supplied)
+    def handle_execute(self, request_id, body, content_type):
+        """A request body, read -> Outcome.  The checks run in protocol order (P§4.7): the first
+        that fails decides the answer."""
         try:
-            return self.execute_program(request_id, data, program, supplied)
-        finally:
-            if disk_writes is not None:
-                disk_writes.join()  # once answered, the client may count on its file blobs being cached
+            data, supplied = split_request(body, content_type)           # envelope and parts
+            program = parse_program(strict_json(data))                   # strict JSON, then the program
+            check_no_unreferenced_blobs(program, supplied)
+            disk_writes = self.blobs.keep_file_blobs(program, supplied)  # cached even if refused below
+            try:
+                blobs, missing = self.blobs.resolve(program, supplied)
+                check_tensor_sizes(program, blobs)
+                if missing:
+                    return Outcome(body={"status": "CACHE_MISS", "request_id": request_id,
+                                         "missing_blobs": missing})
+                self.check_gpu_count(program)
+                return self.run_program(request_id, data, program, blobs)
+            finally:
+                if disk_writes is not None:
+                    disk_writes.join()  # once answered, the client may count on its file blobs being cached
+        except ValidationError as exc:
+            return Outcome(400, "parse", str(exc))
 
-    def execute_program(self, request_id, data, program, supplied):
-        """P§4.7 from blob resolution on -> Outcome."""
-        referenced = program.blob_kinds
-        blobs, missing = self.resolve_blobs(program, supplied)
-        for ident, digest, expected in program.tensor_sizes:
-            if digest in blobs and len(blobs[digest]) != expected:
-                raise ValidationError(f"tensor upload {ident!r} expects "
-                                      f"{expected if expected < 1 << 64 else 'at least 2**64'} bytes, "
-                                      f"got {len(blobs[digest])}")
-        if missing:
-            return Outcome(body={"status": "CACHE_MISS", "request_id": request_id, "missing_blobs": missing})
+    def check_gpu_count(self, program):
         gpu_count = program.options.get("gpu_count")
         if gpu_count and gpu_count > self.gpu_count:
             raise ValidationError("gpu_count exceeds this GPU server's configured capacity")
+
+    def run_program(self, request_id, data, program, blobs):
+        """A valid program with all its blobs -> a worker's Outcome (or 503 busy: nothing ran)."""
         if self.closing:
             return self.refuse_while_draining()
         save_program(request_id, data)
@@ -2257,12 +2344,8 @@ class KCoralServer:
                               config.max_timeout_seconds),
                   output_limit=min(options.get("output_limit_bytes", config.output_limit_bytes),
                                    config.max_output_limit_bytes))
-        memory = [h for h, kinds in referenced.items() if "memory" in kinds]
-        self.memory_cache.pin(memory)
-        try:
-            outcome = self.pool.execute(job)
-        finally:
-            self.memory_cache.unpin(memory)
+        with self.blobs.pinned(program):
+            outcome = self.pool.run_job(job)
         return self.refuse_while_draining() if outcome.http_status == 503 and self.closing else outcome
 
     def refuse_while_draining(self):
@@ -2273,40 +2356,6 @@ class KCoralServer:
         this node again, the one with the fewest connections)."""
         time.sleep(max(0.0, self.drain_started + self.config.drain_seconds - time.monotonic()))
         return Outcome(503, "busy", "server is shutting down")
-
-    def cache_file_blobs(self, program, supplied):
-        """Start putting supplied file-upload blobs into the disk cache -> a thread to join, or None.
-
-        Creating hundreds of small files can take a while on a busy disk; meanwhile the
-        request goes on, and its worker creates the workspace copies in parallel.
-        """
-        items = [(digest, data) for digest, data in supplied.items() if "file" in program.blob_kinds[digest]]
-        if not items or self.disk_cache is None:
-            return None
-        thread = threading.Thread(target=self.disk_cache.put_all, args=(items,), daemon=True)
-        thread.start()
-        return thread
-
-    def resolve_blobs(self, program, supplied):
-        """P§7.1: supplied parts go into the memory cache (the disk cache: cache_file_blobs),
-        then every referenced blob is looked up, supplied parts first."""
-        for digest, data in supplied.items():
-            if "memory" in program.blob_kinds[digest]:
-                # a small blob must not keep a large request body alive in the cache
-                keep = data if len(data) * 2 >= len(data.obj) else bytes(data)
-                self.memory_cache.put(digest, keep)
-        blobs, missing = {}, []
-        for digest, kinds in program.blob_kinds.items():
-            data = supplied.get(digest)
-            if data is None and "file" in kinds and self.disk_cache is not None:
-                data = self.disk_cache.get(digest)
-            if data is None and "memory" in kinds:
-                data = self.memory_cache.get(digest)
-            if data is None:
-                missing.append(digest)
-            else:
-                blobs[digest] = data
-        return blobs, missing
 
 
 def create_app(config=None):
@@ -2738,37 +2787,10 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             return
         if self.path != "/execute":
             return self.route_error()
-        app = self.app
-        with app.in_flight_cond:
-            app.in_flight += 1
-            app.last_post = time.monotonic()
         started = time.monotonic()
-        outcome = Outcome(500, "engine", "internal server error")
-        try:
-            outcome = self.execute(request_id)
-        except ValidationError as exc:
-            outcome = Outcome(400, "parse", str(exc))
-        except BodyCut as cut:
-            self.close_connection = True
-            outcome = self.cut_outcome(cut.reason)
-        except (ConnectionError, TimeoutError):  # body cut short; a half-closed client can still read this
-            self.close_connection = True
-            outcome = Outcome(400, "parse", "request body ended before Content-Length bytes arrived")
-        except Exception as exc:  # never let a bug take the connection down silently
-            log_event("server_error", "ERROR", request_id=request_id, error=repr(exc))
-        try:
-            size = self.respond(request_id, outcome)
-        except OSError as exc:  # the client stopped reading (send timeout) or went away
-            self.close_connection = True
-            size, lost = None, type(exc).__name__
-        except Exception as exc:  # e.g. a result that cannot be encoded: nothing was written yet
-            log_event("server_error", "ERROR", request_id=request_id, error=repr(exc))
-            outcome = Outcome(500, "engine", "internal server error")
-            size = self.respond(request_id, outcome)
-        finally:  # only now: a graceful shutdown must not exit before the answer is out
-            with app.in_flight_cond:
-                app.in_flight -= 1
-                app.in_flight_cond.notify_all()
+        with self.app.request_in_flight():  # a graceful shutdown waits until the answer is out
+            outcome = self.outcome_of_post(request_id)
+            outcome, size, lost = self.send_outcome(request_id, outcome)
         body = outcome.body or {}
         fields = {"request_id": request_id, "http_status": outcome.http_status,
                   "status": body.get("status", "ERROR"),
@@ -2779,6 +2801,35 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             self.disconnected("response", error=lost, **fields)
         else:
             log_event("request_finished", response_bytes=size, **fields)
+
+    def outcome_of_post(self, request_id):
+        """Read the body and execute it -> Outcome; a body that could not be read is answered here."""
+        try:
+            return self.read_and_execute(request_id)
+        except ValidationError as exc:  # refused while reading the body (chunked framing, 100-continue)
+            return Outcome(400, "parse", str(exc))
+        except BodyCut as cut:
+            self.close_connection = True
+            return self.cut_outcome(cut.reason)
+        except (ConnectionError, TimeoutError):  # body cut short; a half-closed client can still read this
+            self.close_connection = True
+            return Outcome(400, "parse", "request body ended before Content-Length bytes arrived")
+        except Exception as exc:  # never let a bug take the connection down silently
+            log_event("server_error", "ERROR", request_id=request_id, error=repr(exc))
+            return Outcome(500, "engine", "internal server error")
+
+    def send_outcome(self, request_id, outcome):
+        """-> (the outcome sent, bytes sent, None), or (outcome, None, why) when the client
+        stopped reading or went away."""
+        try:
+            return outcome, self.respond(request_id, outcome), None
+        except OSError as exc:  # the send timeout, or a reset
+            self.close_connection = True
+            return outcome, None, type(exc).__name__
+        except Exception as exc:  # e.g. a result that cannot be encoded: nothing was written yet
+            log_event("server_error", "ERROR", request_id=request_id, error=repr(exc))
+            failure = Outcome(500, "engine", "internal server error")
+            return failure, self.respond(request_id, failure), None
 
     do_PUT = do_DELETE = do_PATCH = lambda self: self.route_error()
 
@@ -2842,11 +2893,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         return str(uuid.uuid4())
 
     def authorized(self, request_id):
-        token = self.app.config.token
-        if token is None:
-            return True
-        given = self.headers.get("Authorization", "")
-        if hmac.compare_digest(given.encode("utf-8", "replace"), f"Bearer {token}".encode()):
+        if self.app.token_accepted(self.headers.get("Authorization", "")):
             return True
         self.drain_body()
         self.send_error_body(401, request_id, "unauthorized", "missing or invalid bearer token",
@@ -2868,8 +2915,8 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         except (OSError, BodyCut):
             self.close_connection = True
 
-    def execute(self, request_id):
-        """Read the body (admitted against the in-flight budget first) and run the request."""
+    def read_and_execute(self, request_id):
+        """Read the body (admitted against the in-flight budget first) and hand it to the app."""
         config = self.app.config
         limit = config.max_request_bytes
         chunked = "Transfer-Encoding" in self.headers  # framing_problem let only exactly `chunked` through
@@ -2893,7 +2940,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             self.body_done = True
             if body is None:
                 return Outcome(413, "request_too_large", "request exceeds the configured size limit")
-            return self.app.execute(request_id, body, self.headers.get("Content-Type"))
+            return self.app.handle_execute(request_id, body, self.headers.get("Content-Type"))
         finally:
             self.app.bodies.release(reserved)
 
@@ -2955,20 +3002,12 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             if len(encoded) > self.app.config.max_response_bytes:
                 return self.too_large(request_id)
             return self.send_json(200, outcome.body, {"X-Request-ID": request_id}, encoded)
-        boundary = "kcoral-" + secrets.token_hex(16)  # 128 random bits: no payload can contain it by chance
-        pieces = [b"--" + boundary.encode() + b'\r\nContent-Disposition: form-data; name="result"\r\n'
-                  b"Content-Type: application/json\r\n\r\n" + json_bytes(outcome.body) + b"\r\n"]
-        for number, part in enumerate(outcome.parts):
-            pieces.append(f'--{boundary}\r\nContent-Disposition: form-data; name="return:{number}"\r\n'
-                          f"Content-Type: application/octet-stream\r\n\r\n".encode())
-            pieces.append(part)
-            pieces.append(b"\r\n")
-        pieces.append(f"--{boundary}--\r\n".encode())
+        content_type, pieces = multipart_result(outcome.body, outcome.parts)
         total = sum(len(p) for p in pieces)
         if total > self.app.config.max_response_bytes:
             return self.too_large(request_id)
         self.send_response(200)
-        self.send_common_headers(f"multipart/form-data; boundary={boundary}", total, {"X-Request-ID": request_id})
+        self.send_common_headers(content_type, total, {"X-Request-ID": request_id})
         for piece in pieces:
             self.send_all(piece)
         return total
@@ -3003,6 +3042,20 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         if self.close_connection:
             self.send_header("Connection", "close")
         self.end_headers()
+
+
+def multipart_result(body, parts):
+    """P§9.2: a result with binary parts -> (Content-Type, the response body as pieces to send)."""
+    boundary = "kcoral-" + secrets.token_hex(16)  # 128 random bits: no payload can contain it by chance
+    pieces = [b"--" + boundary.encode() + b'\r\nContent-Disposition: form-data; name="result"\r\n'
+              b"Content-Type: application/json\r\n\r\n" + json_bytes(body) + b"\r\n"]
+    for number, part in enumerate(parts):
+        pieces.append(f'--{boundary}\r\nContent-Disposition: form-data; name="return:{number}"\r\n'
+                      f"Content-Type: application/octet-stream\r\n\r\n".encode())
+        pieces.append(part)
+        pieces.append(b"\r\n")
+    pieces.append(f"--{boundary}--\r\n".encode())
+    return f"multipart/form-data; boundary={boundary}", pieces
 
 
 def json_bytes(value):
