@@ -62,6 +62,7 @@ from tests.support import (
     ret,
     ret_path,
     run,
+    server,  # noqa: F401  (the shared default server, a fixture)
     sha256,
     simple_program,
     up_blob,
