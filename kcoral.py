@@ -1373,7 +1373,7 @@ class SandboxTemplate:
     current: "SandboxedProcess | None"  # the worker it forked last
 
     def __init__(self, config: ServerConfig, device: str, gpus: list[int]) -> None:
-        self.root = tempfile.mkdtemp(prefix="kcoral-sandbox-")
+        self.root = tempfile.mkdtemp(prefix=workspace_prefix("sandbox"))
         for name in SANDBOX_SCRATCH:
             os.mkdir(os.path.join(self.root, name), 0o1777)
         self.mount_points = scratch_mount_points(config, self.root)
@@ -2119,7 +2119,7 @@ class Execution:
         return error
 
 
-WORKSPACE = re.compile(r"kcoral-program-(\d+)\.(\d+)-")
+WORKSPACE = re.compile(r"kcoral-(?:program|sandbox)-(\d+)\.(\d+)-")
 
 
 def process_start_ticks(pid: int) -> int | None:
@@ -2132,14 +2132,15 @@ def process_start_ticks(pid: int) -> int | None:
         return None
 
 
-def workspace_prefix() -> str:
-    """`kcoral-program-<server pid>.<its start ticks>-`: the owner is in the name, so the
-    next start can tell the workspaces of a killed server from a live one's."""
-    return f"kcoral-program-{os.getpid()}.{process_start_ticks(os.getpid())}-"
+def workspace_prefix(kind: str = "program") -> str:
+    """`kcoral-<program|sandbox>-<server pid>.<its start ticks>-`: the owner is in the name, so
+    the next start can tell the directories of a killed server from a live one's."""
+    return f"kcoral-{kind}-{os.getpid()}.{process_start_ticks(os.getpid())}-"
 
 
 def remove_dead_workspaces(directory: str) -> int:
-    """Remove workspaces whose owning server no longer runs (it was killed before its cleanup)."""
+    """Remove workspaces and sandbox directories whose owning server no longer runs (it was
+    killed before its cleanup)."""
     try:
         names = os.listdir(directory)
     except OSError:
