@@ -21,6 +21,7 @@ import contextlib
 import ctypes
 import dataclasses
 import datetime
+import email.message
 import errno
 import fcntl
 import hashlib
@@ -32,6 +33,7 @@ import importlib.util
 import io
 import json
 import math
+import mmap
 import multiprocessing
 import os
 import queue
@@ -52,10 +54,30 @@ import types
 import urllib.parse
 import urllib.request
 import uuid
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from multiprocessing import reduction
+from multiprocessing.connection import Connection
+from typing import Any, NoReturn
 
 import kcoral_worker
-from kcoral_worker import DTYPE_SIZES, ValidationError, large_buffer, normalize_path, recv_raw
+from kcoral_worker import (
+    DTYPE_SIZES,
+    Buffer,
+    ErrorObject,
+    Instruction,
+    ValidationError,
+    large_buffer,
+    normalize_path,
+    recv_raw,
+)
+
+# the types this file's signatures share (Buffer, Instruction and ErrorObject are the worker's)
+Json = Any  # a decoded JSON value
+Body = bytes | bytearray | mmap.mmap  # a request body as read: searchable with find(), unlike a memoryview
+PartHeaders = dict[str, list[str]]  # a multipart part's headers: lower-cased name -> values
+Blobs = dict[str, Buffer]  # hash -> payload, for every blob a program references
+LeaseTicket = tuple[object, list[int] | None, int | None]  # (identity, the GPUs wanted, or how many of any)
+ExtraHeaders = Mapping[str, str] | tuple[()]  # headers a response adds; () for none
 
 # `kcoral.errors` and `kcoral.builtins`, as in the published package (defined by the worker)
 errors, builtins = kcoral_worker.install_kcoral_modules()
@@ -67,7 +89,7 @@ CLIENT_NAMES = ("Client", "KCoralError", "Program", "ProgramResult", "ProtocolEr
 __all__ = sorted(CLIENT_NAMES + ("ServerConfig", "create_app", "parse_program"))
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
     """Client names come from client.py on first use, so the server never needs it."""
     if name in CLIENT_NAMES:
         return getattr(load_client(), name)
@@ -78,7 +100,7 @@ CLIENT_MODULE = "kcoral_client"
 _client_lock = threading.Lock()
 
 
-def load_client():
+def load_client() -> types.ModuleType:
     """The client module from the file beside this one, whatever `client.py` lies on sys.path.
 
     A checkout holds it as client.py (vendorable by copying); an installed distribution ships
@@ -103,13 +125,15 @@ def load_client():
         return module
 
 
-def default_disk_cache_dir():
+def default_disk_cache_dir() -> str:
     xdg = os.environ.get("XDG_CACHE_HOME", "")
     base = xdg if os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "kcoral", "files")
 
 
-def option(default, help, *, env=None, cli_default=None, factory=None, choices=None, parse=None, flag=None):
+def option(default: Any, help: str, *, env: str | None = None, cli_default: Any = None,
+           factory: Callable[[], Any] | None = None, choices: tuple[str, ...] | None = None,
+           parse: Callable[[str], Any] | None = None, flag: str | None = None) -> Any:
     """One server setting: its default, its help text and how the command line spells it.
 
     The command line is generated from these (`parse_args`), so a default is written once.
@@ -125,7 +149,7 @@ def option(default, help, *, env=None, cli_default=None, factory=None, choices=N
     return dataclasses.field(default=default, metadata=meta)
 
 
-def parse_gpu_ids(text):
+def parse_gpu_ids(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(g) for g in text.split(",") if g.strip())
     except ValueError:
@@ -195,15 +219,15 @@ class ServerConfig:
 
 # --- strict JSON and multipart (P§4.3-4.6, 5.1) ------------------------------
 
-def strict_json(data):
+def strict_json(data: Buffer) -> Json:
     """Decode UTF-8 JSON, refusing a BOM, duplicate keys and NaN/Infinity."""
-    def pairs(items):
+    def pairs(items: list[tuple[str, Json]]) -> dict[str, Json]:
         obj = dict(items)
         if len(obj) != len(items):
             raise ValidationError("duplicate key in JSON object")
         return obj
 
-    def constant(name):
+    def constant(name: str) -> NoReturn:
         raise ValidationError(f"{name} is not valid JSON")
 
     try:
@@ -225,7 +249,7 @@ TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 MEDIA = re.compile(rf"{TOKEN.pattern}(?:/{TOKEN.pattern})?")  # `form-data`, `type/subtype`
 
 
-def parse_header_params(value):
+def parse_header_params(value: str) -> tuple[str, dict[str, str]]:
     """`type; k=v; k="quoted"` -> (lower-cased type, {lower-cased k: v})."""
     pieces, current, quoted, escaped = [], [], False, False
     for ch in value:
@@ -266,7 +290,7 @@ def parse_header_params(value):
     return media, params
 
 
-def request_boundary(content_type):
+def request_boundary(content_type: str | None) -> bytes:
     if not content_type or not content_type.lower().startswith("multipart/form-data"):
         raise ValidationError("expected a multipart/form-data request")
     media, params = parse_header_params(content_type)
@@ -278,7 +302,7 @@ def request_boundary(content_type):
     return boundary.encode("latin-1", "replace")
 
 
-def find_delimiter(body, delimiter, start):
+def find_delimiter(body: Body, delimiter: bytes, start: int) -> int:
     """Position of the next real delimiter line (P§4.4), or -1."""
     while True:
         i = body.find(delimiter, start)
@@ -295,7 +319,7 @@ def find_delimiter(body, delimiter, start):
         start = i + 1
 
 
-def parse_multipart(body, boundary):
+def parse_multipart(body: Body, boundary: bytes) -> list[tuple[PartHeaders, memoryview]]:
     """Split a multipart body into [(headers, payload memoryview)] without copying payloads."""
     delimiter = b"--" + boundary
     view = memoryview(body)
@@ -322,7 +346,7 @@ def parse_multipart(body, boundary):
         pos = following
 
 
-def check_close_delimiter_line(body, start):
+def check_close_delimiter_line(body: Body, start: int) -> None:
     """RFC 2046: only transport padding may follow the close delimiter on its line (the
     reference answers 400 for `--B--junk`); the epilogue starts on the next line."""
     end = body.find(b"\n", start)
@@ -331,7 +355,7 @@ def check_close_delimiter_line(body, start):
         raise ValidationError("unexpected bytes after the closing multipart delimiter")
 
 
-def parse_part_headers(body, start, end):
+def parse_part_headers(body: Body, start: int, end: int) -> tuple[PartHeaders, int]:
     """Header block up to the first empty line -> ({lower name: [values]}, payload start)."""
     headers, last = {}, None
     while True:
@@ -352,7 +376,7 @@ def parse_part_headers(body, start, end):
         headers.setdefault(last, []).append(value.strip())
 
 
-def check_part_headers(headers):
+def check_part_headers(headers: PartHeaders) -> tuple[str, str]:
     """P§4.5 -> the part's name and media type."""
     for required in ("content-disposition", "content-type"):
         if len(headers.get(required, ())) != 1:
@@ -375,7 +399,7 @@ BLOB_PART = re.compile(r"blob:([0-9a-f]{64})")
 HASH = re.compile(r"[0-9a-f]{64}")
 
 
-def split_request(body, content_type):
+def split_request(body: Body, content_type: str | None) -> tuple[memoryview, dict[str, memoryview]]:
     """P§4.3-4.6 -> (program JSON bytes, {hash: payload}) in the reference's check order."""
     parts = [(check_part_headers(h), payload)
              for h, payload in parse_multipart(body, request_boundary(content_type))]
@@ -412,21 +436,21 @@ UPLOAD_FIELDS = {"module": {"source"}, "tensor": {"blob", "dtype", "shape"}, "by
 
 @dataclasses.dataclass
 class ValidProgram:
-    instructions: list
-    options: dict
-    blob_kinds: dict        # hash -> {"file", "memory"}, in order of first reference
-    tensor_sizes: list      # (instruction id, hash, expected byte count)
+    instructions: list[Instruction]
+    options: dict[str, Json]
+    blob_kinds: dict[str, set[str]]  # hash -> {"file", "memory"}, in order of first reference
+    tensor_sizes: list[tuple[str, str, int]]  # (instruction id, hash, expected byte count)
 
 
-def is_integer(v):
+def is_integer(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def is_ref(v):
+def is_ref(v: object) -> bool:
     return isinstance(v, dict) and len(v) == 1 and isinstance(v.get("$ref"), str) and v["$ref"] != ""
 
 
-def parse_program(body):
+def parse_program(body: Json) -> ValidProgram:
     """Validate a decoded program object; ValidationError names the offending field."""
     if not isinstance(body, dict):
         raise ValidationError("program must be a JSON object")
@@ -457,7 +481,7 @@ def parse_program(body):
 MAX_ARG_DEPTH = 400  # programs reach the worker pickled, and pickle recurses twice per level
 
 
-def check_literals(args, where):
+def check_literals(args: list[Json], where: str) -> None:
     """Run arguments hold finite numbers only (1e400 decodes to inf, P§5.1) and nest at
     most MAX_ARG_DEPTH levels; walked without recursion."""
     stack = [(args, 1)]
@@ -471,14 +495,14 @@ def check_literals(args, where):
             stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
 
 
-def brief(value):
+def brief(value: object) -> str:
     """A value for an error message: repr() of a deeply nested one would overflow the stack."""
     if isinstance(value, (str, int, float, bool, type(None))):
         return repr(value)[:80]
     return f"<{type(value).__name__}>"
 
 
-def tensor_byte_count(shape, itemsize):
+def tensor_byte_count(shape: list[int], itemsize: int) -> int:
     """product(shape) * itemsize, stopping at 2**64: no blob is that long, and the exact
     product of 100 000 huge dimensions takes seconds and has too many digits to print."""
     if 0 in shape:
@@ -491,7 +515,7 @@ def tensor_byte_count(shape, itemsize):
     return total
 
 
-def check_options(options):
+def check_options(options: Json) -> dict[str, Json]:
     if not isinstance(options, dict):
         raise ValidationError("'options' must be an object")
     unknown = set(options) - {"timeout_seconds", "output_limit_bytes", "gpu_count"}
@@ -512,7 +536,7 @@ def check_options(options):
     return options
 
 
-def check_id(ins, ids, where):
+def check_id(ins: Instruction, ids: set[str], where: str) -> None:
     if "id" not in ins:
         raise ValidationError(f"{where}: missing field 'id'")
     value = ins["id"]
@@ -522,7 +546,7 @@ def check_id(ins, ids, where):
         raise ValidationError(f"{where}: duplicate instruction id {value!r}")
 
 
-def check_fields(ins, required, optional, where):
+def check_fields(ins: Instruction, required: set[str], optional: set[str], where: str) -> None:
     unknown = set(ins) - required - optional
     if unknown:
         raise ValidationError(f"{where}: unknown field(s) {sorted(unknown)}")
@@ -531,21 +555,22 @@ def check_fields(ins, required, optional, where):
         raise ValidationError(f"{where}: missing field(s) {sorted(missing)}")
 
 
-def check_ref(value, ids, where, field):
+def check_ref(value: Json, ids: set[str], where: str, field: str) -> None:
     if not is_ref(value):
         raise ValidationError(f"{where}: '{field}' must be {{'$ref': id}}")
     if value["$ref"] not in ids:
         raise ValidationError(f"{where}: '{field}' references unknown/forward handle {value['$ref']!r}")
 
 
-def check_path(value, where):
+def check_path(value: Json, where: str) -> str:
     try:
         return normalize_path(value)
     except ValidationError as exc:
         raise ValidationError(f"{where}: invalid 'path': {exc}") from None
 
 
-def check_instruction(program, ins, op, ids, keys, paths, where):
+def check_instruction(program: ValidProgram, ins: Instruction, op: str, ids: set[str], keys: set[str],
+                      paths: dict[str, str], where: str) -> None:
     if op == "upload":
         kind = ins.get("kind")
         if not isinstance(kind, str) or kind not in UPLOAD_FIELDS:  # a list is unhashable
@@ -573,7 +598,7 @@ def check_instruction(program, ins, op, ids, keys, paths, where):
         check_return(ins, ids, keys, where)
 
 
-def check_upload(program, ins, kind, paths, where):
+def check_upload(program: ValidProgram, ins: Instruction, kind: str, paths: dict[str, str], where: str) -> None:
     if kind == "module":
         if not isinstance(ins["source"], str):
             raise ValidationError(f"{where}: 'source' must be a string")
@@ -595,7 +620,7 @@ def check_upload(program, ins, kind, paths, where):
         ins["path"] = path
 
 
-def claim_file_path(paths, path, where):
+def claim_file_path(paths: dict[str, str], path: str, where: str) -> None:
     """P§6.8 in one pass per path: `paths` maps each earlier file path to itself and each of
     their parent directories to the first file below it (a pairwise check is quadratic)."""
     parents = [path[:i] for i, ch in enumerate(path) if ch == "/"]
@@ -612,7 +637,7 @@ def claim_file_path(paths, path, where):
         paths.setdefault(parent, path)
 
 
-def check_return(ins, ids, keys, where):
+def check_return(ins: Instruction, ids: set[str], keys: set[str], where: str) -> None:
     if "kind" in ins:
         check_fields(ins, {"op", "key", "kind", "path"}, set(), where)
         if ins["kind"] not in ("file", "folder"):
@@ -633,9 +658,24 @@ def check_return(ins, ids, keys, where):
         ins["path"] = check_path(ins["path"], where)
 
 
+def check_no_unreferenced_blobs(program: ValidProgram, supplied: dict[str, memoryview]) -> None:
+    extra = [h for h in supplied if h not in program.blob_kinds]
+    if extra:
+        raise ValidationError(f"unreferenced blob part(s): {', '.join(extra)}")
+
+
+def check_tensor_sizes(program: ValidProgram, blobs: Blobs) -> None:
+    """P§7.3: a tensor's blob holds exactly product(shape) * itemsize bytes (checked once present)."""
+    for ident, digest, expected in program.tensor_sizes:
+        if digest in blobs and len(blobs[digest]) != expected:
+            raise ValidationError(f"tensor upload {ident!r} expects "
+                                  f"{expected if expected < 1 << 64 else 'at least 2**64'} bytes, "
+                                  f"got {len(blobs[digest])}")
+
+
 # --- blob caches (P§7.4, 7.5) -----------------------------------------------
 
-def pinned_bytes(data):
+def pinned_bytes(data: Buffer) -> int:
     """What keeping `data` alive costs: a view pins the whole buffer it was cut from."""
     owner = data.obj if isinstance(data, memoryview) else data
     return memoryview(owner).nbytes
@@ -647,14 +687,14 @@ class MemoryCache:
     Entries are charged for the memory they keep alive (pinned_bytes), not their length.
     """
 
-    def __init__(self, capacity):
+    def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.entries = collections.OrderedDict()
+        self.entries: collections.OrderedDict[str, tuple[Buffer, int]] = collections.OrderedDict()
         self.size = 0
-        self.pins = collections.Counter()
+        self.pins: collections.Counter[str] = collections.Counter()
         self.lock = threading.Lock()
 
-    def get(self, digest):
+    def get(self, digest: str) -> Buffer | None:
         with self.lock:
             entry = self.entries.get(digest)
             if entry is None:
@@ -662,7 +702,7 @@ class MemoryCache:
             self.entries.move_to_end(digest)
             return entry[0]
 
-    def put(self, digest, data):
+    def put(self, digest: str, data: Buffer) -> None:
         cost = pinned_bytes(data)
         if cost * 4 > self.capacity:
             return
@@ -677,11 +717,11 @@ class MemoryCache:
                     break
                 self.size -= self.entries.pop(old)[1]
 
-    def pin(self, digests):
+    def pin(self, digests: list[str]) -> None:
         with self.lock:
             self.pins.update(digests)
 
-    def unpin(self, digests):
+    def unpin(self, digests: list[str]) -> None:
         with self.lock:
             self.pins.subtract(digests)
             for d in digests:
@@ -696,7 +736,7 @@ class DiskCache:
     make a request fail.
     """
 
-    def __init__(self, directory, capacity_bytes):
+    def __init__(self, directory: str, capacity_bytes: int) -> None:
         self.root = os.path.join(directory, "v1")
         self.capacity = capacity_bytes
         self.total = 0
@@ -707,10 +747,10 @@ class DiskCache:
         except OSError:
             pass
 
-    def path(self, digest):
+    def path(self, digest: str) -> str:
         return os.path.join(self.root, digest[:2], digest)
 
-    def get(self, digest):
+    def get(self, digest: str) -> bytearray | None:
         path = self.path(digest)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -729,7 +769,7 @@ class DiskCache:
         return None
 
     @staticmethod
-    def discard(path):
+    def discard(path: str) -> None:
         try:
             os.unlink(path)
         except IsADirectoryError:
@@ -737,7 +777,7 @@ class DiskCache:
         except OSError:
             pass
 
-    def put(self, digest, data):
+    def put(self, digest: str, data: Buffer) -> None:
         if len(data) > self.capacity:
             return
         try:
@@ -762,11 +802,11 @@ class DiskCache:
         except OSError:
             pass
 
-    def put_all(self, items):
+    def put_all(self, items: list[tuple[str, Buffer]]) -> None:
         for digest, data in items:
             self.put(digest, data)
 
-    def evict(self):
+    def evict(self) -> None:
         """Remove least recently used entries until within budget (writers serialised by a lock file)."""
         with self.lock, open(os.path.join(self.root, ".lock"), "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
@@ -789,9 +829,63 @@ class DiskCache:
                     pass
 
 
+class BlobStore:
+    """What survives between requests: blobs by SHA-256, in memory (bytes, tensors and
+    libraries) and on disk (file uploads), P§7.4-7.5."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.memory = MemoryCache(config.cache_capacity_bytes)
+        self.disk = (DiskCache(config.disk_cache_dir, config.disk_cache_capacity_mbytes << 20)
+                     if config.disk_cache_dir and config.disk_cache_capacity_mbytes > 0 else None)
+
+    def keep_file_blobs(self, program: ValidProgram, supplied: dict[str, memoryview]) -> threading.Thread | None:
+        """Start putting supplied file-upload blobs into the disk cache -> a thread to join, or None.
+
+        Creating hundreds of small files can take a while on a busy disk; meanwhile the
+        request goes on, and its worker creates the workspace copies in parallel.
+        """
+        items = [(digest, data) for digest, data in supplied.items() if "file" in program.blob_kinds[digest]]
+        if not items or self.disk is None:
+            return None
+        thread = threading.Thread(target=self.disk.put_all, args=(items,), daemon=True)
+        thread.start()
+        return thread
+
+    def resolve(self, program: ValidProgram, supplied: dict[str, memoryview]) -> tuple[Blobs, list[str]]:
+        """P§7.1: supplied parts go into the memory cache (the disk cache: keep_file_blobs),
+        then every referenced blob is looked up, supplied parts first -> (blobs, missing)."""
+        for digest, data in supplied.items():
+            if "memory" in program.blob_kinds[digest]:
+                # a small blob must not keep a large request body alive in the cache
+                keep = data if len(data) * 2 >= len(data.obj) else bytes(data)
+                self.memory.put(digest, keep)
+        blobs, missing = {}, []
+        for digest, kinds in program.blob_kinds.items():
+            data = supplied.get(digest)
+            if data is None and "file" in kinds and self.disk is not None:
+                data = self.disk.get(digest)
+            if data is None and "memory" in kinds:
+                data = self.memory.get(digest)
+            if data is None:
+                missing.append(digest)
+            else:
+                blobs[digest] = data
+        return blobs, missing
+
+    @contextlib.contextmanager
+    def pinned(self, program: ValidProgram) -> Iterator[None]:
+        """While a program runs, the memory blobs it uses stay cached (its retry would need them)."""
+        memory = [h for h, kinds in program.blob_kinds.items() if "memory" in kinds]
+        self.memory.pin(memory)
+        try:
+            yield
+        finally:
+            self.memory.unpin(memory)
+
+
 # --- process groups ---------------------------------------------------------
 
-def become_subreaper():
+def become_subreaper() -> None:
     """Orphaned grandchildren of workers get re-parented here, so we can reap them."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
@@ -799,7 +893,7 @@ def become_subreaper():
         pass
 
 
-def group_members(pgid, exclude=()):
+def group_members(pgid: int, exclude: Collection[int] = ()) -> list[int]:
     """Live processes in a process group, plus the leader's live descendants in other groups
     (a program may start new sessions); zombies of ours found on the way are reaped."""
     members, me, parents = [], os.getpid(), {}
@@ -830,7 +924,7 @@ def group_members(pgid, exclude=()):
     return members
 
 
-def marked_processes(worker_pid):
+def marked_processes(worker_pid: int) -> list[int]:
     """Live processes started under a worker (they inherit its KCORAL_WORKER_PID), wherever
     they are now: after a crash, a new-session child is an orphan outside every tree."""
     mark = f"\0{kcoral_worker.WORKER_MARK}={worker_pid}\0".encode()
@@ -846,7 +940,7 @@ def marked_processes(worker_pid):
     return found
 
 
-def is_live(pid):
+def is_live(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             return f.read().rpartition(b")")[2].split()[0] not in (b"Z", b"X")
@@ -854,13 +948,14 @@ def is_live(pid):
         return False
 
 
-def kill_group(pgid, grace, exclude=(), orphans=False, kill_wait=10.0):
+def kill_group(pgid: int, grace: float, exclude: Collection[int] = (), orphans: bool = False,
+               kill_wait: float = 10.0) -> bool:
     """SIGTERM the group and its leader's descendants (with `orphans`, also every process
     started under it), SIGKILL what is left after the grace period; wait until it is gone.
     -> whether it is gone: False when something outlived SIGKILL by `kill_wait` seconds."""
     marked = set(marked_processes(pgid)) - set(exclude) if orphans else set()
 
-    def remaining():
+    def remaining() -> list[int]:
         return group_members(pgid, exclude) + [pid for pid in marked if is_live(pid)]
 
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, kill_wait)):
@@ -886,7 +981,7 @@ def kill_group(pgid, grace, exclude=(), orphans=False, kill_wait=10.0):
 
 # --- GPUs -----------------------------------------------------------------
 
-def nvml_gpu_ids():
+def nvml_gpu_ids() -> list[str]:
     """UUIDs of the visible NVIDIA GPUs through NVML, without importing torch; [] if none."""
     try:
         nvml = ctypes.CDLL("libnvidia-ml.so.1")
@@ -909,7 +1004,7 @@ def nvml_gpu_ids():
 WARM_TVM_FFI = "import torch, tvm_ffi"  # tvm_ffi builds its torch add-on on import when it must
 
 
-def prepare_template_imports(timeout, warm=WARM_TVM_FFI):
+def prepare_template_imports(timeout: float, warm: str = WARM_TVM_FFI) -> str:
     """Make the worker template's imports fast and free of CUDA before any worker starts.
 
     PYTORCH_NVML_BASED_CUDA_CHECK=1 lets `torch.cuda.is_available()` (tvm_ffi calls it on
@@ -938,7 +1033,7 @@ def prepare_template_imports(timeout, warm=WARM_TVM_FFI):
     return state
 
 
-def torch_has_dlpack_exchange_api():
+def torch_has_dlpack_exchange_api() -> bool:
     """Whether the installed torch exports the DLPack exchange API itself (read, not imported)."""
     spec = importlib.util.find_spec("torch")
     for location in spec.submodule_search_locations or ():
@@ -950,9 +1045,9 @@ def torch_has_dlpack_exchange_api():
     return importlib.util.find_spec("torch_c_dlpack_ext") is not None
 
 
-def same_gpu(seen, expected):
+def same_gpu(seen: str, expected: str) -> bool:
     """SERVER.md §1.1: UUIDs compare without the GPU- prefix, case-insensitively; unknown ones pass."""
-    def bare(uuid):
+    def bare(uuid: str) -> str:
         return uuid.lower().removeprefix("gpu-")
 
     return not seen or not expected.lower().startswith("gpu-") or bare(seen) == bare(expected)
@@ -974,16 +1069,17 @@ class LeaseArbiter:
     waiters, so the big job is not starved.
     """
 
-    def __init__(self, gpu_ids):
+    def __init__(self, gpu_ids: Iterable[int]) -> None:
         self.gpu_ids = list(gpu_ids)
-        self.holder = {g: None for g in self.gpu_ids}
-        self.queue = collections.deque()
-        self.history = {g: collections.deque(maxlen=256) for g in self.gpu_ids}
-        self.quarantined = set()
+        self.holder: dict[int, str | None] = {g: None for g in self.gpu_ids}
+        self.queue: collections.deque[LeaseTicket] = collections.deque()
+        self.history: dict[int, collections.deque[tuple[float, float | None, str]]] = {
+            g: collections.deque(maxlen=256) for g in self.gpu_ids}  # (start, end or None while held, owner)
+        self.quarantined: set[int] = set()
         self.closing = False
         self.cond = threading.Condition()
 
-    def acquire(self, owner, gpus=None, count=None):
+    def acquire(self, owner: str, gpus: list[int] | None = None, count: int | None = None) -> tuple[list[int], float]:
         """Block until `gpus` (or any `count` GPUs) are ours; returns (granted GPUs, wait ms).
         LeaseRefused when that can no longer happen (quarantine; "any n" waits at shutdown)."""
         start = time.monotonic()
@@ -1006,25 +1102,25 @@ class LeaseArbiter:
                 self.history[g].append((now, None, owner))
         return granted, (time.monotonic() - start) * 1e3
 
-    def check_servable(self, gpus, count):
+    def check_servable(self, gpus: list[int] | None, count: int | None) -> None:
         if count and self.closing:
             raise LeaseRefused("server is shutting down")
         if (count and count > len(self.gpu_ids) - len(self.quarantined)) or self.quarantined & set(gpus or ()):
             raise LeaseRefused("GPU quarantined: a worker's process tree could not be confirmed gone")
 
-    def quarantine(self, gpus):
+    def quarantine(self, gpus: Iterable[int]) -> None:
         """SERVER.md §2.1: never lend these GPUs again; waiters that need them are refused."""
         with self.cond:
             self.quarantined.update(gpus)
             self.cond.notify_all()
 
-    def close(self):
+    def close(self) -> None:
         """Shutdown: requests still waiting for "any n" GPUs are refused (SERVER.md §8)."""
         with self.cond:
             self.closing = True
             self.cond.notify_all()
 
-    def grantable(self, ticket):
+    def grantable(self, ticket: LeaseTicket) -> list[int] | None:
         blocked = set()
         for waiter in self.queue:
             _, gpus, count = waiter
@@ -1035,7 +1131,7 @@ class LeaseArbiter:
                 return wanted if enough else None
             blocked.update(self.gpu_ids if count else gpus)
 
-    def release(self, owner, gpus):
+    def release(self, owner: str, gpus: Iterable[int]) -> None:
         with self.cond:
             now = time.time()
             for g in gpus:
@@ -1045,7 +1141,7 @@ class LeaseArbiter:
                     self.history[g].append((start, now, who))
             self.cond.notify_all()
 
-    def holder_at(self, gpus, when):
+    def holder_at(self, gpus: Iterable[int], when: float) -> str | None:
         """Who held any of `gpus` at wall-clock time `when` (for gpu_access reports); None if nobody."""
         with self.cond:
             for g in gpus:
@@ -1233,10 +1329,10 @@ def probe_bubblewrap(config: ServerConfig) -> None:
         raise SystemExit(f"kcoral: --sandbox bubblewrap: bwrap does not work here: {lines[-1]}")
 
 
-SPAWNS = {"queue": None, "lock": threading.Lock()}
+SPAWNS: dict[str, Any] = {"queue": None, "lock": threading.Lock()}
 
 
-def lasting_popen(args: list[str], **options) -> subprocess.Popen:
+def lasting_popen(args: list[str], **options: Any) -> subprocess.Popen:
     """subprocess.Popen run by one thread that lives as long as the server.
 
     bwrap --die-with-parent ties a container to the *thread* that started it (PR_SET_PDEATHSIG),
@@ -1272,9 +1368,12 @@ class SandboxTemplate:
     fresh process in it, a private directory emptied after the request, and everything the
     request started is killed (the container's PID namespace holds nothing else).
     """
+    init_pid: int | None  # the container's PID 1 and our template in it, host pids, once ready()
+    pid: int | None
+    current: "SandboxedProcess | None"  # the worker it forked last
 
-    def __init__(self, config: ServerConfig, device: str, gpus: list[int]):
-        self.root = tempfile.mkdtemp(prefix="kcoral-sandbox-")
+    def __init__(self, config: ServerConfig, device: str, gpus: list[int]) -> None:
+        self.root = tempfile.mkdtemp(prefix=workspace_prefix("sandbox"))
         for name in SANDBOX_SCRATCH:
             os.mkdir(os.path.join(self.root, name), 0o1777)
         self.mount_points = scratch_mount_points(config, self.root)
@@ -1317,7 +1416,7 @@ class SandboxTemplate:
     def alive(self) -> bool:
         return self.process.poll() is None and (self.pid is None or is_live(self.pid))
 
-    def fork(self, conn, device: str, visible: list[str], timeout: float) -> "SandboxedProcess":
+    def fork(self, conn: Connection, device: str, visible: list[str], timeout: float) -> "SandboxedProcess":
         """A fresh worker for `conn` in a freshly emptied private directory -> its SandboxedProcess.
 
         A template that does not answer (a program may have stopped it) takes its container
@@ -1351,7 +1450,7 @@ class SandboxTemplate:
     def kill_requests(self, grace: float) -> bool:
         """SIGTERM everything in the container but its init and template, SIGKILL it after `grace`.
         -> whether it is all gone (as kill_group)."""
-        def remaining():
+        def remaining() -> list[int]:
             return [p for p in descendants(self.init_pid) if p != self.pid]
 
         for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
@@ -1394,10 +1493,10 @@ class SandboxTemplate:
 class SandboxedProcess:
     """The parts of multiprocessing.Process the pool uses, for a worker its template forked."""
 
-    def __init__(self, template: SandboxTemplate, pid: int | None):
+    def __init__(self, template: SandboxTemplate, pid: int | None) -> None:
         self.template = template
         self.pid = pid
-        self.exitcode = None
+        self.exitcode: int | None = None
 
     def join(self, timeout: float | None = None) -> None:
         if self.exitcode is None:
@@ -1434,7 +1533,8 @@ WORKER_PHASE_SECONDS = 60.0  # each start-up phase (SERVER.md §1.1)
 class Worker:
     """One worker process forked from the template (a slot's sandbox template, if any), with its pipe."""
 
-    def __init__(self, pool, gpus, phase_timeout=WORKER_PHASE_SECONDS, template=None):
+    def __init__(self, pool: "Pool", gpus: list[int], phase_timeout: float = WORKER_PHASE_SECONDS,
+                 template: SandboxTemplate | None = None) -> None:
         self.gpus = gpus
         self.template = template
         self.conn, child = pool.context.Pipe()
@@ -1468,7 +1568,7 @@ class Worker:
                 raise
             raise WorkerCrashed("worker did not start") from exc
 
-    def initialize(self, expected_uuid, phase_timeout=WORKER_PHASE_SECONDS):
+    def initialize(self, expected_uuid: str, phase_timeout: float = WORKER_PHASE_SECONDS) -> None:
         """GPU workers: create the CUDA context (the caller holds the lease) and check the pinning."""
         try:
             self.conn.send(kcoral_worker.InitGpu())
@@ -1485,7 +1585,7 @@ class Worker:
             kind = WorkerStartTimeout if isinstance(exc, WorkerStartTimeout) else WorkerCrashed
             raise kind(f"GPU worker failed to initialize: {str(exc) or type(exc).__name__}") from exc
 
-    def kill(self, grace, orphans=False):
+    def kill(self, grace: float, orphans: bool = False) -> bool:
         """-> whether the whole tree is confirmed gone (else its GPUs must be quarantined)."""
         if self.template is not None:  # its container holds exactly what this worker started
             gone = self.template.kill_requests(grace)
@@ -1495,7 +1595,7 @@ class Worker:
         self.conn.close()
         return gone
 
-    def stop(self, grace):
+    def stop(self, grace: float) -> None:
         """Tell an idle worker to exit; kill its group if it does not."""
         try:
             self.conn.send(kcoral_worker.StopWorker())
@@ -1506,18 +1606,18 @@ class Worker:
 
 
 class Slot:
-    def __init__(self, name, gpus):
+    def __init__(self, name: str, gpus: list[int]) -> None:
         self.name = name
         self.gpus = gpus
-        self.worker = None
-        self.template = None  # its SandboxTemplate under --sandbox bubblewrap
+        self.worker: Worker | None = None
+        self.template: SandboxTemplate | None = None  # under --sandbox bubblewrap
 
 
 @dataclasses.dataclass
 class Job:
     request_id: str
     program: ValidProgram
-    blobs: dict          # hash -> buffer, everything the program references
+    blobs: Blobs
     timeout: float
     output_limit: int
 
@@ -1527,8 +1627,8 @@ class Outcome:
     http_status: int = 200
     kind: str = ""                 # error kind of a non-200 answer
     message: str = ""
-    body: dict = None              # COMPLETED/FAILED JSON
-    parts: list = dataclasses.field(default_factory=list)
+    body: dict[str, Json] | None = None  # COMPLETED/FAILED JSON
+    parts: list[Buffer] = dataclasses.field(default_factory=list)
     worker_id: str = ""
 
 
@@ -1538,14 +1638,14 @@ PIPE_BYTES = 1 << 20  # capture pipe capacity (Linux's default pipe-max-size) an
 class OutputDrain:
     """Reads a worker's stdout/stderr pipes, keeping the first `limit` + 1 bytes of each."""
 
-    def __init__(self, out_fd, err_fd, limit):
+    def __init__(self, out_fd: int, err_fd: int, limit: int) -> None:
         self.limit = limit
         self.data = {out_fd: bytearray(), err_fd: bytearray()}
         self.fds = (out_fd, err_fd)
         self.thread = threading.Thread(target=self.drain, daemon=True)
         self.thread.start()
 
-    def drain(self):
+    def drain(self) -> None:
         with selectors.DefaultSelector() as sel:
             for fd in self.fds:
                 sel.register(fd, selectors.EVENT_READ)
@@ -1560,7 +1660,7 @@ class OutputDrain:
                     elif len(self.data[key.fd]) <= self.limit:
                         self.data[key.fd] += chunk[:self.limit + 1 - len(self.data[key.fd])]
 
-    def result(self, wait):
+    def result(self, wait: float) -> tuple[str, str, bool, bool]:
         """(stdout, stderr, stdout_truncated, stderr_truncated) once the writers are gone.
 
         A process that escaped the group may hold a pipe open; then the
@@ -1577,7 +1677,7 @@ class OutputDrain:
 class Pool:
     """Worker slots, FIFO scheduling, execution of jobs, and worker replacement."""
 
-    def __init__(self, config, device, gpu_ids, gpu_names):
+    def __init__(self, config: ServerConfig, device: str, gpu_ids: list[int], gpu_names: dict[int, str]) -> None:
         self.config = config
         self.device = device
         self.gpu_names = gpu_names
@@ -1585,7 +1685,8 @@ class Pool:
         prepare_template_imports(config.prepare_timeout_seconds)
         # torch and tvm_ffi in the template keep their imports off every fresh worker's critical path;
         # GPU workers pin CUDA_VISIBLE_DEVICES after the fork, before CUDA starts (never in the template)
-        preload = ["kcoral", "kcoral_worker", "numpy"] + [m for m in ("torch", "tvm_ffi") if importlib.util.find_spec(m)]
+        preload = ["kcoral", "kcoral_worker", "numpy"]
+        preload += [m for m in ("torch", "tvm_ffi") if importlib.util.find_spec(m)]
         self.context.set_forkserver_preload(preload)
         if device == "cuda":
             self.arbiter = LeaseArbiter(gpu_ids)
@@ -1596,10 +1697,10 @@ class Pool:
             self.slots = [Slot(f"cpu/w{i}", []) for i in range(config.num_workers)]
         self.cond = threading.Condition()
         self.idle = []
-        self.waiters = collections.deque()
+        self.waiters: collections.deque[object] = collections.deque()
         self.in_progress = 0
         self.closing = False
-        self.replacements = []
+        self.replacements: list[threading.Thread] = []
         if config.sandbox == "bubblewrap":
             probe_bubblewrap(config)
             for slot in self.slots:  # the containers import in parallel
@@ -1625,14 +1726,14 @@ class Pool:
             slot.template = SandboxTemplate(self.config, self.device, slot.gpus)
         return slot.template
 
-    def quarantine(self, gpus, reason):
+    def quarantine(self, gpus: list[int], reason: str) -> None:
         """SERVER.md §2.1: a tree whose exit is unconfirmed may still use its GPUs.  Nobody gets
         them again, and the pool begins shutting down (later requests: 503 busy)."""
         log_event("gpu_quarantined", "ERROR", gpu_ids=list(gpus), reason=reason)
         self.arbiter.quarantine(gpus)
         self.close()
 
-    def dispose(self, worker, grace=0, orphans=False):
+    def dispose(self, worker: Worker, grace: float = 0, orphans: bool = False) -> bool:
         """Kill a worker's tree; its GPUs are quarantined when the kill cannot be confirmed.
         -> whether it is confirmed gone."""
         gone = worker.kill(grace, orphans=orphans)
@@ -1640,7 +1741,7 @@ class Pool:
             self.quarantine(worker.gpus, "a worker's process tree outlived SIGKILL")
         return gone
 
-    def start_worker(self, gpus, template=None):
+    def start_worker(self, gpus: list[int], template: SandboxTemplate | None = None) -> Worker:
         worker = Worker(self, gpus, template=template)  # pinning and imports are host work: no lease yet
         if self.arbiter is not None:
             # context creation must not overlap someone else's measurement
@@ -1651,7 +1752,7 @@ class Pool:
                 self.arbiter.release(STARTUP_OWNER, gpus)
         return worker
 
-    def load(self):
+    def load(self) -> dict[str, int]:
         # A slot whose worker is being replaced still counts: it is back within tens of ms, and
         # with one request per worker a 1-worker node would otherwise read as full after every
         # request (a load balancer sizing or checking on it would take it out of rotation).
@@ -1660,7 +1761,7 @@ class Pool:
             return {"request_capacity": capacity, "requests_in_progress": self.in_progress,
                     "requests_waiting": len(self.waiters)}
 
-    def acquire(self, timeout):
+    def acquire(self, timeout: float) -> Slot | None:
         """Wait (FIFO) for an idle slot; None when closing or after `timeout` seconds."""
         deadline = time.monotonic() + timeout
         ticket = object()
@@ -1682,12 +1783,12 @@ class Pool:
                 self.waiters.remove(ticket)
                 self.cond.notify_all()
 
-    def gpu_load(self, slot):
+    def gpu_load(self, slot: Slot) -> tuple[int, int]:
         """Prefer the GPU with the fewest assigned requests (ties: configured order)."""
         busy = [s for s in self.slots if s not in self.idle]
         return sum(1 for s in busy if s.gpus == slot.gpus), self.slots.index(slot)
 
-    def release(self, slot, retire):
+    def release(self, slot: Slot, retire: bool) -> None:
         if retire:
             with self.cond:
                 self.in_progress -= 1
@@ -1700,7 +1801,7 @@ class Pool:
                 self.idle.append(slot)
                 self.cond.notify_all()
 
-    def replace(self, slot):
+    def replace(self, slot: Slot) -> None:
         """Start the slot's next worker off the request's critical path."""
         try:
             slot.worker = self.start_slot_worker(slot)
@@ -1711,7 +1812,7 @@ class Pool:
             self.idle.append(slot)
             self.cond.notify_all()
 
-    def execute(self, job):
+    def run_job(self, job: Job) -> Outcome:
         """Run a job on the next free slot -> Outcome (503 when none frees up in time)."""
         start = time.monotonic()
         slot = self.acquire(self.config.worker_wait_timeout_seconds)
@@ -1742,7 +1843,7 @@ class Pool:
                 slot.worker = None  # its GPU is quarantined: no replacement there
             self.release(slot, retire)
 
-    def run_multi_gpu(self, slot, job, count, queue_ms):
+    def run_multi_gpu(self, slot: Slot, job: Job, count: int, queue_ms: float) -> Outcome:
         """P§8.9: a dedicated worker that sees `count` GPUs, started under all their leases."""
         try:
             gpus, wait_ms = self.arbiter.acquire(job.request_id, count=count)
@@ -1756,7 +1857,8 @@ class Pool:
             if template is not None:
                 template.close()
 
-    def run_dedicated_worker(self, job, gpus, wait_ms, queue_ms, template):
+    def run_dedicated_worker(self, job: Job, gpus: list[int], wait_ms: float, queue_ms: float,
+                             template: SandboxTemplate | None) -> Outcome:
         started = time.monotonic()
         phase_timeout = min(WORKER_PHASE_SECONDS, job.timeout)  # start-up is part of the request's timeout
         try:
@@ -1783,14 +1885,14 @@ class Pool:
             outcome.body["gpu_count"] = len(gpus)
         return outcome
 
-    def close(self):
+    def close(self) -> None:
         with self.cond:
             self.closing = True
             self.cond.notify_all()
         if self.arbiter is not None:
             self.arbiter.close()
 
-    def shutdown(self):
+    def shutdown(self) -> None:
         for thread in self.replacements:
             thread.join()
         for slot in self.slots:
@@ -1802,8 +1904,12 @@ class Pool:
 
 class Execution:
     """One job on one worker: the message loop, timeout, crash attribution, teardown."""
+    lease_since: float | None  # time.monotonic() when the GPU lease was granted; None while not held
+    last_index: int | None  # the instruction the worker last reported starting
+    results: dict[str, Json]  # return key -> encoded value
+    parts: list[Buffer]  # the raw parts those values refer to
 
-    def __init__(self, pool, worker, gpus, job, queue_ms):
+    def __init__(self, pool: Pool, worker: Worker, gpus: list[int], job: Job, queue_ms: float) -> None:
         self.pool = pool
         self.config = pool.config
         self.worker = worker
@@ -1826,7 +1932,7 @@ class Execution:
         self.workspace = os.path.join(self.root, "work")
         self.blob_file = os.path.join(self.root, "blobs")
 
-    def run(self):
+    def run(self) -> tuple[Outcome, bool]:
         """-> (Outcome, whether the worker must be retired)."""
         started = time.monotonic()
         self.deadline = started + self.job.timeout
@@ -1872,7 +1978,7 @@ class Execution:
         else:  # what the request left in its /tmp and /dev/shm goes too
             self.worker.template.clear()
 
-    def send_job(self):
+    def send_job(self) -> None:
         program = self.job.program
         limit = self.config.max_requests_per_worker
         request = kcoral_worker.JobRequest(
@@ -1901,7 +2007,7 @@ class Execution:
         except OSError as exc:
             raise WorkerCrashed(str(exc)) from exc
 
-    def stage_blobs(self):
+    def stage_blobs(self) -> dict[str, tuple[int, int]]:
         """Write the job's blobs back to back into one file -> {hash: (offset, size)}.
 
         The worker reads each straight into its final object; one file, because creating
@@ -1921,7 +2027,7 @@ class Execution:
             os.close(fd)
         return index
 
-    def converse(self):
+    def converse(self) -> ErrorObject | None:
         """Follow the worker's messages until it reports the program done; -> error or None."""
         conn = self.worker.conn
         try:
@@ -1957,20 +2063,20 @@ class Execution:
         except (EOFError, OSError) as exc:
             raise WorkerCrashed(str(exc)) from exc
 
-    def hold_lease(self):
+    def hold_lease(self) -> None:
         asked_at = time.monotonic()
         _, wait_ms = self.pool.arbiter.acquire(self.job.request_id, self.gpus)
         self.lease_wait_ms += wait_ms
         self.deadline += time.monotonic() - asked_at  # lease waits do not consume the timeout
         self.lease_since = time.monotonic()
 
-    def release_lease(self):
+    def release_lease(self) -> None:
         if self.lease_since is not None:
             self.pool.arbiter.release(self.job.request_id, self.gpus)
             self.lease_held_ms += (time.monotonic() - self.lease_since) * 1e3
             self.lease_since = None
 
-    def retire_worker(self, error):
+    def retire_worker(self, error: ErrorObject | None) -> ErrorObject | None:
         """The worker exits after its last request; teardown counts toward the timeout."""
         self.worker.process.join(max(0.0, self.deadline - time.monotonic()))
         if self.worker.process.exitcode is None:
@@ -1982,24 +2088,24 @@ class Execution:
             return self.teardown_error(f"worker exited with code {code} during teardown")
         return error
 
-    def background_processes(self, error):
+    def background_processes(self, error: ErrorObject | None) -> ErrorObject | None:
         kill_group(self.worker.pid, self.config.worker_termination_grace_seconds, exclude=(self.worker.pid,))
         if error is None:
             return self.teardown_error("program left background processes running; they were terminated")
         return error
 
-    def teardown_error(self, message):
+    def teardown_error(self, message: str) -> ErrorObject:
         index = self.last_index or 0
         ins = self.job.program.instructions[index]
         return {"kind": "runtime", "message": message, "instruction_index": index,
                 "instruction_op": ins["op"], "instruction_id": ins.get("id"), "traceback": ""}
 
-    def crash_error(self):
+    def crash_error(self) -> ErrorObject:
         error = self.teardown_error("worker exited while executing the instruction")
         error["instruction_index"] = self.last_index
         return error
 
-    def kill_worker(self):
+    def kill_worker(self) -> bool:
         """Kill the tree holding the GPU lease: its CUDA teardown must not overlap someone's measurement.
         -> whether it is confirmed gone (if not, the pool quarantines its GPUs)."""
         if self.pool.arbiter is not None and self.lease_since is None:
@@ -2009,7 +2115,7 @@ class Execution:
                 pass
         return self.pool.dispose(self.worker, self.config.worker_termination_grace_seconds, orphans=True)
 
-    def attribute_gpu_access(self, error):
+    def attribute_gpu_access(self, error: ErrorObject | None) -> ErrorObject | None:
         """SERVER.md §6: name the request that held our GPU(s) when a cpu_only call entered CUDA."""
         if error is None or error["kind"] != "gpu_access":
             return error
@@ -2025,10 +2131,10 @@ class Execution:
         return error
 
 
-WORKSPACE = re.compile(r"kcoral-program-(\d+)\.(\d+)-")
+WORKSPACE = re.compile(r"kcoral-(?:program|sandbox)-(\d+)\.(\d+)-")
 
 
-def process_start_ticks(pid):
+def process_start_ticks(pid: int) -> int | None:
     """A process's start time in clock ticks since boot (/proc/PID/stat field 22), or None if
     it is gone: with the pid, it names one process even after the pid is reused."""
     try:
@@ -2038,14 +2144,15 @@ def process_start_ticks(pid):
         return None
 
 
-def workspace_prefix():
-    """`kcoral-program-<server pid>.<its start ticks>-`: the owner is in the name, so the
-    next start can tell the workspaces of a killed server from a live one's."""
-    return f"kcoral-program-{os.getpid()}.{process_start_ticks(os.getpid())}-"
+def workspace_prefix(kind: str = "program") -> str:
+    """`kcoral-<program|sandbox>-<server pid>.<its start ticks>-`: the owner is in the name, so
+    the next start can tell the directories of a killed server from a live one's."""
+    return f"kcoral-{kind}-{os.getpid()}.{process_start_ticks(os.getpid())}-"
 
 
-def remove_dead_workspaces(directory):
-    """Remove workspaces whose owning server no longer runs (it was killed before its cleanup)."""
+def remove_dead_workspaces(directory: str) -> int:
+    """Remove workspaces and sandbox directories whose owning server no longer runs (it was
+    killed before its cleanup)."""
     try:
         names = os.listdir(directory)
     except OSError:
@@ -2059,9 +2166,9 @@ def remove_dead_workspaces(directory):
     return removed
 
 
-def remove_tree(path):
+def remove_tree(path: str) -> None:
     """Remove a workspace whatever the program did to its permissions."""
-    def make_writable(func, failed, _exc):
+    def make_writable(func: Callable[[str], object], failed: str, _exc: object) -> None:
         parent = os.path.dirname(failed)
         try:
             os.chmod(parent, 0o700)
@@ -2087,14 +2194,14 @@ def remove_entry(path: str) -> None:
 
 # --- logging (SERVER.md §10) ---------------------------------------------------
 
-LOG = {"console": True, "file": None, "programs": None, "lock": threading.Lock()}
+LOG: dict[str, Any] = {"console": True, "file": None, "programs": None, "lock": threading.Lock()}
 
 
-def utc_now():
+def utc_now() -> datetime.datetime:
     return datetime.datetime.now(datetime.timezone.utc)
 
 
-def log_event(event, level="INFO", **fields):
+def log_event(event: str, level: str = "INFO", **fields: Any) -> None:
     """One JSON line per event in the run's events.jsonl; request and lifecycle lines on stderr."""
     record = {"timestamp": utc_now().isoformat(timespec="milliseconds").replace("+00:00", "Z"),
               "level": level, "event": event, **fields}
@@ -2112,7 +2219,7 @@ def log_event(event, level="INFO", **fields):
             print(f"{record['timestamp']} {level} {event} {shown}"[:600], file=sys.stderr, flush=True)
 
 
-def open_log(config):
+def open_log(config: ServerConfig) -> str | None:
     LOG["console"] = config.log_console
     if not config.log_dir:
         return None
@@ -2128,7 +2235,7 @@ def open_log(config):
     return run_dir
 
 
-def save_program(request_id, data):
+def save_program(request_id: str, data: Buffer) -> None:
     if LOG["programs"] is not None:
         try:
             with open(os.path.join(LOG["programs"], f"{request_id}.json"), "wb") as f:
@@ -2146,15 +2253,13 @@ class KCoralServer:
     blocks until SIGTERM/SIGINT and then shuts down gracefully.
     """
 
-    def __init__(self, config=None):
+    def __init__(self, config: ServerConfig | None = None) -> None:
         config = config or ServerConfig()
         validate_config(config)
         self.config = config
         self.instance_id = str(uuid.uuid4())
         self.started_at = utc_now().isoformat(timespec="microseconds").replace("+00:00", "Z")
-        self.memory_cache = MemoryCache(config.cache_capacity_bytes)
-        self.disk_cache = (DiskCache(config.disk_cache_dir, config.disk_cache_capacity_mbytes << 20)
-                           if config.disk_cache_dir and config.disk_cache_capacity_mbytes > 0 else None)
+        self.blobs = BlobStore(config)
         self.in_flight = 0
         self.in_flight_cond = threading.Condition()
         self.bodies = BodyBudget(config.max_body_bytes_in_flight)
@@ -2164,7 +2269,7 @@ class KCoralServer:
         self.pool = None
         self.httpd = None
 
-    def start(self):
+    def start(self) -> "KCoralServer":
         """Start workers and listen; returns once requests are accepted."""
         run_dir = open_log(self.config)
         removed = remove_dead_workspaces(tempfile.gettempdir())
@@ -2184,11 +2289,11 @@ class KCoralServer:
         return self
 
     @property
-    def url(self):
+    def url(self) -> str:
         host, port = self.httpd.server_address[:2]
         return f"http://{host}:{port}"
 
-    def serve_forever(self):
+    def serve_forever(self) -> None:
         """Serve until SIGTERM/SIGINT, then drain in-flight requests and exit cleanly."""
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -2198,7 +2303,7 @@ class KCoralServer:
             pass
         self.close()
 
-    def close(self):
+    def close(self) -> None:
         """Graceful shutdown: capacity 0, new programs 503, in-flight ones finish."""
         self.drain_started = time.monotonic()
         self.closing = True
@@ -2215,7 +2320,7 @@ class KCoralServer:
         self.pool.shutdown()
         log_event("server_stopped")
 
-    def wait_for_quiet(self):
+    def wait_for_quiet(self) -> None:
         """Behind a load balancer, requests keep coming until its health check sees capacity 0.
         Each gets 503 busy (see `refuse_while_draining`); closing the port instead would reset
         the connections queued on it after their requests were sent, which no balancer may
@@ -2226,40 +2331,59 @@ class KCoralServer:
         while self.in_flight or time.monotonic() < min(self.last_post + quiet, give_up):
             self.in_flight_cond.wait(0.05)
 
-    def health(self):
+    def token_accepted(self, authorization: str) -> bool:
+        """Our extension: with --token, every endpoint needs `Authorization: Bearer <token>`."""
+        token = self.config.token
+        return token is None or hmac.compare_digest(authorization.encode("utf-8", "replace"),
+                                                    f"Bearer {token}".encode())
+
+    @contextlib.contextmanager
+    def request_in_flight(self) -> Iterator[None]:
+        """Counts a POST from its arrival until its answer is out: close() waits for none left."""
+        with self.in_flight_cond:
+            self.in_flight += 1
+            self.last_post = time.monotonic()
+        try:
+            yield
+        finally:
+            with self.in_flight_cond:
+                self.in_flight -= 1
+                self.in_flight_cond.notify_all()
+
+    def health(self) -> dict[str, Any]:
         return {"status": "ok", "instance_id": self.instance_id, "started_at": self.started_at,
                 "gpu_count": self.gpu_count, "load": self.pool.load(),
                 "target": self.target, "versions": self.versions}
 
-    def execute(self, request_id, body, content_type):
-        """A read request body -> Outcome (P§4.7 order of checks)."""
-        data, supplied = split_request(body, content_type)
-        program = parse_program(strict_json(data))
-        referenced = program.blob_kinds
-        extra = [h for h in supplied if h not in referenced]
-        if extra:
-            raise ValidationError(f"unreferenced blob part(s): {', '.join(extra)}")
-        disk_writes = self.cache_file_blobs(program, supplied)
+    def handle_execute(self, request_id: str, body: Body, content_type: str | None) -> Outcome:
+        """A request body, read -> Outcome.  The checks run in protocol order (P§4.7): the first
+        that fails decides the answer."""
         try:
-            return self.execute_program(request_id, data, program, supplied)
-        finally:
-            if disk_writes is not None:
-                disk_writes.join()  # once answered, the client may count on its file blobs being cached
+            data, supplied = split_request(body, content_type)           # envelope and parts
+            program = parse_program(strict_json(data))                   # strict JSON, then the program
+            check_no_unreferenced_blobs(program, supplied)
+            disk_writes = self.blobs.keep_file_blobs(program, supplied)  # cached even if refused below
+            try:
+                blobs, missing = self.blobs.resolve(program, supplied)
+                check_tensor_sizes(program, blobs)
+                if missing:
+                    return Outcome(body={"status": "CACHE_MISS", "request_id": request_id,
+                                         "missing_blobs": missing})
+                self.check_gpu_count(program)
+                return self.run_program(request_id, data, program, blobs)
+            finally:
+                if disk_writes is not None:
+                    disk_writes.join()  # once answered, the client may count on its file blobs being cached
+        except ValidationError as exc:
+            return Outcome(400, "parse", str(exc))
 
-    def execute_program(self, request_id, data, program, supplied):
-        """P§4.7 from blob resolution on -> Outcome."""
-        referenced = program.blob_kinds
-        blobs, missing = self.resolve_blobs(program, supplied)
-        for ident, digest, expected in program.tensor_sizes:
-            if digest in blobs and len(blobs[digest]) != expected:
-                raise ValidationError(f"tensor upload {ident!r} expects "
-                                      f"{expected if expected < 1 << 64 else 'at least 2**64'} bytes, "
-                                      f"got {len(blobs[digest])}")
-        if missing:
-            return Outcome(body={"status": "CACHE_MISS", "request_id": request_id, "missing_blobs": missing})
+    def check_gpu_count(self, program: ValidProgram) -> None:
         gpu_count = program.options.get("gpu_count")
         if gpu_count and gpu_count > self.gpu_count:
             raise ValidationError("gpu_count exceeds this GPU server's configured capacity")
+
+    def run_program(self, request_id: str, data: memoryview, program: ValidProgram, blobs: Blobs) -> Outcome:
+        """A valid program with all its blobs -> a worker's Outcome (or 503 busy: nothing ran)."""
         if self.closing:
             return self.refuse_while_draining()
         save_program(request_id, data)
@@ -2269,15 +2393,11 @@ class KCoralServer:
                               config.max_timeout_seconds),
                   output_limit=min(options.get("output_limit_bytes", config.output_limit_bytes),
                                    config.max_output_limit_bytes))
-        memory = [h for h, kinds in referenced.items() if "memory" in kinds]
-        self.memory_cache.pin(memory)
-        try:
-            outcome = self.pool.execute(job)
-        finally:
-            self.memory_cache.unpin(memory)
+        with self.blobs.pinned(program):
+            outcome = self.pool.run_job(job)
         return self.refuse_while_draining() if outcome.http_status == 503 and self.closing else outcome
 
-    def refuse_while_draining(self):
+    def refuse_while_draining(self) -> Outcome:
         """503 busy for a request that arrived during shutdown: nothing of it ran, so a load
         balancer may retry it on another node.  The answer waits until `drain_seconds` after the
         signal: by then the balancer's health check has seen capacity 0 and taken this node out,
@@ -2286,47 +2406,13 @@ class KCoralServer:
         time.sleep(max(0.0, self.drain_started + self.config.drain_seconds - time.monotonic()))
         return Outcome(503, "busy", "server is shutting down")
 
-    def cache_file_blobs(self, program, supplied):
-        """Start putting supplied file-upload blobs into the disk cache -> a thread to join, or None.
 
-        Creating hundreds of small files can take a while on a busy disk; meanwhile the
-        request goes on, and its worker creates the workspace copies in parallel.
-        """
-        items = [(digest, data) for digest, data in supplied.items() if "file" in program.blob_kinds[digest]]
-        if not items or self.disk_cache is None:
-            return None
-        thread = threading.Thread(target=self.disk_cache.put_all, args=(items,), daemon=True)
-        thread.start()
-        return thread
-
-    def resolve_blobs(self, program, supplied):
-        """P§7.1: supplied parts go into the memory cache (the disk cache: cache_file_blobs),
-        then every referenced blob is looked up, supplied parts first."""
-        for digest, data in supplied.items():
-            if "memory" in program.blob_kinds[digest]:
-                # a small blob must not keep a large request body alive in the cache
-                keep = data if len(data) * 2 >= len(data.obj) else bytes(data)
-                self.memory_cache.put(digest, keep)
-        blobs, missing = {}, []
-        for digest, kinds in program.blob_kinds.items():
-            data = supplied.get(digest)
-            if data is None and "file" in kinds and self.disk_cache is not None:
-                data = self.disk_cache.get(digest)
-            if data is None and "memory" in kinds:
-                data = self.memory_cache.get(digest)
-            if data is None:
-                missing.append(digest)
-            else:
-                blobs[digest] = data
-        return blobs, missing
-
-
-def create_app(config=None):
+def create_app(config: ServerConfig | None = None) -> KCoralServer:
     """A server for embedding and tests: `create_app(cfg).start()`, then `.url`, then `.close()`."""
     return KCoralServer(config)
 
 
-def validate_config(config):
+def validate_config(config: ServerConfig) -> None:
     if config.device not in ("auto", "cpu", "gpu"):
         raise ValueError("device must be 'auto', 'cpu' or 'gpu'")
     if config.sandbox not in ("none", "bubblewrap"):
@@ -2349,7 +2435,7 @@ def validate_config(config):
             raise ValueError(message)
 
 
-def resolve_device(config):
+def resolve_device(config: ServerConfig) -> tuple[str, list[int], dict[int, str]]:
     """-> ("cpu" | "cuda", configured GPU ids, {id: CUDA_VISIBLE_DEVICES name})."""
     uuids = nvml_gpu_ids() if config.device != "cpu" else []
     if config.device == "gpu" and not uuids:
@@ -2367,9 +2453,9 @@ def resolve_device(config):
     return "cuda", gpu_ids, {g: uuids[g] for g in gpu_ids}
 
 
-def describe_runtime(device, pool):
+def describe_runtime(device: str, pool: Pool) -> tuple[dict[str, str], dict[str, str]]:
     """/health `target` and `versions` (P§3)."""
-    def version(dist):
+    def version(dist: str) -> str | None:
         try:
             return importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
@@ -2385,7 +2471,7 @@ def describe_runtime(device, pool):
     return {"arch": common_target(workers)}, {k: v for k, v in versions.items() if v}
 
 
-def common_target(workers):
+def common_target(workers: list[Worker]) -> str:
     """The one compilation target of a GPU pool; start-up fails when its GPUs disagree (SERVER.md §1)."""
     arches = sorted({worker.arch for worker in workers})
     if len(arches) != 1:
@@ -2414,26 +2500,26 @@ class ConnectionGuard:
 
     TICK = 0.25
 
-    def __init__(self, config):
+    def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.lock = threading.Lock()
-        self.watched = {}  # handler -> Phase
+        self.watched: dict[RequestHandler, Phase] = {}
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self.run, name="kcoral-connection-guard", daemon=True)
         self.thread.start()
 
-    def enter(self, handler, name):
+    def enter(self, handler: "RequestHandler", name: str) -> Phase:
         now = time.monotonic()
         phase = Phase(name, now, window_start=now)
         with self.lock:
             self.watched[handler] = phase
         return phase
 
-    def leave(self, handler):
+    def leave(self, handler: "RequestHandler") -> None:
         with self.lock:
             self.watched.pop(handler, None)
 
-    def run(self):
+    def run(self) -> None:
         while not self.stopped.wait(self.TICK):
             now = time.monotonic()
             with self.lock:
@@ -2442,7 +2528,7 @@ class ConnectionGuard:
             for handler, phase, reason in expired:
                 self.cut(handler, reason, phase)
 
-    def expired(self, phase, now):
+    def expired(self, phase: Phase, now: float) -> str | None:
         config = self.config
         if phase.name == "idle":
             return "idle" if now - phase.since >= config.keepalive_timeout_seconds else None
@@ -2455,7 +2541,7 @@ class ConnectionGuard:
         phase.window_start, phase.window_bytes = now, phase.received  # the next window
         return None
 
-    def cut(self, handler, reason, phase=None):
+    def cut(self, handler: "RequestHandler", reason: str, phase: Phase | None = None) -> None:
         """Cut the read side of `handler`'s connection if it is still in `phase` (any phase: None)."""
         with self.lock:
             current = self.watched.get(handler)
@@ -2468,7 +2554,7 @@ class ConnectionGuard:
         except OSError:
             pass
 
-    def cut_idle(self, idle_for):
+    def cut_idle(self, idle_for: float) -> int:
         """Close keep-alive connections idle for `idle_for` seconds or more -> how many."""
         now = time.monotonic()
         with self.lock:
@@ -2478,14 +2564,14 @@ class ConnectionGuard:
             self.cut(handler, "idle", phase)
         return len(idle)
 
-    def cut_phase(self, name, reason):
+    def cut_phase(self, name: str, reason: str) -> None:
         """Cut every connection now in phase `name` (shutdown: the bodies still arriving)."""
         with self.lock:
             found = [(h, phase) for h, phase in self.watched.items() if phase.name == name]
         for handler, phase in found:
             self.cut(handler, reason, phase)
 
-    def stop(self):
+    def stop(self) -> None:
         self.stopped.set()
 
 
@@ -2494,14 +2580,14 @@ class BodyBudget:
     so memory stays bounded however many clients upload at once.  A body larger than the
     whole budget is admitted alone."""
 
-    def __init__(self, capacity):
+    def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.in_use = 0
-        self.queue = collections.deque()
+        self.queue: collections.deque[object] = collections.deque()
         self.closed = False
         self.cond = threading.Condition()
 
-    def admit(self, size, timeout):
+    def admit(self, size: int, timeout: float) -> bool:
         """Wait for room for `size` bytes -> True, or False after `timeout` s or on shutdown."""
         ticket = object()
         deadline = time.monotonic() + timeout
@@ -2522,12 +2608,12 @@ class BodyBudget:
                 self.queue.remove(ticket)
                 self.cond.notify_all()
 
-    def release(self, size):
+    def release(self, size: int) -> None:
         with self.cond:
             self.in_use -= size
             self.cond.notify_all()
 
-    def close(self):
+    def close(self) -> None:
         with self.cond:
             self.closed = True
             self.cond.notify_all()
@@ -2536,12 +2622,12 @@ class BodyBudget:
 class BodyCut(Exception):
     """The connection guard cut a request body (too slow, or the server is stopping)."""
 
-    def __init__(self, reason):
+    def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
 
 
-def default_max_connections():
+def default_max_connections() -> int:
     """A quarter of the fd limit (a connection in a request may hold a few more fds: staging
     files, pipes, cache files), so fds run out after connections do."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -2564,7 +2650,7 @@ class HTTPServer(http.server.ThreadingHTTPServer):
     allow_reuse_address = True
     request_queue_size = 128
 
-    def __init__(self, address, handler, app):
+    def __init__(self, address: tuple[str, int], handler: "type[RequestHandler]", app: KCoralServer) -> None:
         self.app = app
         self.guard = ConnectionGuard(app.config)
         self.max_connections = app.config.max_connections or default_max_connections()
@@ -2572,7 +2658,7 @@ class HTTPServer(http.server.ThreadingHTTPServer):
         self.slots = threading.Condition()
         super().__init__(address, handler)
 
-    def get_request(self):
+    def get_request(self) -> tuple[socket.socket, tuple[str, int]]:
         with self.slots:
             if self.open_connections >= self.max_connections:
                 self.guard.cut_idle(min(1.0, self.app.config.keepalive_timeout_seconds))
@@ -2590,13 +2676,14 @@ class HTTPServer(http.server.ThreadingHTTPServer):
             self.open_connections += 1
         return request
 
-    def shutdown_request(self, request):
+    def shutdown_request(self, request: socket.socket | tuple[bytes, socket.socket]) -> None:
         super().shutdown_request(request)
         with self.slots:
             self.open_connections -= 1
             self.slots.notify_all()
 
-    def handle_error(self, request, client_address):
+    def handle_error(self, request: socket.socket | tuple[bytes, socket.socket],
+                     client_address: tuple[str, int]) -> None:
         """One line, never a traceback: a client that vanished is routine, anything else a bug."""
         exc = sys.exc_info()[1]
         if isinstance(exc, OSError):
@@ -2605,7 +2692,7 @@ class HTTPServer(http.server.ThreadingHTTPServer):
         else:
             log_event("server_error", "ERROR", peer=client_address[0], error=repr(exc))
 
-    def server_close(self):
+    def server_close(self) -> None:
         self.guard.stop()
         super().server_close()
 
@@ -2615,7 +2702,7 @@ DRAIN_LIMIT = 1 << 16  # unread bodies up to this size are skipped to keep the c
 SEND_SLICE = 1 << 20  # the send timeout applies to each slice: a slow reader is fine, a stalled one is not
 
 
-def framing_problem(headers):
+def framing_problem(headers: email.message.Message) -> str | None:
     """RFC 9112 §6 checks http.server leaves out: a request whose length two parsers (a proxy
     in front, and us) could read differently is refused, so no request hides in another's body."""
     for name, value in headers.items():
@@ -2638,32 +2725,33 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "kcoral/" + __version__
     disable_nagle_algorithm = True  # headers and body are separate writes
+    server: HTTPServer
 
-    def setup(self):
+    def setup(self) -> None:
         # per socket operation: bounds each send slice, and backs up the guard for reads
         self.timeout = self.server.app.config.send_timeout_seconds
         super().setup()
-        self.cut_reason = None  # set by the ConnectionGuard when it cuts this connection
+        self.cut_reason: str | None = None  # set by the ConnectionGuard when it cuts this connection
         self.body_done = True
 
-    def finish(self):
+    def finish(self) -> None:
         self.unwatch()  # whatever ended the connection, the guard forgets it
         super().finish()
 
-    def log_message(self, format, *args):  # one structured line per request instead
+    def log_message(self, format: str, *args: Any) -> None:  # one structured line per request instead
         pass
 
     @property
-    def app(self):
+    def app(self) -> KCoralServer:
         return self.server.app
 
-    def watch(self, phase):
+    def watch(self, phase: str) -> None:
         self.phase = self.server.guard.enter(self, phase)
 
-    def unwatch(self):
+    def unwatch(self) -> None:
         self.server.guard.leave(self)
 
-    def handle_one_request(self):
+    def handle_one_request(self) -> None:
         """http.server's, with the request head read under a size cap and a total deadline,
         and the wait for a keep-alive connection's next request bounded."""
         self.watch("idle")
@@ -2693,7 +2781,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         handler()
         self.wfile.flush()
 
-    def read_head(self):
+    def read_head(self) -> tuple[bytes, bytes] | None:
         """Request line and header block -> (request line, header bytes); None once answered or gone."""
         limit = self.app.config.max_header_bytes
         lines, size = [], 0
@@ -2717,14 +2805,14 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             self.disconnected("header", error=type(exc).__name__)
             return None
 
-    def head_cut_short(self, size):
+    def head_cut_short(self, size: int) -> None:
         if self.cut_reason == "header_timeout":
             self.disconnected("header", reason="header_timeout")
             self.refuse_head(408, f"request headers not received within {self.app.config.header_timeout_seconds:g} s")
         elif self.cut_reason is None and size:
             self.disconnected("header")
 
-    def refuse_head(self, status, message):
+    def refuse_head(self, status: int, message: str) -> None:
         """Answer a request whose head could not be read, then close."""
         self.command, self.requestline, self.request_version = None, "", "HTTP/1.1"
         try:
@@ -2732,11 +2820,11 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         except OSError:
             pass
 
-    def disconnected(self, phase, **fields):
+    def disconnected(self, phase: str, **fields: Any) -> None:
         """The one log line for a client that went away (or was cut off)."""
         log_event("client_disconnected", "WARNING", peer=self.client_address[0], phase=phase, **fields)
 
-    def do_GET(self):
+    def do_GET(self) -> None:
         if not self.authorized(""):
             return
         if self.path != "/health":
@@ -2744,43 +2832,16 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         self.drain_body()
         self.send_json(200, self.app.health())
 
-    def do_POST(self):
+    def do_POST(self) -> None:
         request_id = self.request_id()
         if not self.authorized(request_id):
             return
         if self.path != "/execute":
             return self.route_error()
-        app = self.app
-        with app.in_flight_cond:
-            app.in_flight += 1
-            app.last_post = time.monotonic()
         started = time.monotonic()
-        outcome = Outcome(500, "engine", "internal server error")
-        try:
-            outcome = self.execute(request_id)
-        except ValidationError as exc:
-            outcome = Outcome(400, "parse", str(exc))
-        except BodyCut as cut:
-            self.close_connection = True
-            outcome = self.cut_outcome(cut.reason)
-        except (ConnectionError, TimeoutError):  # body cut short; a half-closed client can still read this
-            self.close_connection = True
-            outcome = Outcome(400, "parse", "request body ended before Content-Length bytes arrived")
-        except Exception as exc:  # never let a bug take the connection down silently
-            log_event("server_error", "ERROR", request_id=request_id, error=repr(exc))
-        try:
-            size = self.respond(request_id, outcome)
-        except OSError as exc:  # the client stopped reading (send timeout) or went away
-            self.close_connection = True
-            size, lost = None, type(exc).__name__
-        except Exception as exc:  # e.g. a result that cannot be encoded: nothing was written yet
-            log_event("server_error", "ERROR", request_id=request_id, error=repr(exc))
-            outcome = Outcome(500, "engine", "internal server error")
-            size = self.respond(request_id, outcome)
-        finally:  # only now: a graceful shutdown must not exit before the answer is out
-            with app.in_flight_cond:
-                app.in_flight -= 1
-                app.in_flight_cond.notify_all()
+        with self.app.request_in_flight():  # a graceful shutdown waits until the answer is out
+            outcome = self.outcome_of_post(request_id)
+            outcome, size, lost = self.send_outcome(request_id, outcome)
         body = outcome.body or {}
         fields = {"request_id": request_id, "http_status": outcome.http_status,
                   "status": body.get("status", "ERROR"),
@@ -2792,9 +2853,38 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         else:
             log_event("request_finished", response_bytes=size, **fields)
 
+    def outcome_of_post(self, request_id: str) -> Outcome:
+        """Read the body and execute it -> Outcome; a body that could not be read is answered here."""
+        try:
+            return self.read_and_execute(request_id)
+        except ValidationError as exc:  # refused while reading the body (chunked framing, 100-continue)
+            return Outcome(400, "parse", str(exc))
+        except BodyCut as cut:
+            self.close_connection = True
+            return self.cut_outcome(cut.reason)
+        except (ConnectionError, TimeoutError):  # body cut short; a half-closed client can still read this
+            self.close_connection = True
+            return Outcome(400, "parse", "request body ended before Content-Length bytes arrived")
+        except Exception as exc:  # never let a bug take the connection down silently
+            log_event("server_error", "ERROR", request_id=request_id, error=repr(exc))
+            return Outcome(500, "engine", "internal server error")
+
+    def send_outcome(self, request_id: str, outcome: Outcome) -> tuple[Outcome, int | None, str | None]:
+        """-> (the outcome sent, bytes sent, None), or (outcome, None, why) when the client
+        stopped reading or went away."""
+        try:
+            return outcome, self.respond(request_id, outcome), None
+        except OSError as exc:  # the send timeout, or a reset
+            self.close_connection = True
+            return outcome, None, type(exc).__name__
+        except Exception as exc:  # e.g. a result that cannot be encoded: nothing was written yet
+            log_event("server_error", "ERROR", request_id=request_id, error=repr(exc))
+            failure = Outcome(500, "engine", "internal server error")
+            return failure, self.respond(request_id, failure), None
+
     do_PUT = do_DELETE = do_PATCH = lambda self: self.route_error()
 
-    def cut_outcome(self, reason):
+    def cut_outcome(self, reason: str) -> Outcome:
         if reason == "body_rate":
             config = self.app.config
             self.disconnected("body", reason=reason)
@@ -2802,7 +2892,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
                                          f"{config.body_rate_window_seconds:g} s")
         return self.app.refuse_while_draining()
 
-    def route_error(self):
+    def route_error(self) -> None:
         self.drain_body()
         if self.path in ("/health", "/execute"):
             allow = "GET" if self.path == "/health" else "POST"
@@ -2810,7 +2900,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         else:
             self.send_json(404, {"detail": "Not Found"})
 
-    def parse_request(self):
+    def parse_request(self) -> bool:
         """http.server's parser over the head read_head took in, then RFC 9112's framing checks.
 
         http.server also stops the header block at a line it cannot parse (no colon, a bare
@@ -2829,11 +2919,11 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             return False
         return True
 
-    def handle_expect_100(self):
+    def handle_expect_100(self) -> bool:
         """`100 Continue` waits until the request is known to be acceptable (execute)."""
         return True
 
-    def send_error(self, code, message=None, explain=None):
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """What http.server rejects itself (bad request line, oversized headers) gets the
         ERROR JSON body (P§9.8) rather than an HTML page; an unknown method gets 404/405."""
         if code == 501 and self.command:
@@ -2842,7 +2932,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         short = self.responses.get(code, ("error",))[0]
         self.send_error_body(code, str(uuid.uuid4()), "parse" if code < 500 else "engine", message or short)
 
-    def request_id(self):
+    def request_id(self) -> str:
         """P§4.2: the client's X-Request-ID if it is exactly one canonical UUID."""
         values = self.headers.get_all("X-Request-ID") or []
         if len(values) == 1:
@@ -2853,19 +2943,15 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
                 pass
         return str(uuid.uuid4())
 
-    def authorized(self, request_id):
-        token = self.app.config.token
-        if token is None:
-            return True
-        given = self.headers.get("Authorization", "")
-        if hmac.compare_digest(given.encode("utf-8", "replace"), f"Bearer {token}".encode()):
+    def authorized(self, request_id: str) -> bool:
+        if self.app.token_accepted(self.headers.get("Authorization", "")):
             return True
         self.drain_body()
         self.send_error_body(401, request_id, "unauthorized", "missing or invalid bearer token",
                              {"WWW-Authenticate": "Bearer"})
         return False
 
-    def drain_body(self):
+    def drain_body(self) -> None:
         """Skip a small unread body so the connection stays usable; close it otherwise (also when
         the client awaits `100 Continue`: it has sent nothing and needs no body read)."""
         if self.body_done:
@@ -2880,8 +2966,8 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         except (OSError, BodyCut):
             self.close_connection = True
 
-    def execute(self, request_id):
-        """Read the body (admitted against the in-flight budget first) and run the request."""
+    def read_and_execute(self, request_id: str) -> Outcome:
+        """Read the body (admitted against the in-flight budget first) and hand it to the app."""
         config = self.app.config
         limit = config.max_request_bytes
         chunked = "Transfer-Encoding" in self.headers  # framing_problem let only exactly `chunked` through
@@ -2905,11 +2991,11 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             self.body_done = True
             if body is None:
                 return Outcome(413, "request_too_large", "request exceeds the configured size limit")
-            return self.app.execute(request_id, body, self.headers.get("Content-Type"))
+            return self.app.handle_execute(request_id, body, self.headers.get("Content-Type"))
         finally:
             self.app.bodies.release(reserved)
 
-    def read_body(self, size):
+    def read_body(self, size: int) -> bytearray | mmap.mmap:
         """Read `size` body bytes under the guard's rate rule -> a new buffer."""
         self.watch("body")
         try:
@@ -2917,7 +3003,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         finally:
             self.unwatch()
 
-    def read_exact(self, size):
+    def read_exact(self, size: int) -> bytearray | mmap.mmap:
         body = large_buffer(size)
         view = memoryview(body)
         while view:
@@ -2930,14 +3016,14 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             view = view[n:]
         return body
 
-    def read_chunked(self, limit):
+    def read_chunked(self, limit: int) -> bytearray | None:
         self.watch("body")
         try:
             return self.read_chunks(limit)
         finally:
             self.unwatch()
 
-    def read_chunks(self, limit):
+    def read_chunks(self, limit: int) -> bytearray | None:
         body = bytearray()
         while True:
             line = self.rfile.readline(1024).split(b";")[0].strip()
@@ -2957,7 +3043,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             body += self.read_exact(size)
             self.rfile.readline(1024)
 
-    def respond(self, request_id, outcome):
+    def respond(self, request_id: str, outcome: Outcome) -> int:
         """Send an Outcome; -> bytes sent."""
         if outcome.http_status != 200:
             return self.send_error_body(outcome.http_status, request_id, outcome.kind, outcome.message,
@@ -2967,46 +3053,39 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             if len(encoded) > self.app.config.max_response_bytes:
                 return self.too_large(request_id)
             return self.send_json(200, outcome.body, {"X-Request-ID": request_id}, encoded)
-        boundary = "kcoral-" + secrets.token_hex(16)  # 128 random bits: no payload can contain it by chance
-        pieces = [b"--" + boundary.encode() + b'\r\nContent-Disposition: form-data; name="result"\r\n'
-                  b"Content-Type: application/json\r\n\r\n" + json_bytes(outcome.body) + b"\r\n"]
-        for number, part in enumerate(outcome.parts):
-            pieces.append(f'--{boundary}\r\nContent-Disposition: form-data; name="return:{number}"\r\n'
-                          f"Content-Type: application/octet-stream\r\n\r\n".encode())
-            pieces.append(part)
-            pieces.append(b"\r\n")
-        pieces.append(f"--{boundary}--\r\n".encode())
+        content_type, pieces = multipart_result(outcome.body, outcome.parts)
         total = sum(len(p) for p in pieces)
         if total > self.app.config.max_response_bytes:
             return self.too_large(request_id)
         self.send_response(200)
-        self.send_common_headers(f"multipart/form-data; boundary={boundary}", total, {"X-Request-ID": request_id})
+        self.send_common_headers(content_type, total, {"X-Request-ID": request_id})
         for piece in pieces:
             self.send_all(piece)
         return total
 
-    def send_all(self, data):
+    def send_all(self, data: Buffer) -> None:
         """Write in slices, each under the send timeout: a client that stops reading is dropped."""
         view = memoryview(data).cast("B")
         for start in range(0, view.nbytes, SEND_SLICE):
             self.wfile.write(view[start:start + SEND_SLICE])
 
-    def too_large(self, request_id):
+    def too_large(self, request_id: str) -> int:
         return self.send_error_body(500, request_id, "response_too_large",
                                     "results exceed the configured response-size limit")
 
-    def send_error_body(self, status, request_id, kind, message, headers=()):
+    def send_error_body(self, status: int, request_id: str, kind: str, message: str,
+                        headers: ExtraHeaders = ()) -> int:
         body = {"status": "ERROR", "request_id": request_id, "error": {"kind": kind, "message": message}}
         return self.send_json(status, body, {"X-Request-ID": request_id, **dict(headers)})
 
-    def send_json(self, status, body, headers=(), encoded=None):
+    def send_json(self, status: int, body: Json, headers: ExtraHeaders = (), encoded: bytes | None = None) -> int:
         encoded = encoded if encoded is not None else json_bytes(body)
         self.send_response(status)
         self.send_common_headers("application/json", len(encoded), dict(headers))
         self.send_all(encoded)
         return len(encoded)
 
-    def send_common_headers(self, content_type, length, headers):
+    def send_common_headers(self, content_type: str, length: int, headers: Mapping[str, str]) -> None:
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(length))
         self.send_header("X-KCoral-Instance", self.app.instance_id)
@@ -3017,14 +3096,28 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
 
 
-def json_bytes(value):
+def multipart_result(body: Json, parts: list[Buffer]) -> tuple[str, list[Buffer]]:
+    """P§9.2: a result with binary parts -> (Content-Type, the response body as pieces to send)."""
+    boundary = "kcoral-" + secrets.token_hex(16)  # 128 random bits: no payload can contain it by chance
+    pieces = [b"--" + boundary.encode() + b'\r\nContent-Disposition: form-data; name="result"\r\n'
+              b"Content-Type: application/json\r\n\r\n" + json_bytes(body) + b"\r\n"]
+    for number, part in enumerate(parts):
+        pieces.append(f'--{boundary}\r\nContent-Disposition: form-data; name="return:{number}"\r\n'
+                      f"Content-Type: application/octet-stream\r\n\r\n".encode())
+        pieces.append(part)
+        pieces.append(b"\r\n")
+    pieces.append(f"--{boundary}--\r\n".encode())
+    return f"multipart/form-data; boundary={boundary}", pieces
+
+
+def json_bytes(value: Json) -> bytes:
     try:
         return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
     except UnicodeEncodeError:  # a lone surrogate (e.g. from a "\ud800" escape) has no UTF-8 form
         return json.dumps(value, separators=(",", ":"), allow_nan=False).encode("ascii")
 
 
-def declared_length(value):
+def declared_length(value: str) -> int | None:
     """A Content-Length value -> int, or None unless it is ASCII digits.
 
     str.isdigit() also accepts "²", and int() refuses strings of more than
@@ -3038,7 +3131,7 @@ def declared_length(value):
 
 # --- command line (SERVER.md §9.2) -------------------------------------------------
 
-def add_config_flags(parser):
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per ServerConfig field, named, defaulted and described by the field itself."""
     for field in dataclasses.fields(ServerConfig):
         meta = field.metadata
@@ -3061,7 +3154,7 @@ def add_config_flags(parser):
                                 help=meta["help"] + env_note + " (default: %(default)s)")
 
 
-def config_from_args(args):
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
     values = {}
     for field in dataclasses.fields(ServerConfig):
         value = getattr(args, field.name)
@@ -3075,7 +3168,7 @@ def config_from_args(args):
     return ServerConfig(**values)
 
 
-def parse_args(argv):
+def parse_args(argv: list[str]) -> ServerConfig:
     p = argparse.ArgumentParser(
         prog="kcoral", allow_abbrev=False,
         usage="%(prog)s [server] [flags]\n       %(prog)s run TOOL [options] -- ARGS...\n"
@@ -3278,7 +3371,7 @@ def haproxy_config_main(argv: list[str]) -> None:
     sys.stdout.write(text)
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["haproxy-config"]:
         return haproxy_config_main(argv[1:])

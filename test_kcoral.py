@@ -1,20 +1,19 @@
-"""Server tests: the wire contract (shared/spec/PROTOCOL.md) end to end on CPU workers.
+"""Server tests: the wire contract (docs/protocol.md) end to end on CPU workers.
 
 Servers run as real `python -m kcoral` processes on free loopback ports, so
 these tests see exactly what a client sees.  The helpers at the top
 (`ServerProcess`, `post`, `multipart`, `parse_multipart_response`, ...) are
 shared with the suites under tests/.
 
-Groups, in file order: envelope and request ids (P§4, table-driven), strict JSON and
-program validation (P§5-6, table-driven), tensor byte length and CACHE_MISS (P§7),
-value/file/folder encoding (P§9), our extensions (tensors on CPU, instance header,
-tokens), FAILED kinds (P§9.7), crashes/teardown/timeouts (P§10), output capture
-(P§8.7), /health and load, and the servers started with other flags (limits, token,
+Groups, in file order: envelope and request ids (docs/protocol.md §4, table-driven), strict JSON and
+program validation (docs/protocol.md §5-6, table-driven), tensor byte length and CACHE_MISS (docs/protocol.md §7),
+value/file/folder encoding (docs/protocol.md §9), our extensions (tensors on CPU, instance header,
+tokens), FAILED kinds (docs/protocol.md §9.7), crashes/teardown/timeouts (docs/protocol.md §10), output capture
+(docs/protocol.md §8.7), /health and load, and the servers started with other flags (limits, token,
 worker reuse, CLI, graceful shutdown and restart).  One module-scoped `server` serves
 every test that needs no special flag.
 """
 
-import contextlib
 import hashlib
 import http.client
 import json
@@ -22,9 +21,7 @@ import math
 import os
 import re
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -32,13 +29,47 @@ import uuid
 import numpy
 import pytest
 
-from tests.support import (ROOT, PYTHON, free_port, ServerProcess, request, multipart,
-                           program_parts, sha256, post, simple_program, server, UUID_RE,
-                           ERROR_FIELDS, BOUNDARY, H, ref, up_module, up_blob, get_fn, run, ret,
-                           ret_path, prog, call_program, post_raw, raw_part, raw_body, CT,
-                           EMPTY_MODULE, EMPTY_MODULE_JSON, assert_error_body, assert_parse_error,
-                           assert_completed, assert_failed, execute_ok, workspaces, wait_for,
-                           process_gone, ok_run)
+from tests.support import (
+    BOUNDARY,
+    CT,
+    EMPTY_MODULE,
+    EMPTY_MODULE_JSON,
+    ERROR_FIELDS,
+    PYTHON,
+    ROOT,
+    UUID_RE,
+    H,
+    ServerProcess,
+    assert_completed,
+    assert_error_body,
+    assert_failed,
+    assert_parse_error,
+    call_program,
+    execute_ok,
+    free_port,
+    get_fn,
+    multipart,
+    ok_run,
+    post,
+    post_raw,
+    process_gone,
+    prog,
+    program_parts,
+    raw_body,
+    raw_part,
+    ref,
+    request,
+    ret,
+    ret_path,
+    run,
+    server,  # noqa: F401  (the shared default server, a fixture)
+    sha256,
+    simple_program,
+    up_blob,
+    up_module,
+    wait_for,
+    workspaces,
+)
 
 
 def test_trivial_program_completes(server):
@@ -50,11 +81,11 @@ def test_trivial_program_completes(server):
     assert headers["x-kcoral-instance"] == server.health()["instance_id"]
 
 
-# --- P§4.1 size limit and transfer encoding --------------------------------------
+# --- docs/protocol.md §4.1 size limit and transfer encoding --------------------------------------
 
 def test_413_from_content_length_before_reading_the_body(server):
     """The declared length alone decides: no body byte is ever sent here."""
-    for content_type in (CT, "text/plain"):  # P§4.7: 413 wins over a bad envelope
+    for content_type in (CT, "text/plain"):  # docs/protocol.md §4.7: 413 wins over a bad envelope
         conn = http.client.HTTPConnection(f"127.0.0.1:{server.port}", timeout=10)
         try:
             conn.putrequest("POST", "/execute")
@@ -84,7 +115,7 @@ def test_chunked_request_body_is_accepted(server):
     assert assert_completed(result) == {"out": {"type": "string", "value": "chunked"}}
 
 
-# --- P§4.2 request ids -----------------------------------------------------------
+# --- docs/protocol.md §4.2 request ids -----------------------------------------------------------
 
 @pytest.mark.parametrize("given,kept", [
     ("123e4567-e89b-12d3-a456-426614174000", True),
@@ -148,7 +179,7 @@ def test_two_request_id_headers_get_a_fresh_id(server):
         assert uuid.UUID(result["request_id"]).version == 4
 
 
-# --- P§4.3-4.6 envelope, framing, part headers, part names -----------------------------
+# --- docs/protocol.md §4.3-4.6 envelope, framing, part headers, part names -----------------------------
 
 def _blob_part(data, content_type="application/octet-stream", digest=None):
     return raw_part(f"blob:{digest or sha256(data)}", content_type, data)
@@ -165,7 +196,7 @@ def _headers_part(*lines, payload=EMPTY_MODULE_JSON):
 
 
 ENVELOPE_CASES = [
-    # P§4.3 Content-Type of the request
+    # docs/protocol.md §4.3 Content-Type of the request
     ("ct-missing", raw_body([PROGRAM_PART]), None, ["multipart/form-data"]),
     ("ct-json", raw_body([PROGRAM_PART]), "application/json", ["multipart/form-data"]),
     ("ct-mixed", raw_body([PROGRAM_PART]), f"multipart/mixed; boundary={BOUNDARY}", ["multipart/form-data"]),
@@ -178,7 +209,7 @@ ENVELOPE_CASES = [
     ("boundary-malformed", raw_body([PROGRAM_PART]), "multipart/form-data; boundary", []),
     ("boundary-unterminated-quote", raw_body([PROGRAM_PART]), 'multipart/form-data; boundary="abc', []),
     ("boundary-wrong", raw_body([PROGRAM_PART]), "multipart/form-data; boundary=other", []),
-    # P§4.4 framing
+    # docs/protocol.md §4.4 framing
     ("body-empty", b"", CT, []),
     ("no-delimiter", EMPTY_MODULE_JSON, CT, []),
     ("only-closing-delimiter", f"--{BOUNDARY}--\r\n".encode(), CT, ["no parts"]),
@@ -188,7 +219,7 @@ ENVELOPE_CASES = [
      CT, []),
     ("delimiter-followed-by-text", f"--{BOUNDARY}junk\r\n".encode() + PROGRAM_PART +
      f"\r\n--{BOUNDARY}--".encode(), CT, []),
-    # P§4.5 part headers
+    # docs/protocol.md §4.5 part headers
     ("header-stray-line", raw_body([_headers_part('Content-Disposition: form-data; name="program"',
                                                   "this is no header", "Content-Type: application/json")]), CT, []),
     ("header-name-with-space", raw_body([_headers_part('Content-Disposition: form-data; name="program"',
@@ -220,7 +251,7 @@ ENVELOPE_CASES = [
                                              "Content-Type: application/json",
                                              f"Content-Transfer-Encoding: {cte}")]), CT,
        ["content-transfer-encoding"]) for cte in ("base64", "quoted-printable", "7bit", "gzip")],
-    # P§4.6 part names
+    # docs/protocol.md §4.6 part names
     ("program-twice", raw_body([PROGRAM_PART, PROGRAM_PART]), CT, ["program"]),
     ("program-missing", raw_body([_blob_part(b"x")]), CT, ["program"]),
     ("program-text-plain", raw_body([raw_part("program", "text/plain", EMPTY_MODULE_JSON)]), CT, ["program"]),
@@ -245,7 +276,7 @@ ENVELOPE_CASES = [
     ("blob-unreferenced", raw_body([PROGRAM_PART, _blob_part(BYTES_BLOB)]), CT, ["unreferenced"]),
     ("blob-unreferenced-besides-referenced", raw_body([BYTES_PROGRAM_PART, _blob_part(BYTES_BLOB),
                                                        _blob_part(b"other")]), CT, ["unreferenced"]),
-    # P§4.7 which error wins
+    # docs/protocol.md §4.7 which error wins
     ("order-header-defect-beats-earlier-bad-name",
      raw_body([raw_part("bogus", "application/json", b"{}"), _headers_part('Content-Disposition: form-data; name="program"')]),
      CT, ["content-type"]),
@@ -286,7 +317,7 @@ LOOKALIKE = (b"\r\n--" + BOUNDARY.encode() + b"x\r\n" + b"\n--" + BOUNDARY.encod
 def _bytes_program_body(nl=b"\r\n", preamble=b"", epilogue=b"\r\n", data=LOOKALIKE, program_headers=None,
                         blob_headers=None, boundary=BOUNDARY, padding=b""):
     program = json.dumps(prog(up_blob("b", "bytes", data), ret("out", "b"))).encode()
-    program_headers = program_headers or [f'Content-Disposition: form-data; name="program"',
+    program_headers = program_headers or ['Content-Disposition: form-data; name="program"',
                                           "Content-Type: application/json"]
     blob_headers = blob_headers or [f'Content-Disposition: form-data; name="blob:{sha256(data)}"',
                                     "Content-Type: application/octet-stream"]
@@ -335,13 +366,13 @@ def test_envelope_accepted(server, kwargs, content_type):
 
 
 def test_header_parameters_unquoted_and_extra_headers_in_request(server):
-    """`X-KCoral-Node` and other request headers are ignored (P§4.1)."""
+    """`X-KCoral-Node` and other request headers are ignored (docs/protocol.md §4.1)."""
     status, _, body = post(server.url, simple_program("def f():\n    return 3\n"),
                            headers={"X-KCoral-Node": "node-7", "X-Anything": "1"})
     assert status == 200 and assert_completed(body)["out"]["value"] == 3
 
 
-# --- P§5.1 strict JSON -----------------------------------------------------------------
+# --- docs/protocol.md §5.1 strict JSON -----------------------------------------------------------------
 
 VALID_PROGRAM_TEXT = ('{"instructions":[{"op":"upload","id":"m","kind":"module","source":"def f(*a):\\n    return a\\n"},'
                       '{"op":"get_function","id":"g","module":{"$ref":"m"},"name":"f"},'
@@ -404,7 +435,7 @@ def test_strict_json_accepts_whitespace_unicode_and_big_integers(server):
     assert values[6] == {"type": "number", "value": 1e-300}
 
 
-# --- P§5.2-5.3, 6 program validation -----------------------------------------------------
+# --- docs/protocol.md §5.2-5.3, 6 program validation -----------------------------------------------------
 
 SRC = "def f(*a):\n    return list(a)\n"
 M = up_module("m", SRC)
@@ -425,7 +456,7 @@ def opts(**options):
 
 
 PROGRAM_CASES = [
-    # P§5.2 top level
+    # docs/protocol.md §5.2 top level
     ("top-array", [M], ["object"]),
     ("top-string", "program", ["object"]),
     ("top-null", None, ["object"]),
@@ -438,7 +469,7 @@ PROGRAM_CASES = [
     ("options-null", {"instructions": [M], "options": None}, ["options"]),
     ("options-array", {"instructions": [M], "options": []}, ["options"]),
     ("options-string", {"instructions": [M], "options": "x"}, ["options"]),
-    # P§5.3 options
+    # docs/protocol.md §5.3 options
     ("option-unknown", opts(retries=1), ["retries"]),
     ("option-unknown-beside-known", opts(timeout_seconds=5, cpu=1), ["cpu"]),
     ("timeout-bool", opts(timeout_seconds=True), ["timeout_seconds"]),
@@ -460,9 +491,9 @@ PROGRAM_CASES = [
     ("gpu-count-bool", opts(gpu_count=True), ["gpu_count"]),
     ("gpu-count-float", opts(gpu_count=1.0), ["gpu_count"]),
     ("gpu-count-string", opts(gpu_count="1"), ["gpu_count"]),
-    ("gpu-count-on-cpu-server", opts(gpu_count=1), ["gpu_count"]),  # P§5.3: after blob resolution
+    ("gpu-count-on-cpu-server", opts(gpu_count=1), ["gpu_count"]),  # docs/protocol.md §5.3: after blob resolution
     ("gpu-count-8-on-cpu-server", opts(gpu_count=8), ["gpu_count"]),
-    # P§6.1 common rules
+    # docs/protocol.md §6.1 common rules
     ("instruction-number", prog(5), ["instruction 0", "object"]),
     ("instruction-null", prog(M, None), ["instruction 1", "object"]),
     ("instruction-array", prog([M]), ["instruction 0", "object"]),
@@ -485,7 +516,7 @@ PROGRAM_CASES = [
      ["instruction 1", "bogus"]),
     ("return-with-id", prog(M, {"op": "return", "id": "x", "key": "k", "value": ref("m")}),
      ["instruction 1", "id"]),
-    # P§6.3 upload
+    # docs/protocol.md §6.3 upload
     ("upload-kind-missing", prog({"op": "upload", "id": "u", "source": ""}), ["instruction 0", "kind"]),
     ("upload-kind-unknown", prog(upl("folder", path="x")), ["instruction 0", "folder"]),
     ("upload-kind-null", prog(upl(None, source="")), ["instruction 0", "kind"]),
@@ -518,7 +549,7 @@ PROGRAM_CASES = [
     ("file-path-missing", prog(upl("file", blob=H)), ["instruction 0", "path"]),
     ("file-blob-missing", prog(upl("file", path="x")), ["instruction 0", "blob"]),
     ("file-extra-field", prog(upl("file", blob=H, path="x", mode=384)), ["instruction 0", "mode"]),
-    # P§6.7 paths
+    # docs/protocol.md §6.7 paths
     *[(f"file-path-{name}", prog(file_up(path)), ["instruction 0", "path"]) for name, path in (
         ("empty", ""), ("nul", "a\0b"), ("backslash", "a\\b"), ("absolute", "/abs"), ("double-slash-start", "//x"),
         ("dotdot", "../x"), ("inner-dotdot", "a/../b"), ("only-dotdot", ".."), ("trailing-dotdot", "a/.."),
@@ -526,7 +557,7 @@ PROGRAM_CASES = [
         ("component-256", "x" * 256), ("component-256-bytes-utf8", "é" * 128),
         ("total-over-4096", "/".join(["y" * 255] * 17)), ("number", 5), ("null", None),
         ("array", ["a"]), ("ref-not-allowed-for-upload", {"$ref": "m"}))],
-    # P§6.8 conflicts
+    # docs/protocol.md §6.8 conflicts
     ("file-duplicate-path", prog(file_up("a/b", "u1"), file_up("./a//b", "u2")),
      ["instruction 1", "duplicate"]),
     ("file-duplicate-path-later", prog(M, file_up("x/y", "u1"), file_up("q", "u2"), file_up("x/./y/", "u3")),
@@ -536,7 +567,7 @@ PROGRAM_CASES = [
      ["instruction 1", "conflicting"]),
     ("file-prefix-conflict-deep", prog(file_up("a", "u1"), file_up("a/b/c", "u2")),
      ["instruction 1", "conflicting"]),
-    # P§6.4 get_function
+    # docs/protocol.md §6.4 get_function
     ("getfn-module-missing", prog(M, {"op": "get_function", "id": "g", "name": "f"}), ["instruction 1", "module"]),
     ("getfn-name-missing", prog(M, {"op": "get_function", "id": "g", "module": ref("m")}),
      ["instruction 1", "name"]),
@@ -554,7 +585,7 @@ PROGRAM_CASES = [
     ("getfn-cpu-only-number", prog(M, {**G, "cpu_only": 1}), ["instruction 1", "cpu_only"]),
     ("getfn-cpu-only-null", prog(M, {**G, "cpu_only": None}), ["instruction 1", "cpu_only"]),
     ("getfn-extra-field", prog(M, {**G, "args": []}), ["instruction 1", "args"]),
-    # P§6.5 run
+    # docs/protocol.md §6.5 run
     ("run-fn-missing", prog(M, G, {"op": "run", "id": "r", "args": []}), ["instruction 2", "fn"]),
     ("run-fn-bare-string", prog(M, G, {**R, "fn": "g"}), ["instruction 2", "fn"]),
     ("run-fn-unknown", prog(M, G, {**R, "fn": ref("h")}), ["instruction 2", "fn"]),
@@ -568,7 +599,7 @@ PROGRAM_CASES = [
      ["instruction 2", "args[1]"]),
     ("run-args-self-ref", prog(M, G, {**R, "args": [ref("r")]}), ["instruction 2", "args[0]"]),
     ("run-extra-field", prog(M, G, {**R, "kwargs": {}}), ["instruction 2", "kwargs"]),
-    # P§6.6 return
+    # docs/protocol.md §6.6 return
     ("return-key-missing", prog(M, {"op": "return", "value": ref("m")}), ["instruction 1", "key"]),
     ("return-value-missing", prog(M, {"op": "return", "key": "k"}), ["instruction 1", "value"]),
     ("return-key-empty", prog(M, ret("", "m")), ["instruction 1", "key"]),
@@ -642,7 +673,7 @@ def test_program_accepted(server, program):
 
 
 def test_reference_shaped_literals_in_args(server):
-    """P§6.2: only top-level exact references are resolved; everything else is a literal."""
+    """docs/protocol.md §6.2: only top-level exact references are resolved; everything else is a literal."""
     literals = [{"$ref": "m", "x": 1}, {"$ref": 1}, {"$ref": ""}, [{"$ref": "nope"}], {"a": {"$ref": "nope"}},
                 [{"$ref": "m"}]]
     program = prog(M, G, up_module("other", "X = 5\n"), get_fn("x", "other", "X"),
@@ -654,7 +685,7 @@ def test_reference_shaped_literals_in_args(server):
 
 
 def plain(encoded):
-    """Decode the JSON value types of P§9.5 (test helper)."""
+    """Decode the JSON value types of docs/protocol.md §9.5 (test helper)."""
     kind = encoded["type"]
     if kind == "null":
         return None
@@ -677,7 +708,7 @@ def test_file_upload_handle_is_normalised_path(server):
 
 
 def test_spec_worked_example(server):
-    """P§11 verbatim: first CACHE_MISS listing both blobs, then COMPLETED with two parts."""
+    """docs/protocol.md §11 verbatim: first CACHE_MISS listing both blobs, then COMPLETED with two parts."""
     data, cfg = bytes([1, 2, 3, 4]), b"hello kcoral\n"
     source = ("import os\ndef scale(data, path, factor):\n    text = open(path).read()\n"
               "    print(\"read\", len(text), \"chars\")\n    os.makedirs(\"out\", exist_ok=True)\n"
@@ -709,7 +740,7 @@ def test_spec_worked_example(server):
     assert assert_completed(execute_ok(server.url, program))["report"]["sha256"] == sha256(report)
 
 
-# --- P§6.3, 4.7 step 8 tensor byte length ---------------------------------------------------
+# --- docs/protocol.md §6.3, 4.7 step 8 tensor byte length ---------------------------------------------------
 
 def test_tensor_byte_length_mismatch(server):
     data = os.urandom(12)
@@ -738,7 +769,7 @@ def test_tensor_byte_length_not_checked_while_missing(server):
     assert status == 200 and body["status"] == "CACHE_MISS"
 
 
-# --- P§7 CACHE_MISS semantics --------------------------------------------------------------
+# --- docs/protocol.md §7 CACHE_MISS semantics --------------------------------------------------------------
 
 def test_cache_miss_lists_blobs_in_first_reference_order_without_duplicates(server):
     b1, b2, b3, b4 = (os.urandom(16) for _ in range(4))
@@ -777,7 +808,7 @@ def test_supplied_blobs_cached_even_when_the_request_is_rejected(server):
     body = execute_ok(server.url, prog(up_blob("k", "bytes", kept), ret("k", "k")))
     assert_completed(body)
     assert body["_parts"] == {"return:0": kept}
-    # P§4.7 step 10: gpu_count is checked after resolution, so the blob is cached too
+    # docs/protocol.md §4.7 step 10: gpu_count is checked after resolution, so the blob is cached too
     kept2 = os.urandom(10)
     with_gpus = prog(up_blob("k", "bytes", kept2), ret("k", "k"), options={"gpu_count": 1})
     status, _, body = post(server.url, with_gpus)
@@ -804,7 +835,7 @@ def test_file_only_blob_is_not_in_the_memory_cache(server):
     # still served from the disk cache to file uploads
     body = execute_ok(server.url, prog(up_blob("f", "file", data, path="y.bin"), ret_path("k", "file", "y.bin")))
     assert body["_parts"] == {"return:0": data}
-    # a program using it both ways: the disk copy serves both (P§7.1 lookup order)
+    # a program using it both ways: the disk copy serves both (docs/protocol.md §7.1 lookup order)
     both = prog(up_blob("f", "file", data, path="z"), up_blob("b", "bytes", data), ret("k", "b"))
     body = execute_ok(server.url, both)
     assert body["_parts"] == {"return:0": data}
@@ -825,7 +856,7 @@ def test_blob_supplied_for_both_kinds_lands_in_both_caches(server):
     assert_completed(execute_ok(server.url, prog(up_blob("f", "file", data, path="q"))))
 
 
-# --- P§9.5 value encoding ---------------------------------------------------------------------
+# --- docs/protocol.md §9.5 value encoding ---------------------------------------------------------------------
 
 PRELUDE = """import collections, enum, math, types
 import numpy
@@ -879,7 +910,7 @@ ENCODING_CASES = [
     ("dict-subclass", "collections.OrderedDict([('b', 1.5)])", {"type": "object", "value": {"b": {"type": "number", "value": 1.5}}}),
     ("empty-dict", "{}", {"type": "object", "value": {}}),
     ("dict-key-looks-like-ref", "{'$ref': 'm'}", {"type": "object", "value": {"$ref": {"type": "string", "value": "m"}}}),
-    # failures (P§9.5 table): kind serialization, op return, id null
+    # failures (docs/protocol.md §9.5 table): kind serialization, op return, id null
     ("nan", "float('nan')", "non-finite"),
     ("inf", "math.inf", "non-finite"),
     ("minus-inf", "-math.inf", "non-finite"),
@@ -928,7 +959,7 @@ def test_module_namespace_cannot_be_returned(server):
 
 
 def test_binary_values_and_depth_first_part_numbering(server):
-    """P§9.4: one part per binary value, even empty or identical ones, numbered depth-first."""
+    """docs/protocol.md §9.4: one part per binary value, even empty or identical ones, numbered depth-first."""
     source = ("def f():\n    return {'z': [b'1', {'x': bytearray(b'2'), 'e': b''}], 'a': memoryview(b'33'),\n"
               "            'same': [b'1', b'1']}\n"
               "def g():\n    return b''\n")
@@ -954,7 +985,7 @@ def test_binary_values_and_depth_first_part_numbering(server):
 
 
 def test_multipart_response_framing(server):
-    """P§9.3: result part first, then return:N in order, CRLF everywhere, closing delimiter."""
+    """docs/protocol.md §9.3: result part first, then return:N in order, CRLF everywhere, closing delimiter."""
     data = b"\r\n--kcoral-" + os.urandom(64) + b"\r\n"
     program = prog(up_blob("b", "bytes", data), ret("k", "b"))
     body, content_type = multipart(program_parts(program, [data]))
@@ -972,7 +1003,7 @@ def test_multipart_response_framing(server):
     assert int(headers["content-length"]) == len(raw)
 
 
-# --- P§9.6, 8.6 file and folder returns ------------------------------------------------------
+# --- docs/protocol.md §9.6, 8.6 file and folder returns ------------------------------------------------------
 
 FOLDER_SOURCE = """import os
 def make():
@@ -1105,7 +1136,7 @@ def test_early_returns_survive_a_later_failure(server):
     assert body["_parts"] == {"return:0": b"kept"}
 
 
-# --- file materialisation (P§8.3) -------------------------------------------------------------
+# --- file materialisation (docs/protocol.md §8.3) -------------------------------------------------------------
 
 def test_file_upload_modes_and_directory_reuse(server):
     data = os.urandom(33)
@@ -1263,7 +1294,7 @@ def test_arrays_with_unsupported_dtypes_fail_serialization(server, expr):
     assert_failed(execute_ok(server.url, simple_program(source)), "serialization", 3, "return", None)
 
 
-# --- FAILED kinds a CPU server produces (P§9.7) -----------------------------------------------------
+# --- FAILED kinds a CPU server produces (docs/protocol.md §9.7) -----------------------------------------------------
 
 def failing(source, *extra, name="f", args=()):
     """module 'm' -> get_function 'g' -> run 'r' -> return 'k', plus extra instructions after 'm'."""
@@ -1346,7 +1377,7 @@ def test_get_function_selects_any_object(server):
 
 
 def test_gpu_access_kind_from_uploaded_code_has_the_full_field_set(server):
-    """P§9.7: kind gpu_access always carries cuda_call, location and interfered_request_id."""
+    """docs/protocol.md §9.7: kind gpu_access always carries cuda_call, location and interfered_request_id."""
     body = execute_ok(server.url, failing(ERR + "def f():\n    raise ExecutionError('gpu_access', 'pretend')\n"))
     assert body["status"] == "FAILED"
     error = body["error"]
@@ -1356,7 +1387,7 @@ def test_gpu_access_kind_from_uploaded_code_has_the_full_field_set(server):
     assert error["interfered_request_id"] is None
 
 
-# --- P§10 crashes, teardown, background processes, timeouts ----------------------------------------
+# --- docs/protocol.md §10 crashes, teardown, background processes, timeouts ----------------------------------------
 
 CRASH_SOURCE = """import ctypes, os, signal, sys
 def talk():
@@ -1381,7 +1412,7 @@ CRASHES = [
 
 @pytest.mark.parametrize("stmt", [c[1] for c in CRASHES], ids=[c[0] for c in CRASHES])
 def test_worker_crash_keeps_early_returns_and_output(server, stmt):
-    """P§10 attribution; extension 3: returns and output written before the crash survive."""
+    """docs/protocol.md §10 attribution; extension 3: returns and output written before the crash survive."""
     program = prog(up_module("m", CRASH_SOURCE.format(stmt=stmt)), get_fn("talk", "m", "talk"),
                    get_fn("crash", "m", "crash"), run("t", "talk"), ret("early", "t"), run("c", "crash"),
                    ret("late", "c"))
@@ -1444,7 +1475,7 @@ def test_background_processes_are_terminated_and_reported(server, spawn):
 
 
 def test_new_session_process_is_killed_after_a_worker_crash(server):
-    """The orphan is outside every tree once the worker is gone; it must not survive (P§10)."""
+    """The orphan is outside every tree once the worker is gone; it must not survive (docs/protocol.md §10)."""
     source = ("import os, subprocess\ndef f():\n    p = subprocess.Popen(['sleep', '20'], start_new_session=True)\n"
               "    print(p.pid, flush=True)\n    os._exit(3)\n")
     body = execute_ok(server.url, simple_program(source))
@@ -1511,7 +1542,7 @@ def test_timeout_fractional_and_clamped(server):
     assert assert_completed(body)["out"]["value"] == 0.1
 
 
-# --- P§8.7 output capture ----------------------------------------------------------------------------
+# --- docs/protocol.md §8.7 output capture ----------------------------------------------------------------------------
 
 OUTPUT_SOURCE = """import os, subprocess, sys
 print("module-level")
@@ -1715,7 +1746,7 @@ def limits_server(tmp_path_factory):
 
 
 def test_response_too_large_for_bytes_value(limits_server):
-    """P§9.8: an oversized value is 500 response_too_large, not a FAILED return."""
+    """docs/protocol.md §9.8: an oversized value is 500 response_too_large, not a FAILED return."""
     source = "def f(n):\n    return b'x' * n\n"
     status, headers, body = post(limits_server.url, call_program(source, "f", 20000))
     assert_error_body(status, headers, body, 500, "response_too_large")
@@ -1898,7 +1929,7 @@ def test_cli_refuses_unsupported_or_invalid_flags(flags, fragment):
 
 
 def test_graceful_shutdown_then_restart_keeps_disk_cache(tmp_path):
-    """SERVER.md §8 and P§7.5: SIGTERM drains, exit 0; a restart has a new id and the old disk cache."""
+    """docs/server.md §8 and docs/protocol.md §7.5: SIGTERM drains, exit 0; a restart has a new id and the old disk cache."""
     data = os.urandom(40)
     file_program = prog(up_blob("f", "file", data, path="cfg"), ret_path("k", "file", "cfg"))
     slow = call_program("import time\ndef f():\n    time.sleep(3)\n    return 'finished'\n", "f")

@@ -45,9 +45,10 @@ import threading
 import time
 import urllib.request
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from client import Client, Program  # our client, for both servers
 from tests.support import reference_popen_options, reference_server_argv
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 WORKERS = 2
 MIB = 1 << 20

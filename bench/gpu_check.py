@@ -61,10 +61,10 @@ def install_wheels(folder):
 if __name__ == "__main__" and "--wheels" in sys.argv:  # before numpy/tvm_ffi are imported
     install_wheels(sys.argv[sys.argv.index("--wheels") + 1])
 
-import numpy
+import numpy  # noqa: E402  (imports that the carried wheels may provide come after installing them)
 
-from bench.cli_checks import cli_tool_checks
-from tests.support import ServerProcess, build_add_one, post
+from bench.cli_checks import cli_tool_checks  # noqa: E402
+from tests.support import ServerProcess, build_add_one, post  # noqa: E402
 
 REQUEST_TIMEOUT = 60  # timeout_seconds of every request unless a case says otherwise
 DTYPES = ["bool", "uint8", "int8", "float8_e4m3fn", "float8_e5m2", "int16", "float16", "bfloat16",
@@ -226,7 +226,7 @@ def case_tensors(ctx):
     body = completed(*prog.send(ctx.url))
     results = body["results"]
     device = "cuda:0" if ctx.device == "gpu" else "cpu"
-    for (dtype, shape, data, _), (seen_device, seen_dtype, seen_shape) in zip(uploads, plain(results["info"])):
+    for (dtype, shape, _data, _), (seen_device, seen_dtype, seen_shape) in zip(uploads, plain(results["info"])):
         assert (seen_device, seen_dtype, seen_shape) == (device, dtype, shape), (seen_device, seen_dtype, dtype)
     for i, (dtype, shape, data, _) in enumerate(uploads):
         got = tensor_bytes(body, results[f"t{i}"], dtype, shape)
@@ -578,7 +578,7 @@ def formula():
     started = time.perf_counter()
     result = benchmark(step, {})
     result["seconds"] = time.perf_counter() - started
-    # SERVER.md §5.2's estimate, made here: one untimed call, then 5 x (flush + call) between two events
+    # docs/server.md §5.2's estimate, made here: one untimed call, then 5 x (flush + call) between two events
     scratch = torch.empty(2 * torch.cuda.get_device_properties(0).L2_cache_size, dtype=torch.int8, device="cuda")
     scratch.zero_(); step(); torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

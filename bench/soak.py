@@ -21,9 +21,10 @@ import tempfile
 import time
 import traceback
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from tests import test_hostile as hostile
 from tests import test_reliability as rel
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 ITEMS = [("fuzz", rel.fuzz_item), ("properties", rel.property_item), ("faults", rel.fault_item),
          ("cache faults", rel.cache_item), ("load", rel.load_item), ("shutdown", rel.shutdown_item),

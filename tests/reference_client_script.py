@@ -21,8 +21,7 @@ import ml_dtypes
 import numpy as np
 
 import kcoral
-from kcoral import (Client, KCoralError, Program, ProtocolError, RemoteExecutionError, ReturnedFile,
-                    ReturnedFolder)
+from kcoral import Client, KCoralError, Program, ProtocolError, RemoteExecutionError, ReturnedFile, ReturnedFolder
 
 URL = sys.argv[1]
 client = Client(URL)

@@ -372,7 +372,7 @@ EMPTY_MODULE_JSON = json.dumps(EMPTY_MODULE).encode()
 
 
 def assert_error_body(status, headers, body, http_status, kind, *fragments):
-    """The exact ERROR shape of P§9.8, its headers, and message fragments (case-insensitive)."""
+    """The exact ERROR shape of docs/protocol.md §9.8, its headers, and message fragments (case-insensitive)."""
     assert status == http_status, body
     assert headers["content-type"] == "application/json"
     assert set(body) == {"status", "request_id", "error"}, body
@@ -400,7 +400,7 @@ def assert_completed(body):
 
 
 def assert_failed(body, kind, index, op, ident, *fragments):
-    """FAILED with the exact error field set of P§9.7; returns the error object."""
+    """FAILED with the exact error field set of docs/protocol.md §9.7; returns the error object."""
     assert body["status"] == "FAILED", body
     assert set(body) - {"_parts"} == RESULT_FIELDS | {"error"}, body
     error = body["error"]

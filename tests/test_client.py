@@ -30,15 +30,27 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 import client
 from client import (
-    Client, KCoralError, Program, ProgramResult, ProtocolError, Register, RemoteExecutionError,
-    RemoteFunction, ReturnedFile, ReturnedFolder, TransportError, ValidationError,
+    Client,
+    KCoralError,
+    Program,
+    ProgramResult,
+    ProtocolError,
+    Register,
+    RemoteExecutionError,
+    RemoteFunction,
+    ReturnedFile,
+    ReturnedFolder,
+    TransportError,
+    ValidationError,
 )
 from tests.support import reference_popen_options, reference_server_argv
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 RID = "4aaf9d21-5934-405f-8a46-d46270796569"
 

@@ -26,12 +26,11 @@ import types
 import numpy
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 import kcoral
 import kcoral_worker
 from tests.support import ServerProcess, build_add_one, post, sha256
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # --- over HTTP: libraries, benchmark, compile_tirx -------------------------------
 
@@ -747,7 +746,7 @@ def test_count_estimate_times_the_flush_with_the_call(cuda_worker):
 
 
 def test_benchmark_without_cupti_is_unavailable(cuda_worker, monkeypatch):
-    """Risk 9: unusable cupti-python degrades as the spec says (SERVER.md §5.2)."""
+    """Risk 9: unusable cupti-python degrades as the spec says (docs/server.md §5.2)."""
     monkeypatch.setitem(sys.modules, "cupti", None)
     with pytest.raises(kcoral_worker.ExecutionError) as info:
         kcoral_worker.benchmark(lambda: None, {"warmup": 1, "repeat": 1})
@@ -804,7 +803,7 @@ def serve(tmp_path, source, retire=False, cpu_only=False):
 
 
 def test_pending_cuda_error_fails_a_completed_request_and_is_cleared(cuda_worker, monkeypatch, tmp_path):
-    """Risk 3: SERVER.md §3.4 step 3, read and cleared through libcudart."""
+    """Risk 3: docs/server.md §3.4 step 3, read and cleared through libcudart."""
     cudarts = [FakeCudart(), FakeCudart(pending=9)]
     monkeypatch.setattr(kcoral_worker, "loaded_cudarts", lambda: cudarts)
     done, _ = serve(tmp_path, "def f():\n    return 1\n")
@@ -916,7 +915,7 @@ def test_numpy_arrays_encode_as_tensors_on_gpu_workers_too(monkeypatch):
 
 
 def test_cute_dsl_runtime_is_preloaded_once_before_libraries(monkeypatch):
-    """Risk 5: SERVER.md §4.2, guarded: absent CuTe DSL is a no-op."""
+    """Risk 5: docs/server.md §4.2, guarded: absent CuTe DSL is a no-op."""
     loaded, asked = [], []
 
     def find_runtime_libraries(enable_tvm_ffi):
@@ -1008,7 +1007,7 @@ def test_kill_group_reports_a_tree_it_cannot_confirm_gone(monkeypatch):
 
 
 def test_unconfirmed_kill_quarantines_the_gpu():
-    """Risk 8: SERVER.md §2.1, the GPU is never lent again (the request: 500 engine)."""
+    """Risk 8: docs/server.md §2.1, the GPU is never lent again (the request: 500 engine)."""
     pool = fake_pool()
 
     def script(conn):

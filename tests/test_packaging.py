@@ -14,6 +14,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from tests.support import ROOT, assert_completed, execute_ok, simple_program
 
 PRODUCT_FILES = ("kcoral.py", "kcoral_worker.py", "client.py")
@@ -135,3 +137,19 @@ def test_installed_distribution_has_no_generic_client_module(tmp_path):
     result = run_python(CLIENT_FROM_KCORAL + KCORAL_NAMES, work, str(target))
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.split() == ["kcoral_client", str(target / "kcoral_client.py"), "ok", "True"]
+
+
+def test_ruff_finds_nothing():
+    """The repository's lint configuration (pyproject.toml) holds for every tracked Python file."""
+    result = subprocess.run([sys.executable, "-m", "ruff", "check", "--output-format", "concise", "."],
+                            cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_no_tracked_file_points_outside_the_repository():
+    """The repository stands alone: documents and tools it cites are its own."""
+    found = subprocess.run(["git", "grep", "-nE", r"\.\./shared|shared/(spec|tools|seed)"], cwd=ROOT,
+                           capture_output=True, text=True)
+    if found.returncode == 128:
+        pytest.skip("not a git checkout")
+    assert found.stdout == "", found.stdout

@@ -27,7 +27,6 @@ import shutil
 import signal
 import socket
 import string
-import sys
 import tempfile
 import threading
 import time
@@ -35,13 +34,23 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import kcoral
 from kcoral_worker import ValidationError
-from tests.support import (ServerProcess, decode_response, multipart, post, program_parts, request, sha256,
-                           simple_program)
+from tests.support import (
+    ServerProcess,
+    decode_response,
+    multipart,
+    post,
+    program_parts,
+    request,
+    sha256,
+    simple_program,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -767,7 +776,6 @@ class Fuzzer:
         rng = self.rng
         program, blobs = base_program(rng, blobs=True)
         b = self.boundary()
-        body = program_body(program, blobs, b)
         ct = f"multipart/form-data; boundary=\"{b.decode()}\""
         kind = rng.choice(["over-limit", "10**30", "2**70", "5000-digits", "limit+1", "bad-length",
                            "tensor-length"])

@@ -14,6 +14,7 @@ import uuid
 
 import pytest
 
+import kcoral
 from tests.support import (
     ADD_ONE_CPU,
     PYTHON,
@@ -461,3 +462,15 @@ def test_start_fails_in_one_line_when_bwrap_does_not_work(tmp_path):
 def test_startup_line_names_the_mode(sandboxed):
     assert "sandbox=bubblewrap" in sandboxed.log()
     assert sandboxed.proc.poll() is None
+
+
+def test_directories_of_a_dead_server_are_removed_at_start_and_a_live_ones_kept(tmp_path):
+    """Workspaces and sandbox slot directories carry their owner (pid and start time) in their
+    name; a server that was SIGKILLed cannot clean up, so the next start does."""
+    ticks = kcoral.process_start_ticks(os.getpid())
+    dead = [f"kcoral-sandbox-{2 ** 22 + 7}.{ticks}-abc", f"kcoral-program-{os.getpid()}.{ticks + 1}-def"]
+    live = [f"kcoral-sandbox-{os.getpid()}.{ticks}-ghi", "kcoral-sandbox-unrelated", "other"]
+    for name in dead + live:
+        (tmp_path / name / "work").mkdir(parents=True)
+    assert kcoral.remove_dead_workspaces(str(tmp_path)) == 2
+    assert sorted(os.listdir(tmp_path)) == sorted(live)

@@ -14,7 +14,8 @@ import tempfile
 
 import ml_dtypes
 import numpy as np
-from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import client
