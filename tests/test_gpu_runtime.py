@@ -14,6 +14,7 @@ CUDA's last error, memory freed before the lease, quarantine, multi-GPU start-up
 and shutdown.  Finally bench/gpu_check.py in CPU mode.
 """
 
+import hashlib
 import json
 import multiprocessing
 import os
@@ -276,7 +277,7 @@ def fake_pool(gpus=(0,)):
     return pool
 
 
-def execution(pool, script, timeout=10.0, request_id="req-1", gpus=(0,), gone=True):
+def execution(pool, script, timeout=10.0, request_id="req-1", gpus=(0,), gone=True, blobs=None):
     """Run an Execution whose worker follows `script(conn)` in a thread -> (Outcome, retire, worker)."""
     ours, theirs = multiprocessing.Pipe()
     worker = FakeWorker(ours, list(gpus))
@@ -284,7 +285,7 @@ def execution(pool, script, timeout=10.0, request_id="req-1", gpus=(0,), gone=Tr
     instructions = [{"op": "upload", "id": "m", "kind": "module", "source": ""},
                     {"op": "run", "id": "r", "fn": {"$ref": "m"}}]
     program = kcoral.ValidProgram(instructions, {}, {}, [])
-    job = kcoral.Job(request_id, program, {}, timeout=timeout, output_limit=0)
+    job = kcoral.Job(request_id, program, blobs or {}, timeout=timeout, output_limit=0)
 
     def play():
         theirs.recv()  # the request
@@ -388,6 +389,44 @@ def test_an_unexpected_worker_message_is_a_crash():
     error = outcome.body["error"]
     assert (error["kind"], error["instruction_index"]) == ("runtime", 1)
     assert pool.arbiter.holder[0] is None
+
+
+def test_a_staged_blob_returned_unchanged_is_answered_from_the_front_ends_copy():
+    """ReturnValue.parts names a staged blob by hash instead of sending its bytes again: the
+    answer carries the job's own buffer (no copy), and raw parts around it still follow in order."""
+    pool, staged = fake_pool(), memoryview(b"staged blob " * 4096)
+    digest = hashlib.sha256(staged).hexdigest()
+
+    def script(conn):
+        conn.send(kcoral_worker.InstructionStarted(0))
+        conn.send(kcoral_worker.ReturnValue("k", {"type": "array", "value": []}, [3, digest, 2]))
+        kcoral_worker.send_raw(conn, b"abc")
+        kcoral_worker.send_raw(conn, b"de")
+        conn.send(kcoral_worker.RequestDone(None, False))
+
+    outcome, retire, worker = execution(pool, script, blobs={digest: staged})
+    assert outcome.body["status"] == "COMPLETED" and not retire and not worker.killed
+    assert [bytes(p) for p in outcome.parts] == [b"abc", bytes(staged), b"de"]
+    assert outcome.parts[1] is staged
+
+
+@pytest.mark.parametrize("name", ["0" * 64, 12.5, ["list"]])
+def test_a_returned_blob_the_job_does_not_hold_is_a_crash(name):
+    """A program that forges a ReturnValue cannot make the front-end answer with another blob."""
+    pool, staged = fake_pool(), b"the job's only blob"
+    digest = hashlib.sha256(staged).hexdigest()
+
+    def script(conn):
+        conn.send(kcoral_worker.InstructionStarted(1))
+        conn.send(kcoral_worker.ReturnValue("k", {"type": "array", "value": []}, [name]))
+        time.sleep(1)
+
+    started = time.monotonic()
+    outcome, retire, worker = execution(pool, script, blobs={digest: staged})
+    assert time.monotonic() - started < 5
+    assert retire and worker.killed and outcome.parts == []
+    error = outcome.body["error"]
+    assert (error["kind"], error["instruction_index"]) == ("runtime", 1)
 
 
 def test_a_poisoned_worker_is_retired():
