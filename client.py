@@ -2,8 +2,8 @@
 
 One self-contained file that can be vendored: it imports only the standard library and
 NumPy at import time (``ml_dtypes`` when a bfloat16/float8 tensor is decoded; torch only
-when the caller already uses it). The contract is CLIENT.md; the wire format is
-PROTOCOL.md ("P§n" below).
+when the caller already uses it). The contract is docs/client.md; the wire format is
+docs/protocol.md ("docs/protocol.md §n" below).
 
     from client import Client, Program
 
@@ -54,7 +54,7 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------
-# Exceptions (CLIENT.md §8)
+# Exceptions (docs/client.md §8)
 
 
 class KCoralError(Exception):
@@ -95,7 +95,7 @@ class RemoteExecutionError(RuntimeError):
 # ---------------------------------------------------------------------------
 # Protocol tables and shared rules
 
-# P§6.3: the only tensor dtypes, with their item sizes.
+# docs/protocol.md §6.3: the only tensor dtypes, with their item sizes.
 _ITEMSIZE = {
     "bool": 1, "uint8": 1, "int8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
     "int16": 2, "float16": 2, "bfloat16": 2, "int32": 4, "float32": 4,
@@ -117,7 +117,7 @@ _TIMINGS = ("queue_ms", "elapsed_ms", "lease_wait_ms", "lease_held_ms")
 
 
 def _normalize_path(path: object) -> str:
-    """Canonical form of a workspace path (P§6.7), or ValidationError."""
+    """Canonical form of a workspace path (docs/protocol.md §6.7), or ValidationError."""
     if not isinstance(path, str) or not path:
         raise ValidationError("path must be a non-empty string")
     if "\0" in path:
@@ -144,7 +144,7 @@ def _normalize_path(path: object) -> str:
 
 
 def _strict_json(data: bytes | bytearray | memoryview) -> Any:
-    """Decode JSON the way the protocol demands (P§5.1): UTF-8, no BOM, no duplicate
+    """Decode JSON the way the protocol demands (docs/protocol.md §5.1): UTF-8, no BOM, no duplicate
     keys, no NaN/Infinity, no trailing data. Raises ValueError."""
     if bytes(data[:3]) == b"\xef\xbb\xbf":
         raise ValueError("JSON starts with a byte order mark")
@@ -183,7 +183,7 @@ def _bytes_snapshot(value: object, error_message: str) -> bytes:
 
 
 # ---------------------------------------------------------------------------
-# Program builder (CLIENT.md §2-3)
+# Program builder (docs/client.md §2-3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +216,7 @@ class Program:
     def upload(self, *, id: str | None = None, kind: str, source: str | None = None,
                value: Any = None, dtype: str | None = None, shape: Any = None) -> Register:
         """Upload a module source, a tensor, raw bytes or a TVM FFI library."""
-        self._check_custom_id(id)  # first, so a bad id records nothing (CLIENT.md §3.1)
+        self._check_custom_id(id)  # first, so a bad id records nothing (docs/client.md §3.1)
         if kind == "module":
             if not isinstance(source, str):
                 raise TypeError("module upload requires a str 'source'")
@@ -347,7 +347,7 @@ class Program:
 
     def _with_file_paths(self, paths: list[str]) -> tuple[set[str], set[str]]:
         """The file-path sets after adding ``paths``, or ValidationError on a conflict
-        (P§6.8). The program's own sets are left untouched."""
+        (docs/protocol.md §6.8). The program's own sets are left untouched."""
         taken, dirs = set(self._file_paths), set(self._file_dirs)
         for path in paths:
             if path in taken:
@@ -387,7 +387,7 @@ def _directory_prefixes(path: str) -> collections.abc.Iterator[str]:
 
 
 def _tensor_payload(value: Any, dtype: Any, shape: Any) -> tuple[str, list[int], bytes]:
-    """(wire dtype, shape, little-endian C-order bytes) for a tensor upload (CLIENT.md §3.4)."""
+    """(wire dtype, shape, little-endian C-order bytes) for a tensor upload (docs/client.md §3.4)."""
     if isinstance(value, (bytes, bytearray, memoryview)):
         if dtype is None or shape is None:
             raise TypeError("raw tensor bytes require 'dtype' and 'shape'")
@@ -499,7 +499,7 @@ def _same_version(a: os.stat_result, b: os.stat_result) -> bool:
 
 
 # ---------------------------------------------------------------------------
-# Returned files and folders (CLIENT.md §6)
+# Returned files and folders (docs/client.md §6)
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -691,7 +691,7 @@ def _remove_tree(dir_fd: int, name: str) -> None:
 
 
 # ---------------------------------------------------------------------------
-# Results and response decoding (CLIENT.md §5)
+# Results and response decoding (docs/client.md §5)
 
 
 @dataclasses.dataclass
@@ -725,7 +725,7 @@ def _malformed(message: str) -> ProtocolError:
 
 
 def _decode_result(payload: dict[str, Any], parts: dict[str, memoryview]) -> ProgramResult:
-    """Validate a COMPLETED/FAILED body strictly (CLIENT.md §5.3) and decode its values."""
+    """Validate a COMPLETED/FAILED body strictly (docs/client.md §5.3) and decode its values."""
     status = payload.get("status")
     if status not in ("COMPLETED", "FAILED"):
         raise _malformed(f"unexpected status {status!r}")
@@ -812,7 +812,7 @@ def _validated_error(error: Any) -> dict[str, Any]:
     return error
 
 
-# Exact key sets of encoded values (P§9.5).
+# Exact key sets of encoded values (docs/protocol.md §9.5).
 _VALUE_KEYS = {
     "null": {"type"}, "boolean": {"type", "value"}, "integer": {"type", "value"},
     "number": {"type", "value"}, "string": {"type", "value"}, "array": {"type", "value"},
@@ -940,7 +940,7 @@ def _numpy_dtype(name: str) -> np.dtype:
     return np.dtype(_NUMPY_DTYPES[name])
 
 
-# -- multipart (P§4.4-4.5): responses are parsed with the rules servers apply to requests
+# -- multipart (docs/protocol.md §4.4-4.5): responses are parsed with the rules servers apply to requests
 
 _TOKEN = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
 _HEADER_VALUE = re.compile(rf"\s*({_TOKEN}(?:/{_TOKEN})?)\s*")
@@ -1064,7 +1064,7 @@ def _parse_part(body: bytes | bytearray, view: memoryview, start: int, end: int)
 
 
 def _response_body(content_type: str, body: bytes | bytearray) -> tuple[dict[str, Any], dict[str, memoryview]]:
-    """(JSON object, binary parts by name) of a 200 /execute response (CLIENT.md §5.2)."""
+    """(JSON object, binary parts by name) of a 200 /execute response (docs/client.md §5.2)."""
     media_type = content_type.partition(";")[0].strip().lower()
     try:
         if media_type == "application/json":
@@ -1096,7 +1096,7 @@ def _split_result_parts(parts: list[tuple[str, str, memoryview]]) -> tuple[Any, 
 
 
 # ---------------------------------------------------------------------------
-# HTTP client (CLIENT.md §4)
+# HTTP client (docs/client.md §4)
 
 _MAX_IDLE_CONNECTIONS = 8
 _HUGE_BUFFER_BYTES = 1 << 20  # response bodies this big are received into huge pages
@@ -1138,7 +1138,7 @@ class _BlobMemory:
     client talking to a server that names its instance can skip the ask-first round trip.
 
     Entries are (hash, cache) pairs: a server keeps file blobs and in-memory blobs in
-    separate caches (P§7.1), so holding a hash for one kind of upload says nothing about
+    separate caches (docs/protocol.md §7.1), so holding a hash for one kind of upload says nothing about
     the other. Bounded: a few instances, an LRU of hashes each."""
 
     def __init__(self) -> None:
@@ -1260,7 +1260,7 @@ class Client:
     def execute(self, program: Program, *, timeout_seconds: float | None = None,
                 gpu_count: int | None = None, output_limit_bytes: int | None = None) -> ProgramResult:
         """Run ``program``; returns its COMPLETED or FAILED result. Blobs the server lacks
-        are negotiated with at most three attempts (CLIENT.md §4.2)."""
+        are negotiated with at most three attempts (docs/client.md §4.2)."""
         if not isinstance(program, Program):
             raise TypeError("execute expects a Program")
         if gpu_count is not None and (type(gpu_count) is not int or not 1 <= gpu_count <= 8):
@@ -1467,7 +1467,7 @@ def _blob_caches(program: Program) -> dict[str, set[str]]:
 
 def _missing_blobs(payload: dict[str, Any], parts: dict[str, memoryview],
                    blobs: dict[str, bytes]) -> set[str]:
-    """Validate the first CACHE_MISS answer (CLIENT.md §4.2) and return what it lists."""
+    """Validate the first CACHE_MISS answer (docs/client.md §4.2) and return what it lists."""
     missing = payload.get("missing_blobs")
     if parts:
         raise ProtocolError("a CACHE_MISS response must not carry binary parts")
@@ -1481,7 +1481,7 @@ def _missing_blobs(payload: dict[str, Any], parts: dict[str, memoryview],
 
 
 def _http_error(response: _Response) -> KCoralError:
-    """A KCoralError from a non-200 response's body, whatever shape it has (CLIENT.md §4.6)."""
+    """A KCoralError from a non-200 response's body, whatever shape it has (docs/client.md §4.6)."""
     try:
         body = _strict_json(response.body)
     except ValueError:
@@ -1497,13 +1497,13 @@ def _http_error(response: _Response) -> KCoralError:
 
 
 # ---------------------------------------------------------------------------
-# Remote functions (CLIENT.md §7)
+# Remote functions (docs/client.md §7)
 
 P = ParamSpec("P")
 R = TypeVar("R")
 T = TypeVar("T")
 
-# The entry point uploaded next to the user's function (CLIENT.md §7.3). The function is
+# The entry point uploaded next to the user's function (docs/client.md §7.3). The function is
 # bound as a default at definition time, so no parameter name can shadow it.
 _INVOKER = '''
 def {invoker}(nargs, names, literals, *values, _function={name}):
@@ -1532,7 +1532,7 @@ class RemoteFunction(Generic[P, R]):
         return self.__wrapped__(*args, **kwargs)  # type: ignore[attr-defined]
 
     def build_program(self, *args: P.args, **kwargs: P.kwargs) -> Program:
-        """The program that calls the function with these arguments (CLIENT.md §7.4)."""
+        """The program that calls the function with these arguments (docs/client.md §7.4)."""
         bound = self._signature.bind(*args, **kwargs)
         bound.apply_defaults()
         values = (*bound.args, *bound.kwargs.values())
@@ -1571,7 +1571,7 @@ class RemoteFunction(Generic[P, R]):
 
 
 def _capture_source(fn: Any) -> tuple[str, str]:
-    """(module source, entry point name) for a remote function, per CLIENT.md §7.2."""
+    """(module source, entry point name) for a remote function, per docs/client.md §7.2."""
     if (not inspect.isfunction(fn) or inspect.iscoroutinefunction(fn)
             or inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn)):
         raise TypeError(f"a remote function must be a plain def function, not {type(fn).__name__}")

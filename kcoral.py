@@ -8,7 +8,13 @@ caches, and hands it to a worker process (kcoral_worker.py) forked from a
 warm template; `GET /health` reports load, target and versions.  Everything
 here runs on the standard library: `http.server` threads, a hand-written
 multipart parser, `multiprocessing` pipes.  The wire contract is
-shared/spec/PROTOCOL.md; this file's section comments cite it as P§n.
+docs/protocol.md; docs/design.md follows one request through this file.
+
+Sections, in the order a request travels: configuration; wire rules (multipart, strict
+JSON, program validation); the blob store; process groups, GPUs and the lease, the
+sandbox; workers, the pool and one `Execution` per request; logging; the server
+(`handle_execute`, lifecycle); HTTP (connection limits, framing, `RequestHandler`); the
+command line and `haproxy-config`.
 
 The client lives in client.py; `from kcoral import Client, Program` loads it
 lazily from beside this file (`load_client`), so the server needs only this
@@ -125,6 +131,8 @@ def load_client() -> types.ModuleType:
         return module
 
 
+# --- 0. configuration: every setting defined once, the command line generated from it -------------
+
 def default_disk_cache_dir() -> str:
     xdg = os.environ.get("XDG_CACHE_HOME", "")
     base = xdg if os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")
@@ -217,7 +225,7 @@ class ServerConfig:
                                env="KCORAL_TOKEN")
 
 
-# --- strict JSON and multipart (P§4.3-4.6, 5.1) ------------------------------
+# --- 1. wire rules: strict JSON and multipart (docs/protocol.md §4.3-4.6, 5.1) --------------------
 
 def strict_json(data: Buffer) -> Json:
     """Decode UTF-8 JSON, refusing a BOM, duplicate keys and NaN/Infinity."""
@@ -303,7 +311,7 @@ def request_boundary(content_type: str | None) -> bytes:
 
 
 def find_delimiter(body: Body, delimiter: bytes, start: int) -> int:
-    """Position of the next real delimiter line (P§4.4), or -1."""
+    """Position of the next real delimiter line (docs/protocol.md §4.4), or -1."""
     while True:
         i = body.find(delimiter, start)
         if i < 0:
@@ -377,7 +385,7 @@ def parse_part_headers(body: Body, start: int, end: int) -> tuple[PartHeaders, i
 
 
 def check_part_headers(headers: PartHeaders) -> tuple[str, str]:
-    """P§4.5 -> the part's name and media type."""
+    """docs/protocol.md §4.5 -> the part's name and media type."""
     for required in ("content-disposition", "content-type"):
         if len(headers.get(required, ())) != 1:
             raise ValidationError(f"each part needs exactly one {required} header")
@@ -400,7 +408,7 @@ HASH = re.compile(r"[0-9a-f]{64}")
 
 
 def split_request(body: Body, content_type: str | None) -> tuple[memoryview, dict[str, memoryview]]:
-    """P§4.3-4.6 -> (program JSON bytes, {hash: payload}) in the reference's check order."""
+    """docs/protocol.md §4.3-4.6 -> (program JSON bytes, {hash: payload}) in the reference's check order."""
     parts = [(check_part_headers(h), payload)
              for h, payload in parse_multipart(body, request_boundary(content_type))]
     program, blobs = None, {}
@@ -428,7 +436,7 @@ def split_request(body: Body, content_type: str | None) -> tuple[memoryview, dic
     return program, blobs
 
 
-# --- program validation (P§5, 6) --------------------------------------------
+# --- 2. wire rules: program validation (docs/protocol.md §5, 6) -----------------------------------
 
 UPLOAD_FIELDS = {"module": {"source"}, "tensor": {"blob", "dtype", "shape"}, "bytes": {"blob"},
                  "library": {"blob"}, "file": {"blob", "path"}}
@@ -482,7 +490,7 @@ MAX_ARG_DEPTH = 400  # programs reach the worker pickled, and pickle recurses tw
 
 
 def check_literals(args: list[Json], where: str) -> None:
-    """Run arguments hold finite numbers only (1e400 decodes to inf, P§5.1) and nest at
+    """Run arguments hold finite numbers only (1e400 decodes to inf, docs/protocol.md §5.1) and nest at
     most MAX_ARG_DEPTH levels; walked without recursion."""
     stack = [(args, 1)]
     while stack:
@@ -621,7 +629,7 @@ def check_upload(program: ValidProgram, ins: Instruction, kind: str, paths: dict
 
 
 def claim_file_path(paths: dict[str, str], path: str, where: str) -> None:
-    """P§6.8 in one pass per path: `paths` maps each earlier file path to itself and each of
+    """docs/protocol.md §6.8 in one pass per path: `paths` maps each earlier file path to itself and each of
     their parent directories to the first file below it (a pairwise check is quadratic)."""
     parents = [path[:i] for i, ch in enumerate(path) if ch == "/"]
     earlier = paths.get(path)
@@ -665,7 +673,7 @@ def check_no_unreferenced_blobs(program: ValidProgram, supplied: dict[str, memor
 
 
 def check_tensor_sizes(program: ValidProgram, blobs: Blobs) -> None:
-    """P§7.3: a tensor's blob holds exactly product(shape) * itemsize bytes (checked once present)."""
+    """docs/protocol.md §7.3: a tensor's blob holds exactly product(shape) * itemsize bytes (checked once present)."""
     for ident, digest, expected in program.tensor_sizes:
         if digest in blobs and len(blobs[digest]) != expected:
             raise ValidationError(f"tensor upload {ident!r} expects "
@@ -673,7 +681,7 @@ def check_tensor_sizes(program: ValidProgram, blobs: Blobs) -> None:
                                   f"got {len(blobs[digest])}")
 
 
-# --- blob caches (P§7.4, 7.5) -----------------------------------------------
+# --- 3. the blob store (docs/protocol.md §7.4, 7.5) -----------------------------------------------
 
 def pinned_bytes(data: Buffer) -> int:
     """What keeping `data` alive costs: a view pins the whole buffer it was cut from."""
@@ -831,7 +839,7 @@ class DiskCache:
 
 class BlobStore:
     """What survives between requests: blobs by SHA-256, in memory (bytes, tensors and
-    libraries) and on disk (file uploads), P§7.4-7.5."""
+    libraries) and on disk (file uploads), docs/protocol.md §7.4-7.5."""
 
     def __init__(self, config: ServerConfig) -> None:
         self.memory = MemoryCache(config.cache_capacity_bytes)
@@ -852,7 +860,7 @@ class BlobStore:
         return thread
 
     def resolve(self, program: ValidProgram, supplied: dict[str, memoryview]) -> tuple[Blobs, list[str]]:
-        """P§7.1: supplied parts go into the memory cache (the disk cache: keep_file_blobs),
+        """docs/protocol.md §7.1: supplied parts go into the memory cache (the disk cache: keep_file_blobs),
         then every referenced blob is looked up, supplied parts first -> (blobs, missing)."""
         for digest, data in supplied.items():
             if "memory" in program.blob_kinds[digest]:
@@ -883,7 +891,7 @@ class BlobStore:
             self.memory.unpin(memory)
 
 
-# --- process groups ---------------------------------------------------------
+# --- 4. process groups ----------------------------------------------------------------------------
 
 def become_subreaper() -> None:
     """Orphaned grandchildren of workers get re-parented here, so we can reap them."""
@@ -979,7 +987,7 @@ def kill_group(pgid: int, grace: float, exclude: Collection[int] = (), orphans: 
     return False
 
 
-# --- GPUs -----------------------------------------------------------------
+# --- 5. GPUs and the lease (docs/server.md §1-2) --------------------------------------------------
 
 def nvml_gpu_ids() -> list[str]:
     """UUIDs of the visible NVIDIA GPUs through NVML, without importing torch; [] if none."""
@@ -1046,7 +1054,7 @@ def torch_has_dlpack_exchange_api() -> bool:
 
 
 def same_gpu(seen: str, expected: str) -> bool:
-    """SERVER.md §1.1: UUIDs compare without the GPU- prefix, case-insensitively; unknown ones pass."""
+    """docs/server.md §1.1: UUIDs compare without the GPU- prefix, case-insensitively; unknown ones pass."""
     def bare(uuid: str) -> str:
         return uuid.lower().removeprefix("gpu-")
 
@@ -1061,7 +1069,7 @@ class LeaseRefused(Exception):
 
 
 class LeaseArbiter:
-    """One exclusive lease per GPU, granted strictly in arrival order (SERVER.md §2.1).
+    """One exclusive lease per GPU, granted strictly in arrival order (docs/server.md §2.1).
 
     Workers ask over their pipe and the request thread blocks here, so a
     killed holder cannot leak a lease: the thread that served it releases it.
@@ -1109,13 +1117,13 @@ class LeaseArbiter:
             raise LeaseRefused("GPU quarantined: a worker's process tree could not be confirmed gone")
 
     def quarantine(self, gpus: Iterable[int]) -> None:
-        """SERVER.md §2.1: never lend these GPUs again; waiters that need them are refused."""
+        """docs/server.md §2.1: never lend these GPUs again; waiters that need them are refused."""
         with self.cond:
             self.quarantined.update(gpus)
             self.cond.notify_all()
 
     def close(self) -> None:
-        """Shutdown: requests still waiting for "any n" GPUs are refused (SERVER.md §8)."""
+        """Shutdown: requests still waiting for "any n" GPUs are refused (docs/server.md §8)."""
         with self.cond:
             self.closing = True
             self.cond.notify_all()
@@ -1151,7 +1159,7 @@ class LeaseArbiter:
         return None
 
 
-# --- the sandbox (docs/sandbox.md) ----------------------------------------------
+# --- 6. the sandbox (docs/sandbox.md) -------------------------------------------------------------
 
 SANDBOX_ROOT = "/kcoral"  # inside a sandbox: the slot's private directory (work/, blobs, home/, cache/)
 SANDBOX_SCRATCH = ("tmp", "shm")  # bound at /tmp, /var/tmp and /dev/shm: emptied, never replaced
@@ -1244,7 +1252,7 @@ def gpu_device_node(gpu_id: int) -> str:
 
 
 def bwrap_command(config: ServerConfig, gpus: list[int], root: str) -> list[str]:
-    """The bubblewrap command line of a slot whose private directory is `root` (SERVER.md §3.1).
+    """The bubblewrap command line of a slot whose private directory is `root` (docs/server.md §3.1).
 
     Every namespace is new (no network, own PIDs), no capabilities, no nested user namespaces;
     the system, the Python environment, our files and --sandbox-readonly-path entries read-only;
@@ -1517,17 +1525,17 @@ class SandboxedProcess:
         return self.exitcode is None
 
 
-# --- workers and the pool ---------------------------------------------------
+# --- 7. workers, the pool and one Execution per request (docs/design.md §4) -----------------------
 
 class WorkerCrashed(Exception):
     """The worker process died or stopped talking the protocol."""
 
 
 class WorkerStartTimeout(WorkerCrashed):
-    """A start-up phase outlived its time limit (a multi-GPU request answers 504, SERVER.md §7)."""
+    """A start-up phase outlived its time limit (a multi-GPU request answers 504, docs/server.md §7)."""
 
 
-WORKER_PHASE_SECONDS = 60.0  # each start-up phase (SERVER.md §1.1)
+WORKER_PHASE_SECONDS = 60.0  # each start-up phase (docs/server.md §1.1)
 
 
 class Worker:
@@ -1727,7 +1735,7 @@ class Pool:
         return slot.template
 
     def quarantine(self, gpus: list[int], reason: str) -> None:
-        """SERVER.md §2.1: a tree whose exit is unconfirmed may still use its GPUs.  Nobody gets
+        """docs/server.md §2.1: a tree whose exit is unconfirmed may still use its GPUs.  Nobody gets
         them again, and the pool begins shutting down (later requests: 503 busy)."""
         log_event("gpu_quarantined", "ERROR", gpu_ids=list(gpus), reason=reason)
         self.arbiter.quarantine(gpus)
@@ -1844,7 +1852,7 @@ class Pool:
             self.release(slot, retire)
 
     def run_multi_gpu(self, slot: Slot, job: Job, count: int, queue_ms: float) -> Outcome:
-        """P§8.9: a dedicated worker that sees `count` GPUs, started under all their leases."""
+        """docs/protocol.md §8.9: a dedicated worker that sees `count` GPUs, started under all their leases."""
         try:
             gpus, wait_ms = self.arbiter.acquire(job.request_id, count=count)
         except LeaseRefused as exc:
@@ -2116,7 +2124,7 @@ class Execution:
         return self.pool.dispose(self.worker, self.config.worker_termination_grace_seconds, orphans=True)
 
     def attribute_gpu_access(self, error: ErrorObject | None) -> ErrorObject | None:
-        """SERVER.md §6: name the request that held our GPU(s) when a cpu_only call entered CUDA."""
+        """docs/server.md §6: name the request that held our GPU(s) when a cpu_only call entered CUDA."""
         if error is None or error["kind"] != "gpu_access":
             return error
         when = error.pop("lease_time", None)
@@ -2192,7 +2200,7 @@ def remove_entry(path: str) -> None:
             os.unlink(path)
 
 
-# --- logging (SERVER.md §10) ---------------------------------------------------
+# --- 8. logging (docs/server.md §10) --------------------------------------------------------------
 
 LOG: dict[str, Any] = {"console": True, "file": None, "programs": None, "lock": threading.Lock()}
 
@@ -2244,7 +2252,7 @@ def save_program(request_id: str, data: Buffer) -> None:
             pass
 
 
-# --- the server ---------------------------------------------------------------
+# --- 9. the server: handle_execute and the instance's lifecycle (docs/design.md §2) ---------------
 
 class KCoralServer:
     """Caches, pool and HTTP server of one instance.  `create_app(config)` builds one.
@@ -2356,7 +2364,7 @@ class KCoralServer:
                 "target": self.target, "versions": self.versions}
 
     def handle_execute(self, request_id: str, body: Body, content_type: str | None) -> Outcome:
-        """A request body, read -> Outcome.  The checks run in protocol order (P§4.7): the first
+        """A request body, read -> Outcome.  The checks run in protocol order (docs/protocol.md §4.7): the first
         that fails decides the answer."""
         try:
             data, supplied = split_request(body, content_type)           # envelope and parts
@@ -2454,7 +2462,7 @@ def resolve_device(config: ServerConfig) -> tuple[str, list[int], dict[int, str]
 
 
 def describe_runtime(device: str, pool: Pool) -> tuple[dict[str, str], dict[str, str]]:
-    """/health `target` and `versions` (P§3)."""
+    """/health `target` and `versions` (docs/protocol.md §3)."""
     def version(dist: str) -> str | None:
         try:
             return importlib.metadata.version(dist)
@@ -2472,14 +2480,14 @@ def describe_runtime(device: str, pool: Pool) -> tuple[dict[str, str], dict[str,
 
 
 def common_target(workers: list[Worker]) -> str:
-    """The one compilation target of a GPU pool; start-up fails when its GPUs disagree (SERVER.md §1)."""
+    """The one compilation target of a GPU pool; start-up fails when its GPUs disagree (docs/server.md §1)."""
     arches = sorted({worker.arch for worker in workers})
     if len(arches) != 1:
         raise SystemExit(f"kcoral: the configured GPUs disagree on the target {arches}; a pool serves one target")
     return arches[0]
 
 
-# --- connections: limits and deadlines ------------------------------------------
+# --- 10. HTTP: connection limits, framing, the request handler (docs/design.md §1) ----------------
 
 @dataclasses.dataclass
 class Phase:
@@ -2925,7 +2933,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """What http.server rejects itself (bad request line, oversized headers) gets the
-        ERROR JSON body (P§9.8) rather than an HTML page; an unknown method gets 404/405."""
+        ERROR JSON body (docs/protocol.md §9.8) rather than an HTML page; an unknown method gets 404/405."""
         if code == 501 and self.command:
             return self.route_error()
         self.close_connection = True
@@ -2933,7 +2941,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         self.send_error_body(code, str(uuid.uuid4()), "parse" if code < 500 else "engine", message or short)
 
     def request_id(self) -> str:
-        """P§4.2: the client's X-Request-ID if it is exactly one canonical UUID."""
+        """docs/protocol.md §4.2: the client's X-Request-ID if it is exactly one canonical UUID."""
         values = self.headers.get_all("X-Request-ID") or []
         if len(values) == 1:
             try:
@@ -3097,7 +3105,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
 
 
 def multipart_result(body: Json, parts: list[Buffer]) -> tuple[str, list[Buffer]]:
-    """P§9.2: a result with binary parts -> (Content-Type, the response body as pieces to send)."""
+    """docs/protocol.md §9.2: a result with binary parts -> (Content-Type, the response body as pieces to send)."""
     boundary = "kcoral-" + secrets.token_hex(16)  # 128 random bits: no payload can contain it by chance
     pieces = [b"--" + boundary.encode() + b'\r\nContent-Disposition: form-data; name="result"\r\n'
               b"Content-Type: application/json\r\n\r\n" + json_bytes(body) + b"\r\n"]
@@ -3129,7 +3137,7 @@ def declared_length(value: str) -> int | None:
     return int(digits) if len(digits) <= 30 else 1 << 100
 
 
-# --- command line (SERVER.md §9.2) -------------------------------------------------
+# --- 11. command line (docs/server.md §9.2) -------------------------------------------------------
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per ServerConfig field, named, defaulted and described by the field itself."""
@@ -3193,7 +3201,7 @@ def parse_args(argv: list[str]) -> ServerConfig:
     return config
 
 
-# --- a cohort of nodes behind HAProxy (`python -m kcoral haproxy-config`) -----------------
+# --- 12. a cohort of nodes behind HAProxy (`python -m kcoral haproxy-config`, docs/scaling.md) ----
 
 AFFINITY_HEADER = "X-KCoral-Affinity"  # client.py sets it to the sha256 of a request's largest blob
 HAPROXY_TEMPLATE = """\

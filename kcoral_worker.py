@@ -65,7 +65,7 @@ ERROR_KINDS = frozenset({"parse", "compile", "runtime", "gpu_access", "correctne
 TRACEBACK_CHARS = 8192
 Buffer = bytes | bytearray | memoryview | mmap.mmap  # what the raw-bytes helpers accept (any buffer, in fact)
 Instruction = dict[str, Any]  # one validated program instruction, as the front-end passed it
-ErrorObject = dict[str, Any]  # a FAILED result's "error" (P§9.7)
+ErrorObject = dict[str, Any]  # a FAILED result's "error" (docs/protocol.md §9.7)
 Activity = tuple[int, int, int, int, tuple]  # (kind, start ns, end ns, correlation id, identity)
 RAW_CHUNK = 1 << 20
 
@@ -87,7 +87,7 @@ class ExecutionError(Exception):
 
 
 def normalize_path(raw: object) -> str:
-    """P§6.7: the canonical relative form of a workspace path, or ValidationError."""
+    """docs/protocol.md §6.7: the canonical relative form of a workspace path, or ValidationError."""
     if not isinstance(raw, str) or not raw:
         raise ValidationError("path must be a non-empty string")
     if "\0" in raw:
@@ -356,7 +356,7 @@ _compiled: dict[int, Any] = {}  # structural hash -> executable, least recently 
 
 
 def compile_tirx(fn: Any, bindings: dict[str, Any] | None = None) -> Any:
-    """Compile a TVM TIRx kernel for CUDA (SERVER.md §5.1); cached by structural hash."""
+    """Compile a TVM TIRx kernel for CUDA (docs/server.md §5.1); cached by structural hash."""
     try:
         import tvm
         from tvm import tirx
@@ -399,7 +399,7 @@ def compile_tirx(fn: Any, bindings: dict[str, Any] | None = None) -> Any:
 
 
 def benchmark(mod: Callable[..., Any], *args: Any) -> dict[str, Any]:
-    """Per-call latency of mod(*args) (SERVER.md §5.2).
+    """Per-call latency of mod(*args) (docs/server.md §5.2).
 
     CUDA workers use the reference's method: CUPTI activity records, each
     call's span from its first GPU activity to its last; without usable
@@ -437,7 +437,7 @@ def benchmark_counts(timer: HostTimer, mod: Callable[..., Any], args: Sequence[A
                      config: dict[str, Any]) -> tuple[int, int]:
     """-> (warmup, repeat).  Explicit counts win (at least 1); a missing one is its ms budget
     over the cost of one flush + call, estimated from 5 of them after an untimed one: the
-    budgets bound the time the benchmark really spends, flushes included (SERVER.md §5.2)."""
+    budgets bound the time the benchmark really spends, flushes included (docs/server.md §5.2)."""
     warmup, repeat = config.get("warmup"), config.get("repeat")
     if warmup is None or repeat is None:
         timer.call(mod, args)
@@ -573,7 +573,7 @@ class CuptiTimer(CudaTimer):
 
 @contextlib.contextmanager
 def cupti_unavailable(what: str) -> Iterator[None]:
-    """CUPTI failures answer `unavailable` (SERVER.md §5.2, §6)."""
+    """CUPTI failures answer `unavailable` (docs/server.md §5.2, §6)."""
     try:
         yield
     except ExecutionError:
@@ -699,7 +699,7 @@ class Runtime:
 
     def release_cached_memory(self) -> None:
         """Drain every visible device and give the allocator's unused cache back to the driver,
-        so a peer sharing the GPU gets the memory once the lease is released (SERVER.md §2.2)."""
+        so a peer sharing the GPU gets the memory once the lease is released (docs/server.md §2.2)."""
         if self.device != "cuda":
             return
         import torch
@@ -710,7 +710,7 @@ class Runtime:
                     torch.cuda.empty_cache()
 
     def take_last_error(self) -> str | None:
-        """Read and clear CUDA's last error (SERVER.md §3.4 step 3) in every libcudart loaded here:
+        """Read and clear CUDA's last error (docs/server.md §3.4 step 3) in every libcudart loaded here:
         a bad launch configuration sits there without failing a synchronize.
         -> "CUDA error <name> (<code>): <description>" for the first pending one, or None."""
         if self.device != "cuda":
@@ -760,7 +760,7 @@ _cute_preloaded = False
 
 
 def preload_cute_dsl_runtime() -> None:
-    """SERVER.md §4.2: libraries that CuTe DSL exported with `--enable-tvm-ffi` need its runtime
+    """docs/server.md §4.2: libraries that CuTe DSL exported with `--enable-tvm-ffi` need its runtime
     libraries loaded globally first.  Optional: without CuTe DSL (or with a broken one) nothing happens."""
     global _cute_preloaded
     if _cute_preloaded:
@@ -790,7 +790,7 @@ def numpy_dtype_array(data: Buffer, dtype: str, shape: list[int]) -> Any:
     return numpy.frombuffer(data, dtype=numpy_dtype(dtype)).reshape(shape)
 
 
-# --- value encoding (P§9.5) -------------------------------------------------
+# --- value encoding (docs/protocol.md §9.5) -------------------------------------------------
 
 class Encoder:
     """Encodes returned values depth-first, collecting binary parts in order."""
@@ -803,8 +803,8 @@ class Encoder:
         self.known_digest = known_digest  # a staged blob -> its SHA-256, anything else -> None
 
     def part(self, data: Buffer, digest: str | None = None) -> tuple[str, str]:
-        # Only file/folder returns are held to the byte budget (P§8.6, checked while reading);
-        # an oversized value makes the front-end answer 500 response_too_large (P§9.8).
+        # Only file/folder returns are held to the byte budget (docs/protocol.md §8.6, checked while reading);
+        # an oversized value makes the front-end answer 500 response_too_large (docs/protocol.md §9.8).
         data = memoryview(data).cast("B")
         self.byte_budget -= data.nbytes
         self.parts.append((data, digest))
@@ -879,7 +879,7 @@ def tensor_bytes(v: object) -> tuple[str, list[int], Any] | None:
     return None
 
 
-# --- workspace files (P§8.3, 8.6) ------------------------------------------
+# --- workspace files (docs/protocol.md §8.3, 8.6) ------------------------------------------
 
 NOFOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -1096,7 +1096,7 @@ class ProgramRun:
         return self.handles[value["$ref"]]
 
     def error_at_last(self, kind: str, message: str) -> ErrorObject:
-        """An error attributed to the last instruction started (SERVER.md §3.4)."""
+        """An error attributed to the last instruction started (docs/server.md §3.4)."""
         index = self.last_index
         return error_object(kind, message, index, self.request.instructions[index], "")
 
@@ -1202,7 +1202,7 @@ class NoLease:
 
 
 class GpuLease:
-    """The worker's side of the front-end's lease on its GPU(s) (SERVER.md §2.2)."""
+    """The worker's side of the front-end's lease on its GPU(s) (docs/server.md §2.2)."""
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
@@ -1237,7 +1237,7 @@ class GpuLease:
 
 
 class CudaCallGuard:
-    """Watches a cpu_only call for CUDA runtime/driver API entries with CUPTI callbacks (SERVER.md §6).
+    """Watches a cpu_only call for CUDA runtime/driver API entries with CUPTI callbacks (docs/server.md §6).
 
     The call is not interrupted; the first API it entered fails the run
     afterwards.  Best effort: child processes, and CUDA use CUPTI does not
@@ -1290,7 +1290,7 @@ _cupti_used = None  # the cupti module once the guard subscribed: finalised befo
 
 
 def finalize_cupti() -> None:
-    """SERVER.md §3.3: CUPTI is finalised when the cpu_only guard was used."""
+    """docs/server.md §3.3: CUPTI is finalised when the cpu_only guard was used."""
     global _cupti_used
     if _cupti_used is not None:
         cupti, _cupti_used = _cupti_used, None
@@ -1299,7 +1299,7 @@ def finalize_cupti() -> None:
 
 
 class GpuAccessError(ExecutionError):
-    """A cpu_only call entered CUDA: P§9.7's extra fields, and the stack at that call."""
+    """A cpu_only call entered CUDA: docs/protocol.md §9.7's extra fields, and the stack at that call."""
 
     def __init__(self, cuda_call: str, stack: list[traceback.FrameSummary], when: float) -> None:
         location = call_site(stack)
@@ -1562,7 +1562,7 @@ def serve_request(conn: Connection, request: JobRequest) -> bool:
 
 def finish_on_device(program: ProgramRun, error: ErrorObject | None, lease: GpuLease | NoLease,
                      reused: bool) -> tuple[ErrorObject | None, bool]:
-    """SERVER.md §3.4, under the lease: drain the devices, read and clear CUDA's last error, and
+    """docs/server.md §3.4, under the lease: drain the devices, read and clear CUDA's last error, and
     on a worker that serves again drop the request's objects and give their GPU memory back
     before the front-end releases the lease, so an idle worker never sits on a peer's memory.
     -> (error, poisoned): a CUDA failure here makes the context unusable for later requests."""

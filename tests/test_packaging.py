@@ -153,3 +153,15 @@ def test_no_tracked_file_points_outside_the_repository():
     if found.returncode == 128:
         pytest.skip("not a git checkout")
     assert found.stdout == "", found.stdout
+
+
+def test_every_server_setting_is_documented():
+    """docs/server.md §9.1 lists every ServerConfig field (the flags are generated from them)."""
+    import dataclasses
+
+    import kcoral
+
+    with open(os.path.join(ROOT, "docs", "server.md")) as f:
+        table = f.read().split("### 9.1", 1)[1].split("### 9.2", 1)[0]
+    missing = [f.name for f in dataclasses.fields(kcoral.ServerConfig) if f"`{f.name}`" not in table]
+    assert missing == []
