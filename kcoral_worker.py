@@ -1368,9 +1368,9 @@ WORKER_MARK = "KCORAL_WORKER_PID"
 def template_main(fd: int, preload: list[str], import_env: dict[str, str]) -> None:
     """Entry point of a slot's template inside its bubblewrap sandbox (kcoral.py SandboxTemplate).
 
-    It imports once (with `import_env` set meanwhile), then per message (device, visible GPUs)
-    plus the worker's pipe forks one worker, answers ("forked", pid) and, once that worker is
-    gone, ("exited", exit code).
+    It imports once (with `import_env` set meanwhile), then per `ForkWorker` (plus the worker's
+    pipe, passed as a handle) forks one worker, answers `WorkerForked` and, once that worker is
+    gone, `WorkerExited`.
     """
     import importlib
     set_dumpable(False)  # a request may not ptrace or read the process that forks the next one
