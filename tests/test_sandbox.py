@@ -8,6 +8,7 @@ claims to, so "blocked" under the sandbox means the sandbox blocked it.
 import json
 import os
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -412,7 +413,11 @@ def f(name):
         answers = [[v["value"] for v in value(execute_ok(srv.url, call_program(source, "f", f"n{i}")))]
                    for i in range(3)]
     assert len({pid for pid, _ in answers}) == 1  # one process served all three
-    assert [[v["value"] for v in seen] for _, seen in answers] == [[], [], []]
+    # nothing a request left is seen by the next; only the read-only views of this checkout and
+    # its Python may have their mount points in /tmp (when the checkout itself lies under /tmp)
+    mount_points = {path.split("/")[2] for path in (ROOT, sys.prefix, sys.base_prefix) if path.startswith("/tmp/")}
+    for _, seen in answers:
+        assert set(v["value"] for v in seen) <= mount_points, seen
 
 
 def test_readonly_path_is_visible_and_not_writable(tmp_path):
