@@ -793,18 +793,28 @@ def run_case(ctx, case):
         ctx.cases[name] = {"ok": False, "detail": "skipped: out of time budget"}
         print(f"SKIP {name}: out of time budget", flush=True)
         return False
-    try:
+    def work():
         if ctx.library is None and name in ("library", "library_errors", "benchmark"):
             raise AssertionError(ctx.library_error)
-        detail, ok = case(ctx), True
-        print(f"PASS {name}: {detail}", flush=True)
-    except Exception as exc:
-        detail, ok = f"{type(exc).__name__}: {exc}", False
-        print(f"FAIL {name}: {detail}", flush=True)
-        if not isinstance(exc, AssertionError):
-            traceback.print_exc(limit=3)
+        return case(ctx)
+
+    detail, ok = attempt(name, work, traceback_limit=3)
     ctx.cases[name] = {"ok": ok, "detail": str(detail)[:2000], "seconds": round(time.monotonic() - started, 1)}
     return ok
+
+
+def attempt(label, work, traceback_limit):
+    """Run one case or phase and print its PASS/FAIL line -> (detail, ok); a failed assertion
+    is a finding, any other exception also gets its traceback."""
+    try:
+        detail, ok = work(), True
+        print(f"PASS {label}: {detail}", flush=True)
+    except Exception as exc:
+        detail, ok = f"{type(exc).__name__}: {exc}", False
+        print(f"FAIL {label}: {detail}", flush=True)
+        if not isinstance(exc, AssertionError):
+            traceback.print_exc(limit=traceback_limit)
+    return detail, ok
 
 
 class started_server:
@@ -878,14 +888,7 @@ def main(argv=None):
         if args.device not in devices or (only and name not in only):
             continue
         ctx.data, ctx.cases, phase_started = {}, {}, time.monotonic()
-        try:
-            detail, ok = phase(ctx), True
-            print(f"PASS phase {name}: {detail}", flush=True)
-        except Exception as exc:
-            detail, ok = f"{type(exc).__name__}: {exc}", False
-            print(f"FAIL phase {name}: {detail}", flush=True)
-            if not isinstance(exc, AssertionError):
-                traceback.print_exc(limit=5)
+        detail, ok = attempt(f"phase {name}", lambda: phase(ctx), traceback_limit=5)
         results.extend([case["ok"] for case in ctx.cases.values()] or [ok])
         report["phases"][name] = {"ok": ok, "detail": str(detail)[:2000], "data": ctx.data, "cases": ctx.cases,
                                   "seconds": round(time.monotonic() - phase_started, 1)}
