@@ -1,7 +1,7 @@
 """Hostile and slow clients against a real server: each attack of issue 9, measured through /proc.
 
 Every attack is an *item* taking a Scale; the CI tests below run them small (and with short
-deadlines), `python -m bench.soak --long --only hostile` runs them at full size with the
+deadlines), `python -m tests.soak --long --only hostile` runs them at full size with the
 server's default limits.  Each item returns the figures it measured (threads, fds, PSS, seconds).
 """
 
@@ -619,7 +619,7 @@ ITEMS = [("slow headers", slow_headers_item), ("fd limit", fd_limit_item), ("upl
 
 
 def hostile_item(scale, workdir):
-    """bench.soak's entry: every attack at its size -> {attack: figures}; each attack's figures
+    """tests.soak's entry: every attack at its size -> {attack: figures}; each attack's figures
     are printed as it finishes, and a failed one does not stop the others."""
     own = LONG if scale.name == "long" else CI
     figures, failed = {}, []

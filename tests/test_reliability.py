@@ -2,7 +2,7 @@
 
 Every item is a function `<item>_item(scale, workdir) -> {counter: value}` that raises
 AssertionError on the first violation.  The pytest tests at the bottom run them at CI size
-(`CI`); `python -m bench.soak --long` runs the same functions at full size (`LONG`) and prints
+(`CI`); `python -m tests.soak --long` runs the same functions at full size (`LONG`) and prints
 the table quoted in docs/reliability.md.
 
 "Nothing leaks" is measured from outside the server process:

@@ -1,9 +1,9 @@
 """Reliability soak: every item of tests/test_reliability.py, at full size with --long.
 
-    python -m bench.soak --long          # ≥ 5 000 fuzz cases, ≥ 100 faults, 10 000 requests at 16, ...
-    python -m bench.soak --long --only hostile   # the hostile-client attacks at full size
-    python -m bench.soak                 # the CI sizes (what `pytest tests/test_reliability.py` runs)
-    python -m bench.soak --long --only fuzz,load --seed 7
+    python -m tests.soak --long          # ≥ 5 000 fuzz cases, ≥ 100 faults, 10 000 requests at 16, ...
+    python -m tests.soak --long --only hostile   # the hostile-client attacks at full size
+    python -m tests.soak                 # the CI sizes (what `pytest tests/test_reliability.py` runs)
+    python -m tests.soak --long --only fuzz,load --seed 7
 
 Prints a table of counts per item and exits 1 if any item failed (its first assertion is
 printed under the table).  The items are the functions the CI tests call, so the soak and
