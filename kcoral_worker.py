@@ -1342,11 +1342,7 @@ def worker_main(conn: Connection, device: str, visible_gpus: list[str]) -> None:
     gc.freeze()  # the template's objects are permanent: later collections skip them
     env = dict(os.environ)
     conn.send(WorkerReady(os.getpid()))
-    while True:
-        try:
-            message = conn.recv()
-        except EOFError:
-            os._exit(0)
+    for message in messages(conn):
         match message:
             case StopWorker():
                 os._exit(0)
@@ -1360,6 +1356,16 @@ def worker_main(conn: Connection, device: str, visible_gpus: list[str]) -> None:
                 reset_process_state(env)
             case _:
                 raise UnexpectedMessage(f"a worker cannot serve {message!r}")
+
+
+def messages(conn: Connection) -> Iterator[object]:
+    """What the front-end sends, one message at a time; when it closes the pipe, this process
+    (a worker or a sandbox template) has nothing left to do and exits quietly."""
+    while True:
+        try:
+            yield conn.recv()
+        except EOFError:
+            os._exit(0)
 
 
 WORKER_MARK = "KCORAL_WORKER_PID"
@@ -1385,11 +1391,7 @@ def template_main(fd: int, preload: list[str], import_env: dict[str, str]) -> No
             os.environ[name] = value
     conn = Connection(fd)
     conn.send(WorkerReady(os.getpid()))
-    while True:
-        try:
-            message = conn.recv()
-        except EOFError:
-            os._exit(0)
+    for message in messages(conn):
         if not isinstance(message, ForkWorker):
             raise UnexpectedMessage(f"a sandbox template cannot serve {message!r}")
         pipe = reduction.recv_handle(conn)
