@@ -191,7 +191,9 @@ def test_killed_node_fails_only_its_running_request_and_rejoins(cohort):
             events["restarted"], events["posts at restart"] = time.monotonic(), cohort.posts()[victim]
 
     outcomes, wall, runs = load(cohort, clients=6, requests=60, seconds=0.25, during=chaos)
-    wait_until(lambda: cohort.posts()[victim] > events["posts at restart"], 10, "the restarted node never served")
+    # The load may be over before HAProxy sees the node up again: send the bursts that show it.
+    wait_until(lambda: cohort.all_up() and cohort.posts()[victim] > events["posts at restart"], 10,
+               "the restarted node never served")
     rejoined = time.monotonic() - events["restarted"]
     counts = collections.Counter("ok" if v == "ok" else v.split(":")[0] for v in outcomes.values())
     failures = [f"{v} (ran {runs[k]}x)" for k, v in outcomes.items() if v != "ok"]
