@@ -215,6 +215,9 @@ class ServerConfig:
     send_timeout_seconds: float = option(30.0, "drop a client that takes longer than this to take 1 MiB "
                                          "of its response")
     max_response_bytes: int = option(256 << 20, "response size limit (500 response_too_large beyond it)")
+    max_response_parts: int = option(100_000, "binary parts one response may carry (returned bytes, tensors "
+                                     "and files; a folder's files each count): a return beyond it is FAILED "
+                                     "serialization")
     output_limit_bytes: int = option(1 << 20, "default per-stream stdout/stderr capture limit")
     max_output_limit_bytes: int = option(16 << 20, "upper clamp for a request's output_limit_bytes")
     sandbox: str = option("none", "isolate each request's code in a bubblewrap container (docs/sandbox.md)",
@@ -1087,9 +1090,11 @@ class LeaseArbiter:
         self.closing = False
         self.cond = threading.Condition()
 
-    def acquire(self, owner: str, gpus: list[int] | None = None, count: int | None = None) -> tuple[list[int], float]:
+    def acquire(self, owner: str, gpus: list[int] | None = None, count: int | None = None,
+                deadline: float | None = None) -> tuple[list[int], float]:
         """Block until `gpus` (or any `count` GPUs) are ours; returns (granted GPUs, wait ms).
-        LeaseRefused when that can no longer happen (quarantine; "any n" waits at shutdown)."""
+        LeaseRefused when that can no longer happen (quarantine; "any n" waits at shutdown);
+        TimeoutError once time.monotonic() passes `deadline`."""
         start = time.monotonic()
         ticket = (object(), gpus, count)  # unique: queue.remove() must not take an equal twin
         with self.cond:
@@ -1100,7 +1105,9 @@ class LeaseArbiter:
                     granted = self.grantable(ticket)
                     if granted is not None:
                         break
-                    self.cond.wait()
+                    if deadline is not None and deadline <= time.monotonic():
+                        raise TimeoutError
+                    self.cond.wait(None if deadline is None else deadline - time.monotonic())
             finally:
                 self.queue.remove(ticket)
                 self.cond.notify_all()
@@ -1403,15 +1410,8 @@ class SandboxTemplate:
         if self.pid is not None:
             return
         try:
-            if not self.conn.poll(timeout):
-                raise WorkerStartTimeout(f"the sandbox did not start within {timeout:.0f} s")
-            message = self.conn.recv()
-            if not isinstance(message, kcoral_worker.WorkerReady):
-                raise WorkerCrashed(f"the sandbox's template sent {message!r} instead of WorkerReady")
-            template_pid = message.pid
-        except (EOFError, OSError) as exc:
-            self.close()
-            raise WorkerCrashed("the sandbox did not start") from exc
+            template_pid = expect(self.conn, kcoral_worker.WorkerReady, time.monotonic() + timeout,
+                                  f"the sandbox did not start within {timeout:.0f} s").pid
         except WorkerCrashed:
             self.close()
             raise
@@ -1437,15 +1437,12 @@ class SandboxTemplate:
                     raise WorkerCrashed("the sandbox's previous worker did not exit")
             self.clear()
             try:
-                self.conn.send(kcoral_worker.ForkWorker(device, visible))
+                kcoral_worker.send_message(self.conn, kcoral_worker.ForkWorker(device, visible))
                 reduction.send_handle(self.conn, conn.fileno(), self.pid)
-                if not self.conn.poll(60):
-                    raise WorkerCrashed("the sandbox's template did not fork")
-                forked = self.conn.recv()
-            except (EOFError, OSError) as exc:
+            except OSError as exc:
                 raise WorkerCrashed("the sandbox's template is gone") from exc
-            if not isinstance(forked, kcoral_worker.WorkerForked):
-                raise WorkerCrashed(f"the sandbox's template sent {forked!r} instead of WorkerForked")
+            forked = expect(self.conn, kcoral_worker.WorkerForked, time.monotonic() + 60,
+                            "the sandbox's template did not fork")
             host_pid = next((p for p in children_of(self.pid) if inner_pid(p) == forked.pid), None)
             if host_pid is None:
                 raise WorkerCrashed("the sandbox's new worker is gone")
@@ -1510,14 +1507,10 @@ class SandboxedProcess:
         if self.exitcode is None:
             try:
                 if self.template.conn.poll(timeout):
-                    message = self.template.conn.recv()
-                    if not isinstance(message, kcoral_worker.WorkerExited):
-                        raise WorkerCrashed(f"the sandbox's template sent {message!r} instead of WorkerExited")
-                    self.exitcode = message.exit_code
+                    self.exitcode = expect(self.template.conn, kcoral_worker.WorkerExited,
+                                           time.monotonic() + 5, "the sandbox's template stalled").exit_code
             except WorkerCrashed:  # a template that breaks the protocol takes its container down
                 self.template.close()
-                self.exitcode = -signal.SIGKILL
-            except (EOFError, OSError):  # the whole container is gone
                 self.exitcode = -signal.SIGKILL
 
     def is_alive(self) -> bool:
@@ -1535,7 +1528,37 @@ class WorkerStartTimeout(WorkerCrashed):
     """A start-up phase outlived its time limit (a multi-GPU request answers 504, docs/server.md §7)."""
 
 
+class ResponseTooLarge(Exception):
+    """A worker announced more returned bytes or parts than the response may carry."""
+
+
+WORKER_MESSAGES = (kcoral_worker.InstructionStarted, kcoral_worker.ReturnValue, kcoral_worker.AcquireLease,
+                   kcoral_worker.ReleaseLease, kcoral_worker.RequestDone)  # what a worker may send mid-request
 WORKER_PHASE_SECONDS = 60.0  # each start-up phase (docs/server.md §1.1)
+CONTROL_MESSAGE_BYTES = 1 << 16  # any worker or template message but a ReturnValue, which the response budget bounds
+
+
+def expect(conn: Connection, kinds: type | tuple[type, ...], deadline: float, late: str,
+           limit: int = CONTROL_MESSAGE_BYTES, sizes: list[int] | None = None) -> Any:
+    """A worker's or template's next message, which must be one of `kinds` (its frame's size
+    is appended to `sizes`, if given).
+
+    Nothing from those processes is trusted (they run, or ran, uploaded code): a frame that is
+    oversized, malformed or of another kind is WorkerCrashed, as is a closed pipe; no message
+    by `deadline` is WorkerStartTimeout(`late`), which the conversation turns into a 504."""
+    try:
+        message, size = kcoral_worker.receive_message(conn, limit, deadline)
+    except TimeoutError:
+        raise WorkerStartTimeout(late) from None
+    except kcoral_worker.UnexpectedMessage as exc:
+        raise WorkerCrashed(f"protocol violation: {exc}") from None
+    except (EOFError, OSError) as exc:
+        raise WorkerCrashed(f"the pipe broke: {exc}") from None
+    if not isinstance(message, kinds):
+        raise WorkerCrashed(f"protocol violation: an unexpected {type(message).__name__}")
+    if sizes is not None:
+        sizes.append(size)
+    return message
 
 
 class Worker:
@@ -1563,32 +1586,27 @@ class Worker:
         self.pid = self.process.pid
         self.served = 0
         try:
-            if not self.conn.poll(phase_timeout):
-                raise WorkerStartTimeout(f"worker did not start within {phase_timeout:.0f} s")
-            message = self.conn.recv()
+            message = expect(self.conn, (kcoral_worker.WorkerReady, kcoral_worker.WorkerFailed),
+                             time.monotonic() + phase_timeout, f"worker did not start within {phase_timeout:.0f} s")
             if isinstance(message, kcoral_worker.WorkerFailed):
-                raise WorkerCrashed(f"worker did not start: {message.reason}")
-            if not isinstance(message, kcoral_worker.WorkerReady):
-                raise WorkerCrashed(f"worker sent {message!r} instead of WorkerReady")
-        except (EOFError, OSError, WorkerCrashed) as exc:
+                raise WorkerCrashed(f"worker did not start: {message.reason:.500}")
+        except WorkerCrashed:
             self.kill(0)
-            if isinstance(exc, WorkerCrashed):
-                raise
-            raise WorkerCrashed("worker did not start") from exc
+            raise
 
     def initialize(self, expected_uuid: str, phase_timeout: float = WORKER_PHASE_SECONDS) -> None:
         """GPU workers: create the CUDA context (the caller holds the lease) and check the pinning."""
         try:
-            self.conn.send(kcoral_worker.InitGpu())
-            if not self.conn.poll(phase_timeout):
-                raise WorkerStartTimeout(f"worker did not initialize its GPU within {phase_timeout:.0f} s")
-            reply = self.conn.recv()
-            if not isinstance(reply, kcoral_worker.GpuInitialized):
-                raise WorkerCrashed(f"worker sent {reply!r} instead of GpuInitialized")
-            self.arch, self.cuda = reply.arch, reply.cuda
+            try:
+                kcoral_worker.send_message(self.conn, kcoral_worker.InitGpu())
+            except OSError as exc:
+                raise WorkerCrashed(str(exc)) from exc
+            reply = expect(self.conn, kcoral_worker.GpuInitialized, time.monotonic() + phase_timeout,
+                           f"worker did not initialize its GPU within {phase_timeout:.0f} s")
+            self.arch, self.cuda = reply.arch[:32], reply.cuda and reply.cuda[:32]
             if not same_gpu(reply.uuid, expected_uuid):
-                raise WorkerCrashed(f"worker's device 0 is {reply.uuid}, expected {expected_uuid}")
-        except (EOFError, OSError, WorkerCrashed) as exc:
+                raise WorkerCrashed(f"worker's device 0 is {reply.uuid:.80}, expected {expected_uuid}")
+        except WorkerCrashed as exc:
             self.kill(0)
             kind = WorkerStartTimeout if isinstance(exc, WorkerStartTimeout) else WorkerCrashed
             raise kind(f"GPU worker failed to initialize: {str(exc) or type(exc).__name__}") from exc
@@ -1605,10 +1623,8 @@ class Worker:
 
     def stop(self, grace: float) -> None:
         """Tell an idle worker to exit; kill its group if it does not."""
-        try:
-            self.conn.send(kcoral_worker.StopWorker())
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):
+            kcoral_worker.send_message(self.conn, kcoral_worker.StopWorker())
         self.process.join(grace)
         self.kill(grace)
 
@@ -1931,6 +1947,8 @@ class Execution:
         self.last_index = None
         self.results = {}
         self.parts = []
+        self.response_bytes = 0  # announced so far: returned parts and the frames describing them
+        self.return_keys = {ins["key"] for ins in job.program.instructions if ins["op"] == "return"}
         # <root>/work is the program's working directory; the file <root>/blobs stages its blobs.
         # In a sandbox the root is the slot's private directory, which the worker sees as SANDBOX_ROOT.
         if worker.template is None:
@@ -1944,6 +1962,7 @@ class Execution:
         """-> (Outcome, whether the worker must be retired)."""
         started = time.monotonic()
         self.deadline = started + self.job.timeout
+        self.last_moment = started + 2 * self.job.timeout
         self.drain = None
         try:
             self.send_job()
@@ -1963,6 +1982,10 @@ class Execution:
             if self.last_index is None:
                 return Outcome(500, "engine", "worker crashed"), True
             error, retire = self.crash_error(), True
+        except ResponseTooLarge:  # the program ran; what it returned is dropped (docs/protocol.md §11)
+            if not self.kill_worker():
+                return Outcome(500, "engine", "the worker could not be confirmed gone"), True
+            return Outcome(500, "response_too_large", "results exceed the configured response-size limit"), True
         except LeaseRefused as exc:  # its GPU was quarantined while it waited
             self.worker.kill(self.config.worker_termination_grace_seconds, orphans=True)
             return Outcome(503, "busy", str(exc)), True
@@ -1994,11 +2017,12 @@ class Execution:
             retire=self.single_use or (bool(limit) and self.worker.served + 1 >= limit),
             workspace=os.path.join(self.inside, "work"), blob_file=os.path.join(self.inside, "blobs"),
             blob_index=self.stage_blobs(), capture=self.job.output_limit > 0,
-            grace=self.config.worker_termination_grace_seconds, max_response_bytes=self.config.max_response_bytes)
+            grace=self.config.worker_termination_grace_seconds, max_response_bytes=self.config.max_response_bytes,
+            max_response_parts=self.config.max_response_parts)
         self.retiring = request.retire
         conn = self.worker.conn
         try:
-            conn.send(request)
+            kcoral_worker.send_message(conn, request)
             if request.capture:
                 out_r, out_w = os.pipe()
                 err_r, err_w = os.pipe()
@@ -2036,46 +2060,96 @@ class Execution:
         return index
 
     def converse(self) -> ErrorObject | None:
-        """Follow the worker's messages until it reports the program done; -> error or None."""
-        conn = self.worker.conn
-        try:
-            while True:
-                remaining = self.deadline - time.monotonic()
-                if remaining <= 0 or not conn.poll(remaining):
-                    raise TimeoutError
-                message = conn.recv()
-                match message:
-                    case kcoral_worker.InstructionStarted():
-                        self.last_index = message.index
-                    case kcoral_worker.ReturnValue():
-                        for part in message.parts:  # a size to read off the pipe, or a blob of ours
-                            if isinstance(part, int):
-                                self.parts.append(recv_raw(conn, part))
-                            elif isinstance(part, str) and part in self.job.blobs:  # returned unchanged
-                                self.parts.append(self.job.blobs[part])
-                            else:
-                                raise WorkerCrashed(f"worker returned an unknown blob {part!r:.80}")
-                        self.results[message.key] = message.encoded
-                    case kcoral_worker.AcquireLease():
-                        self.hold_lease()
-                        conn.send(kcoral_worker.LeaseGranted())
-                    case kcoral_worker.ReleaseLease():
-                        self.release_lease()
-                    case kcoral_worker.RequestDone():
-                        self.retiring = self.retiring or message.poisoned
-                        return self.attribute_gpu_access(message.error)
-                    case _:
-                        raise WorkerCrashed(f"unexpected worker message {message!r}")
-        except TimeoutError:  # an OSError too, but it is no crash: the answer is 504
-            raise
-        except (EOFError, OSError) as exc:
-            raise WorkerCrashed(str(exc)) from exc
+        """Follow the worker's messages until it reports the program done; -> error or None.
 
-    def hold_lease(self) -> None:
+        Each message is checked against what the protocol allows at this point (an instruction
+        index in range, a return key of the program's not seen yet, a lease asked for only when
+        not held, sizes within the response budget): anything else is WorkerCrashed."""
+        conn = self.worker.conn
+        while True:
+            room, sizes = self.config.max_response_bytes - self.response_bytes, []
+            try:
+                message = expect(conn, WORKER_MESSAGES, self.deadline, "", CONTROL_MESSAGE_BYTES + max(room, 0), sizes)
+            except WorkerStartTimeout:
+                raise TimeoutError from None
+            match message:
+                case kcoral_worker.InstructionStarted():
+                    if not 0 <= message.index < len(self.job.program.instructions):
+                        raise WorkerCrashed("protocol violation: an instruction index out of range")
+                    self.last_index = message.index
+                case kcoral_worker.ReturnValue():
+                    self.receive_return(message, sizes[0])
+                case kcoral_worker.AcquireLease():
+                    if self.pool.arbiter is None or self.lease_since is not None:
+                        raise WorkerCrashed("protocol violation: a lease asked for while held, or on a CPU worker")
+                    self.hold_lease()
+                    try:
+                        kcoral_worker.send_message(conn, kcoral_worker.LeaseGranted())
+                    except OSError as exc:
+                        raise WorkerCrashed(str(exc)) from exc
+                case kcoral_worker.ReleaseLease():
+                    if self.lease_since is None:
+                        raise WorkerCrashed("protocol violation: a lease released while not held")
+                    self.release_lease()
+                case kcoral_worker.RequestDone():
+                    self.retiring = self.retiring or message.poisoned
+                    return self.attribute_gpu_access(self.checked_error(message.error))
+
+    def receive_return(self, message: "kcoral_worker.ReturnValue", frame_bytes: int) -> None:
+        """Take one returned value and its parts off the pipe, counting every announced byte
+        against --max-response-bytes (and every part against --max-response-parts) before
+        reading it: a worker cannot make the front-end hold more than the response may carry."""
+        if message.key not in self.return_keys or message.key in self.results:
+            raise WorkerCrashed("protocol violation: a return key the program does not have, or twice")
+        self.response_bytes += frame_bytes  # about what the value's JSON adds to the response
+        if self.response_bytes > self.config.max_response_bytes:
+            raise ResponseTooLarge
+        for part in message.parts:  # a size to read off the pipe, or a blob of ours
+            if len(self.parts) >= self.config.max_response_parts:
+                raise ResponseTooLarge
+            if isinstance(part, str):
+                if part not in self.job.blobs:
+                    raise WorkerCrashed(f"protocol violation: an unknown blob {part!r:.80} returned")
+                size = memoryview(self.job.blobs[part]).nbytes
+            else:
+                size = part
+            if size < 0 or self.response_bytes + size > self.config.max_response_bytes:
+                raise ResponseTooLarge
+            self.response_bytes += size
+            if isinstance(part, str):  # returned unchanged
+                self.parts.append(self.job.blobs[part])
+                continue
+            try:
+                self.parts.append(recv_raw(self.worker.conn, size, self.deadline))
+            except (EOFError, OSError) as exc:  # TimeoutError included: a stalled part is no answer
+                raise WorkerCrashed(f"the pipe broke in a returned part: {exc}") from None
+        self.results[message.key] = message.encoded
+
+    def checked_error(self, error: ErrorObject | None) -> ErrorObject | None:
+        """A FAILED result's error object as the worker reported it, held to its shape
+        (docs/protocol.md §9.7): it goes into the response and the log."""
+        if error is None:
+            return None
+        shape = {"kind": str, "message": str, "instruction_index": int, "instruction_op": str,
+                 "instruction_id": (str, type(None)), "traceback": str}
+        extra = {"cuda_call": str, "location": str, "lease_time": (int, float)}
+        instructions = self.job.program.instructions
+        if (not set(shape) <= set(error) <= set(shape) | set(extra)
+                or not all(isinstance(error[k], t) and type(error[k]) is not bool
+                           for k, t in {**shape, **extra}.items() if k in error)
+                or error["kind"] not in kcoral_worker.ERROR_KINDS
+                or not 0 <= error["instruction_index"] < len(instructions)):
+            raise WorkerCrashed("protocol violation: a malformed error object")
+        return error
+
+    def hold_lease(self, deadline: float | None = None) -> None:
+        """Wait for the lease, until `deadline` (default: the request's last moment).  Lease waits
+        do not consume the timeout, up to one timeout's worth in all: a request waiting behind
+        others still ends by twice its timeout (docs/server.md §2.3)."""
         asked_at = time.monotonic()
-        _, wait_ms = self.pool.arbiter.acquire(self.job.request_id, self.gpus)
+        _, wait_ms = self.pool.arbiter.acquire(self.job.request_id, self.gpus, deadline=deadline or self.last_moment)
         self.lease_wait_ms += wait_ms
-        self.deadline += time.monotonic() - asked_at  # lease waits do not consume the timeout
+        self.deadline = min(self.deadline + time.monotonic() - asked_at, self.last_moment)
         self.lease_since = time.monotonic()
 
     def release_lease(self) -> None:
@@ -2118,9 +2192,11 @@ class Execution:
         -> whether it is confirmed gone (if not, the pool quarantines its GPUs)."""
         if self.pool.arbiter is not None and self.lease_since is None:
             try:
-                self.hold_lease()
+                self.hold_lease(time.monotonic() + self.job.timeout)
             except LeaseRefused:  # quarantined already: nobody else will use it
                 pass
+            except TimeoutError:  # every holder ends by its own deadline: this is no normal wait
+                log_event("lease_wait_for_kill_timed_out", "WARNING", request_id=self.job.request_id)
         return self.pool.dispose(self.worker, self.config.worker_termination_grace_seconds, orphans=True)
 
     def attribute_gpu_access(self, error: ErrorObject | None) -> ErrorObject | None:

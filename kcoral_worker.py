@@ -5,7 +5,10 @@ forkserver that imported torch, numpy and tvm_ffi; under `--sandbox bubblewrap`,
 a template inside the slot's container, `template_main`).  A worker serves one
 request at a time, running its instructions in order, and reports over a
 multiprocessing pipe with the typed messages defined below (section "the
-messages"), pickled because they are small:
+messages"), each a length-prefixed JSON object whose keys and value types the
+receiver checks against the message's dataclass.  Nothing on a pipe is ever
+unpickled: a worker runs uploaded code, so the front-end treats whatever it
+sends as hostile input:
 
     worker -> front-end   WorkerReady | WorkerFailed      once, after the fork
     front-end -> worker   InitGpu -> GpuInitialized        GPU workers, once, under the lease
@@ -20,7 +23,7 @@ messages"), pickled because they are small:
     front-end -> sandbox template   ForkWorker + the worker's pipe as a passed fd
     sandbox template -> front-end   WorkerReady once, then WorkerForked and WorkerExited per worker
 
-Payloads are never pickled.  The front-end stages the request's blobs back to
+Payloads travel raw.  The front-end stages the request's blobs back to
 back in one file (JobRequest.blob_file, indexed by hash) that the worker reads
 each blob from straight into its final object, or copies into the workspace
 with sendfile; returned tensors, bytes and files go back as raw bytes on the
@@ -42,14 +45,18 @@ import dataclasses
 import hashlib
 import importlib.util
 import io
+import json
 import linecache
 import mmap
 import os
+import select
 import stat
+import struct
 import sys
 import time
 import traceback
 import types
+import typing
 from collections.abc import Callable, Iterator, Sequence
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
@@ -63,6 +70,7 @@ DTYPE_SIZES = {
 ERROR_KINDS = frozenset({"parse", "compile", "runtime", "gpu_access", "correctness",
                          "serialization", "unavailable", "engine"})
 TRACEBACK_CHARS = 8192
+MAX_VALUE_DEPTH = 400  # returned values, as requests (docs/protocol.md §5): a frame stays well within JSON's recursion
 Buffer = bytes | bytearray | memoryview | mmap.mmap  # what the raw-bytes helpers accept (any buffer, in fact)
 Instruction = dict[str, Any]  # one validated program instruction, as the front-end passed it
 ErrorObject = dict[str, Any]  # a FAILED result's "error" (docs/protocol.md §9.7)
@@ -191,48 +199,141 @@ def large_buffer(size: int) -> bytearray | mmap.mmap:
     return buf
 
 
-def recv_raw(conn: Connection, size: int) -> bytearray | mmap.mmap:
-    """Read exactly `size` raw bytes from the pipe into a new buffer (see large_buffer)."""
+def recv_raw(conn: Connection, size: int, deadline: float | None = None) -> bytearray | mmap.mmap:
+    """Read exactly `size` raw bytes from the pipe into a new buffer (see large_buffer).
+
+    With a `deadline` (time.monotonic()), a peer that announces bytes and never sends them
+    raises TimeoutError instead of blocking the reader forever."""
     buf = large_buffer(size)
-    view = memoryview(buf)
-    fd = conn.fileno()
+    read_into(conn.fileno(), memoryview(buf), deadline)
+    return buf
+
+
+def read_into(fd: int, view: memoryview, deadline: float | None) -> None:
     while view:
+        if deadline is not None:
+            wait_readable(fd, deadline)
         n = os.readv(fd, [view])
         if n == 0:
             raise EOFError("pipe closed")
         view = view[n:]
-    return buf
+
+
+def wait_readable(fd: int, deadline: float) -> None:
+    remaining = deadline - time.monotonic()
+    if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+        raise TimeoutError
 
 
 # --- the messages between the front-end and its worker processes -------------------
-# Pickled small objects on the pipe; every payload (blobs, returned parts) travels as raw bytes
-# next to them, never pickled.  Each side dispatches on the type and treats any other message
-# as a broken peer: the front-end answers WorkerCrashed, the worker raises UnexpectedMessage.
+# Each message is a frozen dataclass sent as a 4-byte big-endian length and a JSON object: its
+# class name under "type" and exactly its fields, each of its annotated type (JSON has no tuples:
+# a tuple field arrives as a list).  Every payload (blobs, returned parts) travels as raw bytes
+# next to them.  Each side dispatches on the type and treats anything else as a broken peer: the
+# front-end answers WorkerCrashed and kills the worker, the worker raises UnexpectedMessage.
+
+MESSAGE_HEADER = struct.Struct("!I")
+MESSAGE_TYPES: dict[str, type] = {}  # class name -> message class, filled by @message
+
 
 class UnexpectedMessage(RuntimeError):
     """The peer sent a message the protocol does not allow at this point."""
 
 
-@dataclasses.dataclass(frozen=True)
+def message(cls: type) -> type:
+    """Declare a message class: a frozen dataclass the codec knows by name."""
+    cls = dataclasses.dataclass(frozen=True)(cls)
+    MESSAGE_TYPES[cls.__name__] = cls
+    return cls
+
+
+def encode_message(msg: object) -> bytes:
+    """The frame of one message.  RecursionError or ValueError for a value JSON cannot carry."""
+    fields = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}  # type: ignore[arg-type]
+    payload = json.dumps({"type": type(msg).__name__, **fields}, separators=(",", ":"),
+                         allow_nan=False).encode()
+    return MESSAGE_HEADER.pack(len(payload)) + payload
+
+
+def send_message(conn: Connection, msg: object) -> None:
+    send_raw(conn, encode_message(msg))
+
+
+def receive_message(conn: Connection, limit: int = 1 << 30, deadline: float | None = None) -> tuple[object, int]:
+    """The next message off the pipe, checked field by field -> (message, its frame's size).
+
+    UnexpectedMessage for a frame over `limit` bytes, malformed JSON, an unknown type, a missing
+    or extra key or a value of the wrong type; TimeoutError past `deadline`; EOFError when the
+    peer closed the pipe."""
+    fd = conn.fileno()
+    header = bytearray(MESSAGE_HEADER.size)
+    read_into(fd, memoryview(header), deadline)
+    (size,) = MESSAGE_HEADER.unpack(header)
+    if size > limit:
+        raise UnexpectedMessage(f"a message of {size} bytes (at most {limit} allowed here)")
+    payload = bytearray(size)
+    read_into(fd, memoryview(payload), deadline)
+    return decode_message(payload), MESSAGE_HEADER.size + size
+
+
+def decode_message(payload: bytes | bytearray) -> object:
+    try:
+        data = json.loads(payload)
+    except (ValueError, RecursionError):
+        raise UnexpectedMessage("a message that is not JSON") from None
+    cls = MESSAGE_TYPES.get(data.get("type")) if isinstance(data, dict) and isinstance(data.get("type"), str) else None
+    if cls is None:
+        raise UnexpectedMessage("a message of no known type")
+    hints = typing.get_type_hints(cls)
+    fields = {k: v for k, v in data.items() if k != "type"}
+    if set(fields) != set(hints):
+        raise UnexpectedMessage(f"{cls.__name__} with fields {sorted(fields)!r:.200}")
+    for name, value in fields.items():
+        if not fits(value, hints[name]):
+            raise UnexpectedMessage(f"{cls.__name__}.{name} is not {hints[name]}")
+    return cls(**fields)
+
+
+def fits(value: object, hint: Any) -> bool:
+    """Whether a decoded JSON value has the annotated type (bool is not an int here)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(fits(value, arg) for arg in args)
+    if hint is type(None):
+        return value is None
+    if hint in (bool, int, str):
+        return type(value) is hint
+    if hint is float:
+        return type(value) in (int, float)
+    if (origin or hint) is list:
+        return type(value) is list and (not args or all(fits(v, args[0]) for v in value))
+    if (origin or hint) is tuple:
+        return type(value) is list and len(value) == len(args) and all(map(fits, value, args))
+    if (origin or hint) is dict:
+        return type(value) is dict and (not args or all(fits(v, args[1]) for v in value.values()))
+    return False
+
+
+@message
 class WorkerReady:
     """Worker -> front-end, once after the fork: pinned to its GPU(s) and imported, no CUDA context yet.
     The sandbox template sends it too, once it has imported what its workers preload."""
     pid: int  # as the sender sees it (a sandbox has its own PID namespace)
 
 
-@dataclasses.dataclass(frozen=True)
+@message
 class WorkerFailed:
     """Worker -> front-end, instead of WorkerReady: this fork cannot serve (the template initialised CUDA)."""
     reason: str
 
 
-@dataclasses.dataclass(frozen=True)
+@message
 class InitGpu:
     """Front-end -> GPU worker, once after WorkerReady, while the front-end holds the lease: create the
     CUDA context.  Answered by GpuInitialized."""
 
 
-@dataclasses.dataclass(frozen=True)
+@message
 class GpuInitialized:
     """Worker -> front-end, the answer to InitGpu: what device 0 is, to check the pinning."""
     arch: str  # like "sm_90a"
@@ -240,7 +341,7 @@ class GpuInitialized:
     uuid: str  # device 0's UUID, or ""
 
 
-@dataclasses.dataclass(frozen=True)
+@message
 class JobRequest:
     """Front-end -> worker, once per request.  The blobs wait in the staging file `blob_file`
     (`blob_index`: hash -> (offset, size)); with `capture`, the write ends of the stdout and
@@ -253,20 +354,21 @@ class JobRequest:
     capture: bool
     grace: float  # seconds between SIGTERM and SIGKILL for processes the program left behind
     max_response_bytes: int
+    max_response_parts: int
 
 
-@dataclasses.dataclass(frozen=True)
+@message
 class StopWorker:
     """Front-end -> idle worker: exit now."""
 
 
-@dataclasses.dataclass(frozen=True)
+@message
 class InstructionStarted:
     """Worker -> front-end, before each instruction: a crash from here on is attributed to it."""
     index: int
 
 
-@dataclasses.dataclass(frozen=True)
+@message
 class ReturnValue:
     """Worker -> front-end, as each `return` instruction completes (so a later crash cannot lose it).
 
@@ -277,30 +379,30 @@ class ReturnValue:
     parts: list[int | str]
 
 
-@dataclasses.dataclass(frozen=True)
+@message
 class AcquireLease:
     """GPU worker -> front-end, before an instruction that may touch the GPU; answered by LeaseGranted."""
 
 
-@dataclasses.dataclass(frozen=True)
+@message
 class LeaseGranted:
     """Front-end -> GPU worker, the answer to AcquireLease: the worker's GPU(s) are its own now."""
 
 
-@dataclasses.dataclass(frozen=True)
+@message
 class ReleaseLease:
     """GPU worker -> front-end, before host-only work (file uploads and returns, cpu_only runs),
     after giving its cached GPU memory back.  Not answered."""
 
 
-@dataclasses.dataclass(frozen=True)
+@message
 class RequestDone:
     """Worker -> front-end, the last message of a request."""
     error: dict | None  # the FAILED result's error object
     poisoned: bool  # the CUDA context is unusable: retire the worker
 
 
-@dataclasses.dataclass(frozen=True)
+@message
 class ForkWorker:
     """Front-end -> sandbox template: fork one worker; the worker's pipe follows as a passed file
     descriptor.  Answered by WorkerForked, then WorkerExited once that worker is gone."""
@@ -308,13 +410,13 @@ class ForkWorker:
     visible_gpus: list[str]
 
 
-@dataclasses.dataclass(frozen=True)
+@message
 class WorkerForked:
     """Sandbox template -> front-end: the new worker's pid inside the sandbox."""
     pid: int
 
 
-@dataclasses.dataclass(frozen=True)
+@message
 class WorkerExited:
     """Sandbox template -> front-end: the worker it forked last is gone, with this exit code."""
     exit_code: int
@@ -796,15 +898,20 @@ class Encoder:
     """Encodes returned values depth-first, collecting binary parts in order."""
 
     def __init__(self, first_part: int, byte_budget: int,
-                 known_digest: Callable[[object], str | None] = lambda value: None) -> None:
+                 known_digest: Callable[[object], str | None] = lambda value: None,
+                 max_parts: int = 1 << 62) -> None:
         self.next_part = first_part
         self.byte_budget = byte_budget
+        self.max_parts = max_parts
         self.parts: list[tuple[memoryview, str | None]] = []  # (bytes, hash if a staged blob)
         self.known_digest = known_digest  # a staged blob -> its SHA-256, anything else -> None
 
     def part(self, data: Buffer, digest: str | None = None) -> tuple[str, str]:
         # Only file/folder returns are held to the byte budget (docs/protocol.md §8.6, checked while reading);
         # an oversized value makes the front-end answer 500 response_too_large (docs/protocol.md §9.8).
+        if self.next_part >= self.max_parts:
+            raise ExecutionError("serialization", f"a response may carry at most {self.max_parts} binary parts "
+                                 "(returned bytes, tensors and files)")
         data = memoryview(data).cast("B")
         self.byte_budget -= data.nbytes
         self.parts.append((data, digest))
@@ -813,7 +920,7 @@ class Encoder:
         return name, digest or hashlib.sha256(data).hexdigest()
 
     def value(self, v: object, depth: int = 0) -> dict[str, Any]:
-        if depth > 900:
+        if depth > MAX_VALUE_DEPTH:
             raise ExecutionError("serialization", "returned value is nested too deeply")
         if v is None:
             return {"type": "null"}
@@ -1072,12 +1179,13 @@ class ProgramRun:
         self.handles: dict[str, Any] = {}
         self.last_index = 0
         self.cpu_only: set[str] = set()
-        self.encoder = Encoder(0, request.max_response_bytes, lambda value: self.blobs.digest_of(value))
+        self.encoder = Encoder(0, request.max_response_bytes, lambda value: self.blobs.digest_of(value),
+                               request.max_response_parts)
 
     def run(self) -> ErrorObject | None:
         for index, ins in enumerate(self.request.instructions):
             self.last_index = index
-            self.conn.send(InstructionStarted(index))
+            send_message(self.conn, InstructionStarted(index))
             try:
                 self.lease.before(ins, self.cpu_only)
                 getattr(self, "op_" + ins["op"])(ins)
@@ -1145,8 +1253,8 @@ class ProgramRun:
         first_part = self.encoder.next_part
         try:
             encoded = self.encode_return(ins)
-            # pickle recurses twice per level: a value the encoder took can still be too deep
-            message = reduction.ForkingPickler.dumps(
+            # JSON recurses twice per level: a value the encoder took can still be too deep
+            frame = encode_message(
                 ReturnValue(ins["key"], encoded, [digest or data.nbytes for data, digest in self.encoder.parts]))
         except BaseException as exc:
             # a failing return contributes nothing: give its part numbers back
@@ -1156,7 +1264,7 @@ class ProgramRun:
                 raise ExecutionError("serialization", "returned value is nested too deeply") from exc
             raise
         parts = self.encoder.parts
-        self.conn.send_bytes(message)
+        send_raw(self.conn, frame)
         for data, staged in parts:
             if staged is None:
                 send_raw(self.conn, data)
@@ -1218,8 +1326,8 @@ class GpuLease:
 
     def acquire(self) -> None:
         if not self.held:
-            self.conn.send(AcquireLease())
-            reply = self.conn.recv()
+            send_message(self.conn, AcquireLease())
+            reply, _ = receive_message(self.conn)
             if not isinstance(reply, LeaseGranted):
                 raise UnexpectedMessage(f"expected LeaseGranted, got {reply!r}")
             self.held = True
@@ -1227,7 +1335,7 @@ class GpuLease:
     def release(self) -> None:
         if self.held:
             RUNTIME.release_cached_memory()
-            self.conn.send(ReleaseLease())
+            send_message(self.conn, ReleaseLease())
             self.held = False
 
     def finish(self) -> None:
@@ -1331,7 +1439,7 @@ def worker_main(conn: Connection, device: str, visible_gpus: list[str]) -> None:
     os.environ[WORKER_MARK] = str(os.getpid())  # inherited: finds what escapes after a crash
     problem = template_cuda_problem()
     if problem:
-        conn.send(WorkerFailed(problem))
+        send_message(conn, WorkerFailed(problem))
         os._exit(1)
     global RUNTIME
     if device == "cuda":
@@ -1341,13 +1449,13 @@ def worker_main(conn: Connection, device: str, visible_gpus: list[str]) -> None:
     import gc
     gc.freeze()  # the template's objects are permanent: later collections skip them
     env = dict(os.environ)
-    conn.send(WorkerReady(os.getpid()))
+    send_message(conn, WorkerReady(os.getpid()))
     for message in messages(conn):
         match message:
             case StopWorker():
                 os._exit(0)
             case InitGpu():
-                conn.send(initialize_gpu())
+                send_message(conn, initialize_gpu())
                 env = dict(os.environ)
             case JobRequest():
                 poisoned = serve_request(conn, message)
@@ -1363,7 +1471,7 @@ def messages(conn: Connection) -> Iterator[object]:
     (a worker or a sandbox template) has nothing left to do and exits quietly."""
     while True:
         try:
-            yield conn.recv()
+            yield receive_message(conn)[0]
         except EOFError:
             os._exit(0)
 
@@ -1390,7 +1498,7 @@ def template_main(fd: int, preload: list[str], import_env: dict[str, str]) -> No
         else:
             os.environ[name] = value
     conn = Connection(fd)
-    conn.send(WorkerReady(os.getpid()))
+    send_message(conn, WorkerReady(os.getpid()))
     for message in messages(conn):
         if not isinstance(message, ForkWorker):
             raise UnexpectedMessage(f"a sandbox template cannot serve {message!r}")
@@ -1404,8 +1512,8 @@ def template_main(fd: int, preload: list[str], import_env: dict[str, str]) -> No
             finally:
                 os._exit(1)
         os.close(pipe)
-        conn.send(WorkerForked(pid))
-        conn.send(WorkerExited(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])))
+        send_message(conn, WorkerForked(pid))
+        send_message(conn, WorkerExited(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])))
 
 
 def set_dumpable(flag: bool) -> None:
@@ -1558,7 +1666,7 @@ def serve_request(conn: Connection, request: JobRequest) -> bool:
         os.chdir("/")
         if capture is not None:
             capture.restore()
-    conn.send(RequestDone(error, poisoned))
+    send_message(conn, RequestDone(error, poisoned))
     return poisoned
 
 

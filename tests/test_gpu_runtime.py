@@ -20,6 +20,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import types
@@ -283,12 +284,13 @@ def execution(pool, script, timeout=10.0, request_id="req-1", gpus=(0,), gone=Tr
     worker = FakeWorker(ours, list(gpus))
     worker.gone = gone
     instructions = [{"op": "upload", "id": "m", "kind": "module", "source": ""},
-                    {"op": "run", "id": "r", "fn": {"$ref": "m"}}]
+                    {"op": "run", "id": "r", "fn": {"$ref": "m"}},
+                    {"op": "return", "key": "k", "value": {"$ref": "r"}}]
     program = kcoral.ValidProgram(instructions, {}, {}, [])
     job = kcoral.Job(request_id, program, blobs or {}, timeout=timeout, output_limit=0)
 
     def play():
-        theirs.recv()  # the request
+        kcoral_worker.receive_message(theirs)  # the request
         try:
             script(theirs)
         except (EOFError, OSError):
@@ -302,8 +304,8 @@ def execution(pool, script, timeout=10.0, request_id="req-1", gpus=(0,), gone=Tr
 
 
 def acquire(conn):
-    conn.send(kcoral_worker.AcquireLease())
-    assert conn.recv() == kcoral_worker.LeaseGranted()
+    kcoral_worker.send_message(conn, kcoral_worker.AcquireLease())
+    assert kcoral_worker.receive_message(conn)[0] == kcoral_worker.LeaseGranted()
 
 
 def test_lease_timings_add_up_around_a_cpu_only_release():
@@ -312,15 +314,15 @@ def test_lease_timings_add_up_around_a_cpu_only_release():
     threading.Timer(0.5, pool.arbiter.release, ("someone-else", [0])).start()
 
     def script(conn):
-        conn.send(kcoral_worker.InstructionStarted(0))
+        kcoral_worker.send_message(conn, kcoral_worker.InstructionStarted(0))
         acquire(conn)               # waits ~0.5 s for someone-else
         time.sleep(0.2)
-        conn.send(kcoral_worker.ReleaseLease())  # a cpu_only run: 0.3 s without the lease
-        conn.send(kcoral_worker.InstructionStarted(1))
+        kcoral_worker.send_message(conn, kcoral_worker.ReleaseLease())  # a cpu_only run: 0.3 s without the lease
+        kcoral_worker.send_message(conn, kcoral_worker.InstructionStarted(1))
         time.sleep(0.3)
         acquire(conn)
         time.sleep(0.1)
-        conn.send(kcoral_worker.RequestDone(None, False))
+        kcoral_worker.send_message(conn, kcoral_worker.RequestDone(None, False))
 
     outcome, retire, _ = execution(pool, script, timeout=0.85)  # lease waits do not consume the timeout
     body = outcome.body
@@ -336,7 +338,7 @@ def test_a_dead_holders_lease_is_freed():
     pool = fake_pool()
 
     def script(conn):
-        conn.send(kcoral_worker.InstructionStarted(1))
+        kcoral_worker.send_message(conn, kcoral_worker.InstructionStarted(1))
         acquire(conn)
         conn.close()  # the worker dies holding the lease
 
@@ -353,7 +355,7 @@ def test_a_timed_out_worker_is_killed_under_the_lease():
     pool, seen = fake_pool(), {}
 
     def script(conn):
-        conn.send(kcoral_worker.InstructionStarted(0))
+        kcoral_worker.send_message(conn, kcoral_worker.InstructionStarted(0))
         time.sleep(1)  # hangs without the lease (say, in a cpu_only run)
 
     original_kill = FakeWorker.kill
@@ -372,14 +374,14 @@ def test_a_timed_out_worker_is_killed_under_the_lease():
 
 
 def test_an_unexpected_worker_message_is_a_crash():
-    """A message the protocol does not define (here the old tuple form) is a crashed worker: killed,
+    """A message the protocol does not define (here a frame naming no known type) is a crashed worker: killed,
     retired, the lease freed, the failure attributed to the instruction it had started."""
     pool = fake_pool()
 
     def script(conn):
-        conn.send(kcoral_worker.InstructionStarted(1))
+        kcoral_worker.send_message(conn, kcoral_worker.InstructionStarted(1))
         acquire(conn)
-        conn.send(("lease", "release"))
+        kcoral_worker.send_raw(conn, kcoral_worker.MESSAGE_HEADER.pack(19) + b'{"type":"Release"} ')  # no such message
         time.sleep(1)
 
     started = time.monotonic()
@@ -398,11 +400,11 @@ def test_a_staged_blob_returned_unchanged_is_answered_from_the_front_ends_copy()
     digest = hashlib.sha256(staged).hexdigest()
 
     def script(conn):
-        conn.send(kcoral_worker.InstructionStarted(0))
-        conn.send(kcoral_worker.ReturnValue("k", {"type": "array", "value": []}, [3, digest, 2]))
+        kcoral_worker.send_message(conn, kcoral_worker.InstructionStarted(0))
+        kcoral_worker.send_message(conn, kcoral_worker.ReturnValue("k", {"type": "array", "value": []}, [3, digest, 2]))
         kcoral_worker.send_raw(conn, b"abc")
         kcoral_worker.send_raw(conn, b"de")
-        conn.send(kcoral_worker.RequestDone(None, False))
+        kcoral_worker.send_message(conn, kcoral_worker.RequestDone(None, False))
 
     outcome, retire, worker = execution(pool, script, blobs={digest: staged})
     assert outcome.body["status"] == "COMPLETED" and not retire and not worker.killed
@@ -417,8 +419,8 @@ def test_a_returned_blob_the_job_does_not_hold_is_a_crash(name):
     digest = hashlib.sha256(staged).hexdigest()
 
     def script(conn):
-        conn.send(kcoral_worker.InstructionStarted(1))
-        conn.send(kcoral_worker.ReturnValue("k", {"type": "array", "value": []}, [name]))
+        kcoral_worker.send_message(conn, kcoral_worker.InstructionStarted(1))
+        kcoral_worker.send_message(conn, kcoral_worker.ReturnValue("k", {"type": "array", "value": []}, [name]))
         time.sleep(1)
 
     started = time.monotonic()
@@ -433,9 +435,9 @@ def test_a_poisoned_worker_is_retired():
     pool = fake_pool()
 
     def script(conn):
-        conn.send(kcoral_worker.InstructionStarted(0))
+        kcoral_worker.send_message(conn, kcoral_worker.InstructionStarted(0))
         acquire(conn)
-        conn.send(kcoral_worker.RequestDone(None, True))
+        kcoral_worker.send_message(conn, kcoral_worker.RequestDone(None, True))
 
     outcome, retire, _ = execution(pool, script)
     assert outcome.body["status"] == "COMPLETED" and retire
@@ -458,8 +460,8 @@ def test_gpu_access_names_the_request_that_held_the_gpu(holder, expected):
         pool.arbiter.release(holder, [0])
 
     def script(conn):
-        conn.send(kcoral_worker.InstructionStarted(1))
-        conn.send(kcoral_worker.RequestDone(gpu_access_error(when), False))
+        kcoral_worker.send_message(conn, kcoral_worker.InstructionStarted(1))
+        kcoral_worker.send_message(conn, kcoral_worker.RequestDone(gpu_access_error(when), False))
 
     outcome, _, _ = execution(pool, script)
     error = outcome.body["error"]
@@ -470,24 +472,41 @@ def test_gpu_access_names_the_request_that_held_the_gpu(holder, expected):
 
 # --- the worker side ----------------------------------------------------------------
 
-DEVNULL = open(os.devnull, "wb")  # noqa: SIM115  the fake pipe's raw writes, for the whole session
-
-
 class FakeConn:
-    def __init__(self):
-        self.sent = []
+    """The worker's end of its pipe: what it writes lands in a file, read back as messages (`sent`);
+    every lease request is answered with `reply`."""
 
-    def send(self, message):
-        self.sent.append(message)
+    def __init__(self, reply=None):
+        self.file = tempfile.TemporaryFile()
+        self.reply = reply or kcoral_worker.LeaseGranted()
 
-    def send_bytes(self, data):  # a pickled ReturnValue
-        self.sent.append(("return", len(data)))
+    def fileno(self):
+        return self.file.fileno()
 
-    def fileno(self):  # its binary parts go here
-        return DEVNULL.fileno()
+    @property
+    def sent(self):
+        """The messages written so far (a ReturnValue's raw parts skipped)."""
+        data, messages, at = os.pread(self.fileno(), 1 << 30, 0), [], 0
+        while at < len(data):
+            (size,) = kcoral_worker.MESSAGE_HEADER.unpack_from(data, at)
+            at += kcoral_worker.MESSAGE_HEADER.size
+            messages.append(kcoral_worker.decode_message(data[at:at + size]))
+            at += size
+            if isinstance(messages[-1], kcoral_worker.ReturnValue):
+                at += sum(p for p in messages[-1].parts if isinstance(p, int))
+        return messages
 
-    def recv(self):
-        return kcoral_worker.LeaseGranted()
+
+@pytest.fixture(autouse=True)
+def lease_replies(monkeypatch):
+    """GpuLease reads its answer off the pipe: a FakeConn gives its `reply` instead."""
+    real = kcoral_worker.receive_message
+
+    def receive(conn, *args, **kwargs):
+        if isinstance(conn, FakeConn):
+            return conn.reply, 0
+        return real(conn, *args, **kwargs)
+    monkeypatch.setattr(kcoral_worker, "receive_message", receive)
 
 
 LEASE_TABLE = [
@@ -519,8 +538,7 @@ def test_gpu_lease_before_each_instruction(ins, action, held):
 
 
 def test_gpu_lease_refuses_an_answer_other_than_granted():
-    conn = FakeConn()
-    conn.recv = lambda: kcoral_worker.ReleaseLease()
+    conn = FakeConn(reply=kcoral_worker.ReleaseLease())
     lease = kcoral_worker.GpuLease(conn)
     with pytest.raises(kcoral_worker.UnexpectedMessage, match="LeaseGranted"):
         lease.acquire()
@@ -570,7 +588,8 @@ def fake_cupti(monkeypatch):
 
 def job_request(instructions, workspace="", retire=False):
     return kcoral_worker.JobRequest(instructions=instructions, retire=retire, workspace=workspace, blob_file=None,
-                                    blob_index={}, capture=False, grace=0.1, max_response_bytes=1 << 20)
+                                    blob_index={}, capture=False, grace=0.1, max_response_bytes=1 << 20,
+                                    max_response_parts=1000)
 
 
 def run_cpu_only(source, cpu_only=True):
@@ -1050,7 +1069,7 @@ def test_unconfirmed_kill_quarantines_the_gpu():
     pool = fake_pool()
 
     def script(conn):
-        conn.send(kcoral_worker.InstructionStarted(0))
+        kcoral_worker.send_message(conn, kcoral_worker.InstructionStarted(0))
         time.sleep(1)
 
     outcome, retire, _ = execution(pool, script, timeout=0.2, gone=False)
