@@ -41,6 +41,7 @@ import json
 import math
 import mmap
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import queue
 import re
@@ -103,6 +104,7 @@ def __getattr__(name: str) -> Any:
 
 
 CLIENT_MODULE = "kcoral_client"
+PROJECT_DIR = os.path.dirname(os.path.abspath(__file__))  # this file and kcoral_worker.py
 _client_lock = threading.Lock()
 
 
@@ -220,8 +222,9 @@ class ServerConfig:
                                      "serialization")
     output_limit_bytes: int = option(1 << 20, "default per-stream stdout/stderr capture limit")
     max_output_limit_bytes: int = option(16 << 20, "upper clamp for a request's output_limit_bytes")
-    sandbox: str = option("none", "isolate each request's code in a bubblewrap container (docs/sandbox.md)",
-                          choices=("none", "bubblewrap"))
+    sandbox: str = option("auto", "isolate each request's code in a bubblewrap container (docs/sandbox.md); "
+                          "auto: when a working bwrap is found and workers serve one request each",
+                          choices=("auto", "none", "bubblewrap"))
     sandbox_readonly_paths: tuple = option((), "extra path mounted read-only in the sandbox (repeatable)",
                                            flag="--sandbox-readonly-path")
     token: str | None = option(None, "require 'Authorization: Bearer <token>' on every endpoint",
@@ -962,30 +965,38 @@ def is_live(pid: int) -> bool:
 def kill_group(pgid: int, grace: float, exclude: Collection[int] = (), orphans: bool = False,
                kill_wait: float = 10.0) -> bool:
     """SIGTERM the group and its leader's descendants (with `orphans`, also every process
-    started under it), SIGKILL what is left after the grace period; wait until it is gone.
-    -> whether it is gone: False when something outlived SIGKILL by `kill_wait` seconds."""
-    marked = set(marked_processes(pgid)) - set(exclude) if orphans else set()
-
+    started under it), SIGKILL what is left after the grace period, sweep after sweep for up to
+    `kill_wait` seconds.  -> whether it is gone."""
     def remaining() -> list[int]:
+        marked = [pid for pid in marked_processes(pgid) if pid not in exclude] if orphans else []
         return group_members(pgid, exclude) + [pid for pid in marked if is_live(pid)]
 
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, kill_wait)):
-        members = remaining()
-        if not members:
-            return True
-        for pid in members:
-            try:
-                os.kill(pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-        try:
-            os.killpg(pgid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
+    return terminate(remaining, grace, kill_wait, group=pgid)
+
+
+def terminate(remaining: Callable[[], list[int]], grace: float, kill_for: float, group: int | None = None) -> bool:
+    """SIGTERM each process `remaining()` lists, then SIGKILL what is left once `grace` has passed,
+    sweep after sweep until none is left or `kill_for` seconds are over: a fork chain that outruns
+    one snapshot is caught by the next.  With `group`, each sweep also signals that process group
+    (atomically, for its members).  -> whether none is left."""
+    warned: set[int] = set()
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, kill_for)):
         deadline = time.monotonic() + wait
-        while remaining() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        if not remaining():
+        pids = remaining()
+        while pids:
+            for pid in pids:
+                if sig == signal.SIGKILL or pid not in warned:  # one SIGTERM each: a handler may count them
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, sig)
+                    warned.add(pid)
+            if group is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(group, sig)
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.001 if sig == signal.SIGKILL else 0.01)
+            pids = remaining()
+        if not pids:
             return True
     return False
 
@@ -1033,7 +1044,7 @@ def prepare_template_imports(timeout: float, warm: str = WARM_TVM_FFI) -> str:
         return "native"
     started = time.monotonic()
     try:
-        subprocess.run([sys.executable, "-c", warm], check=True, timeout=timeout,
+        subprocess.run([sys.executable, "-I", "-c", warm], check=True, timeout=timeout,
                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         state, error = "warmed", None
     except (subprocess.SubprocessError, OSError) as exc:
@@ -1169,20 +1180,33 @@ class LeaseArbiter:
 # --- 6. the sandbox (docs/sandbox.md) -------------------------------------------------------------
 
 SANDBOX_ROOT = "/kcoral"  # inside a sandbox: the slot's private directory (work/, blobs, home/, cache/)
-SANDBOX_SCRATCH = ("tmp", "shm")  # bound at /tmp, /var/tmp and /dev/shm: emptied, never replaced
+# A slot's host directory (0700, invisible inside) holds the three directories a container may write,
+# each a mount point inside, so a program can change what they hold but never rename or replace them:
+SANDBOX_WRITABLE = {"private": (SANDBOX_ROOT,), "tmp": ("/tmp", "/var/tmp"), "shm": ("/dev/shm",)}
 SANDBOX_ETC = ("alternatives", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "passwd", "group", "nsswitch.conf",
                "hosts", "localtime", "ssl", "ca-certificates", "os-release", "debian_version", "gitconfig")
-SANDBOX_ENV_NAMES = ("PATH", "LANG", "LANGUAGE", "TZ", "LD_LIBRARY_PATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
-# tool settings, never secrets: the cache locations among them are replaced by the sandbox's own
-SANDBOX_ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "NVCC_", "TORCH_", "PYTORCH_", "TRITON_", "TVM_FFI_")
+SYSTEM_TOPS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+# exact names, never prefixes (an NVIDIA_API_KEY must not pass): locale, threads and the tool settings
+# kernels need; the cache locations among them are replaced by the sandbox's own
+SANDBOX_ENV_NAMES = (
+    "PATH", "LD_LIBRARY_PATH", "LANG", "LANGUAGE", "TZ", "LC_ALL", "LC_CTYPE", "LC_NUMERIC", "LC_TIME",
+    "LC_COLLATE", "LC_MONETARY", "LC_MESSAGES", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+    "CUDA_HOME", "CUDA_PATH", "CUDA_MODULE_LOADING", "CUDA_LAUNCH_BLOCKING", "CUDA_DEVICE_MAX_CONNECTIONS",
+    "NVIDIA_DRIVER_CAPABILITIES", "NVCC_APPEND_FLAGS", "NVCC_PREPEND_FLAGS", "NVCC_CCBIN",
+    "TORCH_CUDA_ARCH_LIST", "TORCH_SHOW_CPP_STACKTRACES", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_NO_CUDA_MEMORY_CACHING",
+    "PYTORCH_NVML_BASED_CUDA_CHECK", "TRITON_PTXAS_PATH", "TVM_FFI_CUDA_ARCH_LIST")
 SANDBOX_ADDONS = "/opt/kcoral-tvm-ffi"  # inside: the tvm_ffi torch add-on the server built (read-only)
+KILL_SWEEP_SECONDS = 2.0  # SIGKILL sweeps over a container's request processes before it is ended whole
 GPU_CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-caps")
 
 
 def sandbox_environment() -> dict[str, str]:
     """An allow-list of the server's variables, never its secrets; home, temporary files and the
     compiler/JIT caches all inside the slot's private directory, so they vanish with the request."""
-    env = {k: v for k, v in os.environ.items() if k in SANDBOX_ENV_NAMES or k.startswith(SANDBOX_ENV_PREFIXES)}
+    env = {k: v for k, v in os.environ.items() if k in SANDBOX_ENV_NAMES}
+    for name in ("PATH", "LD_LIBRARY_PATH"):  # a directory that does not exist inside could not be created there
+        if name in env:
+            env[name] = ":".join(d for d in env[name].split(":") if shown_inside(d))
     cache = f"{SANDBOX_ROOT}/cache"
     env.update(HOME=f"{SANDBOX_ROOT}/home", TMPDIR="/tmp", XDG_CACHE_HOME=cache,
                TORCH_EXTENSIONS_DIR=f"{cache}/torch_extensions", TRITON_CACHE_DIR=f"{cache}/triton",
@@ -1192,6 +1216,13 @@ def sandbox_environment() -> dict[str, str]:
 
 def is_under(path: str, parent: str) -> bool:
     return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+def shown_inside(directory: str) -> bool:
+    """Whether a host directory exists, read-only, inside every container (the system directories
+    and the Python installation; not the operator's --sandbox-readonly-path entries)."""
+    return (os.path.isabs(directory) and os.path.isdir(directory)
+            and any(is_under(os.path.realpath(directory), top) for top in SYSTEM_TOPS + tuple(python_paths())))
 
 
 def python_paths() -> list[str]:
@@ -1216,23 +1247,11 @@ def shown_paths(config: ServerConfig) -> list[str]:
     return python_paths() + files + [os.path.abspath(p) for p in config.sandbox_readonly_paths]
 
 
-def scratch_mount_points(config: ServerConfig, root: str) -> list[str]:
-    """Where read-only mounts sit inside the private /tmp, /var/tmp and /dev/shm (a checkout or a
-    --sandbox-readonly-path under /tmp, say), as paths in `root`: emptying must leave their way."""
-    scratch = {"/tmp": "tmp", "/var/tmp": "tmp", "/dev/shm": "shm"}
-    return [os.path.join(root, name, os.path.relpath(path, top)) for path in shown_paths(config)
-            for top, name in scratch.items() if is_under(path, top) and path != top]
-
-
-def empty_directory(path: str, keep: list[str] | tuple = ()) -> None:
-    """Remove what `path` holds, except the files and directories on the way to each of `keep`."""
-    for entry in os.listdir(path):
-        full = os.path.join(path, entry)
-        ahead = [k for k in keep if is_under(k, full)]
-        if not ahead:
-            remove_entry(full)
-        elif full not in ahead:
-            empty_directory(full, ahead)
+def mount_points_within(config: ServerConfig, name: str) -> list[str]:
+    """Where read-only mounts sit inside the writable directory `name` (a checkout or a
+    --sandbox-readonly-path under /tmp, say), relative to it: emptying must leave their way."""
+    return [os.path.relpath(path, top) for path in shown_paths(config)
+            for top in SANDBOX_WRITABLE[name] if is_under(path, top) and path != top]
 
 
 def torch_addons() -> list[str]:
@@ -1269,7 +1288,7 @@ def bwrap_command(config: ServerConfig, gpus: list[int], root: str) -> list[str]
             "--disable-userns", "--cap-drop", "ALL", "--new-session", "--clearenv"]
     for name, value in sandbox_environment().items():
         args += ["--setenv", name, value]
-    for top in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+    for top in SYSTEM_TOPS:
         if os.path.islink(top):
             args += ["--symlink", os.readlink(top), top]
         elif os.path.isdir(top):
@@ -1281,14 +1300,21 @@ def bwrap_command(config: ServerConfig, gpus: list[int], root: str) -> list[str]
         args += ["--dev-bind-try", node, node]
     for addon in torch_addons():
         args += ["--ro-bind", addon, os.path.join(SANDBOX_ADDONS, os.path.basename(addon))]
-    args += ["--bind", root, SANDBOX_ROOT, "--bind", os.path.join(root, "tmp"), "/tmp",
-             "--bind", os.path.join(root, "tmp"), "/var/tmp", "--bind", os.path.join(root, "shm"), "/dev/shm"]
+    for name, places in SANDBOX_WRITABLE.items():
+        for place in places:
+            args += ["--bind", os.path.join(root, name), place]
     shown = shown_paths(config)
-    hidden = [p for p in (config.log_dir, config.disk_cache_dir, tempfile.gettempdir(), os.path.expanduser("~"))
-              if p and any(is_under(os.path.abspath(p), s) for s in shown)]
+    hidden = [os.path.abspath(p) for p in (config.log_dir, config.disk_cache_dir, tempfile.gettempdir(),
+                                           os.path.expanduser("~")) if p]
+    hidden = [p for p in hidden if any(is_under(p, s) for s in shown)]
     # parents before children, so a hidden directory's tmpfs never covers a mount inside it
-    for path, kind in sorted([(p, "--ro-bind") for p in shown] + [(os.path.abspath(p), "--tmpfs") for p in hidden]):
+    for path, kind in sorted([(p, "--ro-bind") for p in shown] + [(p, "--tmpfs") for p in hidden]):
         args += [kind, path] if kind == "--tmpfs" else [kind, path, path]
+    # Last, everything bwrap itself made writable becomes read-only (its root, /dev, the hiding
+    # tmpfs mounts): a file a request leaves anywhere but the three directories above would
+    # otherwise be there for the next request in the same container.
+    for path in ["/", "/dev", *hidden]:
+        args += ["--remount-ro", path]
     return args + ["--chdir", "/"]
 
 
@@ -1329,11 +1355,11 @@ def probe_bubblewrap(config: ServerConfig) -> None:
         raise SystemExit("kcoral: --sandbox bubblewrap needs bwrap on PATH (Debian: apt-get install bubblewrap)")
     root = tempfile.mkdtemp(prefix="kcoral-sandbox-probe-")
     try:
-        for name in SANDBOX_SCRATCH:
-            os.mkdir(os.path.join(root, name))
+        for name in SANDBOX_WRITABLE:
+            os.mkdir(os.path.join(root, name), 0o700)
         project, _ = project_files()
         code = f"import sys; sys.path.insert(0, {project!r}); import kcoral_worker"
-        result = subprocess.run(bwrap_command(config, [], root) + [sys.executable, "-c", code], check=False,
+        result = subprocess.run(bwrap_command(config, [], root) + [sys.executable, "-I", "-c", code], check=False,
                                 env=sandbox_environment(), stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise SystemExit(f"kcoral: --sandbox bubblewrap: bwrap does not work here: {exc}") from None
@@ -1388,10 +1414,14 @@ class SandboxTemplate:
     current: "SandboxedProcess | None"  # the worker it forked last
 
     def __init__(self, config: ServerConfig, device: str, gpus: list[int]) -> None:
-        self.root = tempfile.mkdtemp(prefix=workspace_prefix("sandbox"))
-        for name in SANDBOX_SCRATCH:
-            os.mkdir(os.path.join(self.root, name), 0o1777)
-        self.mount_points = scratch_mount_points(config, self.root)
+        self.root = tempfile.mkdtemp(prefix=workspace_prefix("sandbox"))  # 0700, never shown inside
+        self.private = os.path.join(self.root, "private")  # the container's SANDBOX_ROOT
+        self.identity = {}  # name -> (st_dev, st_ino): what clear() empties is what was mounted
+        for name in SANDBOX_WRITABLE:
+            os.mkdir(os.path.join(self.root, name), 0o700)
+            info = os.stat(os.path.join(self.root, name), follow_symlinks=False)
+            self.identity[name] = (info.st_dev, info.st_ino)
+        self.mount_points = {name: mount_points_within(config, name) for name in SANDBOX_WRITABLE}
         self.conn, child = multiprocessing.Pipe()
         project, _ = project_files()
         # as the unsandboxed template: GPU workers pin their device after the fork, before CUDA starts
@@ -1399,8 +1429,9 @@ class SandboxTemplate:
         import_env = {"TVM_FFI_CACHE_DIR": SANDBOX_ADDONS} if torch_addons() else {}
         code = (f"import sys; sys.path.insert(0, {project!r}); import kcoral_worker; "
                 f"kcoral_worker.template_main({child.fileno()}, {preload!r}, {import_env!r})")
-        # bwrap's own processes get the clean environment too: the container's PID 1 is one of them
-        self.process = lasting_popen(bwrap_command(config, gpus, self.root) + [sys.executable, "-c", code],
+        # bwrap's own processes get the clean environment too: the container's PID 1 is one of them;
+        # -I: no start directory, user site or PYTHON* variables on the import path
+        self.process = lasting_popen(bwrap_command(config, gpus, self.root) + [sys.executable, "-I", "-c", code],
                                      env=sandbox_environment(), pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
         child.close()
         self.init_pid = self.pid = self.current = None
@@ -1435,7 +1466,10 @@ class SandboxTemplate:
                 self.current.join(5)
                 if self.current.exitcode is None:
                     raise WorkerCrashed("the sandbox's previous worker did not exit")
-            self.clear()
+            try:
+                self.clear()
+            except OSError as exc:
+                raise WorkerCrashed(f"the sandbox's directories could not be emptied: {exc}") from exc
             try:
                 kcoral_worker.send_message(self.conn, kcoral_worker.ForkWorker(device, visible))
                 reduction.send_handle(self.conn, conn.fileno(), self.pid)
@@ -1453,40 +1487,41 @@ class SandboxTemplate:
         return self.current
 
     def kill_requests(self, grace: float) -> bool:
-        """SIGTERM everything in the container but its init and template, SIGKILL it after `grace`.
-        -> whether it is all gone (as kill_group)."""
-        def remaining() -> list[int]:
-            return [p for p in descendants(self.init_pid) if p != self.pid]
-
-        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
-            pids = remaining()
-            if not pids:
-                return True
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, sig)
-            deadline = time.monotonic() + wait
-            while remaining() and time.monotonic() < deadline:
-                time.sleep(0.01)
-        return not remaining()
+        """SIGTERM everything in the container but its init and template, then SIGKILL what is
+        left after `grace`, sweep after sweep: a fork chain that outruns one snapshot is caught
+        by the next.  -> whether it is all gone; if not, the caller ends the container (the
+        kernel then kills its whole PID namespace at once)."""
+        return terminate(lambda: [p for p in descendants(self.init_pid) if p != self.pid], grace, KILL_SWEEP_SECONDS)
 
     def clear(self) -> None:
-        """Empty the private directory; /tmp and /dev/shm are bind mounts, so those are emptied in place."""
-        for name in os.listdir(self.root):
-            path = os.path.join(self.root, name)
-            if name in SANDBOX_SCRATCH:
-                os.chmod(path, 0o1777)
-                empty_directory(path, self.mount_points)
-            else:
-                remove_entry(path)
-        for name in ("home", "cache"):
-            os.mkdir(os.path.join(self.root, name), 0o700)
+        """Empty the three directories the container can write, through descriptors that follow
+        no link (empty_directory_at), and make each 0700 again; the mount points of read-only
+        paths inside /tmp stay.  OSError when one is not the directory that was mounted."""
+        root_fd = os.open(self.root, NOFOLLOW_DIR)
+        try:
+            for name in SANDBOX_WRITABLE:
+                fd = os.open(name, NOFOLLOW_DIR, dir_fd=root_fd)
+                try:
+                    info = os.fstat(fd)
+                    if (info.st_dev, info.st_ino) != self.identity[name]:
+                        raise OSError(errno.EXDEV, f"the sandbox's {name} directory was replaced")
+                    empty_directory_at(fd, self.mount_points[name])
+                    if name == "private":
+                        for sub in ("home", "cache"):
+                            os.mkdir(sub, 0o700, dir_fd=fd)
+                finally:
+                    os.close(fd)
+        finally:
+            os.close(root_fd)
 
     def close(self) -> None:
-        """End the container (its template exits when the pipe closes; bwrap's --die-with-parent
-        takes everything else in it down once bwrap itself is killed)."""
+        """End the container: its init is SIGKILLed, which takes down every process in its PID
+        namespace at once (whatever forked, hid or ignored signals), and bwrap exits with it."""
         with contextlib.suppress(OSError):
             self.conn.close()
+        if self.init_pid is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(self.init_pid, signal.SIGKILL)
         try:
             self.process.wait(5)
         except subprocess.TimeoutExpired:
@@ -1612,9 +1647,14 @@ class Worker:
             raise kind(f"GPU worker failed to initialize: {str(exc) or type(exc).__name__}") from exc
 
     def kill(self, grace: float, orphans: bool = False) -> bool:
-        """-> whether the whole tree is confirmed gone (else its GPUs must be quarantined)."""
+        """-> whether the whole tree is confirmed gone (else its GPUs must be quarantined).
+        In a sandbox, survivors end with their container, which the slot then replaces."""
         if self.template is not None:  # its container holds exactly what this worker started
             gone = self.template.kill_requests(grace)
+            if not gone:
+                log_event("sandbox_replaced", "WARNING", reason="processes outlived the request's kill sweeps")
+                self.template.close()
+                gone = not is_live(self.template.init_pid or 0)
         else:
             gone = kill_group(self.pid, grace, orphans=orphans)
         self.process.join(5)
@@ -1712,6 +1752,7 @@ class Pool:
         preload = ["kcoral", "kcoral_worker", "numpy"]
         preload += [m for m in ("torch", "tvm_ffi") if importlib.util.find_spec(m)]
         self.context.set_forkserver_preload(preload)
+        start_forkserver(self.context)
         if device == "cuda":
             self.arbiter = LeaseArbiter(gpu_ids)
             self.slots = [Slot(f"gpu{g}/w{i}", [g]) for g in gpu_ids
@@ -1725,8 +1766,7 @@ class Pool:
         self.in_progress = 0
         self.closing = False
         self.replacements: list[threading.Thread] = []
-        if config.sandbox == "bubblewrap":
-            probe_bubblewrap(config)
+        if config.sandbox == "bubblewrap":  # probed by resolve_sandbox
             for slot in self.slots:  # the containers import in parallel
                 slot.template = SandboxTemplate(config, device, slot.gpus)
         for slot in self.slots:
@@ -1953,8 +1993,8 @@ class Execution:
         # In a sandbox the root is the slot's private directory, which the worker sees as SANDBOX_ROOT.
         if worker.template is None:
             self.root = self.inside = tempfile.mkdtemp(prefix=workspace_prefix())
-        else:
-            self.root, self.inside = worker.template.root, SANDBOX_ROOT
+        else:  # emptied by the template before it forks the next worker, once this one's tree is gone
+            self.root, self.inside = worker.template.private, SANDBOX_ROOT
         self.workspace = os.path.join(self.root, "work")
         self.blob_file = os.path.join(self.root, "blobs")
 
@@ -2006,8 +2046,6 @@ class Execution:
     def remove_workspace(self) -> None:
         if self.worker.template is None:
             remove_tree(self.root)
-        else:  # what the request left in its /tmp and /dev/shm goes too
-            self.worker.template.clear()
 
     def send_job(self) -> None:
         program = self.job.program
@@ -2250,33 +2288,101 @@ def remove_dead_workspaces(directory: str) -> int:
     return removed
 
 
+NOFOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
 def remove_tree(path: str) -> None:
-    """Remove a workspace whatever the program did to its permissions."""
-    def make_writable(func: Callable[[str], object], failed: str, _exc: object) -> None:
-        parent = os.path.dirname(failed)
-        try:
-            os.chmod(parent, 0o700)
-            os.chmod(failed, 0o700, follow_symlinks=False)
-        except OSError:
-            pass
-        func(failed)
-
+    """Remove a workspace or sandbox directory whatever a program did inside it: the path is
+    the server's own (in its temporary directory), everything below it is treated as hostile."""
+    parent, name = os.path.split(os.path.abspath(path))
     try:
-        shutil.rmtree(path, onerror=make_writable)
+        parent_fd = os.open(parent, NOFOLLOW_DIR)
     except OSError:
-        shutil.rmtree(path, ignore_errors=True)
+        return
+    try:
+        remove_entry_at(parent_fd, name)
+    except OSError as exc:
+        log_event("cleanup_failed", "ERROR", path=path, error=str(exc))
+    finally:
+        os.close(parent_fd)
 
 
-def remove_entry(path: str) -> None:
-    """Remove a file, link or directory tree."""
-    if os.path.isdir(path) and not os.path.islink(path):
-        remove_tree(path)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+def remove_entry_at(dir_fd: int, name: str) -> None:
+    """Remove a file, link or directory tree named relative to an open directory."""
+    with contextlib.suppress(FileNotFoundError):
+        try:
+            os.unlink(name, dir_fd=dir_fd)
+        except (IsADirectoryError, PermissionError):  # Linux's unlink() of a directory: EISDIR
+            fd = os.open(name, NOFOLLOW_DIR, dir_fd=dir_fd)
+            try:
+                empty_directory_at(fd)
+            finally:
+                os.close(fd)
+            os.rmdir(name, dir_fd=dir_fd)
 
 
-# --- 8. logging (docs/server.md §10) --------------------------------------------------------------
+@dataclasses.dataclass
+class Emptying:
+    """A directory being emptied: its open fd, the kept ways below it, its name in its parent."""
+    fd: int
+    ways: dict[str, Any]
+    name: str
+    done: set[str] = dataclasses.field(default_factory=set)  # entries on a kept way, emptied
+
+
+EMPTYING_DEPTH = 64  # open directories at most; deeper subtrees are moved up to the top first
+
+
+def empty_directory_at(top: int, keep: Iterable[str] = ()) -> None:
+    """Remove what the open directory `top` holds, except the directories on the way to each of
+    `keep` (relative paths: mount points inside a sandbox's /tmp), which are emptied instead.
+
+    Everything is opened relative to its parent without following a link, and each directory is
+    made ours (0700) before it is emptied, so nothing a program renamed, linked or chmod-ed can
+    steer the removal outside `top` or stop it; an entry on a kept way that is not a directory
+    raises OSError.  Iterative, with at most EMPTYING_DEPTH directories open: a program may nest
+    directories deeper than Python's recursion or the fd limit allows."""
+    ways: dict[str, Any] = {}
+    for path in keep:
+        node = ways
+        for part in path.split("/"):
+            node = node.setdefault(part, {})
+    stack = [Emptying(os.dup(top), ways, "")]
+    try:
+        while stack:
+            here = stack[-1]
+            os.fchmod(here.fd, 0o700)
+            below = next_directory_emptying(here)
+            if below is None:  # emptied: removed from its parent unless it lies on a kept way
+                stack.pop()
+                os.close(here.fd)
+                if stack and here.name in stack[-1].ways:
+                    stack[-1].done.add(here.name)
+                elif stack:
+                    os.rmdir(here.name, dir_fd=stack[-1].fd)
+            elif len(stack) >= EMPTYING_DEPTH and below not in here.ways:
+                os.rename(below, f".kcoral-deep-{secrets.token_hex(8)}", src_dir_fd=here.fd, dst_dir_fd=stack[0].fd)
+            else:
+                stack.append(Emptying(os.open(below, NOFOLLOW_DIR, dir_fd=here.fd), here.ways.get(below, {}), below))
+    finally:
+        for frame in stack:
+            os.close(frame.fd)
+
+
+def next_directory_emptying(here: Emptying) -> str | None:
+    """Unlink `here`'s files and links up to its next directory still to empty -> that one's name."""
+    with os.scandir(here.fd) as entries:
+        for entry in entries:
+            if entry.name in here.done:
+                continue
+            if entry.name in here.ways or entry.is_dir(follow_symlinks=False):
+                return entry.name
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.name, dir_fd=here.fd)
+    return None
+
+
+# --- 8. logging# --- 8. logging (docs/server.md §10) --------------------------------------------------------------
 
 LOG: dict[str, Any] = {"console": True, "file": None, "programs": None, "lock": threading.Lock()}
 
@@ -2360,6 +2466,8 @@ class KCoralServer:
         if removed:
             log_event("stale_workspaces_removed", count=removed)
         become_subreaper()
+        isolate_import_path()
+        self.config = dataclasses.replace(self.config, sandbox=resolve_sandbox(self.config))
         device, gpu_ids, gpu_names = resolve_device(self.config)
         self.device = device
         self.pool = Pool(self.config, device, gpu_ids, gpu_names)
@@ -2437,7 +2545,7 @@ class KCoralServer:
     def health(self) -> dict[str, Any]:
         return {"status": "ok", "instance_id": self.instance_id, "started_at": self.started_at,
                 "gpu_count": self.gpu_count, "load": self.pool.load(),
-                "target": self.target, "versions": self.versions}
+                "target": self.target, "versions": self.versions, "sandbox": self.config.sandbox}
 
     def handle_execute(self, request_id: str, body: Body, content_type: str | None) -> Outcome:
         """A request body, read -> Outcome.  The checks run in protocol order (docs/protocol.md §4.7): the first
@@ -2499,10 +2607,13 @@ def create_app(config: ServerConfig | None = None) -> KCoralServer:
 def validate_config(config: ServerConfig) -> None:
     if config.device not in ("auto", "cpu", "gpu"):
         raise ValueError("device must be 'auto', 'cpu' or 'gpu'")
-    if config.sandbox not in ("none", "bubblewrap"):
-        raise ValueError("sandbox must be 'none' or 'bubblewrap'")
-    if config.sandbox_readonly_paths and config.sandbox != "bubblewrap":
-        raise ValueError("--sandbox-readonly-path requires --sandbox bubblewrap")
+    if config.sandbox not in ("auto", "none", "bubblewrap"):
+        raise ValueError("sandbox must be 'auto', 'none' or 'bubblewrap'")
+    if config.sandbox_readonly_paths and config.sandbox == "none":
+        raise ValueError("--sandbox-readonly-path requires the sandbox")
+    if config.sandbox == "bubblewrap" and config.max_requests_per_worker != 1:
+        # one process would serve several tenants: whatever a request left in its memory, the next one reads
+        raise ValueError("--sandbox bubblewrap needs --max-requests-per-worker 1 (a fresh worker per request)")
     if not all(os.path.isabs(path) for path in config.sandbox_readonly_paths):
         raise ValueError("--sandbox-readonly-path takes absolute paths")
     checks = [(config.disk_cache_capacity_mbytes >= 0, "disk_cache_capacity_mbytes must be >= 0"),
@@ -2517,6 +2628,49 @@ def validate_config(config: ServerConfig) -> None:
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
+
+
+def isolate_import_path() -> None:
+    """Drop the server's start directory from the import path its workers inherit: a `numpy.py`
+    left where the server was started would otherwise be what every request imports.  Our own
+    directory stays (the workers import kcoral_worker from it).  The forkserver, which puts its
+    working directory first on its path, starts from our directory (`start_forkserver`);
+    sandboxed workers start with `python -I`, which also leaves out the user's site-packages
+    and PYTHON* variables."""
+    start = os.getcwd()
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or start) != start or start == PROJECT_DIR]
+
+
+def start_forkserver(context: multiprocessing.context.BaseContext) -> None:
+    """Start the workers' template process from our own directory (see isolate_import_path);
+    nothing else runs yet, so the process-wide chdir is seen by no one."""
+    start = os.getcwd()
+    os.chdir(PROJECT_DIR)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        os.chdir(start)
+
+
+def resolve_sandbox(config: ServerConfig) -> str:
+    """--sandbox auto -> "bubblewrap" when a working bwrap is found, else "none" with one warning
+    line saying how to get it; workers reused across requests (--max-requests-per-worker other
+    than 1) are never sandboxed, since one process would serve several tenants."""
+    if config.sandbox == "bubblewrap":
+        probe_bubblewrap(config)  # without a working bwrap the start stops: never unsandboxed
+    if config.sandbox != "auto":
+        return config.sandbox
+    if config.max_requests_per_worker != 1:
+        log_event("sandbox_off", "WARNING", reason="--max-requests-per-worker is not 1: workers serve several "
+                  "requests, which the sandbox does not allow; pass --sandbox none to silence this")
+        return "none"
+    try:
+        probe_bubblewrap(config)
+    except SystemExit as exc:
+        log_event("sandbox_off", "WARNING", reason=f"{exc}; requests run unsandboxed (install bubblewrap, "
+                  "e.g. apt-get install bubblewrap, or pass --sandbox none to silence this)")
+        return "none"
+    return "bubblewrap"
 
 
 def resolve_device(config: ServerConfig) -> tuple[str, list[int], dict[int, str]]:

@@ -50,6 +50,7 @@ from tests.support import (
     get_fn,
     multipart,
     ok_run,
+    plain,
     post,
     post_raw,
     process_gone,
@@ -682,18 +683,6 @@ def test_reference_shaped_literals_in_args(server):
     value = assert_completed(body)["k"]["value"]
     decoded = [plain(v) for v in value]
     assert decoded == literals + [5]
-
-
-def plain(encoded):
-    """Decode the JSON value types of docs/protocol.md §9.5 (test helper)."""
-    kind = encoded["type"]
-    if kind == "null":
-        return None
-    if kind == "array":
-        return [plain(v) for v in encoded["value"]]
-    if kind == "object":
-        return {k: plain(v) for k, v in encoded["value"].items()}
-    return encoded["value"]
 
 
 def test_file_upload_handle_is_normalised_path(server):
@@ -1611,8 +1600,9 @@ def test_health_fields_and_types(server):
     assert status == 200 and headers["content-type"] == "application/json"
     assert UUID_RE.fullmatch(headers["x-kcoral-instance"])
     health = json.loads(data)
-    assert set(health) == {"status", "instance_id", "started_at", "gpu_count", "load", "target", "versions"}
-    assert health["status"] == "ok"
+    assert set(health) == {"status", "instance_id", "started_at", "gpu_count", "load", "target", "versions",
+                           "sandbox"}
+    assert health["status"] == "ok" and health["sandbox"] == server.sandbox
     assert UUID_RE.fullmatch(health["instance_id"]) and health["instance_id"] == headers["x-kcoral-instance"]
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", health["started_at"])
     assert health["gpu_count"] == 0 and health["target"] == {}

@@ -34,17 +34,20 @@ def free_port():
 class ServerProcess:
     """`python -m kcoral` on a free port, CPU workers, no log files, a private disk cache."""
 
-    def __init__(self, *flags, workers=2, env=None, tmp_path=None, device="cpu", ready_timeout=60, port=None):
+    def __init__(self, *flags, workers=2, env=None, tmp_path=None, device="cpu", ready_timeout=60, port=None,
+                 cwd=ROOT):
         self.port = port or free_port()  # a given port: a restart where the last one left off
         self.url = f"http://127.0.0.1:{self.port}"
         cache = os.path.join(str(tmp_path) if tmp_path else f"/tmp/kcoral-test-{self.port}", "disk-cache")
         device_flags = ["--device", device] if device else []  # None: the CLI's own default (auto)
+        # unsandboxed unless the test says otherwise: the sandbox's own suites and fixture choose it
+        sandbox = [] if any(str(f).startswith("--sandbox") for f in flags) else ["--sandbox", "none"]
         args = [PYTHON, "-m", "kcoral", "--port", str(self.port), *device_flags,
-                "--num-workers", str(workers), "--log-dir", "", "--disk-cache-dir", cache, *flags]
+                "--num-workers", str(workers), "--log-dir", "", "--disk-cache-dir", cache, *sandbox, *flags]
         self.stderr_path = os.path.join(os.path.dirname(cache), f"server-{self.port}.log")
         os.makedirs(os.path.dirname(cache), exist_ok=True)
         self.stderr = open(self.stderr_path, "ab")
-        self.proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, **(env or {})},
+        self.proc = subprocess.Popen(args, cwd=cwd, env={**os.environ, **(env or {})},
                                      stdout=subprocess.DEVNULL, stderr=self.stderr)
         self.wait_ready(ready_timeout)
 
@@ -413,23 +416,47 @@ def assert_failed(body, kind, index, op, ident, *fragments):
     return error
 
 
+def plain(encoded):
+    """Decode the JSON value types of docs/protocol.md §9.5 (bytes, tensors and files keep their encoding)."""
+    kind = encoded["type"]
+    if kind == "null":
+        return None
+    if kind == "array":
+        return [plain(v) for v in encoded["value"]]
+    if kind == "object":
+        return {k: plain(v) for k, v in encoded["value"].items()}
+    return encoded.get("value", encoded)
+
+
 def execute_ok(url, program, blobs=(), **kw):
     status, headers, body = post(url, program, blobs, **kw)
     assert status == 200, body
     return body
 
 
-SANDBOX_SKELETON = ("cache", "home", "shm", "tmp")  # what a sandbox's private directory keeps between requests
-
-
+# what a sandbox slot's directory keeps between requests: its three writable directories, the
+# private one with an empty home and cache
+SANDBOX_SKELETON = {"private": ("cache", "home"), "tmp": (), "shm": ()}
 SANDBOX_SCRATCH_MOUNTS = {"tmp": ("/tmp", "/var/tmp"), "shm": ("/dev/shm",)}
 
 
-def workspaces(srv):
-    """What requests left in the server's TMPDIR: unsandboxed workspaces, and in a sandbox's
-    private directory anything beyond its skeleton, or any file in it.  Its /tmp keeps the
-    empty mount points of read-only paths there (a checkout under /tmp, say): an empty file
-    whose path exists on the host is one of those."""
+def workspaces(srv, settle=10.0):
+    """What requests left in the server's TMPDIR once it settled (a sandbox's directories are
+    emptied when its slot prepares the next worker, just after the answer): unsandboxed
+    workspaces, and in a sandbox's directories anything beyond their skeleton, or any file in
+    them.  Its /tmp keeps the empty mount points of read-only paths there (a checkout under
+    /tmp, say): an empty file whose path exists on the host is one of those."""
+    return wait_for(lambda: left_in_tmpdir(srv) == [], settle) and [] or left_in_tmpdir(srv)
+
+
+def left_in_tmpdir(srv):
+    try:
+        return files_left(srv)
+    except FileNotFoundError:  # removed while we looked: look again
+        return ["(changing)"]
+
+
+def files_left(srv):
     found = []
     for name in sorted(os.listdir(srv.tmpdir)):
         path = os.path.join(srv.tmpdir, name)
@@ -437,8 +464,9 @@ def workspaces(srv):
             found.append(name)
         elif name.startswith("kcoral-sandbox-"):
             found += [f"{name}/{entry}" for entry in os.listdir(path) if entry not in SANDBOX_SKELETON]
-            for entry in SANDBOX_SKELETON:
+            for entry, kept in SANDBOX_SKELETON.items():
                 base = os.path.join(path, entry)
+                found += [f"{name}/{entry}/{e}" for e in os.listdir(base) if entry == "private" and e not in kept]
                 for folder, _, files in os.walk(base):
                     for file in (os.path.join(folder, f) for f in files):
                         rel = os.path.relpath(file, base)
@@ -446,7 +474,7 @@ def workspaces(srv):
                             os.path.exists(os.path.join(top, rel)) for top in SANDBOX_SCRATCH_MOUNTS.get(entry, ()))
                         if not mount_point:
                             found.append(file)
-    return sorted(found)
+    return sorted(set(found))
 
 
 def wait_for(predicate, timeout=10.0, interval=0.02):

@@ -30,7 +30,7 @@ import pytest
 
 import kcoral
 import kcoral_worker
-from tests.support import ServerProcess, build_add_one, post, sha256
+from tests.support import ServerProcess, build_add_one, plain, post, sha256
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -95,12 +95,6 @@ def run_source(server, source, args=()):
     status, _, body = post(server.url, program)
     assert status == 200, body
     return body
-
-
-def plain(encoded):
-    if encoded["type"] == "object":
-        return {k: plain(v) for k, v in encoded["value"].items()}
-    return encoded.get("value")
 
 
 def test_host_benchmark_fields(server):

@@ -1,0 +1,360 @@
+"""Isolation: every request is hostile, to the server and to the next request.
+
+Each test is an attack from inside an ordinary request against a real server (one CPU worker,
+so consecutive requests share a slot and, sandboxed, its container), and each measures its
+effect where it would show: files and modes on the host, processes in /proc, the front-end's
+memory.  Where the attack can be shown to work against a weaker setup (an unpickling reader, a
+plain Python started where the server was), the test shows that too, so it can fail.
+"""
+
+import os
+import pickle
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import pytest
+
+from tests.support import (
+    PYTHON,
+    ROOT,
+    ServerProcess,
+    call_program,
+    execute_ok,
+    plain,
+    post,
+    wait_for,
+)
+
+pytestmark = pytest.mark.skipif(not any(os.access(os.path.join(d, "bwrap"), os.X_OK)
+                                        for d in os.environ.get("PATH", "").split(":")),
+                                reason="bwrap is not installed")
+
+
+@pytest.fixture(scope="module")
+def sandboxed(tmp_path_factory):
+    base = tmp_path_factory.mktemp("isolation")
+    tmpdir = base / "tmp"
+    tmpdir.mkdir()
+    with ServerProcess("--sandbox", "bubblewrap", workers=1, tmp_path=base, env={"TMPDIR": str(tmpdir)}) as srv:
+        srv.tmpdir = str(tmpdir)
+        yield srv
+
+
+def run(srv, source, *args, **options):
+    """Run f(*args) from `source` -> the decoded value (asserting a COMPLETED answer)."""
+    body = execute_ok(srv.url, call_program(textwrap.dedent(source), "f", *args, **options))
+    assert body["status"] == "COMPLETED", body.get("error")
+    return plain(body["results"]["out"])
+
+
+def slot_directories(srv):
+    return [os.path.join(srv.tmpdir, n) for n in os.listdir(srv.tmpdir) if n.startswith("kcoral-sandbox-")]
+
+
+# --- no code from workers -----------------------------------------------------------------------
+
+class Planted:
+    """Unpickling this runs a shell command: what a hostile worker would write to its pipe."""
+
+    def __init__(self, command):
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+def test_a_pickle_written_to_every_socket_the_program_holds_runs_nothing(sandboxed, tmp_path):
+    canary = tmp_path / "pickle-ran"
+    payload = pickle.dumps(Planted(f"touch {canary}"))
+    # the payload is real: an unpickling reader (the old front-end, `Connection.recv`) runs it
+    pickle.loads(payload)
+    assert canary.exists()
+    canary.unlink()
+    source = """
+    import os, stat, struct
+    def f(text):
+        payload, hit = text.encode("latin-1"), 0
+        for fd in range(3, 256):
+            try:
+                if stat.S_ISSOCK(os.fstat(fd).st_mode):
+                    os.write(fd, struct.pack("!i", len(payload)) + payload)  # multiprocessing's framing
+                    hit += 1
+            except OSError:
+                pass
+        return hit
+    """
+    status, _, body = post(sandboxed.url, call_program(textwrap.dedent(source), "f", payload.decode("latin-1")))
+    assert status == 200 and body["status"] == "FAILED", body  # the worker broke the protocol: killed
+    assert body["error"]["message"].startswith("worker exited"), body["error"]
+    assert not canary.exists()
+    assert run(sandboxed, "def f():\n    return 7\n") == 7  # the server keeps serving
+
+
+def test_malformed_frames_kill_only_the_worker(sandboxed):
+    """Oversized, non-JSON and wrongly typed frames: each answered as a crash of its request."""
+    source = """
+    import json, os, stat, struct
+    def f(kind):
+        frames = {"huge": struct.pack("!I", 0xFFFFFFF0),
+                  "junk": struct.pack("!I", 4) + b"\\xff\\xfe{[",
+                  "typed": (lambda p: struct.pack("!I", len(p)) + p)(
+                      json.dumps({"type": "InstructionStarted", "index": "0; rm -rf /"}).encode()),
+                  "extra": (lambda p: struct.pack("!I", len(p)) + p)(
+                      json.dumps({"type": "RequestDone", "error": None, "poisoned": False, "x": 1}).encode())}
+        for fd in range(3, 256):
+            try:
+                if stat.S_ISSOCK(os.fstat(fd).st_mode):
+                    os.write(fd, frames[kind])
+            except OSError:
+                pass
+        import time
+        time.sleep(30)
+    """
+    for kind in ("huge", "junk", "typed", "extra"):
+        started = time.monotonic()
+        status, _, body = post(sandboxed.url, call_program(textwrap.dedent(source), "f", kind))
+        assert status == 200 and body["status"] == "FAILED", (kind, body)
+        assert time.monotonic() - started < 20, kind  # not the program's 30 s sleep
+    assert run(sandboxed, "def f():\n    return 8\n") == 8
+
+
+# --- no host-side path the program can steer -----------------------------------------------------
+
+def test_links_and_renames_cannot_steer_the_cleanup_onto_host_files(sandboxed, tmp_path):
+    """The program links every writable place to a host directory, tries to rename its mounted
+    directories away and chmods everything: the host directory keeps its files and mode."""
+    host = tmp_path / "host-dir"
+    host.mkdir(mode=0o750)
+    (host / "precious").write_text("keep me")
+    source = """
+    import os
+    def f(host):
+        done = []
+        for place in ("/tmp", "/var/tmp", "/dev/shm", "/kcoral"):
+            try:
+                os.rename(place, place + ".moved")
+                done.append("renamed " + place)
+            except OSError:
+                pass
+            for name in ("link", "home", "cache", "work", "blobs", "tmp", "shm", "private"):
+                target = os.path.join(place, name)
+                try:
+                    if os.path.isdir(target) and not os.path.islink(target):
+                        os.rename(target, target + ".old")
+                    os.symlink(host, target)
+                    done.append("linked " + target)
+                except OSError:
+                    pass
+            for folder, dirs, _ in os.walk(place):
+                for d in dirs:
+                    try:
+                        os.chmod(os.path.join(folder, d), 0o777)
+                    except OSError:
+                        pass
+            try:
+                os.chmod(place, 0o777)
+            except OSError:
+                pass
+        return done
+    """
+    done = run(sandboxed, source, str(host))
+    assert any(d.startswith("linked /tmp/") for d in done) and any(d.startswith("linked /kcoral/") for d in done)
+    assert not [d for d in done if d.startswith("renamed")], done  # mount points cannot be renamed
+    assert run(sandboxed, "import os\ndef f():\n    return sorted(os.listdir('/tmp')) + sorted(os.listdir('/kcoral'))\n")
+    assert (host / "precious").read_text() == "keep me"
+    assert stat.S_IMODE(host.stat().st_mode) == 0o750
+    for slot in slot_directories(sandboxed):
+        modes = {name: stat.S_IMODE(os.stat(os.path.join(slot, name)).st_mode) for name in ("", "private", "tmp", "shm")}
+        assert set(modes.values()) == {0o700}, modes
+        assert all(os.stat(os.path.join(slot, n)).st_uid == os.getuid() for n in ("", "private", "tmp", "shm"))
+
+
+# --- nothing persists between requests -------------------------------------------------------------
+
+def test_nothing_one_request_writes_anywhere_is_seen_by_the_next(sandboxed):
+    marker = f"planted-{uuid.uuid4().hex[:8]}"
+    plant = """
+    import os
+    def f(marker):
+        wrote = []
+        places = ["/", "/etc", "/dev", "/usr", "/opt", "/root", "/home", "/kcoral", "/kcoral/home",
+                  "/kcoral/cache", "/kcoral/work", "/tmp", "/var/tmp", "/dev/shm"]
+        places += os.environ["PATH"].split(":") + [os.environ["HOME"], "/usr/local/bin", "/root/.local/bin"]
+        for place in places:
+            for path in (os.path.join(place, marker), os.path.join(place, "gcc"), os.path.join(place, "sh")):
+                try:
+                    os.makedirs(place, exist_ok=True)
+                    with open(path, "x") as out:
+                        out.write("#!/bin/sh\\necho planted\\n")
+                    os.chmod(path, 0o755)
+                    wrote.append(path)
+                except OSError:
+                    pass
+        return sorted(set(wrote))
+    """
+    wrote = run(sandboxed, plant, marker)
+    # it could write its private places, and nothing else at all
+    assert {os.path.dirname(p) for p in wrote} <= {"/kcoral", "/kcoral/home", "/kcoral/cache", "/kcoral/work",
+                                                   "/tmp", "/var/tmp", "/dev/shm"}, wrote
+    assert "/tmp/" + marker in wrote and "/kcoral/home/" + marker in wrote
+    look = """
+    import os, subprocess
+    def f(marker, planted):
+        found = [p for p in planted if os.path.exists(p)]
+        for place in ("/tmp", "/var/tmp", "/dev/shm", "/kcoral"):
+            for folder, _, files in os.walk(place):
+                found += [os.path.join(folder, n) for n in files if n in (marker, "gcc", "sh")]
+        gcc = subprocess.run(["sh", "-c", "gcc --version | head -1"], capture_output=True, text=True).stdout
+        return [found, gcc]
+    """
+    found, gcc = run(sandboxed, look, marker, wrote)
+    assert found == [] and "planted" not in gcc and gcc, (found, gcc)
+
+
+def test_environment_allow_list_names_exact_variables(tmp_path):
+    secrets_env = {"NVIDIA_API_KEY": "sk-nvidia", "CUDA_SECRET_TOKEN": "sk-cuda", "TORCH_HUB_TOKEN": "sk-torch",
+                   "LC_SECRET": "sk-lc", "CUDA_HOME": "/usr/local/cuda",
+                   "PATH": f"/nonexistent/bin:{tmp_path}:{os.environ['PATH']}"}
+    source = "import os\ndef f():\n    return [dict(os.environ), [d for d in os.environ['PATH'].split(':') if not os.path.isdir(d)]]\n"
+    with ServerProcess("--sandbox", "bubblewrap", workers=1, tmp_path=tmp_path, env=secrets_env) as srv:
+        env, missing = run(srv, source)
+    assert not [k for k in secrets_env if k in env and k not in ("CUDA_HOME", "PATH")], env
+    assert env.get("CUDA_HOME") == "/usr/local/cuda"  # an exact name on the list passes
+    assert missing == [] and "/nonexistent/bin" not in env["PATH"] and str(tmp_path) not in env["PATH"], env["PATH"]
+    assert "/usr/bin" in env["PATH"].split(":")
+
+
+# --- the start directory is not on the workers' import path -------------------------------------
+
+@pytest.mark.parametrize("mode", ["none", "bubblewrap"])
+def test_a_numpy_py_in_the_servers_start_directory_is_never_imported(tmp_path, mode):
+    start = tmp_path / "start"
+    start.mkdir()
+    canary = tmp_path / "fake-numpy-ran"
+    (start / "numpy.py").write_text(f"open({str(canary)!r}, 'w').close()\n")
+    # the trap is real: a Python started there imports it
+    subprocess.run([PYTHON, "-c", "import numpy"], cwd=start, check=False, capture_output=True)
+    assert canary.exists()
+    canary.unlink()
+    env = {"PYTHONPATH": ROOT}  # the server's own files, as an installed copy would provide them
+    proc = ServerProcess("--sandbox", mode, workers=1, tmp_path=tmp_path, env=env, cwd=str(start))
+    try:
+        where = run(proc, "import numpy\ndef f():\n    return numpy.__file__\n")
+    finally:
+        proc.stop()
+    assert "site-packages" in where and not canary.exists(), where
+
+
+# --- no process outlives its request ---------------------------------------------------------------
+
+CHAIN = """
+import ctypes, os, time
+def f(mark):
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:  # a daemon that forks and exits as fast as it can, forever
+            ctypes.CDLL(None).prctl(15, mark.encode(), 0, 0, 0)  # PR_SET_NAME: its children inherit it
+            while True:
+                if os.fork():
+                    os._exit(0)
+        os._exit(0)
+    time.sleep(0.5)
+    return len(named(mark))
+
+def named(mark):
+    found = []
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/comm") as c:
+                if c.read().strip() == mark:
+                    found.append(int(pid))
+        except (OSError, ValueError):
+            pass
+    return found
+"""
+
+
+def chain_processes(mark):
+    """Live processes of the chain, by the name it gave itself (zombies are already dead)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    name, state = f.read().split(" (", 1)[1].rsplit(") ", 1)
+                if name == mark and state[0] not in "ZX":
+                    found.append(int(pid))
+            except (OSError, ValueError, IndexError):
+                pass
+    return found
+
+
+@pytest.mark.parametrize("mode", ["none", "bubblewrap"])
+def test_a_fork_chain_racing_the_kill_does_not_survive(tmp_path, mode):
+    mark = f"kc{uuid.uuid4().hex[:13]}"  # a process name: at most 15 bytes
+    with ServerProcess("--sandbox", mode, workers=1, tmp_path=tmp_path) as srv:
+        status, _, body = post(srv.url, call_program(CHAIN, "f", mark))
+        assert status == 200, body
+        assert plain(body["results"]["out"]) >= 1, body  # the chain was running when the request ended
+        if mode == "bubblewrap":  # the container's sweep reports it; unsandboxed, the retiring worker's kill ends it
+            assert body["status"] == "FAILED" and "background processes" in body["error"]["message"], body
+        gone = wait_for(lambda: not chain_processes(mark), 10)
+        still = chain_processes(mark)
+        stayed_gone = gone and not wait_for(lambda: chain_processes(mark), 2)  # none comes back
+        assert run(srv, "def f():\n    return 5\n") == 5
+    for pid in chain_processes(mark):  # never leave it running on the machine, whatever happened
+        with __import__("contextlib").suppress(OSError):
+            os.kill(pid, 9)
+    assert gone and stayed_gone, still
+
+
+# --- bounded front-end memory for results ----------------------------------------------------------
+
+def peak_rss_kib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+
+@pytest.mark.parametrize("mode", ["none", "bubblewrap"])
+def test_a_1_gib_return_against_a_64_mib_limit_is_refused_before_it_is_read(tmp_path, mode):
+    with ServerProcess("--sandbox", mode, "--max-response-bytes", str(64 << 20), workers=1, tmp_path=tmp_path) as srv:
+        assert run(srv, "def f():\n    return 1\n") == 1
+        before = peak_rss_kib(srv.proc.pid)
+        started = time.monotonic()
+        status, _, body = post(srv.url, call_program("def f():\n    return b'\\0' * (1 << 30)\n", "f"))
+        took = time.monotonic() - started
+        grown_mib = (peak_rss_kib(srv.proc.pid) - before) / 1024
+        assert (status, body["error"]["kind"]) == (500, "response_too_large"), body
+        assert run(srv, "def f():\n    return 2\n") == 2
+    print(f"\n1 GiB return, 64 MiB limit ({mode}): answered in {took:.1f} s, front-end peak RSS +{grown_mib:.0f} MiB")
+    assert grown_mib <= 96
+
+
+def test_returned_parts_beyond_the_cap_fail_the_return(tmp_path):
+    with ServerProcess("--max-response-parts", "100", workers=1, tmp_path=tmp_path) as srv:
+        body = execute_ok(srv.url, call_program("def f():\n    return [b'x'] * 101\n", "f"))
+    assert body["status"] == "FAILED" and body["error"]["kind"] == "serialization", body
+    assert "at most 100 binary parts" in body["error"]["message"]
+
+
+# --- secure by default --------------------------------------------------------------------------
+
+def test_auto_sandboxes_when_bwrap_works_and_warns_when_it_is_missing(tmp_path):
+    with ServerProcess("--sandbox", "auto", workers=1, tmp_path=tmp_path / "a") as srv:
+        assert srv.health()["sandbox"] == "bubblewrap"
+        assert "sandbox=bubblewrap" in srv.log()
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    env = {"PATH": f"{bare}:{os.path.dirname(sys.executable)}"}  # no bwrap on it
+    with ServerProcess("--sandbox", "auto", workers=1, tmp_path=tmp_path / "b", env=env) as srv:
+        assert srv.health()["sandbox"] == "none"
+        log = srv.log()
+        assert "sandbox_off" in log and "apt-get install bubblewrap" in log and "sandbox=none" in log
+    refused = subprocess.run([PYTHON, "-m", "kcoral", "--device", "cpu", "--sandbox", "bubblewrap", "--log-dir", "",
+                              "--port", "0"], cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True,
+                             timeout=60, check=False)
+    assert refused.returncode != 0 and "needs bwrap on PATH" in refused.stderr
