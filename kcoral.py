@@ -971,34 +971,7 @@ def kill_group(pgid: int, grace: float, exclude: Collection[int] = (), orphans: 
         marked = [pid for pid in marked_processes(pgid) if pid not in exclude] if orphans else []
         return group_members(pgid, exclude) + [pid for pid in marked if is_live(pid)]
 
-    return terminate(remaining, grace, kill_wait, group=pgid)
-
-
-def terminate(remaining: Callable[[], list[int]], grace: float, kill_for: float, group: int | None = None) -> bool:
-    """SIGTERM each process `remaining()` lists, then SIGKILL what is left once `grace` has passed,
-    sweep after sweep until none is left or `kill_for` seconds are over: a fork chain that outruns
-    one snapshot is caught by the next.  With `group`, each sweep also signals that process group
-    (atomically, for its members).  -> whether none is left."""
-    warned: set[int] = set()
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, kill_for)):
-        deadline = time.monotonic() + wait
-        pids = remaining()
-        while pids:
-            for pid in pids:
-                if sig == signal.SIGKILL or pid not in warned:  # one SIGTERM each: a handler may count them
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.kill(pid, sig)
-                    warned.add(pid)
-            if group is not None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(group, sig)
-            if time.monotonic() >= deadline:
-                break
-            time.sleep(0.001 if sig == signal.SIGKILL else 0.01)
-            pids = remaining()
-        if not pids:
-            return True
-    return False
+    return kcoral_worker.terminate(remaining, grace, kill_wait, group=pgid)
 
 
 # --- 5. GPUs and the lease (docs/server.md §1-2) --------------------------------------------------
@@ -1491,7 +1464,8 @@ class SandboxTemplate:
         left after `grace`, sweep after sweep: a fork chain that outruns one snapshot is caught
         by the next.  -> whether it is all gone; if not, the caller ends the container (the
         kernel then kills its whole PID namespace at once)."""
-        return terminate(lambda: [p for p in descendants(self.init_pid) if p != self.pid], grace, KILL_SWEEP_SECONDS)
+        return kcoral_worker.terminate(lambda: [p for p in descendants(self.init_pid) if p != self.pid], grace,
+                                       KILL_SWEEP_SECONDS)
 
     def clear(self) -> None:
         """Empty the three directories the container can write, through descriptors that follow

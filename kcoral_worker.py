@@ -50,6 +50,7 @@ import linecache
 import mmap
 import os
 import select
+import signal
 import stat
 import struct
 import sys
@@ -1557,28 +1558,46 @@ def escaped_descendants() -> list[int]:
 
 
 def terminate_escaped(grace: float) -> bool:
-    """SIGTERM the escaped descendants, SIGKILL them after `grace` s; -> whether there were any."""
-    import signal
-    found = escaped_descendants()
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
-        pids = escaped_descendants()
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except OSError:
+    """SIGTERM the escaped descendants, SIGKILL them after `grace` s, sweep after sweep (reaping
+    them as their subreaper); -> whether there were any."""
+    found = bool(escaped_descendants())
+
+    def remaining() -> list[int]:
+        with contextlib.suppress(ChildProcessError):  # as their subreaper we reap them, or they linger as zombies
+            while os.waitpid(-1, os.WNOHANG)[0]:
                 pass
+        return escaped_descendants()
+
+    if found:
+        terminate(remaining, grace, 10.0)
+    return found
+
+
+def terminate(remaining: Callable[[], list[int]], grace: float, kill_for: float, group: int | None = None) -> bool:
+    """SIGTERM each process `remaining()` lists, then SIGKILL what is left once `grace` has passed,
+    sweep after sweep until none is left or `kill_for` seconds are over: a fork chain that outruns
+    one snapshot is caught by the next.  With `group`, each sweep also signals that process group
+    (atomically, for its members).  -> whether none is left."""
+    warned: set[int] = set()
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, kill_for)):
         deadline = time.monotonic() + wait
-        while pids and time.monotonic() < deadline:
-            for pid in pids:  # as their subreaper we reap them, or they linger as zombies
-                try:
-                    os.waitpid(pid, os.WNOHANG)
-                except ChildProcessError:
-                    pass
-            time.sleep(0.01)
-            pids = escaped_descendants()
+        pids = remaining()
+        while pids:
+            for pid in pids:
+                if sig == signal.SIGKILL or pid not in warned:  # one SIGTERM each: a handler may count them
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, sig)
+                    warned.add(pid)
+            if group is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(group, sig)
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.001 if sig == signal.SIGKILL else 0.01)
+            pids = remaining()
         if not pids:
-            break
-    return bool(found)
+            return True
+    return False
 
 
 def die_with_parent() -> None:
