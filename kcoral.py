@@ -30,6 +30,7 @@ import datetime
 import email.message
 import errno
 import fcntl
+import functools
 import hashlib
 import hmac
 import http.client
@@ -204,7 +205,7 @@ class ServerConfig:
                                             "template's imports may take at start-up (tvm_ffi may "
                                             "compile its torch add-on); beyond it the add-on is disabled")
     max_request_bytes: int = option(256 << 20, "request size limit (413 beyond it)")
-    max_request_parts: int = option(100_000, "multipart parts in one request (413 beyond it); a request whose "
+    max_request_parts: int = option(50_000, "multipart parts in one request (413 beyond it); a request whose "
                                     "first part is its program may have only one more than it references blobs")
     max_part_header_lines: int = option(16, "header lines of one multipart part (400 beyond it)")
     max_part_header_bytes: int = option(16 << 10, "header block of one multipart part (400 beyond it)")
@@ -279,24 +280,28 @@ TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 MEDIA = re.compile(rf"{TOKEN.pattern}(?:/{TOKEN.pattern})?")  # `form-data`, `type/subtype`
 
 
+HEADER_PIECE = re.compile(r'(?:[^;"]++|"(?:[^"\\]++|\\.)*+")*+', re.DOTALL)  # possessive: no backtracking
+
+
+def header_pieces(value: str) -> list[str]:
+    """`a; b="x;y"` -> ["a", ' b="x;y"']: split at the semicolons outside quoted strings (a backslash
+    escapes the next character inside one).  A regex, not a loop per character: every part of a
+    request has two such headers."""
+    pieces, pos = [], 0
+    while True:
+        end = HEADER_PIECE.match(value, pos).end()
+        if end < len(value) and value[end] == '"':
+            raise ValidationError("unterminated quoted string in header")
+        pieces.append(value[pos:end])
+        if end == len(value):
+            return pieces
+        pos = end + 1
+
+
+@functools.lru_cache(maxsize=64)  # a request's parts repeat their Content-Type values
 def parse_header_params(value: str) -> tuple[str, dict[str, str]]:
-    """`type; k=v; k="quoted"` -> (lower-cased type, {lower-cased k: v})."""
-    pieces, current, quoted, escaped = [], [], False, False
-    for ch in value:
-        if escaped:
-            escaped = False
-        elif ch == "\\" and quoted:
-            escaped = True
-        elif ch == '"':
-            quoted = not quoted
-        elif ch == ";" and not quoted:
-            pieces.append("".join(current))
-            current = []
-            continue
-        current.append(ch)
-    if quoted:
-        raise ValidationError("unterminated quoted string in header")
-    pieces.append("".join(current))
+    """`type; k=v; k="quoted"` -> (lower-cased type, {lower-cased k: v}); callers must not change the dict."""
+    pieces = header_pieces(value)
     media = pieces[0].strip().lower()
     if not MEDIA.fullmatch(media):
         raise ValidationError(f"malformed header value {pieces[0].strip()[:80]!r}")
@@ -391,24 +396,28 @@ def check_close_delimiter_line(body: Body, start: int) -> None:
         raise ValidationError("unexpected bytes after the closing multipart delimiter")
 
 
+FIRST_LINE_EMPTY = re.compile(rb"\r*\n")
+EMPTY_LINE = re.compile(rb"\n\r*\n")  # a line of nothing but CRs is empty too
+
+
 def parse_part_headers(body: Body, start: int, end: int, limits: ServerConfig) -> tuple[PartHeaders, int]:
     """Header block up to the first empty line -> ({lower name: [values]}, payload start).  Its lines
-    and bytes are capped: header values are parsed character by character (parse_header_params)."""
-    headers, last, lines = {}, None, 0
+    and bytes are capped: each part costs at most that much parsing."""
+    first = FIRST_LINE_EMPTY.match(body, start, end)
+    if first:
+        return {}, first.end()
     stop = min(end, start + limits.max_part_header_bytes)
-    while True:
-        nl = body.find(b"\n", start, stop)
-        if nl < 0 and stop < end:
-            raise ValidationError(f"multipart part headers exceed {limits.max_part_header_bytes} bytes")
-        if nl < 0:
-            raise ValidationError("multipart part has no end of headers")
-        line = bytes(body[start:nl]).rstrip(b"\r").decode("utf-8", "surrogateescape")
-        start = nl + 1
-        if not line:
-            return headers, start
-        lines += 1
-        if lines > limits.max_part_header_lines:
-            raise ValidationError(f"multipart part has more than {limits.max_part_header_lines} header lines")
+    blank = EMPTY_LINE.search(body, start, stop)
+    if blank is None and stop < end:
+        raise ValidationError(f"multipart part headers exceed {limits.max_part_header_bytes} bytes")
+    if blank is None:
+        raise ValidationError("multipart part has no end of headers")
+    lines = bytes(body[start:blank.start()]).decode("utf-8", "surrogateescape").split("\n")
+    if len(lines) > limits.max_part_header_lines:
+        raise ValidationError(f"multipart part has more than {limits.max_part_header_lines} header lines")
+    headers, last = {}, None
+    for line in lines:
+        line = line.rstrip("\r")
         if line[0] in " \t" and last is not None:
             headers[last][-1] += " " + line.strip()
             continue
@@ -417,6 +426,7 @@ def parse_part_headers(body: Body, start: int, end: int, limits: ServerConfig) -
             raise ValidationError(f"malformed multipart header line {line[:80]!r}")
         last = name.lower()
         headers.setdefault(last, []).append(value.strip())
+    return headers, blank.end()
 
 
 def check_part_headers(headers: PartHeaders) -> tuple[str, str]:

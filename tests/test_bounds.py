@@ -333,7 +333,8 @@ def test_many_tiny_parts_are_refused_quickly(tmp_path):
 
 def tricklers_item(scale, workdir):
     """Three clients each declaring nearly a third of the body budget and trickling it at the least
-    rate allowed: a fourth uploads a body of half the budget normally and gets 200 at once."""
+    rate allowed: a fourth uploads a body of half the budget (200 MiB at most) normally and gets 200
+    at once, while the three are still being read."""
     budget = (scale.budget_mib or 768) << 20
     window = scale.rate_window or 30.0
     piece = scale.rate_min or 64 << 10
@@ -363,7 +364,7 @@ def tricklers_item(scale, workdir):
 
         trickling = threading.Thread(target=trickle, daemon=True)
         trickling.start()
-        blob = os.urandom(budget // 2)
+        blob = os.urandom(min(budget // 2, 200 << 20))  # within --max-request-bytes
         program = prog(up_module("m", "def f(x):\n    return len(x)\n"), up_blob("b", "bytes", blob),
                        get_fn("fn", "m", "f"), run("r", "fn", ref("b")), ret("out", "r"))
         body, content_type = multipart(program_parts(program, [blob]))
