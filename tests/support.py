@@ -550,6 +550,14 @@ def rss_kib(pid):
     return 0
 
 
+def cpu_seconds(pid):
+    """User plus system CPU time of one process so far (/proc/PID/stat): unlike wall time, it does not
+    grow while other processes hold the cores."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class Sampler:
     """Calls `probe()` in a loop on a thread while the `with` block runs; `.values` holds the results."""
 
