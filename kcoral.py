@@ -2920,7 +2920,7 @@ def framing_problem(headers: email.message.Message) -> str | None:
         if CONTROL_CHARS.search(value):
             return f"control character in the {name} header"
     lengths = headers.get_all("Content-Length") or []
-    if len(lengths) > 1:  # even equal ones: RFC 9110 §8.6 lets a recipient refuse them, and a proxy may not
+    if len(lengths) > 1:  # even equal ones (RFC 9110 §8.6 allows refusing them): one rule, one reading
         return "conflicting Content-Length headers"
     if lengths and declared_length(lengths[0]) is None:  # `5, 5`, `+5`, `0x5`, `5 5`: one run of digits only
         return "invalid Content-Length header"
