@@ -30,6 +30,7 @@ import datetime
 import email.message
 import errno
 import fcntl
+import functools
 import hashlib
 import hmac
 import http.client
@@ -180,10 +181,15 @@ class ServerConfig:
                                   "compilation with another's GPU work")
     max_requests_per_worker: int = option(1, "retire a worker after this many requests (0: never); "
                                           "1 gives every request a fresh process")
-    cache_capacity_bytes: int = option(16 << 30, "memory blob cache budget in bytes")
+    cache_capacity_bytes: int = option(16 << 30, "memory blob cache budget in bytes (each entry is charged its "
+                                       "payload plus a fixed overhead, CACHE_ENTRY_OVERHEAD)")
+    cache_max_entries: int = option(1 << 20, "memory blob cache entry limit, least recently used evicted first")
     disk_cache_dir: str | None = option(None, "disk cache for file blobs ('' disables)",
                                         factory=default_disk_cache_dir)
-    disk_cache_capacity_mbytes: int = option(16384, "disk cache budget in MiB (0 disables)")
+    disk_cache_capacity_mbytes: int = option(16384, "disk cache budget in MiB, charged by the blocks its files "
+                                             "occupy (0 disables)")
+    disk_cache_max_files: int = option(100_000, "disk cache file limit: tiny blobs run out of inodes before "
+                                       "they fill a byte budget")
     log_dir: str | None = option(None, "directory for the JSON-lines event log and saved programs "
                                  "('' disables)", env="KCORAL_LOG_DIR", cli_default="logs")
     log_console: bool = option(True, "mirror events to stderr")
@@ -201,6 +207,15 @@ class ServerConfig:
                                             "template's imports may take at start-up (tvm_ffi may "
                                             "compile its torch add-on); beyond it the add-on is disabled")
     max_request_bytes: int = option(256 << 20, "request size limit (413 beyond it)")
+    max_request_parts: int = option(50_000, "multipart parts in one request (413 beyond it); a request whose "
+                                    "first part is its program may have only one more than it references blobs")
+    max_part_header_lines: int = option(16, "header lines of one multipart part (400 beyond it)")
+    max_part_header_bytes: int = option(16 << 10, "header block of one multipart part (400 beyond it)")
+    max_program_bytes: int = option(16 << 20, "size of the program part (413 beyond it)")
+    max_program_values: int = option(1_000_000, "JSON values in the program part, counted by its commas and "
+                                     "opening brackets outside strings (413 beyond it)")
+    max_program_instructions: int = option(100_000, "instructions in one program (413 beyond it)")
+    max_run_args: int = option(100_000, "arguments of one run instruction (413 beyond it)")
     max_connections: int = option(0, "open client connections served at once; more wait in the listen "
                                   "backlog while idle keep-alive ones are closed (0: from the fd limit)")
     keepalive_timeout_seconds: float = option(15.0, "close a keep-alive connection idle this long")
@@ -231,7 +246,15 @@ class ServerConfig:
                                env="KCORAL_TOKEN")
 
 
+DEFAULT_LIMITS = ServerConfig()  # the limits of the wire rules' functions called without a server's settings
+
+
 # --- 1. wire rules: strict JSON and multipart (docs/protocol.md §4.3-4.6, 5.1) --------------------
+
+class RequestTooLarge(ValidationError):
+    """A request beyond one of the size limits (parts, program, instructions, arguments): 413
+    request_too_large rather than 400, since a valid program can be this large."""
+
 
 def strict_json(data: Buffer) -> Json:
     """Decode UTF-8 JSON, refusing a BOM, duplicate keys and NaN/Infinity."""
@@ -263,24 +286,28 @@ TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 MEDIA = re.compile(rf"{TOKEN.pattern}(?:/{TOKEN.pattern})?")  # `form-data`, `type/subtype`
 
 
+HEADER_PIECE = re.compile(r'(?:[^;"]++|"(?:[^"\\]++|\\.)*+")*+', re.DOTALL)  # possessive: no backtracking
+
+
+def header_pieces(value: str) -> list[str]:
+    """`a; b="x;y"` -> ["a", ' b="x;y"']: split at the semicolons outside quoted strings (a backslash
+    escapes the next character inside one).  A regex, not a loop per character: every part of a
+    request has two such headers."""
+    pieces, pos = [], 0
+    while True:
+        end = HEADER_PIECE.match(value, pos).end()
+        if end < len(value) and value[end] == '"':
+            raise ValidationError("unterminated quoted string in header")
+        pieces.append(value[pos:end])
+        if end == len(value):
+            return pieces
+        pos = end + 1
+
+
+@functools.lru_cache(maxsize=64)  # a request's parts repeat their Content-Type values
 def parse_header_params(value: str) -> tuple[str, dict[str, str]]:
-    """`type; k=v; k="quoted"` -> (lower-cased type, {lower-cased k: v})."""
-    pieces, current, quoted, escaped = [], [], False, False
-    for ch in value:
-        if escaped:
-            escaped = False
-        elif ch == "\\" and quoted:
-            escaped = True
-        elif ch == '"':
-            quoted = not quoted
-        elif ch == ";" and not quoted:
-            pieces.append("".join(current))
-            current = []
-            continue
-        current.append(ch)
-    if quoted:
-        raise ValidationError("unterminated quoted string in header")
-    pieces.append("".join(current))
+    """`type; k=v; k="quoted"` -> (lower-cased type, {lower-cased k: v}); callers must not change the dict."""
+    pieces = header_pieces(value)
     media = pieces[0].strip().lower()
     if not MEDIA.fullmatch(media):
         raise ValidationError(f"malformed header value {pieces[0].strip()[:80]!r}")
@@ -333,21 +360,26 @@ def find_delimiter(body: Body, delimiter: bytes, start: int) -> int:
         start = i + 1
 
 
-def parse_multipart(body: Body, boundary: bytes) -> list[tuple[PartHeaders, memoryview]]:
-    """Split a multipart body into [(headers, payload memoryview)] without copying payloads."""
+def parse_multipart(body: Body, boundary: bytes,
+                    limits: ServerConfig = DEFAULT_LIMITS) -> Iterator[tuple[PartHeaders, memoryview]]:
+    """Split a multipart body into (headers, payload memoryview) pairs without copying payloads, one
+    at a time: the caller checks each part before the next is parsed, so a body of a million tiny
+    parts is refused at the first bad one, or at `max_request_parts`, not after all are parsed."""
     delimiter = b"--" + boundary
     view = memoryview(body)
     pos = find_delimiter(body, delimiter, 0)
     if pos < 0:
         raise ValidationError("multipart body has no delimiter")
-    parts = []
+    count = 0
     while True:
         j = pos + len(delimiter)
         if body[j:j + 2] == b"--":
-            if not parts:
+            if not count:
                 raise ValidationError("multipart body has no parts")
             check_close_delimiter_line(body, j + 2)
-            return parts
+            return
+        if count == limits.max_request_parts:
+            raise RequestTooLarge(f"request has more than {limits.max_request_parts} multipart parts")
         j = body.find(b"\n", j) + 1  # a delimiter line always ends (find_delimiter checked)
         following = find_delimiter(body, delimiter, j)
         if following < 0:
@@ -355,8 +387,9 @@ def parse_multipart(body: Body, boundary: bytes) -> list[tuple[PartHeaders, memo
         end = following - 1
         if end > j and body[end - 1] == 0x0D:
             end -= 1
-        headers, payload_start = parse_part_headers(body, j, end)
-        parts.append((headers, view[payload_start:end]))
+        headers, payload_start = parse_part_headers(body, j, end, limits)
+        count += 1
+        yield headers, view[payload_start:end]
         pos = following
 
 
@@ -369,17 +402,28 @@ def check_close_delimiter_line(body: Body, start: int) -> None:
         raise ValidationError("unexpected bytes after the closing multipart delimiter")
 
 
-def parse_part_headers(body: Body, start: int, end: int) -> tuple[PartHeaders, int]:
-    """Header block up to the first empty line -> ({lower name: [values]}, payload start)."""
+FIRST_LINE_EMPTY = re.compile(rb"\r*\n")
+EMPTY_LINE = re.compile(rb"\n\r*\n")  # a line of nothing but CRs is empty too
+
+
+def parse_part_headers(body: Body, start: int, end: int, limits: ServerConfig) -> tuple[PartHeaders, int]:
+    """Header block up to the first empty line -> ({lower name: [values]}, payload start).  Its lines
+    and bytes are capped: each part costs at most that much parsing."""
+    first = FIRST_LINE_EMPTY.match(body, start, end)
+    if first:
+        return {}, first.end()
+    stop = min(end, start + limits.max_part_header_bytes)
+    blank = EMPTY_LINE.search(body, start, stop)
+    if blank is None and stop < end:
+        raise ValidationError(f"multipart part headers exceed {limits.max_part_header_bytes} bytes")
+    if blank is None:
+        raise ValidationError("multipart part has no end of headers")
+    lines = bytes(body[start:blank.start()]).decode("utf-8", "surrogateescape").split("\n")
+    if len(lines) > limits.max_part_header_lines:
+        raise ValidationError(f"multipart part has more than {limits.max_part_header_lines} header lines")
     headers, last = {}, None
-    while True:
-        nl = body.find(b"\n", start, end)
-        if nl < 0:
-            raise ValidationError("multipart part has no end of headers")
-        line = bytes(body[start:nl]).rstrip(b"\r").decode("utf-8", "surrogateescape")
-        start = nl + 1
-        if not line:
-            return headers, start
+    for line in lines:
+        line = line.rstrip("\r")
         if line[0] in " \t" and last is not None:
             headers[last][-1] += " " + line.strip()
             continue
@@ -388,6 +432,7 @@ def parse_part_headers(body: Body, start: int, end: int) -> tuple[PartHeaders, i
             raise ValidationError(f"malformed multipart header line {line[:80]!r}")
         last = name.lower()
         headers.setdefault(last, []).append(value.strip())
+    return headers, blank.end()
 
 
 def check_part_headers(headers: PartHeaders) -> tuple[str, str]:
@@ -413,36 +458,113 @@ BLOB_PART = re.compile(r"blob:([0-9a-f]{64})")
 HASH = re.compile(r"[0-9a-f]{64}")
 
 
-def split_request(body: Body, content_type: str | None) -> tuple[memoryview, dict[str, memoryview]]:
-    """docs/protocol.md §4.3-4.6 -> (program JSON bytes, {hash: payload}) in the reference's check order."""
-    parts = [(check_part_headers(h), payload)
-             for h, payload in parse_multipart(body, request_boundary(content_type))]
-    program, blobs = None, {}
-    for (name, media), payload in parts:
+@dataclasses.dataclass
+class RequestParts:
+    """A request split into its parts: the program part's JSON and the blob parts by hash.  The
+    program is decoded and validated once, when first asked for (`program()`)."""
+    limits: ServerConfig
+    program_json: memoryview | None = None
+    blobs: dict[str, memoryview] = dataclasses.field(default_factory=dict)
+    checked: "ValidProgram | ValidationError | None" = None
+
+    def add(self, name: str, media: str, payload: memoryview) -> None:
+        """docs/protocol.md §4.6 for one part."""
         if name == "program":
-            if program is not None:
+            if self.program_json is not None:
                 raise ValidationError("duplicate 'program' part")
             if media != "application/json":
                 raise ValidationError("'program' part must be application/json")
-            program = payload
-            continue
+            self.program_json = payload
+            return
         match = BLOB_PART.fullmatch(name)
         if not match:
             raise ValidationError(f"unexpected part name {name[:80]!r}")
         digest = match.group(1)
-        if digest in blobs:
+        if digest in self.blobs:
             raise ValidationError(f"duplicate blob part {digest}")
         if media != "application/octet-stream":
             raise ValidationError(f"blob part {digest} must be application/octet-stream")
         if hashlib.sha256(payload).hexdigest() != digest:
             raise ValidationError(f"blob hash mismatch for part {digest}")
-        blobs[digest] = payload
-    if program is None:
+        self.blobs[digest] = payload
+
+    def program(self) -> "ValidProgram":
+        """The program part decoded (§5.1) and validated (§5, 6); its error, raised again if asked twice."""
+        if self.checked is None:
+            try:
+                self.checked = parse_program(decode_program(self.program_json, self.limits), self.limits)
+            except ValidationError as exc:
+                self.checked = exc
+        if isinstance(self.checked, ValidationError):
+            raise self.checked
+        return self.checked
+
+    def parts_allowed(self) -> int:
+        """Parts a request may have once its first part, the program, is known: one per blob it
+        references, plus the program; more are unreferenced or duplicates, a 400 whatever follows.
+        An invalid program leaves the hard cap (its error comes later, in protocol order), unless
+        it is too large: the size limits come first."""
+        try:
+            return len(self.program().blob_kinds) + 1
+        except RequestTooLarge:
+            raise
+        except ValidationError:
+            return self.limits.max_request_parts
+
+
+def refuse_extra_part(parts: RequestParts, name: str, media: str, payload: memoryview,
+                      failure: ValidationError | None) -> NoReturn:
+    """A part beyond the valid program's blobs plus one: what the reference would answer once it read
+    the rest, as far as the parts read so far tell (a later part's bad headers would have won, §4.7):
+    an earlier part's error, this part's, or the unreferenced blobs, one of which there must be."""
+    if failure is not None:
+        raise failure
+    parts.add(name, media, payload)
+    check_no_unreferenced_blobs(parts.program(), parts.blobs)
+    raise ValidationError("more parts than the program references blobs")  # not reached: one is unreferenced
+
+
+def split_request(body: Body, content_type: str | None, limits: ServerConfig = DEFAULT_LIMITS) -> RequestParts:
+    """docs/protocol.md §4.3-4.7 -> the request's parts, in the reference's check order: each part's
+    headers as it is parsed (§4.5), then its name, content type and hash (§4.6), whose failure waits
+    until every later part's headers have passed (step 2 before step 3)."""
+    parts, failure = RequestParts(limits), None
+    allowed = limits.max_request_parts
+    for count, (headers, payload) in enumerate(parse_multipart(body, request_boundary(content_type), limits), 1):
+        name, media = check_part_headers(headers)
+        if count > allowed:
+            refuse_extra_part(parts, name, media, payload, failure)
+        if name == "program" and len(payload) > limits.max_program_bytes:
+            raise RequestTooLarge(f"'program' part exceeds {limits.max_program_bytes} bytes")
+        if failure is None:
+            try:
+                parts.add(name, media, payload)
+            except ValidationError as exc:
+                failure = exc
+        if count == 1 and failure is None and name == "program":
+            allowed = parts.parts_allowed()
+    if failure is not None:
+        raise failure
+    if parts.program_json is None:
         raise ValidationError("missing 'program' part")
-    return program, blobs
+    return parts
 
 
 # --- 2. wire rules: program validation (docs/protocol.md §5, 6) -----------------------------------
+
+JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+
+
+def decode_program(data: memoryview, limits: ServerConfig) -> Json:
+    """strict_json, once the program's JSON values are counted: decoding costs about 60 bytes per value
+    (`[[],[],...]` ~20 times its size), so the count is capped first.  Its commas and opening
+    brackets outside strings bound it, found at C speed once the strings are cut out."""
+    structure = JSON_STRING.sub(b"", data)
+    values = structure.count(b",") + structure.count(b"[") + structure.count(b"{")
+    if values > limits.max_program_values:
+        raise RequestTooLarge(f"'program' holds more than {limits.max_program_values} JSON values")
+    return strict_json(data)
+
 
 UPLOAD_FIELDS = {"module": {"source"}, "tensor": {"blob", "dtype", "shape"}, "bytes": {"blob"},
                  "library": {"blob"}, "file": {"blob", "path"}}
@@ -464,7 +586,7 @@ def is_ref(v: object) -> bool:
     return isinstance(v, dict) and len(v) == 1 and isinstance(v.get("$ref"), str) and v["$ref"] != ""
 
 
-def parse_program(body: Json) -> ValidProgram:
+def parse_program(body: Json, limits: ServerConfig = DEFAULT_LIMITS) -> ValidProgram:
     """Validate a decoded program object; ValidationError names the offending field."""
     if not isinstance(body, dict):
         raise ValidationError("program must be a JSON object")
@@ -474,6 +596,8 @@ def parse_program(body: Json) -> ValidProgram:
     instructions = body.get("instructions")
     if not isinstance(instructions, list) or not instructions:
         raise ValidationError("'instructions' must be a non-empty array")
+    if len(instructions) > limits.max_program_instructions:
+        raise RequestTooLarge(f"program has more than {limits.max_program_instructions} instructions")
     options = check_options(body.get("options", {}))
     program = ValidProgram(instructions, options, {}, [])
     ids, keys, paths = set(), set(), {}
@@ -486,7 +610,7 @@ def parse_program(body: Json) -> ValidProgram:
             raise ValidationError(f"{where}: unknown op {brief(op)}")
         if op != "return":
             check_id(ins, ids, where)
-        check_instruction(program, ins, op, ids, keys, paths, f"{where} ({op})")
+        check_instruction(program, ins, op, ids, keys, paths, f"{where} ({op})", limits)
         if op != "return":
             ids.add(ins["id"])
     return program
@@ -584,7 +708,7 @@ def check_path(value: Json, where: str) -> str:
 
 
 def check_instruction(program: ValidProgram, ins: Instruction, op: str, ids: set[str], keys: set[str],
-                      paths: dict[str, str], where: str) -> None:
+                      paths: dict[str, str], where: str, limits: ServerConfig) -> None:
     if op == "upload":
         kind = ins.get("kind")
         if not isinstance(kind, str) or kind not in UPLOAD_FIELDS:  # a list is unhashable
@@ -604,6 +728,8 @@ def check_instruction(program: ValidProgram, ins: Instruction, op: str, ids: set
         args = ins.get("args", [])
         if not isinstance(args, list):
             raise ValidationError(f"{where}: 'args' must be an array")
+        if len(args) > limits.max_run_args:
+            raise RequestTooLarge(f"{where}: more than {limits.max_run_args} arguments")
         for position, arg in enumerate(args):
             if is_ref(arg):
                 check_ref(arg, ids, where, f"args[{position}]")
@@ -695,45 +821,64 @@ def pinned_bytes(data: Buffer) -> int:
     return memoryview(owner).nbytes
 
 
+CACHE_ENTRY_OVERHEAD = 384  # bytes an entry costs beyond its payload (tests/test_bounds.py measures ~330)
+
+
 class MemoryCache:
     """LRU of blob bytes by SHA-256; pinned entries are never evicted.
 
-    Entries are charged for the memory they keep alive (pinned_bytes), not their length.
+    Entries are charged for the memory they keep alive (pinned_bytes) plus CACHE_ENTRY_OVERHEAD
+    (key, tuple, buffer object, dict slot: ~330 B, which 20 000 blobs of 8 bytes each would
+    otherwise not be charged at all).  Pinned entries wait in `held`, outside the LRU order, so
+    eviction only ever pops from the LRU end of `entries`: amortized O(1) per insert.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, max_entries: int) -> None:
         self.capacity = capacity
+        self.max_entries = max_entries
         self.entries: collections.OrderedDict[str, tuple[Buffer, int]] = collections.OrderedDict()
+        self.held: dict[str, tuple[Buffer, int]] = {}  # pinned entries
         self.size = 0
         self.pins: collections.Counter[str] = collections.Counter()
         self.lock = threading.Lock()
 
+    def __len__(self) -> int:
+        return len(self.entries) + len(self.held)
+
     def get(self, digest: str) -> Buffer | None:
         with self.lock:
-            entry = self.entries.get(digest)
+            entry = self.entries.get(digest) or self.held.get(digest)
             if entry is None:
                 return None
-            self.entries.move_to_end(digest)
+            if digest in self.entries:
+                self.entries.move_to_end(digest)
             return entry[0]
 
     def put(self, digest: str, data: Buffer) -> None:
-        cost = pinned_bytes(data)
+        cost = pinned_bytes(data) + CACHE_ENTRY_OVERHEAD
         if cost * 4 > self.capacity:
             return
         with self.lock:
             if digest in self.entries:
                 self.entries.move_to_end(digest)
                 return
-            self.entries[digest] = (data, cost)
+            if digest in self.held:
+                return
+            (self.held if self.pins[digest] else self.entries)[digest] = (data, cost)
             self.size += cost
-            for old in [d for d in self.entries if not self.pins[d]]:
-                if self.size <= self.capacity:
-                    break
-                self.size -= self.entries.pop(old)[1]
+            self.evict()
+
+    def evict(self) -> None:
+        """Least recently used unpinned entries go while over the byte or entry budget (lock held)."""
+        while self.entries and (self.size > self.capacity or len(self) > self.max_entries):
+            self.size -= self.entries.popitem(last=False)[1][1]
 
     def pin(self, digests: list[str]) -> None:
         with self.lock:
             self.pins.update(digests)
+            for d in digests:
+                if d in self.entries:
+                    self.held[d] = self.entries.pop(d)
 
     def unpin(self, digests: list[str]) -> None:
         with self.lock:
@@ -741,19 +886,32 @@ class MemoryCache:
             for d in digests:
                 if self.pins[d] <= 0:
                     del self.pins[d]
+                    if d in self.held:
+                        self.entries[d] = self.held.pop(d)  # most recently used: its program just ran
+            self.evict()
+
+
+def disk_cost(info: os.stat_result) -> int:
+    """What a file costs its file system: the blocks it occupies (a 1-byte file takes a whole block)."""
+    return info.st_blocks * 512
 
 
 class DiskCache:
     """Blobs of file uploads under <dir>/v1/<ab>/<hash>; persistent, verified on read.
 
     Every disk problem is a miss or an ignored write: the cache can never
-    make a request fail.
+    make a request fail.  Files are charged the blocks they occupy (disk_cost) and counted: a
+    file system runs out of inodes long before thousands of 1-byte blobs fill a byte budget.
+    Once over either budget, eviction takes both down to nine tenths of it, so the directory is
+    scanned once per tenth of the budget written, not on every put.
     """
 
-    def __init__(self, directory: str, capacity_bytes: int) -> None:
+    def __init__(self, directory: str, capacity_bytes: int, max_files: int) -> None:
         self.root = os.path.join(directory, "v1")
         self.capacity = capacity_bytes
+        self.max_files = max_files
         self.total = 0
+        self.files = 0
         self.lock = threading.Lock()
         try:
             os.makedirs(self.root, mode=0o700, exist_ok=True)
@@ -804,13 +962,16 @@ class DiskCache:
             try:
                 with open(fd, "wb") as f:
                     f.write(data)
+                    f.flush()
+                    cost = disk_cost(os.fstat(fd))
                 os.replace(staging, target)
             except BaseException:
                 os.unlink(staging)
                 raise
             with self.lock:
-                self.total += len(data)
-                over = self.total > self.capacity
+                self.total += cost
+                self.files += 1
+                over = self.total > self.capacity or self.files > self.max_files
             if over:
                 self.evict()
         except OSError:
@@ -821,7 +982,8 @@ class DiskCache:
             self.put(digest, data)
 
     def evict(self) -> None:
-        """Remove least recently used entries until within budget (writers serialised by a lock file)."""
+        """Remove least recently used entries while over nine tenths of either budget (writers
+        serialised by a lock file)."""
         with self.lock, open(os.path.join(self.root, ".lock"), "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             entries = []
@@ -830,15 +992,19 @@ class DiskCache:
                     for entry in os.scandir(sub.path):
                         if entry.is_file(follow_symlinks=False):
                             info = entry.stat(follow_symlinks=False)
-                            entries.append((info.st_mtime_ns, info.st_size, entry.path))
+                            entries.append((info.st_mtime_ns, disk_cost(info), entry.path))
             entries.sort()
-            self.total = sum(size for _, size, _ in entries)
-            for _, size, path in entries:
-                if self.total <= self.capacity:
+            self.total, self.files = sum(cost for _, cost, _ in entries), len(entries)
+            if self.total <= self.capacity and self.files <= self.max_files:
+                return
+            bytes_left, files_left = self.capacity - self.capacity // 10, self.max_files - self.max_files // 10
+            for _, cost, path in entries:
+                if self.total <= bytes_left and self.files <= files_left:
                     break
                 try:
                     os.unlink(path)
-                    self.total -= size
+                    self.total -= cost
+                    self.files -= 1
                 except OSError:
                     pass
 
@@ -848,8 +1014,9 @@ class BlobStore:
     libraries) and on disk (file uploads), docs/protocol.md §7.4-7.5."""
 
     def __init__(self, config: ServerConfig) -> None:
-        self.memory = MemoryCache(config.cache_capacity_bytes)
-        self.disk = (DiskCache(config.disk_cache_dir, config.disk_cache_capacity_mbytes << 20)
+        self.memory = MemoryCache(config.cache_capacity_bytes, config.cache_max_entries)
+        self.disk = (DiskCache(config.disk_cache_dir, config.disk_cache_capacity_mbytes << 20,
+                               config.disk_cache_max_files)
                      if config.disk_cache_dir and config.disk_cache_capacity_mbytes > 0 else None)
 
     def keep_file_blobs(self, program: ValidProgram, supplied: dict[str, memoryview]) -> threading.Thread | None:
@@ -2525,8 +2692,9 @@ class KCoralServer:
         """A request body, read -> Outcome.  The checks run in protocol order (docs/protocol.md §4.7): the first
         that fails decides the answer."""
         try:
-            data, supplied = split_request(body, content_type)           # envelope and parts
-            program = parse_program(strict_json(data))                   # strict JSON, then the program
+            parts = split_request(body, content_type, self.config)       # envelope and parts
+            data, supplied = parts.program_json, parts.blobs
+            program = parts.program()                                    # strict JSON, then the program
             check_no_unreferenced_blobs(program, supplied)
             disk_writes = self.blobs.keep_file_blobs(program, supplied)  # cached even if refused below
             try:
@@ -2540,6 +2708,8 @@ class KCoralServer:
             finally:
                 if disk_writes is not None:
                     disk_writes.join()  # once answered, the client may count on its file blobs being cached
+        except RequestTooLarge as exc:
+            return Outcome(413, "request_too_large", str(exc))
         except ValidationError as exc:
             return Outcome(400, "parse", str(exc))
 
@@ -2788,9 +2958,12 @@ class ConnectionGuard:
 
 
 class BodyBudget:
-    """Admission of request bodies against a global in-memory budget, first come first served,
-    so memory stays bounded however many clients upload at once.  A body larger than the
-    whole budget is admitted alone."""
+    """Admission of request bodies against a global in-memory budget, first come first served, so
+    memory stays bounded however many clients upload at once.  Bodies reserve it as their bytes
+    arrive, a step ahead (BodyReservation), not their declared size: a client trickling a body it
+    declared huge holds a step, not the budget.  When the budget is full, the first body waiting
+    may take all it still declared beyond it, provided no body does already: bodies read halfway
+    then never wait on each other for ever, and memory stays below the budget plus one body."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -2799,23 +2972,27 @@ class BodyBudget:
         self.closed = False
         self.cond = threading.Condition()
 
-    def admit(self, size: int, timeout: float) -> bool:
-        """Wait for room for `size` bytes -> True, or False after `timeout` s or on shutdown."""
+    def reserve(self, held: int, wanted: int, declared: int, timeout: float) -> int | None:
+        """Grow a reservation of `held` bytes to `wanted` (or to `declared`, beyond the budget) -> the
+        new reservation, or None after `timeout` s or on shutdown."""
         ticket = object()
         deadline = time.monotonic() + timeout
         with self.cond:
             self.queue.append(ticket)
             try:
                 while not self.closed:
-                    room = self.in_use + size <= self.capacity or self.in_use == 0
-                    if room and self.queue[0] is ticket:
-                        self.in_use += size
-                        return True
+                    if self.queue[0] is ticket:
+                        if self.in_use + wanted - held <= self.capacity:
+                            self.in_use += wanted - held
+                            return wanted
+                        if self.in_use <= self.capacity:  # no body is beyond the budget: this one may be
+                            self.in_use += declared - held
+                            return declared
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
-                        return False
+                        return None
                     self.cond.wait(remaining)
-                return False
+                return None
             finally:
                 self.queue.remove(ticket)
                 self.cond.notify_all()
@@ -2829,6 +3006,32 @@ class BodyBudget:
         with self.cond:
             self.closed = True
             self.cond.notify_all()
+
+
+class BodyReservation:
+    """One body's share of the BodyBudget: `held` bytes, kept a STEP ahead of the `received` ones."""
+
+    STEP = 256 << 10  # small, so that a thousand connections each trickling a byte hold little
+
+    def __init__(self, budget: BodyBudget, declared: int, timeout: float) -> None:
+        self.budget, self.declared, self.timeout = budget, declared, timeout
+        self.held = self.received = 0
+
+    def room(self) -> int:
+        return self.held - self.received
+
+    def grow(self) -> bool:
+        """Room for the next bytes -> False after the admission wait, or on shutdown."""
+        wanted = min(self.declared, self.received + self.STEP)
+        held = self.budget.reserve(self.held, max(wanted, self.held), self.declared, self.timeout)
+        if held is None:
+            return False
+        self.held = held
+        return True
+
+    def release(self) -> None:
+        self.budget.release(self.held)
+        self.held = 0
 
 
 class BodyCut(Exception):
@@ -2920,11 +3123,11 @@ def framing_problem(headers: email.message.Message) -> str | None:
     for name, value in headers.items():
         if CONTROL_CHARS.search(value):
             return f"control character in the {name} header"
-    lengths = {v.strip() for value in headers.get_all("Content-Length") or [] for v in value.split(",")}
-    if any(declared_length(v) is None for v in lengths):
-        return "invalid Content-Length header"
-    if len({declared_length(v) for v in lengths}) > 1:
+    lengths = headers.get_all("Content-Length") or []
+    if len(lengths) > 1:  # even equal ones (RFC 9110 §8.6 allows refusing them): one rule, one reading
         return "conflicting Content-Length headers"
+    if lengths and declared_length(lengths[0]) is None:  # `5, 5`, `+5`, `0x5`, `5 5`: one run of digits only
+        return "invalid Content-Length header"
     encodings = headers.get_all("Transfer-Encoding") or []
     if encodings and lengths:
         return "Transfer-Encoding together with Content-Length"
@@ -3102,6 +3305,8 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             self.disconnected("body", reason=reason)
             return Outcome(408, "parse", f"request body slower than {config.body_rate_min_bytes} bytes per "
                                          f"{config.body_rate_window_seconds:g} s")
+        if reason == "budget":  # read halfway, no room for the rest within the admission wait
+            return Outcome(503, "busy", "server saturated")
         return self.app.refuse_while_draining()
 
     def route_error(self) -> None:
@@ -3190,8 +3395,8 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         if self.expects_continue:
             keep_open, self.close_connection = not self.close_connection, True  # a refusal leaves the body unsent
             request_boundary(self.headers.get("Content-Type"))
-        reserved = min(limit, config.max_body_bytes_in_flight) if chunked else size
-        if not self.app.bodies.admit(reserved, config.body_admission_wait_seconds):
+        reservation = BodyReservation(self.app.bodies, limit if chunked else size, config.body_admission_wait_seconds)
+        if not reservation.grow():
             self.close_connection = True
             return self.app.refuse_while_draining() if self.app.closing else Outcome(503, "busy", "server saturated")
         try:
@@ -3199,43 +3404,58 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
                 self.send_response_only(100)
                 self.end_headers()
                 self.close_connection = not keep_open
-            body = self.read_chunked(limit) if chunked else self.read_body(size)
+            body = self.read_chunked(limit, reservation) if chunked else self.read_body(size, reservation)
             self.body_done = True
             if body is None:
                 return Outcome(413, "request_too_large", "request exceeds the configured size limit")
             return self.app.handle_execute(request_id, body, self.headers.get("Content-Type"))
         finally:
-            self.app.bodies.release(reserved)
+            reservation.release()
 
-    def read_body(self, size: int) -> bytearray | mmap.mmap:
-        """Read `size` body bytes under the guard's rate rule -> a new buffer."""
+    def read_body(self, size: int, reservation: BodyReservation | None = None) -> bytearray | mmap.mmap:
+        """Read `size` body bytes under the guard's rate rule (and the body budget) -> a new buffer."""
         self.watch("body")
         try:
-            return self.read_exact(size)
+            return self.read_exact(size, reservation)
         finally:
             self.unwatch()
 
-    def read_exact(self, size: int) -> bytearray | mmap.mmap:
+    def read_exact(self, size: int, reservation: BodyReservation | None) -> bytearray | mmap.mmap:
         body = large_buffer(size)
         view = memoryview(body)
         while view:
-            n = self.rfile.readinto1(view)  # one socket read at a time: the guard sees the progress
+            room = len(view) if reservation is None else self.budget_room(reservation)
+            n = self.rfile.readinto1(view[:room])  # one socket read at a time: the guard sees the progress
             if not n:
                 if self.cut_reason:
                     raise BodyCut(self.cut_reason)
                 raise ConnectionError("client closed the connection mid-body")
             self.phase.received += n
+            if reservation is not None:
+                reservation.received += n
             view = view[n:]
         return body
 
-    def read_chunked(self, limit: int) -> bytearray | None:
+    def budget_room(self, reservation: BodyReservation) -> int:
+        """Bytes the body may read now; waits for the budget to grow its reservation first, unwatched
+        meanwhile (the body is not slow: the server is)."""
+        if reservation.room() > 0:
+            return reservation.room()
+        self.unwatch()
+        grown = reservation.grow()
+        self.watch("body")
+        if not grown:
+            raise BodyCut("shutdown" if self.app.closing else "budget")
+        return reservation.room()
+
+    def read_chunked(self, limit: int, reservation: BodyReservation) -> bytearray | None:
         self.watch("body")
         try:
-            return self.read_chunks(limit)
+            return self.read_chunks(limit, reservation)
         finally:
             self.unwatch()
 
-    def read_chunks(self, limit: int) -> bytearray | None:
+    def read_chunks(self, limit: int, reservation: BodyReservation) -> bytearray | None:
         body = bytearray()
         while True:
             line = self.rfile.readline(1024).split(b";")[0].strip()
@@ -3252,7 +3472,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             if len(body) + size > limit:
                 self.close_connection = True
                 return None
-            body += self.read_exact(size)
+            body += self.read_exact(size, reservation)
             self.rfile.readline(1024)
 
     def respond(self, request_id: str, outcome: Outcome) -> int:
@@ -3330,11 +3550,13 @@ def json_bytes(value: Json) -> bytes:
 
 
 def declared_length(value: str) -> int | None:
-    """A Content-Length value -> int, or None unless it is ASCII digits.
+    """A Content-Length value -> int, or None unless it is ASCII digits (between optional spaces
+    and tabs, which RFC 9110 §5.5 does not count as part of a field value).
 
     str.isdigit() also accepts "²", and int() refuses strings of more than
     4300 digits, so huge values are capped instead of converted.
     """
+    value = value.strip(" \t")
     if not value.isascii() or not value.isdigit():
         return None
     digits = value.lstrip("0") or "0"

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import pytest
@@ -561,3 +562,70 @@ def build_add_one(device, arch=None):
     os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     with open(tvm_ffi.cpp.build(name="add_one", sources=[source_path], build_directory=build_dir), "rb") as f:
         return f.read()
+
+
+# --- measuring a server process through /proc -----------------------------------------------
+
+def rss_kib(pid):
+    """Resident set size of one process (VmRSS in /proc/PID/status), 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def cpu_seconds(pid):
+    """User plus system CPU time of one process so far (/proc/PID/stat): unlike wall time, it does not
+    grow while other processes hold the cores."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Sampler:
+    """Calls `probe()` in a loop on a thread while the `with` block runs; `.values` holds the results."""
+
+    def __init__(self, probe, interval=0.01):
+        self.probe, self.interval, self.values = probe, interval, []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self):
+        while not self.stop.is_set():
+            self.values.append(self.probe())
+            self.stop.wait(self.interval)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+        self.values.append(self.probe())
+
+
+def health_latency(url, timeout=30):
+    """Seconds /health takes to answer 200 (`timeout` if it does not)."""
+    started = time.monotonic()
+    try:
+        status, _, _ = request("GET", url + "/health", timeout=timeout)
+    except OSError:
+        return timeout
+    return time.monotonic() - started if status == 200 else timeout
+
+
+def unread_bytes(server_port, client_port):
+    """Bytes a client sent on 127.0.0.1 that the server's socket has not read yet (its receive queue
+    in /proc/net/tcp), or None while no such connection shows."""
+    wanted_local, wanted_remote = f"0100007F:{server_port:04X}", f"0100007F:{client_port:04X}"
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            if fields[1] == wanted_local and fields[2] == wanted_remote:
+                return int(fields[4].split(":")[1], 16)
+    return None

@@ -435,6 +435,11 @@ def framing_cases(content_type, body):
          % len(chunked_body) + chunked_body + SMUGGLED, 400),
         ("two different Content-Lengths", program + b"Content-Length: %d\r\nContent-Length: %d\r\n\r\n"
          % (len(body), len(body) + len(SMUGGLED)) + body + SMUGGLED, 400),
+        ("two equal Content-Lengths", program + b"Content-Length: %d\r\nContent-Length: %d\r\n\r\n"
+         % (len(body), len(body)) + body + SMUGGLED, 400),
+        *[(f"Content-Length: {value.decode() % len(body)}", program + b"Content-Length: " + value % len(body)
+           + b"\r\n\r\n" + body + SMUGGLED, 400)
+          for value in (b"%d, 5", b"%d ,5", b"+%d", b"-%d", b"0x%x", b"%d 5", b"%d;5", b"%d.0")],
         ("TE: xchunked", program + b"Transfer-Encoding: xchunked\r\n\r\n" + chunked_body + SMUGGLED, 400),
         ("TE: chunked, gzip", program + b"Transfer-Encoding: chunked, gzip\r\n\r\n" + chunked_body + SMUGGLED, 400),
         ("control character in a header value", program + b"X-Bad: a\x01b\r\nContent-Length: %d\r\n\r\n"

@@ -204,9 +204,9 @@ def test_multipart_parsing_agrees(case):
 def test_client_request_encoding_parses_on_the_server(program_json, payloads):
     blobs = [(kcoral_worker.hashlib.sha256(p).hexdigest(), p) for p in payloads]
     body = b"".join(client._multipart_chunks("kcoral-test", program_json, blobs))
-    program, supplied = kcoral.split_request(body, "multipart/form-data; boundary=kcoral-test")
-    assert bytes(program) == program_json
-    assert {h: bytes(p) for h, p in supplied.items()} == dict(blobs)
+    split = kcoral.split_request(body, "multipart/form-data; boundary=kcoral-test")
+    assert bytes(split.program_json) == program_json
+    assert {h: bytes(p) for h, p in split.blobs.items()} == dict(blobs)
 
 
 # --- tensor to bytes: what the client uploads and what the server returns ---------------------

@@ -1,0 +1,430 @@
+"""Bounded cost for every input: the blob store, the multipart and program parsers, Content-Length
+framing and the body budget, measured against a real server (time, RSS through /proc, files).
+
+Each attack is an *item* taking a Scale: the tests below run them at CI size; at full size
+(`python -m tests.test_bounds`, the figures in docs/reliability-hostile.md) they run once at the
+sizes the attacks were first measured at, on one CPU worker.
+"""
+
+import dataclasses
+import hashlib
+import json
+import os
+import select
+import sys
+import tempfile
+import threading
+import time
+import tracemalloc
+
+import pytest
+
+import kcoral
+from kcoral_worker import ValidationError
+from tests.support import (
+    Sampler,
+    assert_error_body,
+    cpu_seconds,
+    get_fn,
+    health_latency,
+    multipart,
+    post_raw,
+    prog,
+    program_parts,
+    ref,
+    request,
+    ret,
+    rss_kib,
+    run,
+    unread_bytes,
+    up_blob,
+    up_module,
+)
+from tests.test_hostile import connect, flags
+from tests.test_reliability import Server
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+    name: str
+    blobs: int              # distinct 8-byte `bytes` uploads in one request ...
+    blob_seconds: float     # ... answered within this
+    parts: int              # tiny parts in one body ...
+    parts_seconds: float    # ... refused within this
+    parts_rss_mib: int      # ... with at most this front-end RSS growth
+    budget_mib: int         # --max-body-bytes-in-flight for the tricklers (0: default)
+    rate_window: float      # --body-rate-window-seconds (0: default) ...
+    rate_min: int           # ... and --body-rate-min-bytes the tricklers keep up
+    admission_wait: float   # --body-admission-wait-seconds
+    tiny_files: int         # distinct 8-byte file blobs uploaded to a small disk cache
+
+
+CI = Scale("ci", blobs=8000, blob_seconds=8.0, parts=200_000, parts_seconds=3.0, parts_rss_mib=128, budget_mib=8,
+           rate_window=2.0, rate_min=1024, admission_wait=10.0, tiny_files=1200)
+FULL = Scale("full", blobs=20_000, blob_seconds=10.0, parts=200_000, parts_seconds=3.0, parts_rss_mib=128,
+             budget_mib=0, rate_window=0, rate_min=0, admission_wait=60.0, tiny_files=1200)
+
+
+def limits(**values):
+    return dataclasses.replace(kcoral.DEFAULT_LIMITS, **values)
+
+
+def eight_bytes(i):
+    return b"%08d" % i
+
+
+# --- 1. the blob store ---------------------------------------------------------------------------
+
+def test_cache_entry_overhead_covers_what_an_entry_costs():
+    """What a cached 8-byte blob keeps alive beyond its payload (key, tuple, bytes object, dict slot),
+    measured with tracemalloc at several sizes (the dict grows in steps), stays within the charge."""
+    tracemalloc.start()
+    try:
+        worst = 0.0
+        for n in (1000, 5462, 21846, 43691):
+            cache = kcoral.MemoryCache(1 << 40, 1 << 30)
+            before = tracemalloc.get_traced_memory()[0]
+            for i in range(n):
+                cache.put(hashlib.sha256(eight_bytes(i)).hexdigest(), bytes(eight_bytes(i)))
+            worst = max(worst, (tracemalloc.get_traced_memory()[0] - before) / n - 8)
+            del cache
+    finally:
+        tracemalloc.stop()
+    assert 100 < worst <= kcoral.CACHE_ENTRY_OVERHEAD, worst
+
+
+def fill_seconds(cache, n, start=0):
+    started = time.perf_counter()
+    for i in range(start, start + n):
+        cache.put(f"{i:064x}", bytes(eight_bytes(i)))
+    return time.perf_counter() - started
+
+
+def test_memory_cache_insert_and_eviction_are_amortized_constant():
+    """Inserting into a full cache whose LRU end is pinned: 8 times the inserts take about 8 times as
+    long (a scan per insert made it 64 times), and the byte and entry budgets hold throughout."""
+    entry = 8 + kcoral.CACHE_ENTRY_OVERHEAD
+    cache = kcoral.MemoryCache(2000 * entry, 1500)
+    fill_seconds(cache, 1500)
+    pinned = [f"{i:064x}" for i in range(1000)]  # the 1000 least recently used ones
+    cache.pin(pinned)
+    small = fill_seconds(cache, 5000, 10_000)
+    large = fill_seconds(cache, 40_000, 100_000)
+    assert len(cache) <= 1500 and cache.size <= 2000 * entry, (len(cache), cache.size)
+    assert all(cache.get(d) is not None for d in pinned), "a pinned entry was evicted"
+    assert large <= 8 * small * 2.5 + 0.05, (small, large)
+    cache.unpin(pinned)
+    fill_seconds(cache, 1500, 200_000)
+    assert all(cache.get(d) is None for d in pinned), "unpinned entries were never evicted"
+
+
+def test_memory_cache_entry_limit():
+    cache = kcoral.MemoryCache(1 << 30, 100)
+    fill_seconds(cache, 1000)
+    assert len(cache) == 100 and cache.get(f"{999:064x}") is not None and cache.get(f"{0:064x}") is None
+
+
+def test_disk_cache_charges_blocks_and_counts_files(tmp_path):
+    """1-byte blobs cost a block each, and the file limit holds: the directory never holds more
+    files than either budget allows (a byte count would have let all 3000 in)."""
+    by_blocks = kcoral.DiskCache(str(tmp_path / "blocks"), 256 << 10, 100_000)
+    by_count = kcoral.DiskCache(str(tmp_path / "count"), 1 << 30, 300)
+    for i in range(3000):
+        data = eight_bytes(i)[-1:] + eight_bytes(i)  # 9 distinct bytes
+        by_blocks.put(hashlib.sha256(data).hexdigest(), data)
+        by_count.put(hashlib.sha256(data).hexdigest(), data)
+    for cache, budget_bytes, budget_files in ((by_blocks, 256 << 10, 100_000), (by_count, 1 << 30, 300)):
+        files, blocks = cache_usage(os.path.dirname(cache.root))
+        assert files <= budget_files and blocks <= budget_bytes, (files, blocks)
+        assert files > 0
+    assert cache_usage(os.path.dirname(by_blocks.root))[0] < 3000
+
+
+def cache_usage(directory):
+    """(files, bytes of blocks) under a disk cache directory, its lock file left out."""
+    files = blocks = 0
+    for folder, _, names in os.walk(directory):
+        for name in names:
+            if name != ".lock":
+                files += 1
+                blocks += os.stat(os.path.join(folder, name)).st_blocks * 512
+    return files, blocks
+
+
+def many_blobs_item(scale, workdir):
+    """One request with `scale.blobs` distinct 8-byte `bytes` uploads: answered 200 within the bound,
+    /health answering within 1 s all along."""
+    server = Server(workdir, workers=1)
+    try:
+        blobs = [eight_bytes(i) for i in range(scale.blobs)]
+        program = prog(up_module("m", "def f(*xs):\n    return sum(len(x) for x in xs)\n"),
+                       *[up_blob(f"b{i}", "bytes", blob) for i, blob in enumerate(blobs)],
+                       get_fn("fn", "m", "f"), run("r", "fn", *[ref(f"b{i}") for i in range(len(blobs))]),
+                       ret("out", "r"))
+        body, content_type = multipart(program_parts(program, blobs))
+        with Sampler(lambda: health_latency(server.url), interval=0.05) as health:
+            started = time.monotonic()
+            status, _, data = request("POST", server.url + "/execute", body, {"Content-Type": content_type}, 300)
+            seconds = time.monotonic() - started
+        assert status == 200 and json.loads(data)["results"]["out"]["value"] == 8 * scale.blobs, data[:300]
+        assert seconds <= scale.blob_seconds, seconds
+        assert max(health.values) <= 1.0, max(health.values)
+        figures = {"blobs": scale.blobs, "body MB": round(len(body) / 1e6, 1), "answered 200 after s": round(seconds, 1),
+                   "slowest /health s": round(max(health.values), 2)}
+    finally:
+        code = server.stop()
+    assert code == 0
+    return figures
+
+
+def test_many_blobs_in_one_request(tmp_path):
+    print(many_blobs_item(CI, str(tmp_path)))
+
+
+def tiny_files_item(scale, workdir):
+    """Distinct 8-byte `file` blobs into a 1 MiB disk cache: charged a 4 KiB block each, at most 256
+    of them stay (charged by bytes, all would), and with --disk-cache-max-files the count holds."""
+    figures = {}
+    for capacity_mib, max_files in ((1, 100_000), (1024, 200)):
+        server = Server(workdir, "--disk-cache-capacity-mbytes", str(capacity_mib),
+                        "--disk-cache-max-files", str(max_files), workers=1)
+        try:
+            for start in range(0, scale.tiny_files, 400):
+                blobs = [b"f%07d" % i for i in range(start, min(start + 400, scale.tiny_files))]
+                program = prog(*[up_blob(f"f{i}", "file", blob, path=f"d/{i}") for i, blob in enumerate(blobs)])
+                body, content_type = multipart(program_parts(program, blobs))
+                status, _, data = request("POST", server.url + "/execute", body, {"Content-Type": content_type})
+                assert status == 200, data[:300]
+            files, blocks = cache_usage(server.disk_cache)
+        finally:
+            assert server.stop() == 0
+        assert 0 < files <= max_files and blocks <= capacity_mib << 20, (files, blocks)
+        assert files < scale.tiny_files
+        figures[f"{capacity_mib} MiB, {max_files} files"] = f"{files} files, {blocks >> 10} KiB of blocks kept"
+    return figures
+
+
+def test_tiny_file_blobs_are_charged_blocks_and_counted(tmp_path):
+    print(tiny_files_item(CI, str(tmp_path)))
+
+
+# --- 2. parsing ----------------------------------------------------------------------------------
+
+BOUNDARY = "bounds"
+CT = f"multipart/form-data; boundary={BOUNDARY}"
+
+
+def part(name, payload=b"x", content_type="application/octet-stream", extra=()):
+    head = [f'Content-Disposition: form-data; name="{name}"', f"Content-Type: {content_type}", *extra]
+    return f"--{BOUNDARY}\r\n".encode() + "\r\n".join(head).encode() + b"\r\n\r\n" + payload + b"\r\n"
+
+
+def body_of(*parts):
+    return b"".join(parts) + f"--{BOUNDARY}--\r\n".encode()
+
+
+def program_part(program):
+    return part("program", json.dumps(program).encode(), "application/json")
+
+
+def blob_part(data):
+    return part(f"blob:{hashlib.sha256(data).hexdigest()}", data)
+
+
+BYTES_PROGRAM = prog(up_blob("b", "bytes", b"one"), ret("out", "b"))
+
+
+def refused(body, limit_values, error=ValidationError):
+    """split_request and the program's validation on `body` under these limits -> the error's message."""
+    with pytest.raises(error) as caught:
+        kcoral.split_request(body, CT, limits(**limit_values)).program()
+    return str(caught.value)
+
+
+def test_parts_beyond_the_hard_cap_are_refused_as_too_large():
+    body = body_of(*[blob_part(eight_bytes(i)) for i in range(11)], program_part(BYTES_PROGRAM))
+    assert "more than 10 multipart parts" in refused(body, {"max_request_parts": 10}, kcoral.RequestTooLarge)
+
+
+def test_a_program_first_allows_one_part_per_referenced_blob():
+    """The program comes first: the part after its one blob is refused before the rest is parsed
+    (the body's malformed tail is never reached), with what the full parse would have said."""
+    tail = b"--" + BOUNDARY.encode() + b"\r\nno headers, no end" * 1000
+    body = program_part(BYTES_PROGRAM) + blob_part(b"one") + blob_part(b"two") + tail
+    assert "unreferenced blob part" in refused(body, {})
+    body = program_part(BYTES_PROGRAM) + blob_part(b"one") + blob_part(b"one") + tail
+    assert "duplicate blob part" in refused(body, {})
+    exact = body_of(program_part(BYTES_PROGRAM), blob_part(b"one"))
+    assert bytes(kcoral.split_request(exact, CT).blobs[hashlib.sha256(b"one").hexdigest()]) == b"one"
+
+
+def test_part_header_lines_and_bytes_are_capped():
+    many = body_of(program_part(BYTES_PROGRAM), part("blob:" + "a" * 64, extra=["X-A: 1"] * 20))
+    assert "more than 16 header lines" in refused(many, {})
+    long = body_of(part("blob:" + "a" * 64, extra=["X-A: " + "a" * 20_000]), program_part(BYTES_PROGRAM))
+    assert "headers exceed 16384 bytes" in refused(long, {})
+
+
+def test_program_size_values_instructions_and_arguments_are_capped():
+    def program_with(*extra, args=()):
+        return prog(up_module("m", "def f(*a):\n    return 1\n"), get_fn("fn", "m", "f"), run("r", "fn", *args),
+                    ret("out", "r"), *extra)
+    big = body_of(program_part(program_with(args=["x" * 2000])))
+    assert "exceeds 1000 bytes" in refused(big, {"max_program_bytes": 1000}, kcoral.RequestTooLarge)
+    values = body_of(program_part(program_with(args=[[[], []]] * 100)))
+    assert "more than 200 JSON values" in refused(values, {"max_program_values": 200}, kcoral.RequestTooLarge)
+    commas_in_strings = body_of(program_part(program_with(args=[",[{" * 1000])))
+    assert kcoral.split_request(commas_in_strings, CT, limits(max_program_values=200)).program()
+    many = body_of(program_part(program_with(*[up_module(f"m{i}", "") for i in range(10)])))
+    assert "more than 12 instructions" in refused(many, {"max_program_instructions": 12}, kcoral.RequestTooLarge)
+    args = body_of(program_part(program_with(args=list(range(11)))))
+    assert "more than 10 arguments" in refused(args, {"max_run_args": 10}, kcoral.RequestTooLarge)
+
+
+def test_limits_answer_with_the_protocols_error_bodies(tmp_path):
+    """Over HTTP: a size limit is 413 request_too_large, a malformed part 400 parse, and the server serves on."""
+    with Server(str(tmp_path), "--max-program-instructions", "3", "--max-request-parts", "3", workers=1) as server:
+        too_many = prog(up_module("m", ""), up_module("n", ""), up_module("o", ""), up_module("p", ""))
+        assert_error_body(*post_raw(server.url, body_of(program_part(too_many)), CT), 413, "request_too_large",
+                          "more than 3 instructions")
+        parts = body_of(*[blob_part(eight_bytes(i)) for i in range(4)], program_part(BYTES_PROGRAM))
+        assert_error_body(*post_raw(server.url, parts, CT), 413, "request_too_large", "more than 3 multipart parts")
+        headers = body_of(part("program", b"{}", "application/json", extra=["X-A: 1"] * 17))
+        assert_error_body(*post_raw(server.url, headers, CT), 400, "parse", "header lines")
+        status, _, body = post_raw(server.url, body_of(program_part(BYTES_PROGRAM), blob_part(b"one")), CT)
+        assert status == 200 and body["results"]["out"]["type"] == "bytes", body
+
+
+def many_parts_item(scale, workdir):
+    """Bodies of `scale.parts` tiny parts (about 19 MiB), sent whole: refused within the bound of the
+    front-end's CPU time, its RSS growing by at most the bound (the body itself included)."""
+    server = Server(workdir, workers=1)
+    bodies = {
+        "named x, no program": body_of(*[part("x")] * scale.parts),
+        "program first": body_of(program_part(BYTES_PROGRAM), *[part("x")] * scale.parts),
+        "blob parts, program last": body_of(*[blob_part(b"%d" % i) for i in range(scale.parts)],
+                                            program_part(BYTES_PROGRAM)),
+    }
+    figures = {}
+    try:
+        for name, body in bodies.items():
+            before, cpu_before = rss_kib(server.pid), cpu_seconds(server.pid)
+            with Sampler(lambda: rss_kib(server.pid)) as rss:
+                started = time.monotonic()
+                status, _, data = request("POST", server.url + "/execute", body, {"Content-Type": CT})
+                seconds = time.monotonic() - started
+            cpu = cpu_seconds(server.pid) - cpu_before
+            growth_mib = (max(rss.values) - before) / 1024
+            assert status in (400, 413), (name, status, data[:300])
+            assert cpu <= scale.parts_seconds, (name, cpu)  # the front-end's own work, whatever else runs
+            assert growth_mib <= scale.parts_rss_mib, (name, growth_mib)
+            figures[name] = (f"{len(body) / 2**20:.0f} MiB: {status} {json.loads(data)['error']['message'][:60]!r} "
+                             f"after {seconds:.2f} s ({cpu:.2f} CPU s), RSS +{growth_mib:.0f} MiB")
+        assert health_latency(server.url) < 1.0
+    finally:
+        code = server.stop()
+    assert code == 0
+    return figures
+
+
+def test_many_tiny_parts_are_refused_quickly(tmp_path):
+    print(many_parts_item(CI, str(tmp_path)))
+
+
+# --- 4. the body budget --------------------------------------------------------------------------
+
+def tricklers_item(scale, workdir):
+    """Three clients each declaring nearly a third of the body budget and trickling it at the least
+    rate allowed: a fourth uploads a body of half the budget (200 MiB at most) normally and gets 200
+    at once, while the three are still being read."""
+    budget = (scale.budget_mib or 768) << 20
+    window = scale.rate_window or 30.0
+    piece = scale.rate_min or 64 << 10
+    server = Server(workdir, *flags(max_body_bytes_in_flight=scale.budget_mib << 20,
+                                    body_rate_window_seconds=scale.rate_window, body_rate_min_bytes=scale.rate_min,
+                                    body_admission_wait_seconds=scale.admission_wait), workers=1)
+    program = json.dumps(prog(up_module("m", "def f(x):\n    return len(x)\n"), up_blob("b", "bytes", "0" * 64),
+                              get_fn("fn", "m", "f"), run("r", "fn", ref("b")), ret("out", "r"))).encode()
+    head = (f"POST /execute HTTP/1.1\r\nHost: x\r\nContent-Type: {CT}\r\n"
+            f"Content-Length: {budget * 3 // 10}\r\n\r\n").encode() + part("program", program, "application/json")
+    tricklers, stop = [], threading.Event()
+    try:
+        for _ in range(3):
+            sock = connect(server.port, timeout=10)
+            sock.sendall(head + b"p" * piece)
+            tricklers.append(sock)
+        for sock in tricklers:  # the server reads them: admitted, holding what they declared or what they sent
+            deadline = time.monotonic() + 10
+            while unread_bytes(server.port, sock.getsockname()[1]) != 0:
+                assert time.monotonic() < deadline, "a trickler's body was never read"
+                time.sleep(0.01)
+
+        def trickle():
+            while not stop.wait(window * 0.4):
+                for sock in tricklers:
+                    sock.sendall(b"p" * piece)
+
+        trickling = threading.Thread(target=trickle, daemon=True)
+        trickling.start()
+        blob = os.urandom(min(budget // 2, 200 << 20))  # within --max-request-bytes
+        program = prog(up_module("m", "def f(x):\n    return len(x)\n"), up_blob("b", "bytes", blob),
+                       get_fn("fn", "m", "f"), run("r", "fn", ref("b")), ret("out", "r"))
+        body, content_type = multipart(program_parts(program, [blob]))
+        started = time.monotonic()
+        status, _, data = request("POST", server.url + "/execute", body, {"Content-Type": content_type},
+                                  scale.admission_wait * 3)
+        seconds = time.monotonic() - started
+        still_held = [not select.select([sock], [], [], 0)[0] for sock in tricklers]  # no answer, not closed
+        stop.set()
+        trickling.join()
+        assert status == 200 and json.loads(data)["results"]["out"]["value"] == len(blob), data[:300]
+        assert seconds <= scale.admission_wait / 2, seconds
+        assert all(still_held), "a trickler was cut: the fourth upload proves nothing"
+        figures = {"budget MiB": budget >> 20, "tricklers": f"3 declaring {budget * 3 // 10 >> 20} MiB each",
+                   f"fourth upload of {len(blob) >> 20} MiB": f"{status} after {seconds:.1f} s"}
+    finally:
+        stop.set()
+        for sock in tricklers:
+            sock.close()
+        code = server.stop()
+    assert code == 0
+    return figures
+
+
+def test_tricklers_do_not_hold_the_body_budget(tmp_path):
+    print(tricklers_item(CI, str(tmp_path)))
+
+
+def test_a_body_read_halfway_waits_for_room_then_proceeds():
+    """Two bodies each larger than half the budget, read in turns: the first waiting takes all it
+    declared beyond the budget, the other waits until it is released (no deadlock), and no more
+    than the budget plus one body is ever reserved."""
+    budget = kcoral.BodyBudget(1 << 20)
+    first = kcoral.BodyReservation(budget, 800 << 10, 1.0)
+    second = kcoral.BodyReservation(budget, 800 << 10, 1.0)
+    for reservation in (first, second, first, second):
+        assert reservation.grow()
+        reservation.received = reservation.held
+    assert first.grow() and first.held == 800 << 10  # beyond the budget: the whole rest
+    assert budget.in_use <= (1 << 20) + (800 << 10)
+    waited = []
+    thread = threading.Thread(target=lambda: waited.append(second.grow()))
+    thread.start()
+    thread.join(0.2)
+    assert thread.is_alive(), "the second body grew while the first was beyond the budget"
+    first.release()
+    thread.join(5)
+    assert waited == [True] and second.held > 512 << 10
+    second.release()
+    assert budget.in_use == 0
+
+
+# --- full size -----------------------------------------------------------------------------------
+
+ITEMS = [("20 000 blobs", many_blobs_item), ("200 000 parts", many_parts_item), ("three tricklers", tricklers_item),
+         ("tiny file blobs", tiny_files_item)]
+
+if __name__ == "__main__":
+    for label, item in ITEMS:
+        print(f"{label}: {item(FULL, tempfile.mkdtemp())}", flush=True)
+    sys.exit(0)
