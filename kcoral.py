@@ -1435,7 +1435,7 @@ def bwrap_command(config: ServerConfig, gpus: list[int], root: str) -> list[str]
             args += ["--ro-bind", top, top]
     for name in SANDBOX_ETC:
         args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
-    args += ["--ro-bind", "/sys", "/sys", "--proc", "/proc", "--dev", "/dev"]
+    args += ["--ro-bind", "/sys", "/sys", "--proc", "/proc", "--dev", "/dev", "--mqueue", "/dev/mqueue"]
     for node in [gpu_device_node(g) for g in gpus] + list(GPU_CONTROL_NODES if gpus else ()):
         args += ["--dev-bind-try", node, node]
     for addon in torch_addons():

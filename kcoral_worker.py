@@ -1514,7 +1514,31 @@ def template_main(fd: int, preload: list[str], import_env: dict[str, str]) -> No
                 os._exit(1)
         os.close(pipe)
         send_message(conn, WorkerForked(pid))
-        send_message(conn, WorkerExited(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])))
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        remove_ipc_objects()  # the front-end kills what the request left before it asks for the next worker
+        send_message(conn, WorkerExited(code))
+
+
+IPC_RMID = 0
+
+
+def remove_ipc_objects() -> None:
+    """Remove the System V shared memory, semaphores and message queues and the POSIX message
+    queues of the container's IPC namespace: they are not files, so emptying its directories
+    would leave them for the next request (/dev/mqueue is the namespace's own mqueue mount)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    removers = {"shm": lambda i: libc.shmctl(i, IPC_RMID, None), "msg": lambda i: libc.msgctl(i, IPC_RMID, None),
+                "sem": lambda i: libc.semctl(i, 0, IPC_RMID)}
+    for name, remove in removers.items():
+        with contextlib.suppress(OSError), open(f"/proc/sysvipc/{name}") as table:
+            for line in list(table)[1:]:  # after the header: key, id, ...
+                fields = line.split()
+                if len(fields) > 1 and fields[1].isdigit():
+                    remove(int(fields[1]))
+    with contextlib.suppress(OSError):
+        for queue in os.listdir("/dev/mqueue"):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join("/dev/mqueue", queue))
 
 
 def set_dumpable(flag: bool) -> None:

@@ -7,8 +7,10 @@ memory.  Where the attack can be shown to work against a weaker setup (an unpick
 plain Python started where the server was), the test shows that too, so it can fail.
 """
 
+import contextlib
 import os
 import pickle
+import signal
 import stat
 import subprocess
 import sys
@@ -215,6 +217,25 @@ def test_nothing_one_request_writes_anywhere_is_seen_by_the_next(sandboxed):
     assert found == [] and "planted" not in gcc and gcc, (found, gcc)
 
 
+IPC = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+KEY = 0x4B43
+def plant():
+    shm = libc.shmget(KEY, 4096, 0o1600)  # IPC_CREAT | 0600
+    queue = libc.mq_open(b"/kcoral-probe", os.O_CREAT | os.O_RDWR, 0o600, None)
+    return [shm >= 0, queue >= 0, libc.shmget(KEY, 0, 0) >= 0]
+def look():
+    return [libc.shmget(KEY, 0, 0) >= 0, libc.mq_open(b"/kcoral-probe", os.O_RDONLY) >= 0]
+"""
+
+
+def test_shared_memory_and_message_queues_do_not_outlive_the_request(sandboxed):
+    """Not files, so no directory cleanup removes them: System V objects and POSIX queues."""
+    assert run(sandboxed, IPC.replace("def plant", "def f")) == [True, True, True]  # they existed
+    assert run(sandboxed, IPC.replace("def look", "def f")) == [False, False]
+
+
 def test_environment_allow_list_names_exact_variables(tmp_path):
     secrets_env = {"NVIDIA_API_KEY": "sk-nvidia", "CUDA_SECRET_TOKEN": "sk-cuda", "TORCH_HUB_TOKEN": "sk-torch",
                    "LC_SECRET": "sk-lc", "CUDA_HOME": "/usr/local/cuda",
@@ -306,10 +327,18 @@ def test_a_fork_chain_racing_the_kill_does_not_survive(tmp_path, mode):
         still = chain_processes(mark)
         stayed_gone = gone and not wait_for(lambda: chain_processes(mark), 2)  # none comes back
         assert run(srv, "def f():\n    return 5\n") == 5
-    for pid in chain_processes(mark):  # never leave it running on the machine, whatever happened
-        with __import__("contextlib").suppress(OSError):
-            os.kill(pid, 9)
+    stop_chain(mark)  # never leave it running on the machine, whatever happened
     assert gone and stayed_gone, still
+
+
+def stop_chain(mark, seconds=5.0):
+    """Stop, then kill, every process of the chain, sweep after sweep: one pass never catches it."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for pid in chain_processes(mark):
+            for sig in (signal.SIGSTOP, signal.SIGKILL):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, sig)
 
 
 # --- bounded front-end memory for results ----------------------------------------------------------
