@@ -2851,7 +2851,8 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             outcome = self.outcome_of_post(request_id)
             outcome, size, lost = self.send_outcome(request_id, outcome)
         body = outcome.body or {}
-        fields = {"request_id": request_id, "http_status": outcome.http_status,
+        fields = {"request_id": request_id, "client_request_id": self.canonical_uuid("X-KCoral-Client-Request-ID"),
+                  "http_status": outcome.http_status,
                   "status": body.get("status", "ERROR"),
                   "error_kind": (body.get("error") or {}).get("kind") or outcome.kind or None,
                   "worker_id": outcome.worker_id or None, "queue_ms": body.get("queue_ms"),
@@ -2942,14 +2943,19 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
 
     def request_id(self) -> str:
         """docs/protocol.md §4.2: the client's X-Request-ID if it is exactly one canonical UUID."""
-        values = self.headers.get_all("X-Request-ID") or []
+        return self.canonical_uuid("X-Request-ID") or str(uuid.uuid4())
+
+    def canonical_uuid(self, header: str) -> str | None:
+        """The header's value if the request has exactly one and it is a UUID in canonical form
+        (so nothing else, however long or strange, reaches the log); None otherwise."""
+        values = self.headers.get_all(header) or []
         if len(values) == 1:
             try:
                 if str(uuid.UUID(values[0])) == values[0]:
                     return values[0]
             except ValueError:
                 pass
-        return str(uuid.uuid4())
+        return None
 
     def authorized(self, request_id: str) -> bool:
         if self.app.token_accepted(self.headers.get("Authorization", "")):

@@ -12,6 +12,7 @@ import functools
 import hashlib
 import http.server
 import json
+import math
 import os
 import pathlib
 import shutil
@@ -48,7 +49,7 @@ from client import (
     TransportError,
     ValidationError,
 )
-from tests.support import reference_popen_options, reference_server_argv
+from tests.support import HostileServer, reference_popen_options, reference_server_argv
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -964,6 +965,123 @@ def test_health_and_target(stub, cli):
     stub.queue(json_response({"detail": "Not Found"}, status=404))
     with pytest.raises(KCoralError):
         cli.health()
+
+
+# ---------------------------------------------------------------------------
+# Client: what a hostile server can cost (docs/client.md §4.8)
+
+# A client in a fresh process: its peak RSS growth over one execute against ``url`` (the
+# peak is reset just before, so what the imports took cannot hide it).
+RSS_PROBE = """
+import json, re, sys, time
+from client import Client, Program, ProtocolError
+def peak_kib():
+    with open("/proc/self/status") as f:
+        return int(re.search(r"VmHWM:\\s+(\\d+)", f.read()).group(1))
+with Client(sys.argv[1], max_response_bytes=int(sys.argv[2])) as c:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before, started = peak_kib(), time.monotonic()
+    try:
+        c.execute(Program())
+        error = None
+    except ProtocolError as exc:
+        error = str(exc)
+    seconds, grown = time.monotonic() - started, peak_kib() - before
+print(json.dumps({"error": error, "seconds": seconds, "rss_growth_mib": grown / 1024}))
+"""
+
+
+def probe_rss(url: str, cap: int) -> dict:
+    done = subprocess.run([sys.executable, "-c", RSS_PROBE, url, str(cap)], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, check=True)
+    return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("mode", ["endless", "huge"])
+def test_an_oversized_answer_is_refused_within_the_cap(mode):
+    """A chunked body that never ends, and one that declares a terabyte: the client stops at
+    max_response_bytes (16 MiB here) with a ProtocolError, its memory grown by about the cap."""
+    cap = 16 << 20
+    with HostileServer(mode) as hostile:
+        measured = probe_rss(hostile.url, cap)
+        sent = hostile.bytes_sent
+    print(f"\n{mode}: {measured}, server sent {sent / 2**20:.1f} MiB")
+    assert "max_response_bytes (16777216 bytes)" in measured["error"]
+    assert measured["seconds"] < 10
+    assert measured["rss_growth_mib"] < 3 * cap / 2**20
+    if mode == "huge":  # refused on the declared length: nothing of the body is buffered
+        assert measured["rss_growth_mib"] < 8
+
+
+def test_the_size_cap_admits_exactly_max_response_bytes(stub):
+    payload = json.dumps(body_fields()).encode()
+    for size, ok in ((len(payload), True), (len(payload) - 1, False)):
+        with Client(stub.url, max_response_bytes=size) as c:
+            stub.queue(completed(), (200, {"Content-Type": "application/json", "Transfer-Encoding": "chunked"},
+                                     b"%x\r\n%s\r\n0\r\n\r\n" % (len(payload), payload)))
+            for _ in range(2):  # declared length, then chunked
+                if ok:
+                    assert c.execute(Program()).completed
+                else:
+                    with pytest.raises(ProtocolError, match=r"max_response_bytes \(\d+ bytes\)"):
+                        c.execute(Program())
+                    assert c._idle == []  # the unread rest must not meet the next request
+
+
+def test_stub_sends_chunked_bodies_as_given(stub):
+    """(The stub adds Content-Length to every answer; the test above relies on the client
+    preferring Transfer-Encoding, as HTTP/1.1 requires.)"""
+    stub.queue((200, {"Transfer-Encoding": "chunked"}, b"2\r\nok\r\n0\r\n\r\n"))
+    with Client(stub.url) as c:
+        with pytest.raises(ProtocolError, match="malformed health response"):
+            c.health()
+
+
+@pytest.mark.parametrize("mode", ["silent", "trickle-head", "trickle-body"])
+def test_a_server_that_stalls_or_trickles_is_given_up_at_the_deadline(mode):
+    """The deadline bounds the whole exchange: silence, and a byte every 50 ms (which a
+    per-read timeout would never catch), end in TransportError at timeout + margin."""
+    with HostileServer(mode) as hostile, Client(hostile.url, response_margin_seconds=0.5) as c:
+        started = time.monotonic()
+        with pytest.raises(TransportError, match=r"no complete answer within 1 s \(the request's timeout"):
+            c.execute(Program(), timeout_seconds=0.5)
+        took = time.monotonic() - started
+        assert c._idle == []
+    print(f"\n{mode}: gave up after {took:.2f} s (deadline 1.0 s), server sent {hostile.bytes_sent} bytes")
+    assert 0.95 <= took < 3
+
+
+def test_health_gets_its_own_modest_deadline():
+    assert Client("http://127.0.0.1:1")._health_timeout == 30.0
+    with HostileServer("silent") as hostile, Client(hostile.url, health_timeout_seconds=0.3) as c:
+        started = time.monotonic()
+        with pytest.raises(TransportError, match=r"within 0.3 s \(health_timeout_seconds\)"):
+            c.health()
+        assert 0.28 <= time.monotonic() - started < 2
+
+
+def test_the_answer_may_take_the_requests_timeout_plus_the_margin(stub):
+    """A legitimate slow answer (1.2 s for timeout_seconds=1, margin 0.5) is waited for; the
+    same answer for a request without timeout_seconds is waited for by the server's default."""
+    def slow(request):
+        time.sleep(1.2)
+        return completed()
+    with Client(stub.url, response_margin_seconds=0.5) as c:
+        for timeout in (1, None):
+            stub.queue(slow)
+            assert c.execute(Program(), timeout_seconds=timeout).completed
+        stub.queue(slow)
+        with pytest.raises(TransportError, match="within 0.7 s"):
+            c.execute(Program(), timeout_seconds=0.2)
+
+
+@pytest.mark.parametrize("kwargs", [{"max_response_bytes": 0}, {"max_response_bytes": 1.5},
+                                    {"response_margin_seconds": 0}, {"response_margin_seconds": math.inf},
+                                    {"health_timeout_seconds": -1}, {"health_timeout_seconds": True}])
+def test_bound_settings_are_validated(kwargs):
+    with pytest.raises(ValueError):
+        Client("http://127.0.0.1:1", **kwargs)
 
 
 # ---------------------------------------------------------------------------

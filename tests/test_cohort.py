@@ -309,9 +309,9 @@ def test_client_marks_only_requests_with_blobs_by_their_largest_blob(cohort, mon
     with Client(cohort.nodes[0].url, headers=AUTH) as client:  # a node directly: it ignores the header
         real = client._request
 
-        def recording(method, path, headers=None, chunks=None):
+        def recording(method, path, headers=None, chunks=None, **deadline):
             sent.append((headers or {}).get("X-KCoral-Affinity"))
-            return real(method, path, headers, chunks)
+            return real(method, path, headers, chunks, **deadline)
 
         monkeypatch.setattr(client, "_request", recording)
         assert client.execute(echo_program("plain", 0, cohort.ledger)).completed
