@@ -10,6 +10,7 @@ import collections
 import dataclasses
 import functools
 import hashlib
+import http.client
 import http.server
 import json
 import math
@@ -49,7 +50,15 @@ from client import (
     TransportError,
     ValidationError,
 )
-from tests.support import HostileServer, reference_popen_options, reference_server_argv
+from tests.support import (
+    HostileServer,
+    ServerProcess,
+    program_parts,
+    reference_popen_options,
+    reference_server_argv,
+    wait_for,
+)
+from tests.support import multipart as support_multipart
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -703,6 +712,57 @@ def test_cache_miss_then_completed(stub, cli):
     stub.queue(cache_miss(b, a), completed())
     assert cli.execute(p).completed
     assert [r.blob_names() for r in stub.requests] == [[], [f"blob:{a}", f"blob:{b}"]]
+
+
+def test_the_attempts_of_one_execute_share_one_client_request_id(stub, cli):
+    p, a, b = two_blob_program()
+    stub.queue(cache_miss(a), cache_miss(b), completed(), completed())
+    cli.execute(p)
+    cli.execute(p)
+    ids = [r.headers["x-kcoral-client-request-id"] for r in stub.requests]
+    assert ids[0] == ids[1] == ids[2] != ids[3]
+    assert all(str(uuid.UUID(i)) == i for i in ids)
+
+
+def finished_lines(server: ServerProcess) -> list[dict[str, str]]:
+    """The server's request_finished console lines as key -> value."""
+    return [dict(field.split("=", 1) for field in line.split(" request_finished ", 1)[1].split() if "=" in field)
+            for line in server.log().splitlines() if " request_finished " in line]
+
+
+def test_the_server_log_links_the_attempts_of_one_execute(tmp_path):
+    """A real server: a cold blob costs a CACHE_MISS and a second POST; both request_finished
+    lines carry the client's one id beside their own request ids. A header that is not exactly
+    one canonical UUID is not logged (nor is it an error)."""
+    with ServerProcess(workers=1, tmp_path=tmp_path) as server, Client(server.url) as c:
+        program = module_program("def f():\n    return 1\n", os.urandom(1000))
+        assert c.execute(program).completed
+        lines = wait_for(lambda: len(finished_lines(server)) == 2 and finished_lines(server))
+        assert [line["status"] for line in lines] == ["CACHE_MISS", "COMPLETED"]
+        assert lines[0]["client_request_id"] == lines[1]["client_request_id"]
+        assert lines[0]["request_id"] != lines[1]["request_id"]
+        assert str(uuid.UUID(lines[0]["client_request_id"])) == lines[0]["client_request_id"]
+        for bad in ([RID.upper()], [RID + "0"], ["x" * 8000], [f"{RID} {RID}"], [RID, RID]):
+            headers = [("X-KCoral-Client-Request-ID", value) for value in bad]
+            status, _, _ = post_multipart(server.url, {"instructions": []}, headers)
+            assert status == 400  # the empty program: the header changed nothing
+        logged = wait_for(lambda: len(finished_lines(server)) == 7 and finished_lines(server))
+        assert all("client_request_id" not in line for line in logged[2:]), logged[2:]
+
+
+def post_multipart(url: str, program: dict, headers: list[tuple[str, str]]) -> tuple[int, dict, bytes]:
+    """POST a program with the given (possibly repeated) headers."""
+    body, content_type = support_multipart(program_parts(program))
+    conn = http.client.HTTPConnection(url.split("//", 1)[1], timeout=30)
+    try:
+        conn.putrequest("POST", "/execute")
+        for name, value in [("Content-Type", content_type), ("Content-Length", str(len(body))), *headers]:
+            conn.putheader(name, value)
+        conn.endheaders(body)
+        response = conn.getresponse()
+        return response.status, dict(response.getheaders()), response.read()
+    finally:
+        conn.close()
 
 
 @pytest.mark.parametrize("missing", [[], ["A" * 64], ["ab"], [sha(b"first")] * 2, [sha(b"unknown")], "x"])
