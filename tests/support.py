@@ -94,13 +94,14 @@ class ServerProcess:
 class HAProxyProcess:
     """A real `haproxy` in front of KCoral nodes, configured by `python -m kcoral haproxy-config`."""
 
-    def __init__(self, node_urls, workdir, token=None):
+    def __init__(self, node_urls, workdir, token=None, flags=()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.config_path = os.path.join(str(workdir), f"haproxy-{self.port}.cfg")
         token_flags = ["--token", token] if token else []
         config = subprocess.run([PYTHON, "-m", "kcoral", "haproxy-config", "--listen", f"127.0.0.1:{self.port}",
-                                 *token_flags, *node_urls], cwd=ROOT, capture_output=True, text=True, check=True)
+                                 *token_flags, *flags, *node_urls], cwd=ROOT, capture_output=True, text=True,
+                                check=True)
         with open(self.config_path, "w") as f:
             f.write(config.stdout)
         self.stderr = open(self.config_path + ".log", "ab")
@@ -110,6 +111,11 @@ class HAProxyProcess:
         while not self.accepting():
             assert self.proc.poll() is None and time.monotonic() < deadline, "haproxy did not start"
             time.sleep(0.05)
+
+    def log(self):
+        """HAProxy's request log (one line per request: `kcoral/<NOSRV>` for those it answered itself)."""
+        with open(self.config_path + ".log", "rb") as f:
+            return f.read().decode(errors="replace")
 
     def accepting(self):
         try:
@@ -463,6 +469,19 @@ def assert_error_body(status, headers, body, http_status, kind, *fragments):
     message = body["error"]["message"].lower()
     for fragment in fragments:
         assert fragment.lower() in message, (fragment, body["error"]["message"])
+
+
+def assert_proxy_error_body(status, headers, body, http_status, kind, *fragments):
+    """The ERROR shape from HAProxy itself (`haproxy-config`): as a node's, but no node named it."""
+    body = json.loads(body)
+    assert status == http_status, body
+    assert headers["content-type"] == "application/json"
+    assert set(body) == {"status", "request_id", "error"} and body["status"] == "ERROR", body
+    assert set(body["error"]) == {"kind", "message"} and body["error"]["kind"] == kind, body
+    assert UUID_RE.fullmatch(body["request_id"]), body
+    assert "x-kcoral-instance" not in headers, headers
+    for fragment in fragments:
+        assert fragment.lower() in body["error"]["message"].lower(), (fragment, body["error"]["message"])
 
 
 def assert_parse_error(response, *fragments):
