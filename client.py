@@ -1131,8 +1131,7 @@ class _Deadline:
             sock.settimeout(min(left, _LONGEST_SOCKET_WAIT_SECONDS))
             return operation()
         except TimeoutError:
-            raise TimeoutError(f"no complete answer within {self.seconds:g} s ({self.why}); "
-                               "the program may have run") from None
+            raise TimeoutError(f"no complete answer within {self.seconds:g} s ({self.why})") from None
 
 
 class _DeadlineReader(io.RawIOBase):
@@ -1161,7 +1160,7 @@ class _DeadlineResponse(http.client.HTTPResponse):
 
 class _DeadlineConnection:
     """Connecting is limited by connect_timeout_seconds; everything after it by the deadline
-    `_exchange` sets for each request (docs/client.md §4)."""
+    `_exchange` sets for each request (docs/client.md §4.8)."""
 
     sock: Any
     deadline: _Deadline
