@@ -1122,8 +1122,9 @@ def test_health_gets_its_own_modest_deadline():
 
 
 def test_the_answer_may_take_the_requests_timeout_plus_the_margin(stub):
-    """A legitimate slow answer (1.2 s for timeout_seconds=1, margin 0.5) is waited for; the
-    same answer for a request without timeout_seconds is waited for by the server's default."""
+    """A legitimate slow answer (1.2 s for timeout_seconds=1, margin 0.5) is waited for, and so
+    is the same answer to a request without timeout_seconds (the server's default, 300 s);
+    the test above gives up on silence at timeout_seconds=0.5 plus the same margin."""
     def slow(request):
         time.sleep(1.2)
         return completed()
@@ -1131,9 +1132,6 @@ def test_the_answer_may_take_the_requests_timeout_plus_the_margin(stub):
         for timeout in (1, None):
             stub.queue(slow)
             assert c.execute(Program(), timeout_seconds=timeout).completed
-        stub.queue(slow)
-        with pytest.raises(TransportError, match="within 0.7 s"):
-            c.execute(Program(), timeout_seconds=0.2)
 
 
 @pytest.mark.parametrize("kwargs", [{"max_response_bytes": 0}, {"max_response_bytes": 1.5},
