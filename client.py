@@ -26,6 +26,7 @@ import functools
 import hashlib
 import http.client
 import inspect
+import io
 import json
 import math
 import mmap
@@ -39,8 +40,10 @@ import symtable
 import sys
 import textwrap
 import threading
+import time
 import types
 import urllib.parse
+import uuid
 from collections.abc import Callable, Mapping
 from typing import Any, Generic, ParamSpec, TypeVar
 
@@ -1105,22 +1108,75 @@ _REMEMBERED_BLOBS_PER_INSTANCE = 4096
 _REMEMBERED_INSTANCES = 4
 
 
-class _NoReadTimeout:
-    """Limit only connection establishment: execution may legitimately take as long as
-    the server allows, so reads must never time out on the client side."""
+_DEFAULT_EXECUTION_SECONDS = 300.0  # the server's timeout for a request that sets none (docs/protocol.md §5.3)
+_LONGEST_SOCKET_WAIT_SECONDS = 1e8  # what settimeout accepts everywhere; years, so never the binding limit
+_READ_PIECE_BYTES = 1 << 20  # a body of unknown length is read in pieces this big, to stop at the cap
+
+
+class _Deadline:
+    """The moment by which one exchange (sending, waiting, receiving) must be over. Every
+    socket operation is given only the time left, so a server that stalls, or trickles a byte
+    at a time, cannot hold the client past it."""
+
+    def __init__(self, seconds: float, why: str) -> None:
+        self.seconds, self.why = seconds, why
+        self.at = time.monotonic() + seconds
+
+    def run(self, sock: Any, operation: Callable[[], T]) -> T:
+        """``operation()`` on ``sock`` within the time left; TimeoutError saying why otherwise."""
+        left = self.at - time.monotonic()
+        try:
+            if left <= 0:
+                raise TimeoutError
+            sock.settimeout(min(left, _LONGEST_SOCKET_WAIT_SECONDS))
+            return operation()
+        except TimeoutError:
+            raise TimeoutError(f"no complete answer within {self.seconds:g} s ({self.why})") from None
+
+
+class _DeadlineReader(io.RawIOBase):
+    """The response's socket reader, each read within the exchange's deadline."""
+
+    def __init__(self, raw: Any, sock: Any, deadline: _Deadline) -> None:
+        super().__init__()
+        self._raw, self._sock, self._deadline = raw, sock, deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int | None:
+        return self._deadline.run(self._sock, lambda: self._raw.readinto(buffer))
+
+    def close(self) -> None:
+        self._raw.close()  # the socket file's own close: the socket is released when both ends let go
+        super().close()
+
+
+class _DeadlineResponse(http.client.HTTPResponse):
+    def __init__(self, sock: Any, deadline: _Deadline, *args: Any, **kwargs: Any) -> None:
+        super().__init__(sock, *args, **kwargs)
+        self.fp = io.BufferedReader(_DeadlineReader(self.fp.detach(), sock, deadline))
+
+
+class _DeadlineConnection:
+    """Connecting is limited by connect_timeout_seconds; everything after it by the deadline
+    `_exchange` sets for each request (docs/client.md §4.8)."""
 
     sock: Any
+    deadline: _Deadline
 
-    def connect(self) -> None:
-        super().connect()  # type: ignore[misc]
-        self.sock.settimeout(None)
+    def send(self, data: Any) -> None:  # http.client sends the head and each body chunk through here
+        self.deadline.run(self.sock, lambda: super(_DeadlineConnection, self).send(data))  # type: ignore[misc]
+
+    def response_class(self, sock: Any, *args: Any, **kwargs: Any) -> http.client.HTTPResponse:
+        return _DeadlineResponse(sock, self.deadline, *args, **kwargs)
 
 
-class _HTTPConnection(_NoReadTimeout, http.client.HTTPConnection):
+class _HTTPConnection(_DeadlineConnection, http.client.HTTPConnection):
     pass
 
 
-class _HTTPSConnection(_NoReadTimeout, http.client.HTTPSConnection):
+class _HTTPSConnection(_DeadlineConnection, http.client.HTTPSConnection):
     pass
 
 
@@ -1192,22 +1248,39 @@ class Client:
     ``eager_upload_bytes``: when the server names its instance (X-KCoral-Instance), blobs
     it is not known to hold are sent with the first attempt if they total at most this
     many bytes, saving the CACHE_MISS round trip; 0 always asks first, as the reference
-    client does. Larger uploads always ask first: the server may hold them already."""
+    client does. Larger uploads always ask first: the server may hold them already.
+
+    What a broken or hostile server can cost is bounded (docs/client.md §4.8): an answer larger
+    than ``max_response_bytes`` is refused (ProtocolError), and every exchange has a deadline:
+    ``execute`` waits the request's execution timeout plus ``response_margin_seconds``,
+    ``health`` waits ``health_timeout_seconds`` (TransportError beyond it)."""
 
     def __init__(self, base_url: str, *, headers: dict[str, str] | None = None,
                  connect_timeout_seconds: float = 10.0,
-                 eager_upload_bytes: int = 8 * 1024 * 1024) -> None:
+                 eager_upload_bytes: int = 8 * 1024 * 1024,
+                 max_response_bytes: int = 256 * 1024 * 1024,
+                 response_margin_seconds: float = 1860.0,
+                 health_timeout_seconds: float = 30.0) -> None:
         self.base_url = base_url.rstrip("/")
         url = urllib.parse.urlsplit(self.base_url)
         if url.scheme not in ("http", "https") or not url.hostname:
             raise ValueError(f"base_url must be an http:// or https:// URL, got {base_url!r}")
         if type(eager_upload_bytes) is not int or eager_upload_bytes < 0:
             raise ValueError("eager_upload_bytes must be a non-negative int")
+        if type(max_response_bytes) is not int or max_response_bytes < 1:
+            raise ValueError("max_response_bytes must be a positive int")
+        for name, seconds in (("response_margin_seconds", response_margin_seconds),
+                              ("health_timeout_seconds", health_timeout_seconds)):
+            if not _is_real(seconds) or not 0 < seconds < math.inf:
+                raise ValueError(f"{name} must be a positive number of seconds")
         self._connection_class = _HTTPSConnection if url.scheme == "https" else _HTTPConnection
         self._host, self._port, self._path = url.hostname, url.port, url.path
         self._headers = dict(headers or {})
         self._connect_timeout = connect_timeout_seconds
         self._eager_upload_bytes = eager_upload_bytes
+        self._max_response_bytes = max_response_bytes
+        self._response_margin = float(response_margin_seconds)
+        self._health_timeout = float(health_timeout_seconds)
         self._lock = threading.Lock()
         self._idle: list[http.client.HTTPConnection] = []
         self._closed = False
@@ -1229,7 +1302,7 @@ class Client:
 
     def health(self) -> dict[str, Any]:
         """GET /health; the whole body, which must say status "ok"."""
-        response = self._request("GET", "/health")
+        response = self._request("GET", "/health", deadline=_Deadline(self._health_timeout, "health_timeout_seconds"))
         if response.status != 200:
             raise _http_error(response)
         try:
@@ -1260,7 +1333,8 @@ class Client:
     def execute(self, program: Program, *, timeout_seconds: float | None = None,
                 gpu_count: int | None = None, output_limit_bytes: int | None = None) -> ProgramResult:
         """Run ``program``; returns its COMPLETED or FAILED result. Blobs the server lacks
-        are negotiated with at most three attempts (docs/client.md §4.2)."""
+        are negotiated with at most three attempts (docs/client.md §4.2), all of them sent under
+        one client request id so that the server's log links them."""
         if not isinstance(program, Program):
             raise TypeError("execute expects a Program")
         if gpu_count is not None and (type(gpu_count) is not int or not 1 <= gpu_count <= 8):
@@ -1281,8 +1355,12 @@ class Client:
         send = [h for h in blobs if h in unknown] if eager else []  # type: ignore[operator]
         node = None
         affinity = _affinity_key(blobs)
+        client_request_id = str(uuid.uuid4())
+        seconds = _execution_seconds(timeout_seconds) + self._response_margin
         for attempt in (1, 2, 3):
-            response = self._post_execute(program_json, [(h, blobs[h]) for h in send], node, affinity)
+            deadline = _Deadline(seconds, "the request's timeout plus response_margin_seconds")
+            response = self._post_execute(program_json, [(h, blobs[h]) for h in send], node, affinity,
+                                          client_request_id, deadline)
             if response.status != 200:
                 raise _http_error(response)
             payload, parts = _response_body(response.content_type, response.body)
@@ -1303,24 +1381,26 @@ class Client:
 
     # -- HTTP plumbing
 
-    def _post_execute(self, program_json: bytes, blobs: list[tuple[str, bytes]],
-                      node: str | None, affinity: str | None) -> _Response:
+    def _post_execute(self, program_json: bytes, blobs: list[tuple[str, bytes]], node: str | None,
+                      affinity: str | None, client_request_id: str, deadline: _Deadline) -> _Response:
         boundary = f"kcoral-{secrets.token_hex(16)}"
         chunks = _multipart_chunks(boundary, program_json, blobs)
         headers = {"Content-Type": f"multipart/form-data; boundary={boundary}",
-                   "Content-Length": str(sum(memoryview(c).nbytes for c in chunks))}
+                   "Content-Length": str(sum(memoryview(c).nbytes for c in chunks)),
+                   "X-KCoral-Client-Request-ID": client_request_id}
         if node is not None:
             headers["X-KCoral-Node"] = node
         if affinity is not None:
             headers["X-KCoral-Affinity"] = affinity
-        return self._request("POST", "/execute", headers, chunks)
+        return self._request("POST", "/execute", headers, chunks, deadline=deadline)
 
     def _request(self, method: str, path: str, headers: dict[str, str] | None = None,
-                 chunks: list[bytes | memoryview] | None = None) -> _Response:
+                 chunks: list[bytes | memoryview] | None = None, *, deadline: _Deadline) -> _Response:
         conn = self._checkout()
         try:
             response, body, reusable = _exchange(conn, method, self._path + path,
-                                                 _merge_headers(self._headers, headers or {}), chunks or [])
+                                                 _merge_headers(self._headers, headers or {}), chunks or [],
+                                                 deadline, self._max_response_bytes)
         except (OSError, http.client.HTTPException) as exc:
             conn.close()
             raise TransportError(str(exc) or type(exc).__name__) from exc
@@ -1366,8 +1446,11 @@ def _merge_headers(user: dict[str, str], ours: dict[str, str]) -> dict[str, str]
 
 
 def _exchange(conn: http.client.HTTPConnection, method: str, url: str, headers: dict[str, str],
-              chunks: list[bytes | memoryview]) -> tuple[http.client.HTTPResponse, bytes | bytearray, bool]:
-    """Send one request and read the whole response: (response, body, connection reusable)."""
+              chunks: list[bytes | memoryview], deadline: _Deadline,
+              limit: int) -> tuple[http.client.HTTPResponse, bytes | bytearray, bool]:
+    """Send one request and read the whole response, at most ``limit`` body bytes, all before
+    ``deadline``: (response, body, connection reusable)."""
+    conn.deadline = deadline  # type: ignore[attr-defined]
     conn.putrequest(method, url, skip_host="host" in {k.lower() for k in headers},
                     skip_accept_encoding=True)
     for name, value in headers.items():
@@ -1381,11 +1464,11 @@ def _exchange(conn: http.client.HTTPConnection, method: str, url: str, headers: 
         # answer explains more than the broken pipe does.
         try:
             response = conn.getresponse()
-            return response, _read_body(response), False
+            return response, _read_body(response, limit), False
         except (OSError, http.client.HTTPException):
             raise send_error from None
     response = conn.getresponse()
-    return response, _read_body(response), not response.will_close
+    return response, _read_body(response, limit), not response.will_close
 
 
 def _receive_buffer(size: int) -> bytearray | mmap.mmap:
@@ -1400,11 +1483,14 @@ def _receive_buffer(size: int) -> bytearray | mmap.mmap:
     return buffer
 
 
-def _read_body(response: http.client.HTTPResponse) -> bytes | bytearray | mmap.mmap:
+def _read_body(response: http.client.HTTPResponse, limit: int) -> bytes | bytearray | mmap.mmap:
     """The whole body, read into one preallocated buffer when its length is known, so
-    that binary parts can be views of it rather than copies."""
+    that binary parts can be views of it rather than copies. A body above ``limit`` bytes is
+    refused: before any of it is read when its length is declared, at ``limit`` + 1 otherwise."""
     if response.chunked or response.length is None:
-        return response.read()
+        return _read_unknown_length(response, limit)
+    if response.length > limit:
+        raise _too_large(f"the server declares a response of {response.length} bytes, above", limit)
     body = _receive_buffer(response.length)
     view = memoryview(body)
     filled = 0
@@ -1414,6 +1500,20 @@ def _read_body(response: http.client.HTTPResponse) -> bytes | bytearray | mmap.m
             raise http.client.IncompleteRead(b"", len(body) - filled)
         filled += count
     return body
+
+
+def _read_unknown_length(response: http.client.HTTPResponse, limit: int) -> bytearray:
+    body = bytearray()
+    while piece := response.read(min(_READ_PIECE_BYTES, limit + 1 - len(body))):
+        body += piece
+        if len(body) > limit:
+            raise _too_large("the server's response runs past", limit)
+    return body
+
+
+def _too_large(what: str, limit: int) -> ProtocolError:
+    return ProtocolError(f"{what} max_response_bytes ({limit} bytes); the program may have run (raise "
+                         "Client(max_response_bytes=...) for a server with a larger limit)")
 
 
 def _peer_closed(sock: Any) -> bool:
@@ -1478,6 +1578,18 @@ def _missing_blobs(payload: dict[str, Any], parts: dict[str, memoryview],
     if any(h not in blobs for h in missing):
         raise ProtocolError("server misses blobs with no local bytes to send")
     return set(missing)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _execution_seconds(timeout_seconds: object) -> float:
+    """How long the server may execute the request: its timeout_seconds, or the server's default
+    when it sets none (or sets one the server will refuse at once)."""
+    if _is_real(timeout_seconds) and timeout_seconds > 0:  # type: ignore[operator]
+        return float(min(timeout_seconds, _LONGEST_SOCKET_WAIT_SECONDS))  # type: ignore[type-var]
+    return _DEFAULT_EXECUTION_SECONDS
 
 
 def _http_error(response: _Response) -> KCoralError:
@@ -1784,17 +1896,22 @@ def run_command(argv: list[str]) -> int:
     try:
         return _run_remote(args, tool_args)
     except _CommandError as exc:
-        print(f"kcoral run {args.tool}: {exc}", file=sys.stderr)
+        _complain(f"kcoral run {args.tool}: {exc}")
     except TransportError as exc:
-        print(f"kcoral run {args.tool}: cannot reach {args.url}: {exc}", file=sys.stderr)
+        _complain(f"kcoral run {args.tool}: cannot reach {args.url}: {exc}")
     except ProtocolError as exc:
-        print(f"kcoral run {args.tool}: protocol error: {exc}", file=sys.stderr)
+        _complain(f"kcoral run {args.tool}: protocol error: {exc}")
     except KCoralError as exc:
-        print(f"kcoral run {args.tool}: server error: {exc}", file=sys.stderr)
+        _complain(f"kcoral run {args.tool}: server error: {exc}")
     except KeyboardInterrupt:
         print(f"kcoral run {args.tool}: interrupted", file=sys.stderr)
         return 130
     return 1
+
+
+def _complain(line: str) -> None:
+    """One line on stderr; it may quote the server (error messages, remote names)."""
+    print(_for_terminal(sys.stderr, line), file=sys.stderr)
 
 
 def _split_at_separator(argv: list[str]) -> tuple[list[str], bool, list[str]]:
@@ -1960,7 +2077,7 @@ def _run_remote(args: Any, tool_args: list[str]) -> int:
             raise _CommandError(f"cannot save the artifacts in {out}: {exc.strerror or exc}") from None
         print(f"kcoral: saved artifacts to {out}", file=sys.stderr)
     if outcome["missing"]:
-        print(f"kcoral: missing artifacts: {', '.join(outcome['missing'])}", file=sys.stderr)
+        _complain(f"kcoral: missing artifacts: {', '.join(outcome['missing'])}")
     code = outcome["returncode"]
     if code < 0:
         return 128 - code  # killed by signal N: the shell's 128+N
@@ -1992,39 +2109,64 @@ def _read_inputs(paths: list[str]) -> _Inputs:
         if name in names:
             raise _CommandError(f"--send {path}: another input is already named {name!r}")
         names.add(name)
-        _read_entry(path, name, inputs)
+        _read_entry(path, None, path, name, inputs)
     return inputs
 
 
-def _read_entry(local: str, remote: str, inputs: _Inputs) -> None:
+def _read_entry(name: str, dir_fd: int | None, local: str, remote: str, inputs: _Inputs) -> None:
+    """Read ``name`` (relative to ``dir_fd`` below the top level) into ``inputs``. What is read
+    is what was opened: never a link (O_NOFOLLOW, directories walked by descriptor), never a
+    FIFO, device or socket (judged by fstat of the open descriptor; O_NONBLOCK so that a FIFO
+    swapped in cannot hang the open). The lstat first only spares opening what it already refuses."""
     try:
-        info = os.lstat(local)
+        _refuse_unless_file_or_directory(os.lstat(name, dir_fd=dir_fd), local)
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY, dir_fd=dir_fd)
     except OSError as exc:
-        raise _CommandError(f"--send {local}: {exc.strerror}") from None
-    if stat.S_ISLNK(info.st_mode):
-        raise _CommandError(f"--send: {local} is a symbolic link; send its target instead")
-    try:
-        if stat.S_ISDIR(info.st_mode):
-            entries = sorted(os.listdir(local))
-        elif stat.S_ISREG(info.st_mode):
-            with open(local, "rb") as f:
-                inputs.files[remote] = f.read()
-    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # the final component became a link after the lstat
+            raise _CommandError(f"--send: {local} is a symbolic link; send its target instead") from None
         raise _CommandError(f"--send {local}: {exc.strerror or exc}") from None
-    if stat.S_ISDIR(info.st_mode):
-        inputs.directories.append(remote)
-        for entry in entries:
-            _read_entry(os.path.join(local, entry), f"{remote}/{entry}", inputs)
-    elif stat.S_ISREG(info.st_mode):
+    try:
+        info = os.fstat(fd)
+        _refuse_unless_file_or_directory(info, local)
+        if stat.S_ISDIR(info.st_mode):
+            inputs.directories.append(remote)
+            for entry in sorted(os.listdir(fd)):
+                _read_entry(entry, fd, os.path.join(local, entry), f"{remote}/{entry}", inputs)
+            return
+        with open(fd, "rb", closefd=False) as f:
+            inputs.files[remote] = f.read()
         if info.st_mode & 0o111:
             inputs.executables.append(remote)
-    else:
+    except OSError as exc:
+        raise _CommandError(f"--send {local}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+
+
+def _refuse_unless_file_or_directory(info: os.stat_result, local: str) -> None:
+    if stat.S_ISLNK(info.st_mode):
+        raise _CommandError(f"--send: {local} is a symbolic link; send its target instead")
+    if not (stat.S_ISDIR(info.st_mode) or stat.S_ISREG(info.st_mode)):
         raise _CommandError(f"--send: {local} is not a regular file or directory")
+
+
+# C0 controls but newline and tab, DEL, and the C1 controls (U+0080-U+009F; U+009B alone starts
+# a control sequence on many terminals): what a terminal would act on rather than print.
+_TERMINAL_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _for_terminal(stream: Any, text: str) -> str:
+    """Remote text as it may be written to ``stream``: on a terminal, its control characters
+    become visible escapes (\\x1b), so a server cannot move the cursor, retitle the window or
+    fake local output; anywhere else (a pipe, a file) exactly as received."""
+    if not stream.isatty():
+        return text
+    return _TERMINAL_CONTROLS.sub(lambda match: f"\\x{ord(match.group()):02x}", text)
 
 
 def _replay_output(result: ProgramResult) -> None:
     for stream, text in ((sys.stdout, result.stdout), (sys.stderr, result.stderr)):
-        stream.write(text)
+        stream.write(_for_terminal(stream, text))
         stream.flush()
     if result.stdout_truncated or result.stderr_truncated:
         print("kcoral: remote output was truncated (see --output-limit-bytes)", file=sys.stderr)

@@ -3258,7 +3258,8 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             outcome = self.outcome_of_post(request_id)
             outcome, size, lost = self.send_outcome(request_id, outcome)
         body = outcome.body or {}
-        fields = {"request_id": request_id, "http_status": outcome.http_status,
+        fields = {"request_id": request_id, "client_request_id": self.canonical_uuid("X-KCoral-Client-Request-ID"),
+                  "http_status": outcome.http_status,
                   "status": body.get("status", "ERROR"),
                   "error_kind": (body.get("error") or {}).get("kind") or outcome.kind or None,
                   "worker_id": outcome.worker_id or None, "queue_ms": body.get("queue_ms"),
@@ -3351,14 +3352,19 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
 
     def request_id(self) -> str:
         """docs/protocol.md §4.2: the client's X-Request-ID if it is exactly one canonical UUID."""
-        values = self.headers.get_all("X-Request-ID") or []
+        return self.canonical_uuid("X-Request-ID") or str(uuid.uuid4())
+
+    def canonical_uuid(self, header: str) -> str | None:
+        """The header's value if the request has exactly one and it is a UUID in canonical form
+        (so nothing else, however long or strange, reaches the log); None otherwise."""
+        values = self.headers.get_all(header) or []
         if len(values) == 1:
             try:
                 if str(uuid.UUID(values[0])) == values[0]:
                     return values[0]
             except ValueError:
                 pass
-        return str(uuid.uuid4())
+        return None
 
     def authorized(self, request_id: str) -> bool:
         if self.app.token_accepted(self.headers.get("Authorization", "")):
@@ -3646,7 +3652,12 @@ defaults
     option http-server-close      # a fresh node connection per request: a drained or restarted node
                                   # is never sent a request over a connection it has given up
     timeout connect 3s
-    timeout http-request 300s     # receiving a request (uploads), as the nodes' own limit
+    # A client has this long for a request's line and headers (408 and close beyond it), and an
+    # idle kept-alive connection is closed after the second: as the nodes' own limits, so that a
+    # connection sending nothing, or a byte at a time, cannot be held.  The body is the nodes' to
+    # police as it streams through (--body-rate-min-bytes, docs/server.md).
+    timeout http-request {header_timeout}
+    timeout http-keep-alive {keepalive_timeout}
     # server: the longest execution a node allows, plus teardown.  queue: queueing, not
     # refusal; beyond the cohort's slots a request waits here (FIFO) as long as a node would
     # have let it wait for a worker, then gets 503 busy.
@@ -3685,7 +3696,17 @@ observe layer4 error-limit 1 on-error mark-down
 
 frontend kcoral
     bind {listen}
-    # Requests carrying blobs (the client sends {header}) go where their largest blob is cached.
+    # Per client address (IPv4 ones are kept as IPv6-mapped): at most {source_connections} connections at once,
+    # more are closed as they arrive; at most {source_requests} requests in any 10 s, more are answered 429
+    # (and keep counting) without reaching a node.  So no one source can hold the cohort's
+    # connections or fill its queue.
+    stick-table type ipv6 size 100k expire 60s store conn_cur,http_req_rate(10s)
+    tcp-request connection track-sc0 src
+    tcp-request connection reject if {{ sc_conn_cur(0) gt {source_connections} }}
+    http-request return status 429 content-type application/json lf-string '{{"status":"ERROR",\
+"request_id":"%[uuid]","error":{{"kind":"busy","message":"more than {source_requests} requests in 10 s from this \
+address"}}}}' hdr Retry-After 10 if {{ sc_http_req_rate(0) gt {source_requests} }}
+{token_check}    # Requests carrying blobs (the client sends {header}) go where their largest blob is cached.
     use_backend kcoral_affinity if {{ req.hdr({header}) -m found }}
     default_backend kcoral_spread
 
@@ -3755,8 +3776,25 @@ def haproxy_time(seconds: float) -> str:
     return f"{seconds:.0f}s" if seconds == int(seconds) else f"{round(seconds * 1000)}ms"
 
 
+HAPROXY_TOKEN_CHECK = """\
+    # The token, checked here as the nodes check it (the first Authorization header): a request
+    # without it never reaches a node, nor waits in the queue.
+    http-request return status 401 content-type application/json lf-string '{{"status":"ERROR",\
+"request_id":"%[uuid]","error":{{"kind":"unauthorized","message":"missing or invalid bearer token"}}}}' \
+hdr WWW-Authenticate Bearer unless {{ req.fhdr(authorization,1) -m str "Bearer {token}" }}
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class ProxyLimits:
+    """What the proxy allows one client: header time, connections and request rate per address."""
+    header_timeout: float = ServerConfig.header_timeout_seconds
+    source_connections: int = 256
+    source_requests: int = 1000  # per 10 s
+
+
 def haproxy_config(listen: str, nodes: list[CohortNode], token: str | None,
-                   queue_timeout: float, server_timeout: float) -> str:
+                   queue_timeout: float, server_timeout: float, limits: ProxyLimits = ProxyLimits()) -> str:
     """The commented haproxy.cfg text for a cohort whose slots are all known."""
     if len({n.address for n in nodes}) != len(nodes):
         raise ValueError("a node is listed twice")
@@ -3770,7 +3808,10 @@ def haproxy_config(listen: str, nodes: list[CohortNode], token: str | None,
     return HAPROXY_TEMPLATE.format(
         version=__version__, total=sum(n.slots for n in nodes), node_list=node_list, listen=listen,
         servers=servers, header=AFFINITY_HEADER, queue_timeout=haproxy_time(queue_timeout),
-        server_timeout=haproxy_time(server_timeout),
+        server_timeout=haproxy_time(server_timeout), header_timeout=haproxy_time(limits.header_timeout),
+        keepalive_timeout=haproxy_time(ServerConfig.keepalive_timeout_seconds),
+        source_connections=limits.source_connections, source_requests=limits.source_requests,
+        token_check=HAPROXY_TOKEN_CHECK.format(token=token) if token else "",
         check_auth=f' hdr Authorization "Bearer {token}"' if token else "")
 
 
@@ -3783,25 +3824,40 @@ def haproxy_config_main(argv: list[str]) -> None:
     p.add_argument("nodes", nargs="+", metavar="NODE_URL[=SLOTS]",
                    help="a node, e.g. http://10.0.0.5:8000; SLOTS defaults to its /health request_capacity")
     p.add_argument("--token", default=os.environ.get("KCORAL_TOKEN"),
-                   help="the nodes' bearer token, for reading /health and for HAProxy's health checks "
-                        "[env KCORAL_TOKEN]")
+                   help="the nodes' bearer token: HAProxy refuses requests without it (401) and sends it "
+                        "with its health checks; also for reading /health here [env KCORAL_TOKEN]")
     p.add_argument("--queue-timeout", type=float, default=ServerConfig.worker_wait_timeout_seconds,
                    help="seconds a request may wait in HAProxy's queue before 503 busy (default: %(default)s, "
                         "the nodes' default worker wait)")
     p.add_argument("--server-timeout", type=float, default=ServerConfig.max_timeout_seconds + 60,
                    help="seconds HAProxy waits for a node's answer (default: %(default)s, the nodes' default "
                         "maximum execution timeout plus a minute)")
+    p.add_argument("--header-timeout", type=float, default=ProxyLimits.header_timeout,
+                   help="seconds a client has to send a request's line and headers (default: %(default)s, "
+                        "the nodes' default)")
+    p.add_argument("--max-connections-per-source", type=int, default=ProxyLimits.source_connections,
+                   help="connections one client address may hold open at once; more are closed on "
+                        "arrival (default: %(default)s)")
+    p.add_argument("--max-requests-per-source", type=int, default=ProxyLimits.source_requests,
+                   help="requests one client address may send in any 10 s; more are answered 429 "
+                        "(default: %(default)s)")
     args = p.parse_args(argv)
     if not re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[\w.-]*):\d+", args.listen):
         p.error(f"--listen {args.listen!r}: expected HOST:PORT")
-    if not (0 < args.queue_timeout < math.inf and 0 < args.server_timeout < math.inf):
-        p.error("--queue-timeout and --server-timeout must be positive numbers of seconds")
+    if not all(0 < t < math.inf for t in (args.queue_timeout, args.server_timeout, args.header_timeout)):
+        p.error("--queue-timeout, --server-timeout and --header-timeout must be positive numbers of seconds")
+    if args.max_connections_per_source < 1 or args.max_requests_per_source < 1:
+        p.error("--max-connections-per-source and --max-requests-per-source must be at least 1")
     try:
         nodes = [parse_node(text) for text in args.nodes]
         nodes = [n if n.slots else dataclasses.replace(n, slots=node_capacity(n, args.token)) for n in nodes]
-        text = haproxy_config(args.listen, nodes, args.token, args.queue_timeout, args.server_timeout)
+        limits = ProxyLimits(args.header_timeout, args.max_connections_per_source, args.max_requests_per_source)
+        text = haproxy_config(args.listen, nodes, args.token, args.queue_timeout, args.server_timeout, limits)
     except ValueError as exc:
         p.error(str(exc))
+    if not args.token:
+        print("kcoral haproxy-config: warning: no --token (or KCORAL_TOKEN): the proxy lets any client "
+              "send programs to the nodes; start them with --token and pass it here", file=sys.stderr)
     sys.stdout.write(text)
 
 

@@ -5,6 +5,7 @@ Import them as `from tests.support import ...` (the repository root is on sys.pa
 pytest runs, and for `python -m bench.<script>`).
 """
 
+import contextlib
 import fcntl
 import hashlib
 import http.client
@@ -96,13 +97,14 @@ class ServerProcess:
 class HAProxyProcess:
     """A real `haproxy` in front of KCoral nodes, configured by `python -m kcoral haproxy-config`."""
 
-    def __init__(self, node_urls, workdir, token=None):
+    def __init__(self, node_urls, workdir, token=None, flags=()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.config_path = os.path.join(str(workdir), f"haproxy-{self.port}.cfg")
         token_flags = ["--token", token] if token else []
         config = subprocess.run([PYTHON, "-m", "kcoral", "haproxy-config", "--listen", f"127.0.0.1:{self.port}",
-                                 *token_flags, *node_urls], cwd=ROOT, capture_output=True, text=True, check=True)
+                                 *token_flags, *flags, *node_urls], cwd=ROOT, capture_output=True, text=True,
+                                check=True)
         with open(self.config_path, "w") as f:
             f.write(config.stdout)
         self.stderr = open(self.config_path + ".log", "ab")
@@ -112,6 +114,11 @@ class HAProxyProcess:
         while not self.accepting():
             assert self.proc.poll() is None and time.monotonic() < deadline, "haproxy did not start"
             time.sleep(0.05)
+
+    def log(self):
+        """HAProxy's request log (one line per request: `kcoral/<NOSRV>` for those it answered itself)."""
+        with open(self.config_path + ".log", "rb") as f:
+            return f.read().decode(errors="replace")
 
     def accepting(self):
         try:
@@ -129,6 +136,81 @@ class HAProxyProcess:
                 self.proc.kill()
                 self.proc.wait()
         self.stderr.close()
+
+
+class HostileServer:
+    """A TCP listener in a thread that plays a broken or malicious KCoral server to each client:
+
+    * "silent": reads whatever the client sends and never answers;
+    * "endless": a 200 with a chunked body that never ends;
+    * "huge": a 200 that declares a terabyte and sends bytes until the client hangs up;
+    * "trickle-head": a status line, then one header byte every 50 ms, forever;
+    * "trickle-body": a 200 declaring 1 MB, then one body byte every 50 ms.
+
+    `bytes_sent` counts what it got out; close() hangs up on every client."""
+
+    HEADS = {"endless": b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n",
+             "huge": b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000000000000\r\n\r\n",
+             "trickle-head": b"HTTP/1.1 200 OK\r\nX-Slow: ",
+             "trickle-body": b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000000\r\n\r\n"}
+
+    def __init__(self, mode):
+        assert mode == "silent" or mode in self.HEADS, mode
+        self.mode = mode
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.bytes_sent = 0
+        self.connections = []
+        self.closed = False
+        threading.Thread(target=self.accept, daemon=True).start()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def accept(self):
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.connections.append(conn)
+            threading.Thread(target=self.play, args=(conn,), daemon=True).start()
+
+    def play(self, conn):
+        try:
+            if self.mode == "silent":
+                while conn.recv(1 << 16):
+                    pass
+                return
+            conn.recv(1 << 16)  # the request's head (and perhaps some body): enough to answer
+            self.send(conn, self.HEADS[self.mode])
+            if self.mode == "endless":
+                chunk = b"%x\r\n%s\r\n" % (1 << 16, b"x" * (1 << 16))
+                while not self.closed:
+                    self.send(conn, chunk)
+            elif self.mode == "huge":
+                while not self.closed:
+                    self.send(conn, b"x" * (1 << 16))
+            else:
+                while not self.closed:
+                    self.send(conn, b"x")
+                    time.sleep(0.05)  # the pace of the attack, not a synchronisation
+        except OSError:  # the client hung up: what these tests wait for
+            return
+
+    def send(self, conn, data):
+        conn.sendall(data)
+        self.bytes_sent += len(data)
+
+    def close(self):
+        self.closed = True
+        for sock in [self.listener, *self.connections]:
+            with contextlib.suppress(OSError):  # not connected any more
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
 
 
 HAPROXY = shutil.which("haproxy", path=os.environ.get("PATH", "") + os.pathsep + "/usr/sbin")
@@ -390,6 +472,19 @@ def assert_error_body(status, headers, body, http_status, kind, *fragments):
     message = body["error"]["message"].lower()
     for fragment in fragments:
         assert fragment.lower() in message, (fragment, body["error"]["message"])
+
+
+def assert_proxy_error_body(status, headers, body, http_status, kind, *fragments):
+    """The ERROR shape from HAProxy itself (`haproxy-config`): as a node's, but no node named it."""
+    body = json.loads(body)
+    assert status == http_status, body
+    assert headers["content-type"] == "application/json"
+    assert set(body) == {"status", "request_id", "error"} and body["status"] == "ERROR", body
+    assert set(body["error"]) == {"kind", "message"} and body["error"]["kind"] == kind, body
+    assert UUID_RE.fullmatch(body["request_id"]), body
+    assert "x-kcoral-instance" not in headers, headers
+    for fragment in fragments:
+        assert fragment.lower() in body["error"]["message"].lower(), (fragment, body["error"]["message"])
 
 
 def assert_parse_error(response, *fragments):

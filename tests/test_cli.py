@@ -15,6 +15,7 @@ import signal
 import socket
 import stat
 import subprocess
+import sys
 import threading
 import time
 
@@ -364,6 +365,109 @@ def test_bad_send_paths_are_refused_with_a_clear_message(tmp_path):
     assert duplicate.returncode == 1 and "already named 'real.py'" in one_line(duplicate.stderr)
 
 
+def swap_after_lstat(monkeypatch, path, replace):
+    """Make ``replace(path)`` happen right after the CLI's lstat of ``path``: the window between
+    checking an input and opening it, which a racing local user could use."""
+    real_lstat, swapped = os.lstat, []
+
+    def lstat_then_swap(name, *args, **kwargs):
+        info = real_lstat(name, *args, **kwargs)
+        if os.path.basename(os.fspath(name)) == path.name and not swapped:
+            swapped.append(path)
+            if stat.S_ISDIR(info.st_mode):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+            replace(path)
+        return info
+
+    monkeypatch.setattr(os, "lstat", lstat_then_swap)
+    return swapped
+
+
+@pytest.mark.parametrize("where", ["top", "inside", "directory"])
+def test_send_refuses_a_link_swapped_in_after_the_check(tmp_path, monkeypatch, where):
+    """The input is replaced by a link to a private file (or directory) between the CLI's check
+    and its open: the upload is refused, and nothing of the target is read."""
+    import client
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    (secret / "key").write_text("private")
+    (tmp_path / "data").mkdir()
+    victim = {"top": tmp_path / "input.txt", "inside": tmp_path / "data" / "input.txt",
+              "directory": tmp_path / "data" / "sub"}[where]
+    if where == "directory":
+        victim.mkdir()
+    else:
+        victim.write_text("harmless")
+    target = secret if where == "directory" else secret / "key"
+    swapped = swap_after_lstat(monkeypatch, victim, lambda path: path.symlink_to(target))
+    with pytest.raises(client._CommandError, match="is a symbolic link") as refused:
+        client._read_inputs([str(victim if where == "top" else tmp_path / "data")])
+    assert swapped == [victim] and victim.is_symlink()
+    assert "private" not in str(refused.value)
+
+
+def test_send_refuses_a_fifo_swapped_in_after_the_check_without_hanging(tmp_path, monkeypatch):
+    """A FIFO with no writer would block a plain open forever; the CLI opens non-blocking and
+    refuses it by what it opened."""
+    import client
+    victim = tmp_path / "input.txt"
+    victim.write_text("harmless")
+    swap_after_lstat(monkeypatch, victim, os.mkfifo)
+    outcome = []
+
+    def read():
+        try:
+            client._read_inputs([str(victim)])
+            outcome.append("read")
+        except client._CommandError as exc:
+            outcome.append(str(exc))
+
+    started = time.monotonic()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(10)
+    took = time.monotonic() - started
+    if reader.is_alive():  # blocked in open: a writer releases it, so the failure is reported
+        os.close(os.open(victim, os.O_WRONLY | os.O_NONBLOCK))
+    assert outcome == [f"--send: {victim} is not a regular file or directory"], outcome
+    assert took < 2
+
+
+def test_remote_output_on_a_terminal_cannot_drive_it_but_a_pipe_gets_it_exactly(our_server, work):
+    """Escape sequences from the server (colour, window title, clear screen, C1 CSI, a carriage
+    return that would overwrite a line) reach a terminal as visible text; piped, every byte is kept."""
+    code = ("import sys\nsys.stdout.write('out \\x1b[31mred\\x1b[0m \\x1b]0;title\\x07 \\x9b2J\\r'"
+            "'kcoral: fake\\tend\\n')\nsys.stderr.write('err \\x1b[2J\\x00\\n')\n")
+    args = ["python", "--url", our_server.url, "--", "-c", code]
+    piped = subprocess.run([PYTHON, "-m", "kcoral", "run", *args], cwd=str(work), env=CLI_ENV, check=False,
+                           stdin=subprocess.DEVNULL, capture_output=True, timeout=120)
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout == "out \x1b[31mred\x1b[0m \x1b]0;title\x07 \x9b2J\rkcoral: fake\tend\n".encode()
+    assert piped.stderr == b"err \x1b[2J\x00\n"
+    status, shown = run_with_terminal_stderr(args, work, stdout_too=True)
+    assert status == 0
+    assert not set(shown) & {"\x1b", "\x07", "\x9b", "\r", "\x00"}, repr(shown)
+    assert "out \\x1b[31mred\\x1b[0m \\x1b]0;title\\x07 \\x9b2J\\x0dkcoral: fake\tend\n" in shown, repr(shown)
+    assert "err \\x1b[2J\\x00\n" in shown, repr(shown)
+
+
+def test_error_lines_quoting_the_server_are_made_harmless_on_a_terminal(monkeypatch):
+    import client
+    leader, follower = pty.openpty()
+    try:
+        terminal = open(follower, "w", encoding="utf-8", closefd=False)
+        monkeypatch.setattr(sys, "stderr", terminal)
+        client._complain("kcoral run python: server error: HTTP 500: \x1b]0;pwned\x07")
+        terminal.flush()
+        shown = os.read(leader, 4096).decode()
+    finally:
+        os.close(follower)
+        os.close(leader)
+    assert shown == "kcoral run python: server error: HTTP 500: \\x1b]0;pwned\\x07\r\n", repr(shown)
+
+
 def test_help_lists_every_option_with_text_for_run_and_each_tool(tmp_path):
     overview = cli("--help", cwd=tmp_path)
     assert overview.returncode == 0 and all(tool in overview.stdout for tool in TOOLS)
@@ -380,12 +484,13 @@ def test_help_lists_every_option_with_text_for_run_and_each_tool(tmp_path):
 
 # --- helpers -----------------------------------------------------------------------------
 
-def run_with_terminal_stderr(args, cwd):
-    """(exit status, stderr text) of the CLI with its stderr on a pseudo-terminal."""
+def run_with_terminal_stderr(args, cwd, stdout_too=False):
+    """(exit status, stderr text) of the CLI with its stderr (and stdout) on a pseudo-terminal."""
     leader, follower = pty.openpty()
     try:
         proc = subprocess.Popen([PYTHON, "-m", "kcoral", "run", *args], cwd=str(cwd), env=CLI_ENV,
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=follower)
+                                stdin=subprocess.DEVNULL, stdout=follower if stdout_too else subprocess.DEVNULL,
+                                stderr=follower)
         os.close(follower)
         chunks = []
         while True:

@@ -10,8 +10,10 @@ import collections
 import dataclasses
 import functools
 import hashlib
+import http.client
 import http.server
 import json
+import math
 import os
 import pathlib
 import shutil
@@ -48,7 +50,15 @@ from client import (
     TransportError,
     ValidationError,
 )
-from tests.support import reference_popen_options, reference_server_argv
+from tests.support import (
+    HostileServer,
+    ServerProcess,
+    program_parts,
+    reference_popen_options,
+    reference_server_argv,
+    wait_for,
+)
+from tests.support import multipart as support_multipart
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -704,6 +714,57 @@ def test_cache_miss_then_completed(stub, cli):
     assert [r.blob_names() for r in stub.requests] == [[], [f"blob:{a}", f"blob:{b}"]]
 
 
+def test_the_attempts_of_one_execute_share_one_client_request_id(stub, cli):
+    p, a, b = two_blob_program()
+    stub.queue(cache_miss(a), cache_miss(b), completed(), completed())
+    cli.execute(p)
+    cli.execute(p)
+    ids = [r.headers["x-kcoral-client-request-id"] for r in stub.requests]
+    assert ids[0] == ids[1] == ids[2] != ids[3]
+    assert all(str(uuid.UUID(i)) == i for i in ids)
+
+
+def finished_lines(server: ServerProcess) -> list[dict[str, str]]:
+    """The server's request_finished console lines as key -> value."""
+    return [dict(field.split("=", 1) for field in line.split(" request_finished ", 1)[1].split() if "=" in field)
+            for line in server.log().splitlines() if " request_finished " in line]
+
+
+def test_the_server_log_links_the_attempts_of_one_execute(tmp_path):
+    """A real server: a cold blob costs a CACHE_MISS and a second POST; both request_finished
+    lines carry the client's one id beside their own request ids. A header that is not exactly
+    one canonical UUID is not logged (nor is it an error)."""
+    with ServerProcess(workers=1, tmp_path=tmp_path) as server, Client(server.url) as c:
+        program = module_program("def f():\n    return 1\n", os.urandom(1000))
+        assert c.execute(program).completed
+        lines = wait_for(lambda: len(finished_lines(server)) == 2 and finished_lines(server))
+        assert [line["status"] for line in lines] == ["CACHE_MISS", "COMPLETED"]
+        assert lines[0]["client_request_id"] == lines[1]["client_request_id"]
+        assert lines[0]["request_id"] != lines[1]["request_id"]
+        assert str(uuid.UUID(lines[0]["client_request_id"])) == lines[0]["client_request_id"]
+        for bad in ([RID.upper()], [RID + "0"], ["x" * 8000], [f"{RID} {RID}"], [RID, RID]):
+            headers = [("X-KCoral-Client-Request-ID", value) for value in bad]
+            status, _, _ = post_multipart(server.url, {"instructions": []}, headers)
+            assert status == 400  # the empty program: the header changed nothing
+        logged = wait_for(lambda: len(finished_lines(server)) == 7 and finished_lines(server))
+        assert all("client_request_id" not in line for line in logged[2:]), logged[2:]
+
+
+def post_multipart(url: str, program: dict, headers: list[tuple[str, str]]) -> tuple[int, dict, bytes]:
+    """POST a program with the given (possibly repeated) headers."""
+    body, content_type = support_multipart(program_parts(program))
+    conn = http.client.HTTPConnection(url.split("//", 1)[1], timeout=30)
+    try:
+        conn.putrequest("POST", "/execute")
+        for name, value in [("Content-Type", content_type), ("Content-Length", str(len(body))), *headers]:
+            conn.putheader(name, value)
+        conn.endheaders(body)
+        response = conn.getresponse()
+        return response.status, dict(response.getheaders()), response.read()
+    finally:
+        conn.close()
+
+
 @pytest.mark.parametrize("missing", [[], ["A" * 64], ["ab"], [sha(b"first")] * 2, [sha(b"unknown")], "x"])
 def test_invalid_cache_miss_is_protocol_error(stub, cli, missing):
     stub.queue(json_response({"status": "CACHE_MISS", "request_id": RID, "missing_blobs": missing}))
@@ -964,6 +1025,121 @@ def test_health_and_target(stub, cli):
     stub.queue(json_response({"detail": "Not Found"}, status=404))
     with pytest.raises(KCoralError):
         cli.health()
+
+
+# ---------------------------------------------------------------------------
+# Client: what a hostile server can cost (docs/client.md §4.8)
+
+# A client in a fresh process: its peak RSS growth over one execute against ``url`` (the
+# peak is reset just before, so what the imports took cannot hide it).
+RSS_PROBE = """
+import json, re, sys, time
+from client import Client, Program, ProtocolError
+def peak_kib():
+    with open("/proc/self/status") as f:
+        return int(re.search(r"VmHWM:\\s+(\\d+)", f.read()).group(1))
+with Client(sys.argv[1], max_response_bytes=int(sys.argv[2])) as c:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before, started = peak_kib(), time.monotonic()
+    try:
+        c.execute(Program())
+        error = None
+    except ProtocolError as exc:
+        error = str(exc)
+    seconds, grown = time.monotonic() - started, peak_kib() - before
+print(json.dumps({"error": error, "seconds": seconds, "rss_growth_mib": grown / 1024}))
+"""
+
+
+def probe_rss(url: str, cap: int) -> dict:
+    done = subprocess.run([sys.executable, "-c", RSS_PROBE, url, str(cap)], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, check=True)
+    return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("mode", ["endless", "huge"])
+def test_an_oversized_answer_is_refused_within_the_cap(mode):
+    """A chunked body that never ends, and one that declares a terabyte: the client stops at
+    max_response_bytes (16 MiB here) with a ProtocolError, its memory grown by about the cap."""
+    cap = 16 << 20
+    with HostileServer(mode) as hostile:
+        measured = probe_rss(hostile.url, cap)
+        sent = hostile.bytes_sent
+    print(f"\n{mode}: {measured}, server sent {sent / 2**20:.1f} MiB")
+    assert "max_response_bytes (16777216 bytes)" in measured["error"]
+    assert measured["seconds"] < 10
+    assert measured["rss_growth_mib"] < 3 * cap / 2**20
+    if mode == "huge":  # refused on the declared length: nothing of the body is buffered
+        assert measured["rss_growth_mib"] < 8
+
+
+def test_the_size_cap_admits_exactly_max_response_bytes(stub):
+    payload = json.dumps(body_fields()).encode()
+    for size, ok in ((len(payload), True), (len(payload) - 1, False)):
+        with Client(stub.url, max_response_bytes=size) as c:
+            stub.queue(completed(), (200, {"Content-Type": "application/json", "Transfer-Encoding": "chunked"},
+                                     b"%x\r\n%s\r\n0\r\n\r\n" % (len(payload), payload)))
+            for _ in range(2):  # declared length, then chunked
+                if ok:
+                    assert c.execute(Program()).completed
+                else:
+                    with pytest.raises(ProtocolError, match=r"max_response_bytes \(\d+ bytes\)"):
+                        c.execute(Program())
+                    assert c._idle == []  # the unread rest must not meet the next request
+
+
+def test_stub_sends_chunked_bodies_as_given(stub):
+    """(The stub adds Content-Length to every answer; the test above relies on the client
+    preferring Transfer-Encoding, as HTTP/1.1 requires.)"""
+    stub.queue((200, {"Transfer-Encoding": "chunked"}, b"2\r\nok\r\n0\r\n\r\n"))
+    with Client(stub.url) as c:
+        with pytest.raises(ProtocolError, match="malformed health response"):
+            c.health()
+
+
+@pytest.mark.parametrize("mode", ["silent", "trickle-head", "trickle-body"])
+def test_a_server_that_stalls_or_trickles_is_given_up_at_the_deadline(mode):
+    """The deadline bounds the whole exchange: silence, and a byte every 50 ms (which a
+    per-read timeout would never catch), end in TransportError at timeout + margin."""
+    with HostileServer(mode) as hostile, Client(hostile.url, response_margin_seconds=0.5) as c:
+        started = time.monotonic()
+        with pytest.raises(TransportError, match=r"no complete answer within 1 s \(the request's timeout"):
+            c.execute(Program(), timeout_seconds=0.5)
+        took = time.monotonic() - started
+        assert c._idle == []
+    print(f"\n{mode}: gave up after {took:.2f} s (deadline 1.0 s), server sent {hostile.bytes_sent} bytes")
+    assert 0.95 <= took < 3
+
+
+def test_health_gets_its_own_modest_deadline():
+    assert Client("http://127.0.0.1:1")._health_timeout == 30.0
+    with HostileServer("silent") as hostile, Client(hostile.url, health_timeout_seconds=0.3) as c:
+        started = time.monotonic()
+        with pytest.raises(TransportError, match=r"within 0.3 s \(health_timeout_seconds\)"):
+            c.health()
+        assert 0.28 <= time.monotonic() - started < 2
+
+
+def test_the_answer_may_take_the_requests_timeout_plus_the_margin(stub):
+    """A legitimate slow answer (1.2 s for timeout_seconds=1, margin 0.5) is waited for, and so
+    is the same answer to a request without timeout_seconds (the server's default, 300 s);
+    the test above gives up on silence at timeout_seconds=0.5 plus the same margin."""
+    def slow(request):
+        time.sleep(1.2)
+        return completed()
+    with Client(stub.url, response_margin_seconds=0.5) as c:
+        for timeout in (1, None):
+            stub.queue(slow)
+            assert c.execute(Program(), timeout_seconds=timeout).completed
+
+
+@pytest.mark.parametrize("kwargs", [{"max_response_bytes": 0}, {"max_response_bytes": 1.5},
+                                    {"response_margin_seconds": 0}, {"response_margin_seconds": math.inf},
+                                    {"health_timeout_seconds": -1}, {"health_timeout_seconds": True}])
+def test_bound_settings_are_validated(kwargs):
+    with pytest.raises(ValueError):
+        Client("http://127.0.0.1:1", **kwargs)
 
 
 # ---------------------------------------------------------------------------

@@ -8,9 +8,12 @@ Work is sleep-bound (the box has two shared cores), so wall times measure schedu
 
 import collections
 import hashlib
+import http.client
 import json
 import os
+import select
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -24,8 +27,13 @@ from tests.support import (
     ROOT,
     HAProxyProcess,
     ServerProcess,
+    assert_proxy_error_body,
     free_port,
+    multipart,
+    prog,
+    program_parts,
     request,
+    wait_for,
 )
 
 pytestmark = pytest.mark.skipif(HAPROXY is None, reason="haproxy is not installed")
@@ -273,6 +281,157 @@ def test_token_passes_through_and_health_is_one_nodes(cohort):
     assert status == 401
 
 
+def test_unauthenticated_requests_are_refused_at_the_proxy(cohort):
+    """No token, a wrong one, a right one behind a wrong first header: 401 unauthorized from
+    HAProxy itself (its log says <NOSRV>; a node's answer would name its instance), and no
+    node saw them. The same request sent to a node directly shows what a node's 401 looks like."""
+    program, content_type = multipart(program_parts(prog()))
+    attempts = [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"bearer {TOKEN}"}]
+    before, proxied_before = cohort.posts(), cohort.proxy.log().count("kcoral/<NOSRV>")
+    answers = [request("POST", cohort.proxy.url + "/execute", program, {"Content-Type": content_type, **headers})
+               for headers in attempts]
+    answers.append(raw_request(cohort.proxy.port, "GET /health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer no\r\n"
+                                                  f"Authorization: Bearer {TOKEN}\r\n\r\n"))
+    for status, headers, body in answers:
+        assert_proxy_error_body(status, headers, body, 401, "unauthorized", "bearer token")
+        assert headers["www-authenticate"] == "Bearer"
+    wait_until(lambda: cohort.proxy.log().count("kcoral/<NOSRV>") >= proxied_before + 4, 5, "HAProxy logged no refusal")
+    assert cohort.posts() == before
+    node_status, node_headers, _ = request("POST", cohort.nodes[0].url + "/execute", program,
+                                           {"Content-Type": content_type})
+    assert node_status == 401 and "x-kcoral-instance" in node_headers
+
+
+def raw_request(port, head, source="127.0.0.1"):
+    """Send a request head byte for byte (repeated headers included) -> (status, headers, body)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30, source_address=(source, 0)) as sock:
+        sock.sendall(head.encode())
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+
+
+def test_a_connection_flood_from_one_address_is_cut_at_its_limit_and_others_are_served(cohort):
+    """300 connections from 127.0.0.2 against the default limit of 256 per address: 44 are
+    closed on arrival, the 256 kept are served, and meanwhile a normal client (127.0.0.1)
+    runs a program as fast as ever."""
+    limit, flood = 256, 300
+    alone = timed_echo(cohort, "alone")
+    made = [connect_from("127.0.0.2", cohort.proxy.port) for _ in range(flood)]
+    sockets = [sock for sock in made if sock is not None]
+
+    def refused():
+        return flood - len(sockets) + len(closed_by_peer(sockets))
+
+    try:
+        wait_for(lambda: refused() >= flood - limit, 10)
+        assert refused() == flood - limit, f"{refused()} of {flood} connections closed on arrival"
+        kept = [sock for sock in sockets if sock not in closed_by_peer(sockets)]
+        normal = timed_echo(cohort, "meanwhile")
+        for sock in kept:
+            sock.sendall(f"GET /health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n\r\n".encode())
+        served = collections.Counter(read_status(sock) for sock in kept)
+        one_more = connect_from("127.0.0.2", cohort.proxy.port)
+        if one_more is not None:
+            sockets.append(one_more)
+            assert wait_for(lambda: closed_by_peer([one_more]), 10), "a connection beyond the limit was kept"
+        print(f"\nflood: {flood - len(kept)} of {flood} connections from one address closed on arrival, "
+              f"the {len(kept)} kept answered {dict(served)}; a normal client's execute took {normal * 1000:.0f} ms "
+              f"({alone * 1000:.0f} ms before the flood)")
+        assert served == {200: limit}
+        assert normal < 5
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def timed_echo(cohort, value):
+    """Seconds one authenticated client (127.0.0.1) takes to run an echo through the proxy."""
+    started = time.monotonic()
+    with Client(cohort.proxy.url, headers=AUTH) as client:
+        assert client.execute(echo_program(value, 0, cohort.ledger))["out"] == value
+    return time.monotonic() - started
+
+
+def connect_from(source, port):
+    """A connection from address ``source`` to the proxy, or None when the proxy reset it
+    before connect() returned (a refusal, as much as a close right after it)."""
+    try:
+        return socket.create_connection(("127.0.0.1", port), timeout=30, source_address=(source, 0))
+    except ConnectionResetError:
+        return None
+
+
+def closed_by_peer(sockets):
+    """The sockets the other end has closed (readable, with nothing to read)."""
+    poller = select.poll()
+    by_fd = {s.fileno(): s for s in sockets}
+    for fd in by_fd:
+        poller.register(fd, select.POLLIN)
+    found = []
+    for fd, _ in poller.poll(0):
+        try:
+            if by_fd[fd].recv(1, socket.MSG_PEEK) == b"":
+                found.append(by_fd[fd])
+        except ConnectionResetError:
+            found.append(by_fd[fd])
+    return found
+
+
+def read_status(sock):
+    response = http.client.HTTPResponse(sock)
+    response.begin()
+    response.read()
+    return response.status
+
+
+@pytest.fixture
+def strict_proxy(cohort):
+    """A second HAProxy in front of the same nodes with small limits, to reach them quickly."""
+    proxy = HAProxyProcess([n.url for n in cohort.nodes], cohort.workdir, token=TOKEN,
+                           flags=["--max-requests-per-source", "20", "--header-timeout", "1"])
+    wait_until(lambda: request("GET", proxy.url + "/health", headers=AUTH, timeout=5)[0] == 200, 20,
+               "the strict proxy never saw a node up")
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
+
+
+def test_requests_beyond_the_rate_limit_get_429_and_other_addresses_do_not(strict_proxy):
+    """40 health requests in a burst from 127.0.0.2, with a limit of 20 per 10 s: 20 are served,
+    the rest answered 429 busy by the proxy; a client on 127.0.0.1 is still served."""
+    head = f"GET /health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n\r\n"
+    answers = [raw_request(strict_proxy.port, head, source="127.0.0.2") for _ in range(40)]
+    statuses = collections.Counter(status for status, _, _ in answers)
+    print(f"\nrate: 40 requests in a burst from one address with a limit of 20 per 10 s: {dict(statuses)}")
+    assert statuses == {200: 20, 429: 20}
+    status, headers, body = answers[-1]
+    assert_proxy_error_body(status, headers, body, 429, "busy", "more than 20 requests in 10 s")
+    assert headers["retry-after"] == "10"
+    with Client(strict_proxy.url, headers=AUTH) as client:
+        assert client.health()["status"] == "ok"
+
+
+@pytest.mark.parametrize("pace", [None, 0.2])
+def test_a_request_head_must_arrive_within_the_header_timeout(strict_proxy, pace):
+    """A head never finished, or trickled a byte every 200 ms (which an inactivity timeout would
+    never end): closed with 408 after the 1 s header timeout."""
+    with socket.create_connection(("127.0.0.1", strict_proxy.port), timeout=30) as sock:
+        started = time.monotonic()
+        sock.sendall(b"GET /health HTTP/1.1\r\n")
+        if pace:
+            sock.setblocking(False)
+            while not select.select([sock], [], [], pace)[0]:  # paces the attack, and watches for the answer
+                sock.send(b"X")
+            sock.setblocking(True)
+        answer = sock.recv(65536)
+        took = time.monotonic() - started
+    print(f"\nheader timeout (trickle {pace}): answered {answer[:12]!r} after {took:.2f} s")
+    assert answer.startswith(b"HTTP/1.1 408")  # (HAProxy's own page: its H1 layer sends no custom 408 body)
+    assert 0.9 < took < 3
+
+
 def haproxy_config(*args):
     return subprocess.run([PYTHON, "-m", "kcoral", "haproxy-config", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=60, check=False)
@@ -286,6 +445,20 @@ def test_generated_config_is_valid_and_bad_nodes_are_refused(cohort, tmp_path):
     check = subprocess.run([HAPROXY, "-c", "-f", str(path)], capture_output=True, text=True, check=False)
     assert check.returncode == 0, check.stdout + check.stderr
     assert generated.stdout.count("maxconn 4\n") == 2 and generated.stdout.count("maxconn 2\n") == 2
+    assert "warning: no --token" in generated.stderr and "http-request return status 401" not in generated.stdout
+    for line in ("timeout http-request 20s", "timeout http-keep-alive 15s", "sc_conn_cur(0) gt 256",
+                 "sc_http_req_rate(0) gt 1000"):
+        assert line in generated.stdout, line
+    tuned = haproxy_config("--listen", "0.0.0.0:8080", "--token", TOKEN, "--header-timeout", "2.5",
+                           "--max-connections-per-source", "9", "--max-requests-per-source", "70",
+                           "http://10.0.0.5:8000=4")
+    assert tuned.returncode == 0 and tuned.stderr == "", tuned.stderr
+    path.write_text(tuned.stdout)
+    check = subprocess.run([HAPROXY, "-c", "-f", str(path)], capture_output=True, text=True, check=False)
+    assert check.returncode == 0, check.stdout + check.stderr
+    for line in ("timeout http-request 2500ms", "sc_conn_cur(0) gt 9", "sc_http_req_rate(0) gt 70",
+                 f'req.fhdr(authorization,1) -m str "Bearer {TOKEN}"'):
+        assert line in tuned.stdout, line
     dead = f"http://127.0.0.1:{free_port()}"
     unreachable = haproxy_config("--listen", "127.0.0.1:8080", dead)
     assert unreachable.returncode == 2 and f"cannot read {dead}/health" in unreachable.stderr
@@ -296,6 +469,9 @@ def test_generated_config_is_valid_and_bad_nodes_are_refused(cohort, tmp_path):
     for flags, message in ((["--listen", "8080"], "expected HOST:PORT"),
                            (["--listen", ":8080", "--token", 'to"ken'], "bearer token"),
                            (["--listen", ":8080", "--queue-timeout", "0"], "positive"),
+                           (["--listen", ":8080", "--header-timeout", "-1"], "positive"),
+                           (["--listen", ":8080", "--max-connections-per-source", "0"], "at least 1"),
+                           (["--listen", ":8080", "--max-requests-per-source", "0"], "at least 1"),
                            (["--listen", ":8080", "http://10.0.0.5:8000=1"], "listed twice")):
         refused = haproxy_config(*flags, "http://10.0.0.5:8000=1")
         assert refused.returncode == 2 and message in refused.stderr, (flags, refused.stderr)
@@ -309,9 +485,9 @@ def test_client_marks_only_requests_with_blobs_by_their_largest_blob(cohort, mon
     with Client(cohort.nodes[0].url, headers=AUTH) as client:  # a node directly: it ignores the header
         real = client._request
 
-        def recording(method, path, headers=None, chunks=None):
+        def recording(method, path, headers=None, chunks=None, **deadline):
             sent.append((headers or {}).get("X-KCoral-Affinity"))
-            return real(method, path, headers, chunks)
+            return real(method, path, headers, chunks, **deadline)
 
         monkeypatch.setattr(client, "_request", recording)
         assert client.execute(echo_program("plain", 0, cohort.ledger)).completed
