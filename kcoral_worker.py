@@ -1598,30 +1598,38 @@ def terminate_escaped(grace: float) -> bool:
 
 
 def terminate(remaining: Callable[[], list[int]], grace: float, kill_for: float, group: int | None = None) -> bool:
-    """SIGTERM each process `remaining()` lists, then SIGKILL what is left once `grace` has passed,
-    sweep after sweep until none is left or `kill_for` seconds are over: a fork chain that outruns
-    one snapshot is caught by the next.  With `group`, each sweep also signals that process group
-    (atomically, for its members).  -> whether none is left."""
-    warned: set[int] = set()
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, kill_for)):
-        deadline = time.monotonic() + wait
+    """SIGTERM each process `remaining()` lists, then, once `grace` has passed, freeze and kill
+    what is left, for up to `kill_for` seconds.  -> whether none is left.
+
+    Killing sweep after sweep loses to a chain that forks and exits as fast as it can (each
+    snapshot is stale by the time it is signalled), so each sweep SIGSTOPs what it finds: a
+    stopped process cannot fork, and once a sweep finds nothing new, all are stopped and are
+    SIGKILLed together.  With `group`, each sweep also signals that process group."""
+    def signal_all(pids: list[int], sig: int) -> None:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+        if group is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(group, sig)
+
+    pids = remaining()
+    signal_all(pids, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while pids and time.monotonic() < deadline:
+        time.sleep(0.01)
         pids = remaining()
-        while pids:
-            for pid in pids:
-                if sig == signal.SIGKILL or pid not in warned:  # one SIGTERM each: a handler may count them
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.kill(pid, sig)
-                    warned.add(pid)
-            if group is not None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(group, sig)
-            if time.monotonic() >= deadline:
-                break
-            time.sleep(0.001 if sig == signal.SIGKILL else 0.01)
-            pids = remaining()
-        if not pids:
-            return True
-    return False
+    deadline, seen = time.monotonic() + kill_for, set()
+    while pids:
+        signal_all(pids, signal.SIGSTOP)
+        if set(pids) <= seen:  # nothing new since the last sweep: all stopped
+            signal_all(pids, signal.SIGKILL)
+        if time.monotonic() >= deadline:
+            break
+        seen = set(pids)
+        time.sleep(0.001)
+        pids = remaining()
+    return not pids
 
 
 def die_with_parent() -> None:
