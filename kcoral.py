@@ -1631,8 +1631,9 @@ class SandboxTemplate:
         left after `grace`, sweep after sweep: a fork chain that outruns one snapshot is caught
         by the next.  -> whether it is all gone; if not, the caller ends the container (the
         kernel then kills its whole PID namespace at once)."""
+        spared = [os.getpgid(p) for p in (self.init_pid, self.pid) if p and is_live(p)]
         return kcoral_worker.terminate(lambda: [p for p in descendants(self.init_pid) if p != self.pid], grace,
-                                       KILL_SWEEP_SECONDS)
+                                       KILL_SWEEP_SECONDS, keep_groups=spared)
 
     def clear(self) -> None:
         """Empty the three directories the container can write, through descriptors that follow

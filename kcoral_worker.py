@@ -58,7 +58,7 @@ import time
 import traceback
 import types
 import typing
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from typing import IO, Any
@@ -1597,21 +1597,29 @@ def terminate_escaped(grace: float) -> bool:
     return found
 
 
-def terminate(remaining: Callable[[], list[int]], grace: float, kill_for: float, group: int | None = None) -> bool:
+def terminate(remaining: Callable[[], list[int]], grace: float, kill_for: float, group: int | None = None,
+              keep_groups: Collection[int] = ()) -> bool:
     """SIGTERM each process `remaining()` lists, then, once `grace` has passed, freeze and kill
     what is left, for up to `kill_for` seconds.  -> whether none is left.
 
-    Killing sweep after sweep loses to a chain that forks and exits as fast as it can (each
-    snapshot is stale by the time it is signalled), so each sweep SIGSTOPs what it finds: a
-    stopped process cannot fork, and once a sweep finds nothing new, all are stopped and are
-    SIGKILLed together.  With `group`, each sweep also signals that process group."""
+    Killing pid after pid loses to a chain that forks and exits as fast as it can: a snapshot of
+    /proc is stale by the time it is signalled.  So every signal also goes to the process group
+    of each process found (but ours, `group`'s owner's and `keep_groups`), which the kernel
+    delivers to all members at once, forks in progress included; and each sweep SIGSTOPs what
+    it finds (a stopped process cannot fork), SIGKILLing once a sweep finds nothing new.  A
+    chain that also starts a new session in every generation can still outrun the sweeps:
+    only a PID namespace (the sandbox's container) ends that for certain."""
+    spared = {os.getpgrp(), *keep_groups}
+
     def signal_all(pids: list[int], sig: int) -> None:
+        groups = {group} if group is not None else set()
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
+                groups.add(os.getpgid(pid))
                 os.kill(pid, sig)
-        if group is not None:
+        for pgid in groups - spared:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(group, sig)
+                os.killpg(pgid, sig)
 
     pids = remaining()
     signal_all(pids, signal.SIGTERM)
