@@ -90,7 +90,7 @@ ExtraHeaders = Mapping[str, str] | tuple[()]  # headers a response adds; () for 
 # `kcoral.errors` and `kcoral.builtins`, as in the published package (defined by the worker)
 errors, builtins = kcoral_worker.install_kcoral_modules()
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 CLIENT_NAMES = ("Client", "KCoralError", "Program", "ProgramResult", "ProtocolError", "Register",
                 "RemoteExecutionError", "RemoteFunction", "ReturnedFile", "ReturnedFolder",
                 "TransportError")

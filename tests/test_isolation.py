@@ -387,3 +387,40 @@ def test_auto_sandboxes_when_bwrap_works_and_warns_when_it_is_missing(tmp_path):
                               "--port", "0"], cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True,
                              timeout=60, check=False)
     assert refused.returncode != 0 and "needs bwrap on PATH" in refused.stderr
+
+
+# --- the host-side removal itself ------------------------------------------------------------------
+
+def test_emptying_follows_no_link_survives_any_depth_and_mode_and_keeps_the_ways(tmp_path):
+    """What a program can leave in a writable directory: links out, directories it chmod-ed to
+    000, nesting deeper than the recursion limit and the open-directory cap; the mount points'
+    ways are kept.  Nothing outside is touched."""
+    import kcoral
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious").write_text("keep")
+    top = tmp_path / "top"
+    top.mkdir()
+    (top / "link").symlink_to(outside)
+    (top / "link-file").symlink_to(outside / "precious")
+    locked = top / "locked" / "inner"
+    locked.mkdir(parents=True)
+    (locked / "f").write_text("x")
+    os.chmod(locked, 0)
+    os.chmod(top / "locked", 0)
+    fd = os.open(top, os.O_RDONLY)
+    deep = os.dup(fd)
+    for _ in range(sys.getrecursionlimit() + 500):  # deeper than any recursive walk, by descriptor
+        os.mkdir("d", dir_fd=deep)
+        nxt = os.open("d", os.O_RDONLY, dir_fd=deep)
+        os.close(deep)
+        deep = nxt
+    os.close(deep)
+    (top / "mnt" / "a").mkdir(parents=True)
+    (top / "mnt" / "a" / "junk").write_text("x")
+    try:
+        kcoral.empty_directory_at(fd, keep=["mnt/a"])
+    finally:
+        os.close(fd)
+    assert sorted(os.listdir(top)) == ["mnt"] and os.listdir(top / "mnt") == ["a"] and not os.listdir(top / "mnt" / "a")
+    assert (outside / "precious").read_text() == "keep" and stat.S_IMODE(outside.stat().st_mode) != 0o700
