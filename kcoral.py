@@ -616,7 +616,7 @@ def parse_program(body: Json, limits: ServerConfig = DEFAULT_LIMITS) -> ValidPro
     return program
 
 
-MAX_ARG_DEPTH = 400  # programs reach the worker pickled, and pickle recurses twice per level
+MAX_ARG_DEPTH = 400  # programs reach the worker as JSON, whose decoder recurses once per level: well within its limit
 
 
 def check_literals(args: list[Json], where: str) -> None:
