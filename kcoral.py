@@ -2226,8 +2226,8 @@ def remove_entry(path: str) -> None:
 PRIVATE_DIR_MODE = 0o700
 PRIVATE_FILE_MODE = 0o600
 EVENTS_NAME = "events.jsonl"
-NEW_FILE = os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+NEW_FILE_FLAGS = os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 
 
 def utc_now() -> datetime.datetime:
@@ -2246,11 +2246,11 @@ def open_log_directory(path: str, name: str | None = None, parent: int | None = 
     line): whoever can write there could read the log or swap its files."""
     if name is None:  # the log directory itself: its parents as for any directory, and it may be a link
         os.makedirs(path, PRIVATE_DIR_MODE, exist_ok=True)
-        fd = os.open(path, DIRECTORY)
+        fd = os.open(path, DIRECTORY_FLAGS)
     else:  # below it, nothing is followed
         with contextlib.suppress(FileExistsError):
             os.mkdir(name, PRIVATE_DIR_MODE, dir_fd=parent)
-        fd = os.open(name, DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
+        fd = os.open(name, DIRECTORY_FLAGS | os.O_NOFOLLOW, dir_fd=parent)
     info = os.fstat(fd)
     problem = (f"is owned by uid {info.st_uid}, not by this server's user ({os.geteuid()})"
                if info.st_uid != os.geteuid() else "is writable by other users" if info.st_mode & stat.S_IWOTH
@@ -2274,9 +2274,9 @@ def open_run_directory(log_dir: str) -> tuple[int, str]:
             stamp = utc_now().strftime("%Y%m%dT%H%M%S.%fZ")
             try:
                 os.mkdir(stamp, PRIVATE_DIR_MODE, dir_fd=runs)
-                return os.open(stamp, DIRECTORY | os.O_NOFOLLOW, dir_fd=runs), os.path.join(log_dir, "runs", stamp)
             except FileExistsError:
                 continue
+            return os.open(stamp, DIRECTORY_FLAGS | os.O_NOFOLLOW, dir_fd=runs), os.path.join(log_dir, "runs", stamp)
     finally:
         os.close(runs)
 
@@ -2287,7 +2287,7 @@ class SavedPrograms:
 
     def __init__(self, run_fd: int, config: ServerConfig) -> None:
         os.mkdir("programs", PRIVATE_DIR_MODE, dir_fd=run_fd)
-        self.fd = os.open("programs", DIRECTORY | os.O_NOFOLLOW, dir_fd=run_fd)
+        self.fd = os.open("programs", DIRECTORY_FLAGS | os.O_NOFOLLOW, dir_fd=run_fd)
         self.max_bytes = config.log_programs_max_bytes
         self.max_count = config.log_programs_max_count
         self.kept: collections.deque[tuple[str, int]] = collections.deque()  # (name, size), oldest first
@@ -2301,7 +2301,7 @@ class SavedPrograms:
             return
         name = f"{request_id}.json"
         try:
-            fd = os.open(name, os.O_WRONLY | os.O_EXCL | NEW_FILE, PRIVATE_FILE_MODE, dir_fd=self.fd)
+            fd = os.open(name, os.O_WRONLY | os.O_EXCL | NEW_FILE_FLAGS, PRIVATE_FILE_MODE, dir_fd=self.fd)
         except OSError:
             return
         try:
@@ -2357,7 +2357,7 @@ class EventLog:
         return run_dir
 
     def open_events(self) -> int:
-        return os.open(EVENTS_NAME, os.O_WRONLY | os.O_APPEND | NEW_FILE, PRIVATE_FILE_MODE, dir_fd=self.run_fd)
+        return os.open(EVENTS_NAME, os.O_WRONLY | os.O_APPEND | NEW_FILE_FLAGS, PRIVATE_FILE_MODE, dir_fd=self.run_fd)
 
     def event(self, event: str, level: str = "INFO", **fields: Any) -> None:
         """One JSON line per event in the run's events.jsonl; request and lifecycle lines on stderr."""
@@ -2518,7 +2518,7 @@ class KCoralServer:
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
         self.log.event("server_started", url=self.url, device=device, sandbox=self.config.sandbox,
-                  workers=len(self.pool.slots), run_dir=run_dir, instance_id=self.instance_id)
+                       workers=len(self.pool.slots), run_dir=run_dir, instance_id=self.instance_id)
         return self
 
     @property

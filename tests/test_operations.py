@@ -270,7 +270,7 @@ def test_a_token_on_the_command_line_still_works_with_a_warning(tmp_path):
     assert len(warnings) == 1 and "KCORAL_TOKEN" in warnings[0] and "--token-file" in warnings[0]
 
 
-@pytest.mark.parametrize("mode", [0o640, 0o604, 0o620])
+@pytest.mark.parametrize("mode", [0o640, 0o604, 0o620], ids=["group-readable", "other-readable", "group-writable"])
 def test_a_token_file_others_may_access_is_refused(tmp_path, mode):
     secret = f"leaky-{uuid.uuid4().hex}"
     path = private_file(tmp_path / "tokens", secret + "\n", mode)

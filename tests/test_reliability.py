@@ -1,4 +1,5 @@
-"""Reliability (issue 6): fuzzing, fault injection, cache faults, load, shutdown, client disconnects.
+"""Reliability (issue 6): fuzzing, fault injection, cache faults, load, shutdown, client disconnects,
+no growth per request.
 
 Every item is a function `<item>_item(scale, workdir) -> {counter: value}` that raises
 AssertionError on the first violation.  The pytest tests at the bottom run them at CI size
