@@ -1,4 +1,4 @@
-"""Reliability (issue 6): fuzzing, fault injection, cache faults, load, shutdown, client disconnects,
+"""Reliability: fuzzing, fault injection, cache faults, load, shutdown, client disconnects,
 no growth per request.
 
 Every item is a function `<item>_item(scale, workdir) -> {counter: value}` that raises
