@@ -194,6 +194,13 @@ class ServerConfig:
                                  "('' disables)", env="KCORAL_LOG_DIR", cli_default="logs")
     log_console: bool = option(True, "mirror events to stderr")
     log_programs: bool = option(True, "save each accepted request's program beside the log")
+    log_max_bytes: int = option(64 << 20, "rotate events.jsonl when a record would take it past this size "
+                                "(0: never; leave rotation to logrotate and SIGHUP)")
+    log_backups: int = option(4, "rotated event logs kept beside it (events.jsonl.1 is the newest)")
+    log_programs_max_bytes: int = option(1 << 30, "saved programs of a run kept, in bytes all together; "
+                                         "the oldest are removed first")
+    log_programs_max_count: int = option(10000, "saved programs of a run kept at most; the oldest are "
+                                         "removed first")
     default_timeout_seconds: float = option(300.0, "execution timeout when a request sets none")
     max_timeout_seconds: float = option(900.0, "upper clamp for a request's timeout_seconds")
     worker_wait_timeout_seconds: float = option(1800.0, "how long a request waits for a free worker "
@@ -242,8 +249,13 @@ class ServerConfig:
                           choices=("auto", "none", "bubblewrap"))
     sandbox_readonly_paths: tuple = option((), "extra path mounted read-only in the sandbox (repeatable)",
                                            flag="--sandbox-readonly-path")
-    token: str | None = option(None, "require 'Authorization: Bearer <token>' on every endpoint",
-                               env="KCORAL_TOKEN")
+    token: str | None = option(None, "require 'Authorization: Bearer <token>' on every endpoint; several "
+                               "tokens separated by commas or white space are all accepted.  On the command "
+                               "line it is visible to every local user (ps): prefer KCORAL_TOKEN or "
+                               "--token-file", env="KCORAL_TOKEN")
+    token_file: str | None = option(None, "file of accepted bearer tokens, one a line (with --token, both "
+                                    "sets are accepted); it must not be readable by group or others; "
+                                    "read again on SIGHUP")
 
 
 DEFAULT_LIMITS = ServerConfig()  # the limits of the wire rules' functions called without a server's settings
@@ -1166,7 +1178,7 @@ def nvml_gpu_ids() -> list[str]:
 WARM_TVM_FFI = "import torch, tvm_ffi"  # tvm_ffi builds its torch add-on on import when it must
 
 
-def prepare_template_imports(timeout: float, warm: str = WARM_TVM_FFI) -> str:
+def prepare_template_imports(timeout: float, warm: str = WARM_TVM_FFI, log: "EventLog | None" = None) -> str:
     """Make the worker template's imports fast and free of CUDA before any worker starts.
 
     PYTORCH_NVML_BASED_CUDA_CHECK=1 lets `torch.cuda.is_available()` (tvm_ffi calls it on
@@ -1190,8 +1202,9 @@ def prepare_template_imports(timeout: float, warm: str = WARM_TVM_FFI) -> str:
     except (subprocess.SubprocessError, OSError) as exc:
         os.environ["TVM_FFI_DISABLE_TORCH_C_DLPACK"] = "1"
         state, error = "disabled", f"{type(exc).__name__}: {str(exc)[-300:]}"
-    log_event("template_prepared", "WARNING" if error else "INFO", tvm_ffi_torch_addon=state,
-              seconds=round(time.monotonic() - started, 1), error=error)
+    if log is not None:
+        log.event("template_prepared", "WARNING" if error else "INFO", tvm_ffi_torch_addon=state,
+                  seconds=round(time.monotonic() - started, 1), error=error)
     return state
 
 
@@ -1745,6 +1758,7 @@ class Worker:
                  template: SandboxTemplate | None = None) -> None:
         self.gpus = gpus
         self.template = template
+        self.log = pool.log
         self.conn, child = pool.context.Pipe()
         visible = [pool.gpu_names[g] for g in gpus]
         if template is not None:
@@ -1794,7 +1808,7 @@ class Worker:
         if self.template is not None:  # its container holds exactly what this worker started
             gone = self.template.kill_requests(grace)
             if not gone:
-                log_event("sandbox_replaced", "WARNING", reason="processes outlived the request's kill sweeps")
+                self.log.event("sandbox_replaced", "WARNING", reason="processes outlived the request's kill sweeps")
                 self.template.close()
                 gone = not is_live(self.template.init_pid or 0)
         else:
@@ -1883,12 +1897,14 @@ class OutputDrain:
 class Pool:
     """Worker slots, FIFO scheduling, execution of jobs, and worker replacement."""
 
-    def __init__(self, config: ServerConfig, device: str, gpu_ids: list[int], gpu_names: dict[int, str]) -> None:
+    def __init__(self, config: ServerConfig, device: str, gpu_ids: list[int], gpu_names: dict[int, str],
+                 log: "EventLog") -> None:
         self.config = config
         self.device = device
         self.gpu_names = gpu_names
+        self.log = log
         self.context = multiprocessing.get_context("forkserver")
-        prepare_template_imports(config.prepare_timeout_seconds)
+        prepare_template_imports(config.prepare_timeout_seconds, log=log)
         # torch and tvm_ffi in the template keep their imports off every fresh worker's critical path;
         # GPU workers pin CUDA_VISIBLE_DEVICES after the fork, before CUDA starts (never in the template)
         preload = ["kcoral", "kcoral_worker", "numpy"]
@@ -1907,7 +1923,7 @@ class Pool:
         self.waiters: collections.deque[object] = collections.deque()
         self.in_progress = 0
         self.closing = False
-        self.replacements: list[threading.Thread] = []
+        self.replacing: set[threading.Thread] = set()  # each leaves when done: nothing stays per request
         if config.sandbox == "bubblewrap":  # probed by resolve_sandbox
             for slot in self.slots:  # the containers import in parallel
                 slot.template = SandboxTemplate(config, device, slot.gpus)
@@ -1935,7 +1951,7 @@ class Pool:
     def quarantine(self, gpus: list[int], reason: str) -> None:
         """docs/server.md §2.1: a tree whose exit is unconfirmed may still use its GPUs.  Nobody gets
         them again, and the pool begins shutting down (later requests: 503 busy)."""
-        log_event("gpu_quarantined", "ERROR", gpu_ids=list(gpus), reason=reason)
+        self.log.event("gpu_quarantined", "ERROR", gpu_ids=list(gpus), reason=reason)
         self.arbiter.quarantine(gpus)
         self.close()
 
@@ -1996,10 +2012,11 @@ class Pool:
 
     def release(self, slot: Slot, retire: bool) -> None:
         if retire:
+            thread = threading.Thread(target=self.replace, args=(slot,), name=f"kcoral-replace-{slot.name}",
+                                      daemon=True)
             with self.cond:
                 self.in_progress -= 1
-            thread = threading.Thread(target=self.replace, args=(slot,), daemon=True)
-            self.replacements.append(thread)
+                self.replacing.add(thread)
             thread.start()
         else:
             with self.cond:
@@ -2013,9 +2030,10 @@ class Pool:
             slot.worker = self.start_slot_worker(slot)
         except Exception as exc:
             slot.worker = None
-            log_event("worker_replace_failed", "ERROR", worker_id=slot.name, error=str(exc))
+            self.log.event("worker_replace_failed", "ERROR", worker_id=slot.name, error=str(exc))
         with self.cond:
             self.idle.append(slot)
+            self.replacing.discard(threading.current_thread())
             self.cond.notify_all()
 
     def run_job(self, job: Job) -> Outcome:
@@ -2034,7 +2052,7 @@ class Pool:
                 try:
                     slot.worker = self.start_slot_worker(slot)
                 except Exception as exc:
-                    log_event("worker_replace_failed", "ERROR", worker_id=slot.name, error=str(exc))
+                    self.log.event("worker_replace_failed", "ERROR", worker_id=slot.name, error=str(exc))
             if slot.worker is None:
                 return Outcome(500, "engine", "worker crashed", worker_id=slot.name)
             gpu_count = job.program.options.get("gpu_count")
@@ -2099,7 +2117,9 @@ class Pool:
             self.arbiter.close()
 
     def shutdown(self) -> None:
-        for thread in self.replacements:
+        with self.cond:
+            running = list(self.replacing)
+        for thread in running:
             thread.join()
         for slot in self.slots:
             if slot.worker is not None:
@@ -2187,7 +2207,9 @@ class Execution:
 
     def remove_workspace(self) -> None:
         if self.worker.template is None:
-            remove_tree(self.root)
+            failed = remove_tree(self.root)
+            if failed:
+                self.pool.log.event("cleanup_failed", "ERROR", path=self.root, error=str(failed))
 
     def send_job(self) -> None:
         program = self.job.program
@@ -2376,7 +2398,7 @@ class Execution:
             except LeaseRefused:  # quarantined already: nobody else will use it
                 pass
             except TimeoutError:  # every holder ends by its own deadline: this is no normal wait
-                log_event("lease_wait_for_kill_timed_out", "WARNING", request_id=self.job.request_id)
+                self.pool.log.event("lease_wait_for_kill_timed_out", "WARNING", request_id=self.job.request_id)
         return self.pool.dispose(self.worker, self.config.worker_termination_grace_seconds, orphans=True)
 
     def attribute_gpu_access(self, error: ErrorObject | None) -> ErrorObject | None:
@@ -2388,10 +2410,10 @@ class Execution:
         error.setdefault("cuda_call", "unknown")  # an ExecutionError("gpu_access") raised by uploaded code
         error.setdefault("location", "an unknown call site")
         error["interfered_request_id"] = who if who not in (self.job.request_id, STARTUP_OWNER) else None
-        log_event("gpu_access_violation", "WARNING", request_id=self.job.request_id,
-                  gpu_id=self.gpus[0] if self.gpus else None, instruction_id=error["instruction_id"],
-                  cuda_call=error["cuda_call"], location=error["location"],
-                  interfered_request_id=error["interfered_request_id"])
+        self.pool.log.event("gpu_access_violation", "WARNING", request_id=self.job.request_id,
+                            gpu_id=self.gpus[0] if self.gpus else None, instruction_id=error["instruction_id"],
+                            cuda_call=error["cuda_call"], location=error["location"],
+                            interfered_request_id=error["interfered_request_id"])
         return error
 
 
@@ -2433,20 +2455,22 @@ def remove_dead_workspaces(directory: str) -> int:
 NOFOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def remove_tree(path: str) -> None:
+def remove_tree(path: str) -> OSError | None:
     """Remove a workspace or sandbox directory whatever a program did inside it: the path is
-    the server's own (in its temporary directory), everything below it is treated as hostile."""
+    the server's own (in its temporary directory), everything below it is treated as hostile.
+    -> what stopped the removal, if anything (callers with a log report it as cleanup_failed)."""
     parent, name = os.path.split(os.path.abspath(path))
     try:
         parent_fd = os.open(parent, NOFOLLOW_DIR)
-    except OSError:
-        return
+    except OSError as exc:
+        return exc
     try:
         remove_entry_at(parent_fd, name)
     except OSError as exc:
-        log_event("cleanup_failed", "ERROR", path=path, error=str(exc))
+        return exc
     finally:
         os.close(parent_fd)
+    return None
 
 
 def remove_entry_at(dir_fd: int, name: str) -> None:
@@ -2524,71 +2548,277 @@ def next_directory_emptying(here: Emptying) -> str | None:
     return None
 
 
-# --- 8. logging# --- 8. logging (docs/server.md §10) --------------------------------------------------------------
+# --- 8. logging (docs/server.md §10) --------------------------------------------------------------
 
-LOG: dict[str, Any] = {"console": True, "file": None, "programs": None, "lock": threading.Lock()}
+# The log and the saved programs hold every tenant's requests: they are for the server's user alone,
+# whatever the umask (the modes are given where the files are created; a umask can only narrow them).
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
+EVENTS_NAME = "events.jsonl"
+NEW_FILE_FLAGS = os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 
 
 def utc_now() -> datetime.datetime:
     return datetime.datetime.now(datetime.timezone.utc)
 
 
-def log_event(event: str, level: str = "INFO", **fields: Any) -> None:
-    """One JSON line per event in the run's events.jsonl; request and lifecycle lines on stderr."""
-    record = {"timestamp": utc_now().isoformat(timespec="milliseconds").replace("+00:00", "Z"),
-              "level": level, "event": event, **fields}
-    with LOG["lock"]:
-        if LOG["file"] is not None:
-            try:
-                LOG["file"].write(json.dumps(record, default=str) + "\n")
-                LOG["file"].flush()
-            except OSError:
-                pass
-        if LOG["console"] and event not in ("request_received",):
-            shown = " ".join(f"{k}={round(v, 1) if isinstance(v, float) else v}"
-                             for k, v in fields.items()
-                             if v is not None and k not in ("traceback", "versions", "config"))
-            print(f"{record['timestamp']} {level} {event} {shown}"[:600], file=sys.stderr, flush=True)
+def write_all(fd: int, data: Buffer) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view[:1 << 30]):]
 
 
-def open_log(config: ServerConfig) -> str | None:
-    LOG["console"] = config.log_console
-    if not config.log_dir:
-        return None
-    stamp = utc_now().strftime("%Y%m%dT%H%M%S.%fZ")
-    run_dir = os.path.join(config.log_dir, "runs", stamp)
+def open_log_directory(path: str, name: str | None = None, parent: int | None = None) -> int:
+    """The directory `name` under the open directory `parent` (or `path` itself), created 0700 if
+    absent -> an fd on it.  One that another user owns or may write to is refused (SystemExit, one
+    line): whoever can write there could read the log or swap its files."""
+    if name is None:  # the log directory itself: its parents as for any directory, and it may be a link
+        os.makedirs(path, PRIVATE_DIR_MODE, exist_ok=True)
+        fd = os.open(path, DIRECTORY_FLAGS)
+    else:  # below it, nothing is followed
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(name, PRIVATE_DIR_MODE, dir_fd=parent)
+        fd = os.open(name, DIRECTORY_FLAGS | os.O_NOFOLLOW, dir_fd=parent)
+    info = os.fstat(fd)
+    problem = (f"is owned by uid {info.st_uid}, not by this server's user ({os.geteuid()})"
+               if info.st_uid != os.geteuid() else "is writable by other users" if info.st_mode & stat.S_IWOTH
+               else None)
+    if problem:
+        os.close(fd)
+        raise SystemExit(f"kcoral: log directory {os.path.join(path, name) if name else path} {problem}; "
+                         "give --log-dir a directory of your own")
+    return fd
+
+
+def open_run_directory(log_dir: str) -> tuple[int, str]:
+    """A new <log_dir>/runs/<UTC timestamp>/ for this start -> (an fd on it, its path)."""
+    top = open_log_directory(log_dir)
     try:
-        os.makedirs(os.path.join(run_dir, "programs"), exist_ok=True)
-        LOG["file"] = open(os.path.join(run_dir, "events.jsonl"), "a", encoding="utf-8")
-        LOG["programs"] = os.path.join(run_dir, "programs") if config.log_programs else None
-    except OSError as exc:
-        print(f"kcoral: cannot write logs under {config.log_dir}: {exc}", file=sys.stderr)
-        return None
-    return run_dir
+        runs = open_log_directory(log_dir, "runs", top)
+    finally:
+        os.close(top)
+    try:
+        while True:  # a name nobody has taken: another server may have started in the same microsecond
+            stamp = utc_now().strftime("%Y%m%dT%H%M%S.%fZ")
+            try:
+                os.mkdir(stamp, PRIVATE_DIR_MODE, dir_fd=runs)
+            except FileExistsError:
+                continue
+            return os.open(stamp, DIRECTORY_FLAGS | os.O_NOFOLLOW, dir_fd=runs), os.path.join(log_dir, "runs", stamp)
+    finally:
+        os.close(runs)
 
 
-def save_program(request_id: str, data: Buffer) -> None:
-    if LOG["programs"] is not None:
+class SavedPrograms:
+    """<run dir>/programs/<request_id>.json, bounded in bytes and in count: a new program makes
+    room by removing the oldest, so the directory stays within its caps whatever the traffic."""
+
+    def __init__(self, run_fd: int, config: ServerConfig) -> None:
+        os.mkdir("programs", PRIVATE_DIR_MODE, dir_fd=run_fd)
+        self.fd = os.open("programs", DIRECTORY_FLAGS | os.O_NOFOLLOW, dir_fd=run_fd)
+        self.max_bytes = config.log_programs_max_bytes
+        self.max_count = config.log_programs_max_count
+        self.kept: collections.deque[tuple[str, int]] = collections.deque()  # (name, size), oldest first
+        self.total = 0
+        self.lock = threading.Lock()
+
+    def save(self, request_id: str, data: Buffer) -> None:
+        """Best effort: a program larger than the whole budget, or a request id seen before, is not saved."""
+        size = memoryview(data).nbytes
+        if size > self.max_bytes or self.max_count < 1:
+            return
+        name = f"{request_id}.json"
         try:
-            with open(os.path.join(LOG["programs"], f"{request_id}.json"), "wb") as f:
-                f.write(data)
+            fd = os.open(name, os.O_WRONLY | os.O_EXCL | NEW_FILE_FLAGS, PRIVATE_FILE_MODE, dir_fd=self.fd)
+        except OSError:
+            return
+        try:
+            write_all(fd, data)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=self.fd)  # no half-written program is left behind
+            return
+        finally:
+            os.close(fd)
+        with self.lock:
+            self.kept.append((name, size))
+            self.total += size
+            while self.total > self.max_bytes or len(self.kept) > self.max_count:
+                oldest, oldest_size = self.kept.popleft()
+                self.total -= oldest_size
+                with contextlib.suppress(OSError):
+                    os.unlink(oldest, dir_fd=self.fd)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class EventLog:
+    """One server instance's event log: JSON lines in <run dir>/events.jsonl, rotated at
+    `log_max_bytes` and reopened by name on SIGHUP, mirrored on stderr; its saved programs.
+
+    Each server has its own, so two servers in one process (or one started after another
+    stopped) never write into each other's files.  Logging is best effort: a failing write
+    never fails a request."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.lock = threading.Lock()
+        self.run_fd: int | None = None  # the run directory, held open: its files are found from it
+        self.fd: int | None = None  # events.jsonl
+        self.programs: SavedPrograms | None = None
+
+    def open(self) -> str | None:
+        """Create this start's run directory and open its log -> its path (None: no log file)."""
+        config = self.config
+        if not config.log_dir:
+            return None
+        try:
+            self.run_fd, run_dir = open_run_directory(config.log_dir)
+            self.fd = self.open_events()
+            if config.log_programs:
+                self.programs = SavedPrograms(self.run_fd, config)
+        except OSError as exc:
+            self.close()
+            print(f"kcoral: cannot write logs under {config.log_dir}: {exc}", file=sys.stderr)
+            return None
+        return run_dir
+
+    def open_events(self) -> int:
+        return os.open(EVENTS_NAME, os.O_WRONLY | os.O_APPEND | NEW_FILE_FLAGS, PRIVATE_FILE_MODE, dir_fd=self.run_fd)
+
+    def event(self, event: str, level: str = "INFO", **fields: Any) -> None:
+        """One JSON line per event in the run's events.jsonl; request and lifecycle lines on stderr."""
+        record = {"timestamp": utc_now().isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+                  "level": level, "event": event, **fields}
+        with self.lock:
+            if self.fd is not None:
+                self.append((json.dumps(record, default=str) + "\n").encode())
+            if self.config.log_console and event not in ("request_received",):
+                shown = " ".join(f"{k}={round(v, 1) if isinstance(v, float) else v}"
+                                 for k, v in fields.items()
+                                 if v is not None and k not in ("traceback", "versions", "config"))
+                print(f"{record['timestamp']} {level} {event} {shown}"[:600], file=sys.stderr, flush=True)
+
+    def append(self, line: bytes) -> None:
+        """Write one record, rotating first when it would take the file past the cap (the size is
+        the file's own, so a logrotate `copytruncate` is seen).  Called with the lock held."""
+        limit = self.config.log_max_bytes
+        try:
+            size = os.fstat(self.fd).st_size
+            if limit and size and size + len(line) > limit:
+                self.rotate()
+            write_all(self.fd, line)
         except OSError:
             pass
 
+    def rotate(self) -> None:
+        """events.jsonl -> events.jsonl.1 -> .2 ... up to `log_backups` (the oldest goes), then a new
+        events.jsonl.  Called with the lock held."""
+        os.close(self.fd)
+        self.fd = None
+        names = [EVENTS_NAME] + [f"{EVENTS_NAME}.{n}" for n in range(1, self.config.log_backups + 1)]
+        try:
+            if len(names) == 1:
+                os.unlink(EVENTS_NAME, dir_fd=self.run_fd)
+            for newer, older in reversed(list(zip(names, names[1:]))):
+                with contextlib.suppress(FileNotFoundError):
+                    os.rename(newer, older, src_dir_fd=self.run_fd, dst_dir_fd=self.run_fd)
+        finally:
+            self.fd = self.open_events()
+
+    def reopen(self) -> None:
+        """SIGHUP, after logrotate renamed events.jsonl: write to a file of that name again."""
+        with self.lock:
+            if self.run_fd is None:
+                return
+            if self.fd is not None:
+                os.close(self.fd)
+            try:
+                self.fd = self.open_events()
+            except OSError as exc:
+                self.fd = None
+                print(f"kcoral: cannot reopen {EVENTS_NAME}: {exc}", file=sys.stderr)
+        self.event("log_reopened")
+
+    def save_program(self, request_id: str, data: Buffer) -> None:
+        if self.programs is not None:
+            self.programs.save(request_id, data)
+
+    def close(self) -> None:
+        with self.lock:
+            for fd in (self.fd, self.run_fd):
+                if fd is not None:
+                    os.close(fd)
+            if self.programs is not None:
+                self.programs.close()
+            self.fd = self.run_fd = self.programs = None
+
 
 # --- 9. the server: handle_execute and the instance's lifecycle (docs/design.md §2) ---------------
+
+BEARER_TOKEN = re.compile(r"[A-Za-z0-9._~+/-]+=*")  # RFC 6750 b64token: never a comma or white space
+TOKEN_FILE_LIMIT = 64 << 10
+
+
+def split_tokens(text: str, source: str) -> list[str]:
+    """Bearer tokens separated by commas or white space (one a line in a file) -> the list.
+    ValueError names `source` and the token's position, never the token."""
+    tokens = text.replace(",", " ").split()
+    if not tokens:
+        raise ValueError(f"{source} holds no token")
+    for number, token in enumerate(tokens, 1):
+        if not BEARER_TOKEN.fullmatch(token):
+            raise ValueError(f"{source}: token {number} is not a bearer token "
+                             "(letters, digits and -._~+/, then optional '=')")
+    return tokens
+
+
+def read_token_file(path: str) -> list[str]:
+    """The tokens of --token-file; ValueError if it is not a regular file of at most 64 KiB that
+    only its owner may access (a secret that group or others can read, or add to, is none)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not hang the start
+        with open(fd, "rb") as f:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise ValueError(f"--token-file {path} is not a regular file")
+            if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+                raise ValueError(f"--token-file {path} is accessible to group or others (mode "
+                                 f"{stat.S_IMODE(info.st_mode):o}); chmod 600 it")
+            data = f.read(TOKEN_FILE_LIMIT + 1)
+    except OSError as exc:
+        raise ValueError(f"--token-file {path}: {exc.strerror}") from None
+    if len(data) > TOKEN_FILE_LIMIT:
+        raise ValueError(f"--token-file {path} is larger than {TOKEN_FILE_LIMIT} bytes")
+    return split_tokens(data.decode("ascii", "replace"), f"--token-file {path}")
+
+
+def accepted_credentials(config: ServerConfig) -> tuple[bytes, ...]:
+    """Every `Authorization` value let in: `Bearer <token>` for each configured token; () for no check."""
+    tokens = split_tokens(config.token, "--token") if config.token is not None else []
+    if config.token_file:
+        tokens += read_token_file(config.token_file)
+    return tuple(f"Bearer {token}".encode() for token in dict.fromkeys(tokens))
+
 
 class KCoralServer:
     """Caches, pool and HTTP server of one instance.  `create_app(config)` builds one.
 
     start() serves on a background thread (embedding, tests); serve_forever()
-    blocks until SIGTERM/SIGINT and then shuts down gracefully.
+    blocks until SIGTERM/SIGINT and then shuts down gracefully (SIGHUP: `reload`).
     """
 
     def __init__(self, config: ServerConfig | None = None) -> None:
         config = config or ServerConfig()
         validate_config(config)
         self.config = config
+        try:
+            self.credentials = accepted_credentials(config)
+        except ValueError as exc:
+            raise SystemExit(f"kcoral: {exc}") from None
+        self.log = EventLog(config)
         self.instance_id = str(uuid.uuid4())
         self.started_at = utc_now().isoformat(timespec="microseconds").replace("+00:00", "Z")
         self.blobs = BlobStore(config)
@@ -2603,23 +2833,26 @@ class KCoralServer:
 
     def start(self) -> "KCoralServer":
         """Start workers and listen; returns once requests are accepted."""
-        run_dir = open_log(self.config)
+        run_dir = self.log.open()
         removed = remove_dead_workspaces(tempfile.gettempdir())
         if removed:
-            log_event("stale_workspaces_removed", count=removed)
+            self.log.event("stale_workspaces_removed", count=removed)
         become_subreaper()
         isolate_import_path()
-        self.config = dataclasses.replace(self.config, sandbox=resolve_sandbox(self.config))
+        sandbox, why_not = resolve_sandbox(self.config)
+        if why_not:
+            self.log.event("sandbox_off", "WARNING", reason=why_not)
+        self.config = dataclasses.replace(self.config, sandbox=sandbox)
         device, gpu_ids, gpu_names = resolve_device(self.config)
         self.device = device
-        self.pool = Pool(self.config, device, gpu_ids, gpu_names)
+        self.pool = Pool(self.config, device, gpu_ids, gpu_names, self.log)
         self.target, self.versions = describe_runtime(device, self.pool)
         self.gpu_count = len(gpu_ids)
         self.httpd = HTTPServer((self.config.host, self.config.port), RequestHandler, self)
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
-        log_event("server_started", url=self.url, device=device, sandbox=self.config.sandbox,
-                  workers=len(self.pool.slots), run_dir=run_dir, instance_id=self.instance_id)
+        self.log.event("server_started", url=self.url, device=device, sandbox=self.config.sandbox,
+                       workers=len(self.pool.slots), run_dir=run_dir, instance_id=self.instance_id)
         return self
 
     @property
@@ -2628,14 +2861,29 @@ class KCoralServer:
         return f"http://{host}:{port}"
 
     def serve_forever(self) -> None:
-        """Serve until SIGTERM/SIGINT, then drain in-flight requests and exit cleanly."""
-        stop = threading.Event()
+        """Serve until SIGTERM/SIGINT, then drain in-flight requests and exit cleanly.  SIGHUP reloads."""
+        stop, hangup = threading.Event(), threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
+        signal.signal(signal.SIGHUP, lambda *_: hangup.set())  # its default would end the server
         self.start()
         while not stop.wait(0.5):
-            pass
+            if hangup.is_set():  # here, not in the handler: the handler may interrupt a thread holding the log
+                hangup.clear()
+                self.reload()
         self.close()
+
+    def reload(self) -> None:
+        """SIGHUP: reopen the event log by name (after logrotate moved it) and read --token-file
+        again (tokens rotate without a restart).  A token file that no longer reads keeps the
+        tokens in use."""
+        self.log.reopen()
+        if self.config.token_file:
+            try:
+                self.credentials = accepted_credentials(self.config)
+                self.log.event("tokens_reloaded", tokens=len(self.credentials))
+            except ValueError as exc:
+                self.log.event("tokens_reload_failed", "ERROR", error=str(exc))
 
     def close(self) -> None:
         """Graceful shutdown: capacity 0, new programs 503, in-flight ones finish."""
@@ -2645,14 +2893,15 @@ class KCoralServer:
         self.bodies.close()
         self.httpd.guard.cut_phase("body", "shutdown")  # uploads still arriving; executions finish
         with self.in_flight_cond:
-            log_event("shutdown_started", remaining=self.in_flight)
+            self.log.event("shutdown_started", remaining=self.in_flight)
             while self.in_flight:
                 self.in_flight_cond.wait()
             self.wait_for_quiet()
         self.httpd.shutdown()
         self.httpd.server_close()
         self.pool.shutdown()
-        log_event("server_stopped")
+        self.log.event("server_stopped")
+        self.log.close()
 
     def wait_for_quiet(self) -> None:
         """Behind a load balancer, requests keep coming until its health check sees capacity 0.
@@ -2666,10 +2915,12 @@ class KCoralServer:
             self.in_flight_cond.wait(0.05)
 
     def token_accepted(self, authorization: str) -> bool:
-        """Our extension: with --token, every endpoint needs `Authorization: Bearer <token>`."""
-        token = self.config.token
-        return token is None or hmac.compare_digest(authorization.encode("utf-8", "replace"),
-                                                    f"Bearer {token}".encode())
+        """Our extension: with tokens configured, every endpoint needs `Authorization: Bearer <token>`
+        with one of them.  Each comparison takes constant time, and every token is compared."""
+        credentials = self.credentials
+        given = authorization.encode("utf-8", "replace")
+        matches = [hmac.compare_digest(given, accepted) for accepted in credentials]  # no early exit
+        return not credentials or any(matches)
 
     @contextlib.contextmanager
     def request_in_flight(self) -> Iterator[None]:
@@ -2723,7 +2974,7 @@ class KCoralServer:
         """A valid program with all its blobs -> a worker's Outcome (or 503 busy: nothing ran)."""
         if self.closing:
             return self.refuse_while_draining()
-        save_program(request_id, data)
+        self.log.save_program(request_id, data)
         options, config = program.options, self.config
         job = Job(request_id, program, blobs,
                   timeout=min(options.get("timeout_seconds", config.default_timeout_seconds),
@@ -2761,6 +3012,8 @@ def validate_config(config: ServerConfig) -> None:
         raise ValueError("--sandbox bubblewrap needs --max-requests-per-worker 1 (a fresh worker per request)")
     if not all(os.path.isabs(path) for path in config.sandbox_readonly_paths):
         raise ValueError("--sandbox-readonly-path takes absolute paths")
+    if config.token is not None:
+        split_tokens(config.token, "--token")
     checks = [(config.disk_cache_capacity_mbytes >= 0, "disk_cache_capacity_mbytes must be >= 0"),
               (config.num_workers >= 1, "num_workers must be >= 1"),
               (config.workers_per_gpu >= 1, "workers_per_gpu must be >= 1"),
@@ -2769,7 +3022,9 @@ def validate_config(config: ServerConfig) -> None:
               (config.default_timeout_seconds > 0 and config.max_timeout_seconds > 0,
                "timeouts must be positive"),
               (1 <= config.port <= 65535 or config.port == 0, "port must be 1-65535"),
-              (0 <= config.drain_seconds <= 3600, "drain_seconds must be 0-3600")]
+              (0 <= config.drain_seconds <= 3600, "drain_seconds must be 0-3600"),
+              (min(config.log_max_bytes, config.log_backups, config.log_programs_max_bytes,
+                   config.log_programs_max_count) >= 0, "the log limits must be >= 0")]
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
@@ -2797,25 +3052,24 @@ def start_forkserver(context: multiprocessing.context.BaseContext) -> None:
         os.chdir(start)
 
 
-def resolve_sandbox(config: ServerConfig) -> str:
-    """--sandbox auto -> "bubblewrap" when a working bwrap is found, else "none" with one warning
-    line saying how to get it; workers reused across requests (--max-requests-per-worker other
-    than 1) are never sandboxed, since one process would serve several tenants."""
+def resolve_sandbox(config: ServerConfig) -> tuple[str, str | None]:
+    """--sandbox auto -> ("bubblewrap", None) when a working bwrap is found, else ("none", why,
+    with how to get it, for the start-up warning); workers reused across requests
+    (--max-requests-per-worker other than 1) are never sandboxed, since one process would
+    serve several tenants.  Other values stand (bubblewrap is probed: no start without it)."""
     if config.sandbox == "bubblewrap":
         probe_bubblewrap(config)  # without a working bwrap the start stops: never unsandboxed
     if config.sandbox != "auto":
-        return config.sandbox
+        return config.sandbox, None
     if config.max_requests_per_worker != 1:
-        log_event("sandbox_off", "WARNING", reason="--max-requests-per-worker is not 1: workers serve several "
-                  "requests, which the sandbox does not allow; pass --sandbox none to silence this")
-        return "none"
+        return "none", ("--max-requests-per-worker is not 1: workers serve several requests, which the "
+                        "sandbox does not allow; pass --sandbox none to silence this")
     try:
         probe_bubblewrap(config)
     except SystemExit as exc:
-        log_event("sandbox_off", "WARNING", reason=f"{exc}; requests run unsandboxed (install bubblewrap, "
-                  "e.g. apt-get install bubblewrap, or pass --sandbox none to silence this)")
-        return "none"
-    return "bubblewrap"
+        return "none", (f"{exc}; requests run unsandboxed (install bubblewrap, e.g. apt-get install "
+                        "bubblewrap, or pass --sandbox none to silence this)")
+    return "bubblewrap", None
 
 
 def resolve_device(config: ServerConfig) -> tuple[str, list[int], dict[int, str]]:
@@ -3103,10 +3357,10 @@ class HTTPServer(http.server.ThreadingHTTPServer):
         """One line, never a traceback: a client that vanished is routine, anything else a bug."""
         exc = sys.exc_info()[1]
         if isinstance(exc, OSError):
-            log_event("client_disconnected", "WARNING", peer=client_address[0], phase="request",
-                      error=type(exc).__name__)
+            self.app.log.event("client_disconnected", "WARNING", peer=client_address[0], phase="request",
+                               error=type(exc).__name__)
         else:
-            log_event("server_error", "ERROR", peer=client_address[0], error=repr(exc))
+            self.app.log.event("server_error", "ERROR", peer=client_address[0], error=repr(exc))
 
     def server_close(self) -> None:
         self.guard.stop()
@@ -3149,6 +3403,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         super().setup()
         self.cut_reason: str | None = None  # set by the ConnectionGuard when it cuts this connection
         self.body_done = True
+        self.head_started = time.monotonic()  # of the request being read; its events' total_ms counts from it
 
     def finish(self) -> None:
         self.unwatch()  # whatever ended the connection, the guard forgets it
@@ -3180,6 +3435,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             self.close_connection = True
             return
         self.watch("header")
+        self.head_started = time.monotonic()
         head = self.read_head()
         self.unwatch()
         if head is None:
@@ -3238,7 +3494,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
 
     def disconnected(self, phase: str, **fields: Any) -> None:
         """The one log line for a client that went away (or was cut off)."""
-        log_event("client_disconnected", "WARNING", peer=self.client_address[0], phase=phase, **fields)
+        self.app.log.event("client_disconnected", "WARNING", peer=self.client_address[0], phase=phase, **fields)
 
     def do_GET(self) -> None:
         if not self.authorized(""):
@@ -3258,17 +3514,12 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         with self.app.request_in_flight():  # a graceful shutdown waits until the answer is out
             outcome = self.outcome_of_post(request_id)
             outcome, size, lost = self.send_outcome(request_id, outcome)
-        body = outcome.body or {}
-        fields = {"request_id": request_id, "client_request_id": self.canonical_uuid("X-KCoral-Client-Request-ID"),
-                  "http_status": outcome.http_status,
-                  "status": body.get("status", "ERROR"),
-                  "error_kind": (body.get("error") or {}).get("kind") or outcome.kind or None,
-                  "worker_id": outcome.worker_id or None, "queue_ms": body.get("queue_ms"),
-                  "elapsed_ms": body.get("elapsed_ms"), "total_ms": (time.monotonic() - started) * 1e3}
+        fields = {"client_request_id": self.canonical_uuid("X-KCoral-Client-Request-ID"),
+                  **request_fields(request_id, outcome, started)}
         if size is None:
             self.disconnected("response", error=lost, **fields)
         else:
-            log_event("request_finished", response_bytes=size, **fields)
+            self.app.log.event("request_finished", response_bytes=size, **fields)
 
     def outcome_of_post(self, request_id: str) -> Outcome:
         """Read the body and execute it -> Outcome; a body that could not be read is answered here."""
@@ -3283,7 +3534,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             self.close_connection = True
             return Outcome(400, "parse", "request body ended before Content-Length bytes arrived")
         except Exception as exc:  # never let a bug take the connection down silently
-            log_event("server_error", "ERROR", request_id=request_id, error=repr(exc))
+            self.app.log.event("server_error", "ERROR", request_id=request_id, error=repr(exc))
             return Outcome(500, "engine", "internal server error")
 
     def send_outcome(self, request_id: str, outcome: Outcome) -> tuple[Outcome, int | None, str | None]:
@@ -3295,7 +3546,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             self.close_connection = True
             return outcome, None, type(exc).__name__
         except Exception as exc:  # e.g. a result that cannot be encoded: nothing was written yet
-            log_event("server_error", "ERROR", request_id=request_id, error=repr(exc))
+            self.app.log.event("server_error", "ERROR", request_id=request_id, error=repr(exc))
             failure = Outcome(500, "engine", "internal server error")
             return failure, self.respond(request_id, failure), None
 
@@ -3349,7 +3600,16 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             return self.route_error()
         self.close_connection = True
         short = self.responses.get(code, ("error",))[0]
-        self.send_error_body(code, str(uuid.uuid4()), "parse" if code < 500 else "engine", message or short)
+        self.refuse(Outcome(code, "parse" if code < 500 else "engine", message or short), str(uuid.uuid4()))
+
+    def refuse(self, outcome: Outcome, request_id: str, headers: ExtraHeaders = ()) -> None:
+        """Answer a request refused before it ran (its head, its token) -> one request_refused event."""
+        size = None
+        try:
+            size = self.send_error_body(outcome.http_status, request_id, outcome.kind, outcome.message, headers)
+        finally:  # also when the client is gone (OSError): the refusal is logged either way
+            self.app.log.event("request_refused", "WARNING", peer=self.client_address[0],
+                               response_bytes=size, **request_fields(request_id, outcome, self.head_started))
 
     def request_id(self) -> str:
         """docs/protocol.md §4.2: the client's X-Request-ID if it is exactly one canonical UUID."""
@@ -3371,8 +3631,8 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         if self.app.token_accepted(self.headers.get("Authorization", "")):
             return True
         self.drain_body()
-        self.send_error_body(401, request_id, "unauthorized", "missing or invalid bearer token",
-                             {"WWW-Authenticate": "Bearer"})
+        self.refuse(Outcome(401, "unauthorized", "missing or invalid bearer token"), request_id,
+                    {"WWW-Authenticate": "Bearer"})
         return False
 
     def drain_body(self) -> None:
@@ -3535,6 +3795,15 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
 
 
+def request_fields(request_id: str, outcome: Outcome, started: float) -> dict[str, Any]:
+    """What every request event says about a request (request_finished, request_refused, a disconnect)."""
+    body = outcome.body or {}
+    return {"request_id": request_id, "http_status": outcome.http_status, "status": body.get("status", "ERROR"),
+            "error_kind": (body.get("error") or {}).get("kind") or outcome.kind or None,
+            "worker_id": outcome.worker_id or None, "queue_ms": body.get("queue_ms"),
+            "elapsed_ms": body.get("elapsed_ms"), "total_ms": (time.monotonic() - started) * 1e3}
+
+
 def multipart_result(body: Json, parts: list[Buffer]) -> tuple[str, list[Buffer]]:
     """docs/protocol.md §9.2: a result with binary parts -> (Content-Type, the response body as pieces to send)."""
     boundary = "kcoral-" + secrets.token_hex(16)  # 128 random bits: no payload can contain it by chance
@@ -3623,6 +3892,9 @@ def parse_args(argv: list[str]) -> ServerConfig:
     for flag in ("--router", "--node-id", "--node-token"):
         p.add_argument(flag, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if any(arg == "--token" or arg.startswith("--token=") for arg in argv):
+        print("kcoral: warning: --token on the command line is visible to every local user (ps, "
+              "/proc/PID/cmdline); give it in KCORAL_TOKEN or --token-file instead", file=sys.stderr)
     if args.router or args.node_id or args.node_token:
         p.error("router mode is not implemented in this server; scale out behind HAProxy instead "
                 "(python -m kcoral haproxy-config prints its configuration; see docs/scaling.md)")

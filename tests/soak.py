@@ -28,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 ITEMS = [("fuzz", rel.fuzz_item), ("properties", rel.property_item), ("faults", rel.fault_item),
          ("cache faults", rel.cache_item), ("load", rel.load_item), ("shutdown", rel.shutdown_item),
-         ("disconnects", rel.disconnect_item), ("hostile", hostile.hostile_item)]
+         ("disconnects", rel.disconnect_item), ("hostile", hostile.hostile_item), ("growth", rel.growth_item)]
 
 
 def main(argv=None):

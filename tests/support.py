@@ -583,6 +583,23 @@ def wait_for(predicate, timeout=10.0, interval=0.02):
     return predicate()
 
 
+def run_directories(log_dir):
+    """The run directories a server made under its --log-dir, oldest first."""
+    runs = os.path.join(str(log_dir), "runs")
+    return [os.path.join(runs, name) for name in sorted(os.listdir(runs))] if os.path.isdir(runs) else []
+
+
+def log_records(path):
+    """The records of an events.jsonl file (or of a run directory's), [] while it does not exist."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "events.jsonl")
+    try:
+        with open(path, "rb") as f:
+            return [json.loads(line) for line in f.read().splitlines()]
+    except FileNotFoundError:
+        return []
+
+
 def process_gone(pid):
     try:
         os.kill(pid, 0)

@@ -262,7 +262,8 @@ class FakeWorker:
 def fake_pool(gpus=(0,)):
     """The parts of a Pool an Execution uses; quarantines are recorded and reach the real arbiter."""
     config = kcoral.ServerConfig(max_requests_per_worker=0, worker_termination_grace_seconds=0.1)
-    pool = types.SimpleNamespace(config=config, arbiter=kcoral.LeaseArbiter(list(gpus)), quarantined=[])
+    pool = types.SimpleNamespace(config=config, arbiter=kcoral.LeaseArbiter(list(gpus)), quarantined=[],
+                                 log=kcoral.EventLog(config))
 
     def quarantine(gpus, reason):
         pool.quarantined.append(list(gpus))

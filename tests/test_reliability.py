@@ -1,4 +1,5 @@
-"""Reliability (issue 6): fuzzing, fault injection, cache faults, load, shutdown, client disconnects.
+"""Reliability: fuzzing, fault injection, cache faults, load, shutdown, client disconnects,
+no growth per request.
 
 Every item is a function `<item>_item(scale, workdir) -> {counter: value}` that raises
 AssertionError on the first violation.  The pytest tests at the bottom run them at CI size
@@ -18,6 +19,7 @@ import collections
 import contextlib
 import copy
 import dataclasses
+import gc
 import http.client
 import json
 import os
@@ -66,12 +68,13 @@ class Scale:
     disconnects: int       # rounds of aborted requests
     shutdowns: int         # SIGTERM rounds
     examples: int          # hypothesis examples per property
+    growth: int            # requests over which the front-end's memory, threads and fds are followed
 
 
 CI = Scale("ci", fuzz=5000, valid_every=250, fault_rounds=1, fill_bytes=64 << 20, flood_bytes=50 << 20,
-           load=1000, concurrency=8, disconnects=8, shutdowns=1, examples=200)
+           load=1000, concurrency=8, disconnects=8, shutdowns=1, examples=200, growth=300)
 LONG = Scale("long", fuzz=20000, valid_every=50, fault_rounds=4, fill_bytes=1 << 30, flood_bytes=50 << 20,
-             load=10000, concurrency=16, disconnects=40, shutdowns=3, examples=2000)
+             load=10000, concurrency=16, disconnects=40, shutdowns=3, examples=2000, growth=20000)
 
 UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
@@ -1798,6 +1801,114 @@ def disconnect_item(scale, workdir):
             "server threads after": threads, **leaks}
 
 
+# --- 7. nothing grows per request ----------------------------------------------------------------
+
+ECHO = simple_program("def f(x):\n    return x\n", args=[1])
+
+
+def slope(points):
+    """The least-squares slope of [(x, y)]."""
+    mean_x = sum(x for x, _ in points) / len(points)
+    mean_y = sum(y for _, y in points) / len(points)
+    return (sum((x - mean_x) * (y - mean_y) for x, y in points) /
+            sum((x - mean_x) ** 2 for x, _ in points))
+
+
+def echo_requests(url, count, concurrency=2):
+    """`count` echo requests, each on a new connection (a new handler thread) -> none lost."""
+    def one(_):
+        status, _, body = post(url, ECHO)
+        assert status == 200 and body["status"] == "COMPLETED", body
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(one, range(count)))
+
+
+def process_growth(requests, workdir):
+    """A real server's RSS, threads and fds, read from /proc every so often over `requests`
+    requests -> the RSS slope (bytes per request) past a warm-up quarter; threads and fds must
+    come back to where they started."""
+    server = Server(workdir)
+    samples = []
+    try:
+        baseline = Baseline(server)
+        step = max(10, requests // 40)
+        for done in range(step, requests + step, step):
+            echo_requests(server.url, step)
+            samples.append((done, server.rss_kib() << 10, server.threads(), server.fds()))
+        leaks = baseline.verify()
+    finally:
+        code = server.stop()
+    assert code == 0, f"server exit code {code}"
+    warm = samples[len(samples) // 4:]  # the first quarter fills the allocator's arenas and the caches
+    return {"requests": samples[-1][0], "RSS slope bytes/request": round(slope([(n, rss) for n, rss, _, _ in warm]), 1),
+            "RSS MiB first/last": f"{samples[0][1] / 2**20:.1f}/{samples[-1][1] / 2**20:.1f}",
+            "threads max": max(t for _, _, t, _ in samples), "fds max": max(f for _, _, _, f in samples), **leaks}
+
+
+def held_sizes(root, depth=3):
+    """len() of every list, set, dict and deque that the server's own objects hold, by path
+    (`app.pool.replacing`, `app.httpd.guard.watched`, ...)."""
+    sizes, seen = {}, set()
+
+    def visit(obj, path, level):
+        if id(obj) in seen or level > depth:
+            return
+        seen.add(id(obj))
+        for name, value in vars(obj).items():
+            if isinstance(value, (list, set, dict, collections.deque)):
+                sizes[f"{path}.{name}"] = len(value)
+            elif type(value).__module__ == "kcoral" and hasattr(value, "__dict__"):
+                visit(value, f"{path}.{name}", level + 1)
+    visit(root, "app", 0)
+    return sizes
+
+
+def settled(app, workers, threads):
+    """Object counts by type and held container sizes of an embedded server once it is idle:
+    every slot has its worker back, and this process runs no more than `threads` threads (the
+    handler threads of finished connections and the replacing threads are gone)."""
+    want = {"request_capacity": workers, "requests_in_progress": 0, "requests_waiting": 0}
+    deadline = time.monotonic() + 60
+    while app.pool.load() != want or len(app.pool.idle) != workers or threading.active_count() > threads:
+        assert time.monotonic() < deadline, \
+            f"embedded server never settled: {app.pool.load()}, {threading.active_count()} threads > {threads}"
+        time.sleep(0.05)
+    gc.collect()
+    return collections.Counter(type(o).__qualname__ for o in gc.get_objects()), held_sizes(app)
+
+
+def embedded_growth(requests):
+    """An embedded server in this process (`create_app`): after `requests` more requests, no
+    type of object and no container its objects hold may have grown with them."""
+    workers = 2
+    config = kcoral.ServerConfig(port=0, device="cpu", num_workers=workers, log_dir=None, disk_cache_dir="",
+                                 log_console=False)
+    app = kcoral.create_app(config).start()
+    threads = threading.active_count()
+    try:
+        echo_requests(app.url, 20)  # first-use allocations: connection classes, caches
+        objects_before, held_before = settled(app, workers, threads)
+        echo_requests(app.url, requests)
+        objects_after, held_after = settled(app, workers, threads)
+    finally:
+        app.close()
+    grown = {name: objects_after[name] - objects_before[name] for name in objects_after
+             if objects_after[name] - objects_before[name] > requests // 10}
+    held = {path: (held_before.get(path, 0), size) for path, size in held_after.items()
+            if size > held_before.get(path, 0) + 2}
+    assert not held, f"containers grew over {requests} requests: {held}"
+    assert not grown, f"objects grew over {requests} requests: {grown}"
+    growth = max((objects_after[n] - objects_before[n] for n in objects_after), default=0)
+    return {"embedded requests": requests, "containers followed": len(held_after),
+            "most grown object type": growth}
+
+
+def growth_item(scale, workdir):
+    """The front-end keeps nothing per request: from outside, RSS, threads and fds over
+    `scale.growth` requests; from inside, object counts and held containers."""
+    return {**process_growth(scale.growth, workdir), **embedded_growth(max(200, scale.growth // 10))}
+
+
 # --- the CI part -----------------------------------------------------------------------------------
 
 @pytest.fixture
@@ -1831,3 +1942,7 @@ def test_graceful_shutdown(workdir):
 
 def test_client_disconnects(workdir):
     disconnect_item(CI, workdir)
+
+
+def test_nothing_grows_per_request(workdir):
+    growth_item(CI, workdir)
