@@ -1897,7 +1897,7 @@ def test_reused_worker_is_replaced_after_a_crash(reuse_server):
 @pytest.mark.parametrize("flags,fragment", [
     (["--sandbox", "firejail"], "sandbox"),
     (["server", "--sandbox", "docker"], "sandbox"),
-    (["--sandbox-readonly-path", "/opt"], "requires --sandbox bubblewrap"),
+    (["--sandbox", "none", "--sandbox-readonly-path", "/opt"], "requires the sandbox"),
     (["--sandbox", "bubblewrap", "--sandbox-readonly-path", "opt"], "absolute"),
     (["--router", "x"], "router"),
     (["--router", "http://r", "--node-id", "n"], "router"),

@@ -1174,6 +1174,14 @@ def too_large(status, headers, body, tag):
     check_error(status, headers, body, 500, "response_too_large")  # docs/protocol.md §9.8
 
 
+def nested_400(status, headers, body, tag):
+    assert status == 200, body
+    value, depth = completed(body)["out"], 0
+    while value["value"]:
+        value, depth = value["value"][0], depth + 1
+    assert depth == 399, depth
+
+
 def survived(status, headers, body, tag):
     assert status == 200 and body["status"] in ("COMPLETED", "FAILED"), body
 
@@ -1274,8 +1282,11 @@ def faults(scale):
          too_large),
         ("file return over max_response_bytes", "def f():\n    with open('big', 'wb') as out:\n"
          "        out.truncate(40 << 20)\n    return 'big'\n", None, failed("serialization")),
-        ("return nested 300 deep", "def f():\n    v = []\n    for _ in range(300):\n        v = [v]\n    return v\n",
+        # beyond the encoder's 400 levels (docs/protocol.md §9.5); 400 itself returns
+        ("return nested 401 deep", "def f():\n    v = []\n    for _ in range(401):\n        v = [v]\n    return v\n",
          None, failed("serialization")),
+        ("return nested 400 deep", "def f():\n    v = []\n    for _ in range(399):\n        v = [v]\n    return v\n",
+         None, nested_400),
         ("return 10**5000", "def f():\n    return 10 ** 5000\n", None, failed("serialization")),
         ("return a lone surrogate", "def f():\n    return '\\ud800'\n", None,
          returns({"type": "string", "value": "\ud800"})),
