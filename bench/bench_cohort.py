@@ -43,7 +43,7 @@ def ours(nodes, scratch):
     """-> (url, processes to stop)."""
     servers = [Server(f"ours-n{k}", lambda port, k=k: [
         sys.executable, "-m", "kcoral", "--port", str(port), "--device", "cpu", "--num-workers", "1",
-        "--log-dir", "", "--no-log-console", "--disk-cache-dir", os.path.join(scratch, f"ours-cache-{k}")],
+        "--log-dir", "", "--no-log-console", "--sandbox", "none", "--disk-cache-dir", os.path.join(scratch, f"ours-cache-{k}")],
         scratch) for k in range(nodes)]
     for server in servers:
         server.wait_ready()

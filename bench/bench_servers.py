@@ -150,7 +150,7 @@ def start_servers(scratch):
 
     def ours_argv(port):
         return [sys.executable, "-m", "kcoral", "--port", str(port), "--device", "cpu", "--log-dir", "",
-                "--disk-cache-dir", os.path.join(scratch, "ours-cache"), *COMMON_FLAGS]
+                "--sandbox", "none", "--disk-cache-dir", os.path.join(scratch, "ours-cache"), *COMMON_FLAGS]
 
     # the published server runs outside the repository, from its own cached virtualenv
     servers = (Server("published", published_argv, scratch, **reference_popen_options()),
@@ -733,7 +733,8 @@ def print_sandbox_rows(args):
     """--sandbox-only: the sandboxed trivial row and the sandbox's cost, without the other scenarios."""
     scratch = tempfile.mkdtemp(prefix="kcoral-bench-", dir=args.scratch_parent)
     ours = Server("ours", lambda port: [sys.executable, "-m", "kcoral", "--port", str(port), "--device", "cpu",
-                                        "--log-dir", "", "--disk-cache-dir", os.path.join(scratch, "ours-cache"),
+                                        "--log-dir", "", "--sandbox", "none",
+                                        "--disk-cache-dir", os.path.join(scratch, "ours-cache"),
                                         *COMMON_FLAGS], scratch)
     try:
         ours.wait_ready()

@@ -1721,7 +1721,7 @@ def server_command(name: str, port: int) -> tuple[list[str], dict]:
     if name == "reference":
         return reference_server_argv(port, "--num-workers", "2"), reference_popen_options()
     return ([sys.executable, "-m", "kcoral", "--port", str(port), "--device", "cpu", "--num-workers", "2",
-             "--log-dir", ""], {"cwd": REPO})
+             "--log-dir", "", "--sandbox", "none"], {"cwd": REPO})  # as the published one
 
 
 @dataclasses.dataclass
