@@ -2501,7 +2501,8 @@ EMPTYING_DEPTH = 64  # open directories at most; deeper subtrees are moved up to
 
 def empty_directory_at(top: int, keep: Iterable[str] = ()) -> None:
     """Remove what the open directory `top` holds, except the directories on the way to each of
-    `keep` (relative paths: mount points inside a sandbox's /tmp), which are emptied instead.
+    `keep` (relative paths: mount points inside a sandbox's /tmp), which are emptied instead,
+    and each of `keep` itself (a mount point may be a file).
 
     Everything is opened relative to its parent without following a link, and each directory is
     made ours (0700) before it is emptied, so nothing a program renamed, linked or chmod-ed can
@@ -2541,7 +2542,13 @@ def next_directory_emptying(here: Emptying) -> str | None:
         for entry in entries:
             if entry.name in here.done:
                 continue
-            if entry.name in here.ways or entry.is_dir(follow_symlinks=False):
+            is_dir = entry.is_dir(follow_symlinks=False)
+            if entry.name in here.ways and not is_dir:
+                if here.ways[entry.name]:  # the way goes on below something that is no directory
+                    raise NotADirectoryError(errno.ENOTDIR, "a kept mount point's way was replaced", entry.name)
+                here.done.add(entry.name)  # a file's mount point (bwrap made it for a read-only file)
+                continue
+            if is_dir:
                 return entry.name
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(entry.name, dir_fd=here.fd)

@@ -418,9 +418,11 @@ def test_emptying_follows_no_link_survives_any_depth_and_mode_and_keeps_the_ways
     os.close(deep)
     (top / "mnt" / "a").mkdir(parents=True)
     (top / "mnt" / "a" / "junk").write_text("x")
+    (top / "mnt" / "file.py").write_text("")  # a read-only file's mount point
     try:
-        kcoral.empty_directory_at(fd, keep=["mnt/a"])
+        kcoral.empty_directory_at(fd, keep=["mnt/a", "mnt/file.py"])
     finally:
         os.close(fd)
-    assert sorted(os.listdir(top)) == ["mnt"] and os.listdir(top / "mnt") == ["a"] and not os.listdir(top / "mnt" / "a")
+    assert sorted(os.listdir(top)) == ["mnt"] and sorted(os.listdir(top / "mnt")) == ["a", "file.py"]
+    assert not os.listdir(top / "mnt" / "a")
     assert (outside / "precious").read_text() == "keep" and stat.S_IMODE(outside.stat().st_mode) != 0o700
