@@ -1814,7 +1814,7 @@ def disconnect_item(scale, workdir):
 
 # --- 7. nothing grows per request ----------------------------------------------------------------
 
-ECHO = simple_program("def f(x):\n    return x\n", args=[1])
+ECHO_ONE = simple_program("def f(x):\n    return x\n", args=[1])
 
 
 def slope(points):
@@ -1828,7 +1828,7 @@ def slope(points):
 def echo_requests(url, count, concurrency=2):
     """`count` echo requests, each on a new connection (a new handler thread) -> none lost."""
     def one(_):
-        status, _, body = post(url, ECHO)
+        status, _, body = post(url, ECHO_ONE)
         assert status == 200 and body["status"] == "COMPLETED", body
     with ThreadPoolExecutor(concurrency) as pool:
         list(pool.map(one, range(count)))
