@@ -64,7 +64,7 @@ if __name__ == "__main__" and "--wheels" in sys.argv:  # before numpy/tvm_ffi ar
 import numpy  # noqa: E402  (imports that the carried wheels may provide come after installing them)
 
 from bench.cli_checks import cli_tool_checks  # noqa: E402
-from tests.support import ServerProcess, build_add_one, post  # noqa: E402
+from tests.support import ServerProcess, build_add_one, plain, post  # noqa: E402
 
 REQUEST_TIMEOUT = 60  # timeout_seconds of every request unless a case says otherwise
 DTYPES = ["bool", "uint8", "int8", "float8_e4m3fn", "float8_e5m2", "int16", "float16", "bfloat16",
@@ -145,18 +145,6 @@ def failed(status, body, kind):
 
 def short(value):
     return repr(value)[:600]
-
-
-def plain(encoded):
-    """A decoded JSON result value (no binary parts) -> Python."""
-    kind = encoded["type"]
-    if kind == "null":
-        return None
-    if kind == "array":
-        return [plain(v) for v in encoded["value"]]
-    if kind == "object":
-        return {k: plain(v) for k, v in encoded["value"].items()}
-    return encoded["value"]
 
 
 def tensor_bytes(body, encoded, dtype, shape):
@@ -437,7 +425,7 @@ def case_poisoned_worker(ctx):
     return f"worker {poisoned} retired ({body['error']['kind']}), replaced by {sorted(after - before)}"
 
 
-# --- issue 14's device checks -------------------------------------------------------
+# --- the device checks a desk review asked for ----------------------------------------
 
 LAYOUTS = """
 import torch

@@ -1,4 +1,4 @@
-"""GPU runtime (issue 4), everything whose logic needs no CUDA device.
+"""GPU runtime (docs/server.md §1-6), everything whose logic needs no CUDA device.
 
 Over HTTP against a real `python -m kcoral --device cpu`: a TVM-FFI library
 built here with tvm_ffi.cpp.build and called on CPU tensors, library load and
@@ -8,7 +8,7 @@ talking to a scripted fake worker over a real pipe (lease timings, a dead
 holder's lease freed, poisoned workers retired, gpu_access attribution),
 GpuLease's decision table, the cpu_only guard and CUPTI span arithmetic with
 a fake `cupti` module.  Then what a desk review predicted would break on a real
-GPU (issue 14), against a fake `torch.cuda` (events on a fake clock, per-device
+GPU (bench/gpu_check.py runs them there), against a fake `torch.cuda` (events on a fake clock, per-device
 memory), a fake libcudart and a fake CuTe DSL: the benchmark's count estimate,
 CUDA's last error, memory freed before the lease, quarantine, multi-GPU start-up
 and shutdown.  Finally bench/gpu_check.py in CPU mode.
@@ -702,7 +702,7 @@ def test_gpu_check_cpu_mode():
     assert "0 failed" in out.stdout.splitlines()[-1], out.stdout
 
 
-# --- issue 14: what a desk review predicted would break on a real GPU ----------------
+# --- what a desk review predicted would break on a real GPU ----------------
 
 class FakeClock:
     """GPU time in ms: the L2 flush and the kernel advance it, CUDA events read it."""

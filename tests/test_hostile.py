@@ -1,4 +1,4 @@
-"""Hostile and slow clients against a real server: each attack of issue 9, measured through /proc.
+"""Hostile and slow clients against a real server: each attack of docs/reliability-hostile.md, measured through /proc.
 
 Every attack is an *item* taking a Scale; the CI tests below run them small (and with short
 deadlines), `python -m tests.soak --long --only hostile` runs them at full size with the
