@@ -235,6 +235,7 @@ def wait_readable(fd: int, deadline: float) -> None:
 
 MESSAGE_HEADER = struct.Struct("!I")
 MESSAGE_TYPES: dict[str, type] = {}  # class name -> message class, filled by @message
+MESSAGE_HINTS: dict[type, dict[str, Any]] = {}  # message class -> its fields' types, resolved once
 
 
 class UnexpectedMessage(RuntimeError):
@@ -285,7 +286,7 @@ def decode_message(payload: bytes | bytearray) -> object:
     cls = MESSAGE_TYPES.get(data.get("type")) if isinstance(data, dict) and isinstance(data.get("type"), str) else None
     if cls is None:
         raise UnexpectedMessage("a message of no known type")
-    hints = typing.get_type_hints(cls)
+    hints = MESSAGE_HINTS.get(cls) or MESSAGE_HINTS.setdefault(cls, typing.get_type_hints(cls))
     fields = {k: v for k, v in data.items() if k != "type"}
     if set(fields) != set(hints):
         raise UnexpectedMessage(f"{cls.__name__} with fields {sorted(fields)!r:.200}")
