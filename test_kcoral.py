@@ -1465,16 +1465,29 @@ def test_background_processes_are_terminated_and_reported(server, spawn):
 
 def test_new_session_process_is_killed_after_a_worker_crash(server):
     """The orphan is outside every tree once the worker is gone; it must not survive (docs/protocol.md §10)."""
-    source = ("import os, subprocess\ndef f():\n    p = subprocess.Popen(['sleep', '20'], start_new_session=True)\n"
+    # found by its unique argument: a pid printed inside a sandbox is its PID namespace's, not the host's
+    seconds = f"20.{uuid.uuid4().int % 10**12:012d}"
+    source = ("import os, subprocess\ndef f():\n"
+              f"    p = subprocess.Popen(['sleep', '{seconds}'], start_new_session=True)\n"
               "    print(p.pid, flush=True)\n    os._exit(3)\n")
     body = execute_ok(server.url, simple_program(source))
-    pid = int(body["stdout"].split()[0])
+
+    def sleeping():
+        return [pid for pid in os.listdir("/proc") if pid.isdigit() and proc_cmdline(pid) == f"sleep\0{seconds}\0"]
     try:
         assert_failed(body, "runtime", 2, "run", "r", "worker exited")
-        assert wait_for(lambda: process_gone(pid), timeout=5), f"process {pid} survived the crash"
+        assert wait_for(lambda: not sleeping(), timeout=5), f"processes {sleeping()} survived the crash"
     finally:
-        if not process_gone(pid):
-            os.kill(pid, signal.SIGKILL)
+        for pid in sleeping():
+            os.kill(int(pid), signal.SIGKILL)
+
+
+def proc_cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def test_waited_subprocess_is_fine(server):
