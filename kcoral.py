@@ -74,6 +74,8 @@ from kcoral_worker import (
     ErrorObject,
     Instruction,
     ValidationError,
+    become_subreaper,
+    is_ref,
     large_buffer,
     normalize_path,
     recv_raw,
@@ -594,10 +596,6 @@ def is_integer(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def is_ref(v: object) -> bool:
-    return isinstance(v, dict) and len(v) == 1 and isinstance(v.get("$ref"), str) and v["$ref"] != ""
-
-
 def parse_program(body: Json, limits: ServerConfig = DEFAULT_LIMITS) -> ValidProgram:
     """Validate a decoded program object; ValidationError names the offending field."""
     if not isinstance(body, dict):
@@ -1078,38 +1076,22 @@ class BlobStore:
 
 # --- 4. process groups ----------------------------------------------------------------------------
 
-def become_subreaper() -> None:
-    """Orphaned grandchildren of workers get re-parented here, so we can reap them."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
-    except (OSError, AttributeError):
-        pass
-
-
 def group_members(pgid: int, exclude: Collection[int] = ()) -> list[int]:
     """Live processes in a process group, plus the leader's live descendants in other groups
     (a program may start new sessions); zombies of ours found on the way are reaped."""
     members, me, parents = [], os.getpid(), {}
     own_group = os.getpgrp()  # the forkserver and resource tracker: multiprocessing reaps those
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) in exclude:
+    for pid, state, ppid, pgrp in kcoral_worker.process_table():
+        if pid in exclude:
             continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                fields = f.read().rpartition(b")")[2].split()
-        except OSError:
-            continue
-        state, ppid, pgrp = fields[0], int(fields[1]), int(fields[2])
         if state == b"Z":
             if ppid == me and pgrp != own_group:  # an orphan of some program, ended up with us
-                try:
-                    os.waitpid(int(name), os.WNOHANG)
-                except ChildProcessError:
-                    pass
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)
         elif pgrp == pgid:
-            members.append(int(name))
+            members.append(pid)
         else:
-            parents[int(name)] = ppid
+            parents[pid] = ppid
     frontier = {pgid}
     while frontier:
         frontier = {pid for pid, ppid in parents.items() if ppid in frontier and pid not in members}
@@ -1134,11 +1116,8 @@ def marked_processes(worker_pid: int) -> list[int]:
 
 
 def is_live(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rpartition(b")")[2].split()[0] not in (b"Z", b"X")
-    except OSError:
-        return False
+    fields = kcoral_worker.proc_stat(pid)
+    return fields is not None and fields[0] not in (b"Z", b"X")
 
 
 def kill_group(pgid: int, grace: float, exclude: Collection[int] = (), orphans: bool = False,
@@ -2423,10 +2402,10 @@ WORKSPACE = re.compile(r"kcoral-(?:program|sandbox)-(\d+)\.(\d+)-")
 def process_start_ticks(pid: int) -> int | None:
     """A process's start time in clock ticks since boot (/proc/PID/stat field 22), or None if
     it is gone: with the pid, it names one process even after the pid is reused."""
+    fields = kcoral_worker.proc_stat(pid)
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rpartition(b")")[2].split()[19])
-    except (OSError, IndexError, ValueError):
+        return int(fields[19]) if fields is not None else None
+    except (IndexError, ValueError):
         return None
 
 

@@ -33,6 +33,15 @@ process.  Output is captured at the file-descriptor level into pipes whose
 read ends the front-end holds, for the same reason.  Importing this module
 must stay cheap (the front-end does): torch, numpy and tvm_ffi are imported
 by the template process or on first use.
+
+Sections, top-down: the shared contract (types, errors, path rules; raw bytes and the staged
+blobs; the messages) and the process helpers, which kcoral.py imports too; the worker process
+(`worker_main` -> `serve_request` per request); one program (`ProgramRun`, output capture,
+workspace files, value encoding); the runtimes (tensors and libraries per device, the GPU lease,
+CUDA's guards); last, `kcoral.builtins` and `kcoral.errors`, what uploaded code imports.
+
+A worker's device is fixed when it starts: `worker_main` builds one `Runtime` and hands it
+down to each request; nothing module-level changes per process or per request.
 """
 
 from __future__ import annotations
@@ -63,6 +72,8 @@ from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from typing import IO, Any
 
+# --- the shared contract: types, errors, path rules ---------------------------------------------
+
 DTYPE_SIZES = {
     "bool": 1, "uint8": 1, "int8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
     "int16": 2, "float16": 2, "bfloat16": 2,
@@ -75,7 +86,6 @@ MAX_VALUE_DEPTH = 400  # returned values, as requests (docs/protocol.md §5): a 
 Buffer = bytes | bytearray | memoryview | mmap.mmap  # what the raw-bytes helpers accept (any buffer, in fact)
 Instruction = dict[str, Any]  # one validated program instruction, as the front-end passed it
 ErrorObject = dict[str, Any]  # a FAILED result's "error" (docs/protocol.md §9.7)
-Activity = tuple[int, int, int, int, tuple]  # (kind, start ns, end ns, correlation id, identity)
 RAW_CHUNK = 1 << 20
 
 
@@ -122,12 +132,66 @@ def normalize_path(raw: object) -> str:
     return path
 
 
+def is_ref(value: object) -> bool:
+    return isinstance(value, dict) and len(value) == 1 and isinstance(value.get("$ref"), str) and value["$ref"] != ""
+
+
+def shorten(text: str, limit: int = 600) -> str:
+    """Keep the head and the tail of a long diagnostic."""
+    if len(text) <= limit:
+        return text
+    head = limit // 3
+    return text[:head] + " …[truncated]… " + text[-(limit - head):]
+
+
+# --- raw bytes on a pipe, and the request's staged blobs ------------------------------------------
+
 def send_raw(conn: Connection, data: Buffer) -> None:
     """Write a buffer straight to the pipe: no pickling, no intermediate copy."""
     view = memoryview(data).cast("B")
     fd = conn.fileno()
     while view:
         view = view[os.write(fd, view[:RAW_CHUNK * 8]):]
+
+
+def recv_raw(conn: Connection, size: int, deadline: float | None = None) -> bytearray | mmap.mmap:
+    """Read exactly `size` raw bytes from the pipe into a new buffer (see large_buffer).
+
+    With a `deadline` (time.monotonic()), a peer that announces bytes and never sends them
+    raises TimeoutError instead of blocking the reader forever."""
+    buf = large_buffer(size)
+    read_into(conn.fileno(), memoryview(buf), deadline)
+    return buf
+
+
+def read_into(fd: int, view: memoryview, deadline: float | None) -> None:
+    while view:
+        if deadline is not None:
+            wait_readable(fd, deadline)
+        n = os.readv(fd, [view])
+        if n == 0:
+            raise EOFError("pipe closed")
+        view = view[n:]
+
+
+def wait_readable(fd: int, deadline: float) -> None:
+    remaining = deadline - time.monotonic()
+    if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+        raise TimeoutError
+
+
+def large_buffer(size: int) -> bytearray | mmap.mmap:
+    """A zeroed writable buffer of `size` bytes for receiving data.
+
+    Big ones are anonymous memory on transparent huge pages: filling a bytearray
+    takes a page fault every 4 KiB, about 40 ms per 64 MiB, five times the copy.
+    """
+    if size < RAW_CHUNK:
+        return bytearray(size)
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(AttributeError, OSError):  # no THP: plain pages, as a bytearray
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    return buf
 
 
 class StagedBlobs:
@@ -186,47 +250,8 @@ class StagedBlobs:
                 offset, size = offset + n, size - n
 
 
-def large_buffer(size: int) -> bytearray | mmap.mmap:
-    """A zeroed writable buffer of `size` bytes for receiving data.
+# --- the messages between the front-end and its worker processes ----------------------------------
 
-    Big ones are anonymous memory on transparent huge pages: filling a bytearray
-    takes a page fault every 4 KiB, about 40 ms per 64 MiB, five times the copy.
-    """
-    if size < RAW_CHUNK:
-        return bytearray(size)
-    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(AttributeError, OSError):  # no THP: plain pages, as a bytearray
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    return buf
-
-
-def recv_raw(conn: Connection, size: int, deadline: float | None = None) -> bytearray | mmap.mmap:
-    """Read exactly `size` raw bytes from the pipe into a new buffer (see large_buffer).
-
-    With a `deadline` (time.monotonic()), a peer that announces bytes and never sends them
-    raises TimeoutError instead of blocking the reader forever."""
-    buf = large_buffer(size)
-    read_into(conn.fileno(), memoryview(buf), deadline)
-    return buf
-
-
-def read_into(fd: int, view: memoryview, deadline: float | None) -> None:
-    while view:
-        if deadline is not None:
-            wait_readable(fd, deadline)
-        n = os.readv(fd, [view])
-        if n == 0:
-            raise EOFError("pipe closed")
-        view = view[n:]
-
-
-def wait_readable(fd: int, deadline: float) -> None:
-    remaining = deadline - time.monotonic()
-    if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
-        raise TimeoutError
-
-
-# --- the messages between the front-end and its worker processes -------------------
 # Each message is a frozen dataclass sent as a 4-byte big-endian length and a JSON object: its
 # class name under "type" and exactly its fields, each of its annotated type (JSON has no tuples:
 # a tuple field arrives as a list).  Every payload (blobs, returned parts) travels as raw bytes
@@ -424,571 +449,552 @@ class WorkerExited:
     exit_code: int
 
 
-# --- what uploaded code imports -------------------------------------------
+# --- process helpers (the front-end uses them too) ------------------------------------------------
 
-def install_kcoral_modules() -> tuple[types.ModuleType, types.ModuleType]:
-    """Publish `kcoral.errors` and `kcoral.builtins` in sys.modules; -> (errors, builtins).
+WORKER_MARK = "KCORAL_WORKER_PID"
 
-    Once `kcoral` itself is imported (or not at all: `from kcoral.errors import X` finds a
-    published submodule directly), the import system takes these entries, so the names work
-    in uploaded code and, through kcoral.py calling this, in any process that can import
-    kcoral -- without this file importing kcoral back.  Idempotent.
+
+def prctl(option: int, value: int) -> None:
+    """Best effort: a libc without prctl (not Linux) leaves the process as it is."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(option, value, 0, 0, 0)
+
+
+def set_dumpable(flag: bool) -> None:
+    prctl(4, int(flag))  # PR_SET_DUMPABLE
+
+
+def become_subreaper() -> None:
+    """Orphans of our descendants are re-parented to us, so a new session cannot hide them
+    and we can reap them."""
+    prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+
+
+def die_with_parent() -> None:
+    """If the server dies hard, its template exits and takes the workers with it."""
+    prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def proc_stat(pid: int | str) -> list[bytes] | None:
+    """The fields of /proc/PID/stat after the command name (state, ppid, pgrp, ... : field 3 on
+    is index 0 on), or None when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()
+    except OSError:
+        return None
+
+
+def process_table() -> Iterator[tuple[int, bytes, int, int]]:
+    """(pid, state, ppid, pgrp) of every process this one can see."""
+    for name in os.listdir("/proc"):
+        if name.isdigit() and (fields := proc_stat(name)) is not None:
+            yield int(name), fields[0], int(fields[1]), int(fields[2])
+
+
+def escaped_descendants() -> list[int]:
+    """Live descendants outside our process group (started with a new session or group).
+
+    The front-end kills and reports what is left in the group; these it cannot see.
     """
-    if "kcoral.errors" in sys.modules and "kcoral.builtins" in sys.modules:
-        return sys.modules["kcoral.errors"], sys.modules["kcoral.builtins"]
-    errors = types.ModuleType("kcoral.errors")
-    errors.ExecutionError = ExecutionError
-    errors.ValidationError = ValidationError
-    builtins_mod = types.ModuleType("kcoral.builtins")
-    builtins_mod.benchmark = benchmark
-    builtins_mod.compile_tirx = compile_tirx
-    builtins_mod.__all__ = ["benchmark", "compile_tirx"]
-    sys.modules["kcoral.errors"] = errors
-    sys.modules["kcoral.builtins"] = builtins_mod
-    return errors, builtins_mod
+    me, parents, groups = os.getpid(), {}, {}
+    for pid, state, ppid, pgrp in process_table():
+        if state != b"Z":
+            parents[pid], groups[pid] = ppid, pgrp
+    tree, frontier = set(), {me}
+    while frontier:
+        frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - tree
+        tree |= frontier
+    group = os.getpgid(0)
+    return sorted(pid for pid in tree if groups[pid] != group)
 
 
-def shorten(text: str, limit: int = 600) -> str:
-    """Keep the head and the tail of a long diagnostic."""
-    if len(text) <= limit:
-        return text
-    head = limit // 3
-    return text[:head] + " …[truncated]… " + text[-(limit - head):]
+def terminate_escaped(grace: float) -> bool:
+    """SIGTERM the escaped descendants, SIGKILL them after `grace` s, sweep after sweep (reaping
+    them as their subreaper); -> whether there were any."""
+    found = bool(escaped_descendants())
+
+    def remaining() -> list[int]:
+        with contextlib.suppress(ChildProcessError):  # as their subreaper we reap them, or they linger as zombies
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+        return escaped_descendants()
+
+    if found:
+        terminate(remaining, grace, 10.0)
+    return found
 
 
-_compiled: dict[int, Any] = {}  # structural hash -> executable, least recently used first
+def terminate(remaining: Callable[[], list[int]], grace: float, kill_for: float, group: int | None = None,
+              keep_groups: Collection[int] = ()) -> bool:
+    """SIGTERM each process `remaining()` lists, then, once `grace` has passed, freeze and kill
+    what is left, for up to `kill_for` seconds.  -> whether none is left.
+
+    Killing pid after pid loses to a chain that forks and exits as fast as it can: a snapshot of
+    /proc is stale by the time it is signalled.  So every signal also goes to the process group
+    of each process found (but ours, `group`'s owner's and `keep_groups`), which the kernel
+    delivers to all members at once, forks in progress included; and each sweep SIGSTOPs what
+    it finds (a stopped process cannot fork), SIGKILLing once a sweep finds nothing new.  A
+    chain that also starts a new session in every generation can still outrun the sweeps:
+    only a PID namespace (the sandbox's container) ends that for certain."""
+    spared = {os.getpgrp(), *keep_groups}
+
+    def signal_all(pids: list[int], sig: int) -> None:
+        groups = {group} if group is not None else set()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                groups.add(os.getpgid(pid))
+                os.kill(pid, sig)
+        for pgid in groups - spared:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, sig)
+
+    pids = remaining()
+    signal_all(pids, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while pids and time.monotonic() < deadline:
+        time.sleep(0.01)
+        pids = remaining()
+    deadline, seen = time.monotonic() + kill_for, set()
+    while pids:
+        signal_all(pids, signal.SIGSTOP)
+        if set(pids) <= seen:  # nothing new since the last sweep: all stopped
+            signal_all(pids, signal.SIGKILL)
+        if time.monotonic() >= deadline:
+            break
+        seen = set(pids)
+        time.sleep(0.001)
+        pids = remaining()
+    return not pids
 
 
-def compile_tirx(fn: Any, bindings: dict[str, Any] | None = None) -> Any:
-    """Compile a TVM TIRx kernel for CUDA (docs/server.md §5.1); cached by structural hash."""
-    try:
-        import tvm
-        from tvm import tirx
-    except ImportError:
-        raise ExecutionError("unavailable", "server-side compilation requires tvm, "
-                             "which is not installed on this server") from None
-    if bindings is not None and not isinstance(bindings, dict):
-        raise ExecutionError("compile", "compile_tirx bindings must be a dict")
-    if isinstance(fn, tirx.PrimFunc):
-        if bindings:
-            raise ExecutionError("compile", "a @T.prim_func takes no bindings")
-        prim_func = fn
-    elif hasattr(fn, "specialize"):
-        try:
-            prim_func = fn.specialize(**(bindings or {}))
-        except TypeError as exc:
-            raise ExecutionError("compile", shorten(f"bad bindings: {exc}")) from exc
-        except Exception as exc:
-            if type(exc).__name__ == "DiagnosticError":
-                raise ExecutionError("parse", shorten(str(exc))) from exc
-            raise
-    else:
-        raise ExecutionError("compile", "compile_tirx expects a @T.jit or @T.prim_func kernel handle")
-    import tvm_ffi
-    key = tvm_ffi.structural_hash(prim_func)
-    if key in _compiled:
-        _compiled[key] = _compiled.pop(key)
-        return _compiled[key]
-    try:
-        executable = tvm.compile(tvm.IRModule({"main": prim_func}),
-                                 target=tvm.target.Target("cuda"), tir_pipeline="tirx")
-    except Exception as exc:
-        if isinstance(exc, RuntimeError) or type(exc).__name__ in ("InternalError", "TVMError"):  # nvcc/nvrtc too
-            raise ExecutionError("compile", shorten(str(exc))) from exc
-        raise
-    _compiled[key] = executable
-    while len(_compiled) > 32:
-        _compiled.pop(next(iter(_compiled)))
-    return executable
+IPC_RMID = 0
 
 
-def benchmark(mod: Callable[..., Any], *args: Any) -> dict[str, Any]:
-    """Per-call latency of mod(*args) (docs/server.md §5.2).
+def remove_ipc_objects() -> None:
+    """Remove the System V shared memory, semaphores and message queues and the POSIX message
+    queues of the container's IPC namespace: they are not files, so emptying its directories
+    would leave them for the next request (/dev/mqueue is the namespace's own mqueue mount)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    removers = {"shm": lambda i: libc.shmctl(i, IPC_RMID, None), "msg": lambda i: libc.msgctl(i, IPC_RMID, None),
+                "sem": lambda i: libc.semctl(i, 0, IPC_RMID)}
+    for name, remove in removers.items():
+        with contextlib.suppress(OSError), open(f"/proc/sysvipc/{name}") as table:
+            for line in list(table)[1:]:  # after the header: key, id, ...
+                fields = line.split()
+                if len(fields) > 1 and fields[1].isdigit():
+                    remove(int(fields[1]))
+    with contextlib.suppress(OSError):
+        for queue in os.listdir("/dev/mqueue"):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join("/dev/mqueue", queue))
 
-    CUDA workers use the reference's method: CUPTI activity records, each
-    call's span from its first GPU activity to its last; without usable
-    cupti-python the answer is `unavailable`, as in the reference.  CPU
-    workers use a host timer and say so with "timer": "host" (our extension).
+
+# --- the worker process: start, serve requests, exit ----------------------------------------------
+
+def worker_main(conn: Connection, device: str, visible_gpus: list[str]) -> None:
+    """Entry point of a worker process forked from the template.
+
+    It leads its own process group so that the front-end can kill everything
+    a program started with one signal.
     """
-    config = dict(args[-1]) if args and isinstance(args[-1], dict) else {}
-    if config:
-        args = args[:-1]
-    if not callable(mod):
-        raise ExecutionError("runtime", "benchmark expects a compiled module handle")
-    flush_l2 = bool(config.get("flush_l2", True))  # other keys are ignored, as the reference does
-    try:
-        timer = make_timer(flush_l2)  # allocating the flush buffer can run out of memory: runtime
-        warmup, repeat = benchmark_counts(timer, mod, args, config)
-        for _ in range(warmup):
-            timer.call(mod, args)
-        timer.synchronize()
-        samples, stable = timer.measure(mod, args, repeat)
-    except RuntimeError as exc:
-        raise ExecutionError("runtime", shorten(f"{type(exc).__name__}: {exc}")) from exc
-    samples.sort()
-    mid = len(samples) // 2
-    median = samples[mid] if len(samples) % 2 else (samples[mid - 1] + samples[mid]) / 2
-    result: dict[str, Any] = {"latency_ms_median": median, "latency_ms_mean": sum(samples) / len(samples),
-              "latency_ms_min": samples[0], "latency_ms_max": samples[-1],
-              "activities_stable": stable, "flush_l2": flush_l2,
-              "warmup": warmup, "repeat": repeat}
-    if timer.name:
-        result["timer"] = timer.name
-    return result
+    os.setsid()
+    die_with_parent()
+    become_subreaper()
+    os.environ[WORKER_MARK] = str(os.getpid())  # inherited: finds what escapes after a crash
+    problem = template_cuda_problem()
+    if problem:
+        send_message(conn, WorkerFailed(problem))
+        os._exit(1)
+    if device == "cuda":
+        prepare_gpu(visible_gpus)
+    runtime = Runtime(device)
+    install_kcoral_modules()
+    import gc
+    gc.freeze()  # the template's objects are permanent: later collections skip them
+    env = dict(os.environ)
+    send_message(conn, WorkerReady(os.getpid()))
+    for message in messages(conn):
+        match message:
+            case StopWorker():
+                os._exit(0)
+            case InitGpu():
+                send_message(conn, initialize_gpu())
+                env = dict(os.environ)
+            case JobRequest():
+                poisoned = serve_request(conn, message, runtime)
+                if message.retire or poisoned:
+                    os._exit(0)
+                reset_process_state(env)
+            case _:
+                raise UnexpectedMessage(f"a worker cannot serve {message!r}")
 
 
-def benchmark_counts(timer: HostTimer, mod: Callable[..., Any], args: Sequence[Any],
-                     config: dict[str, Any]) -> tuple[int, int]:
-    """-> (warmup, repeat).  Explicit counts win (at least 1); a missing one is its ms budget
-    over the cost of one flush + call, estimated from 5 of them after an untimed one: the
-    budgets bound the time the benchmark really spends, flushes included (docs/server.md §5.2)."""
-    warmup, repeat = config.get("warmup"), config.get("repeat")
-    if warmup is None or repeat is None:
-        timer.call(mod, args)
-        timer.synchronize()
-        estimate = timer.estimate(mod, args)
-
-        def derive(budget: float) -> int:
-            return max(1, int(budget / estimate)) if estimate > 0 else 1000
-        warmup = derive(config.get("warmup_ms", 25)) if warmup is None else warmup
-        repeat = derive(config.get("repeat_ms", 100)) if repeat is None else repeat
-    return max(1, int(warmup)), max(1, int(repeat))
-
-
-def make_timer(flush_l2: bool) -> HostTimer:
-    if RUNTIME.device != "cuda":
-        return HostTimer(flush_l2)
-    try:
-        from cupti import cupti
-    except (ImportError, OSError):
-        raise ExecutionError("unavailable", "benchmark needs cupti-python in the worker environment") from None
-    return CuptiTimer(flush_l2, cupti)
-
-
-class HostTimer:
-    """Wall-clock timing for CPU workers; the L2 flush overwrites a buffer larger than the last-level cache."""
-    name = "host"
-
-    def __init__(self, flush_l2: bool) -> None:
-        self.scratch = (ctypes.c_char * (64 << 20))() if flush_l2 else None
-
-    def flush(self) -> None:
-        if self.scratch is not None:
-            ctypes.memset(self.scratch, 0, len(self.scratch))
-
-    def call(self, mod: Callable[..., Any], args: Sequence[Any]) -> None:
-        self.flush()
-        mod(*args)
-
-    def synchronize(self) -> None:
-        pass
-
-    def estimate(self, mod: Callable[..., Any], args: Sequence[Any]) -> float:
-        """ms per flush + call."""
-        start = time.perf_counter()
-        for _ in range(5):
-            self.call(mod, args)
-        return (time.perf_counter() - start) * 1e3 / 5
-
-    def timed(self, mod: Callable[..., Any], args: Sequence[Any]) -> float:
-        self.flush()
-        start = time.perf_counter()
-        mod(*args)
-        return (time.perf_counter() - start) * 1e3
-
-    def measure(self, mod: Callable[..., Any], args: Sequence[Any], repeat: int) -> tuple[list[float], bool]:
-        """-> (samples in ms, activities_stable).  A timer around the call sees no
-        activity records, so stability is not measured and never claimed: False."""
-        return [self.timed(mod, args) for _ in range(repeat)], False
-
-
-class CudaTimer(HostTimer):
-    """The device's L2 flushed by zeroing 2 x its size, and the count estimate timed with CUDA events."""
-    name = None  # the reference's result has no "timer" field
-
-    def __init__(self, flush_l2: bool) -> None:
-        import torch
-        self.torch = torch
-        self.scratch = None
-        if flush_l2:
-            l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 64 << 20)
-            self.scratch = torch.empty(2 * l2, dtype=torch.int8, device="cuda")
-
-    def flush(self) -> None:
-        if self.scratch is not None:
-            self.scratch.zero_()
-
-    def synchronize(self) -> None:
-        self.torch.cuda.synchronize()
-
-    def estimate(self, mod: Callable[..., Any], args: Sequence[Any]) -> float:
-        """ms per flush + call: one pair of events around 5 of them, as the reference times it."""
-        cuda = self.torch.cuda
-        start, end = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
-        cuda.synchronize()
-        start.record()
-        for _ in range(5):
-            self.call(mod, args)
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 5
-
-
-class CuptiTimer(CudaTimer):
-    """The reference's measurement: CUPTI activity records of what each call launched."""
-    API_KINDS = ("RUNTIME", "DRIVER")
-    GPU_KINDS = ("CONCURRENT_KERNEL", "MEMCPY", "MEMSET")
-
-    def __init__(self, flush_l2: bool, cupti: Any) -> None:
-        super().__init__(flush_l2)
-        self.cupti = cupti
-        self.kinds = [int(getattr(cupti.ActivityKind, k)) for k in self.API_KINDS + self.GPU_KINDS]
-
-    def measure(self, mod: Callable[..., Any], args: Sequence[Any], repeat: int) -> tuple[list[float], bool]:
-        cupti, sync, records, windows = self.cupti, self.torch.cuda.synchronize, [], []
-        with cupti_unavailable("cannot start CUPTI activity tracing"):
-            # records are copied out at once: their buffer is reused when the callback returns
-            cupti.activity_register_callbacks(lambda: (8 << 20, 0),
-                                              lambda activities: records.extend(map(activity_fields, activities)))
-            for kind in self.kinds:
-                cupti.activity_enable(kind)
+def messages(conn: Connection) -> Iterator[object]:
+    """What the front-end sends, one message at a time; when it closes the pipe, this process
+    (a worker or a sandbox template) has nothing left to do and exits quietly."""
+    while True:
         try:
-            for _ in range(repeat):
-                self.flush()
-                sync()
-                start = cupti.get_timestamp()
-                mod(*args)
-                windows.append((start, cupti.get_timestamp()))
-                sync()
-        except BaseException:
-            with contextlib.suppress(Exception):
-                self.stop()
-            raise
-        with cupti_unavailable("CUPTI cleanup failed"):
-            self.stop()
-        return activity_spans(records, windows, set(self.kinds[:len(self.API_KINDS)]))
-
-    def stop(self) -> None:
-        self.cupti.activity_flush_all(1)
-        for kind in self.kinds:
-            self.cupti.activity_disable(kind)
-        self.cupti.finalize()
+            yield receive_message(conn)[0]
+        except EOFError:
+            os._exit(0)
 
 
-@contextlib.contextmanager
-def cupti_unavailable(what: str) -> Iterator[None]:
-    """CUPTI failures answer `unavailable` (docs/server.md §5.2, §6)."""
-    try:
-        yield
-    except ExecutionError:
-        raise
-    except Exception as exc:
-        raise ExecutionError("unavailable", shorten(f"{what}: {type(exc).__name__}: {exc}")) from exc
+def template_main(fd: int, preload: list[str], import_env: dict[str, str]) -> None:
+    """Entry point of a slot's template inside its bubblewrap sandbox (kcoral.py SandboxTemplate).
 
-
-def activity_fields(record: Any) -> Activity:
-    """(kind, start ns, end ns, correlation id, identity) of a CUPTI activity record."""
-    kind = int(record.kind)
-    identity = (kind, getattr(record, "name", None), getattr(record, "copy_kind", None),
-                getattr(record, "bytes", None), getattr(record, "value", None))
-    return kind, record.start, record.end, record.correlation_id, identity
-
-
-def activity_spans(records: list[Activity], windows: list[tuple[int, int]],
-                   api_kinds: set[int]) -> tuple[list[float], bool]:
-    """Per timed call (host timestamp window): ms from its first GPU activity's start to its
-    last one's end, and whether every call launched the same multiset of activities.
-
-    An API record that starts inside a call's window ties its correlation id
-    to that call; GPU activities are attributed through that id.
+    It imports once (with `import_env` set meanwhile), then per `ForkWorker` (plus the worker's
+    pipe, passed as a handle) forks one worker, answers `WorkerForked` and, once that worker is
+    gone, `WorkerExited`.
     """
-    starts = [start for start, _ in windows]
-    owner = {}
-    for kind, start, _, correlation, _ in records:
-        i = bisect.bisect_right(starts, start) - 1
-        if kind in api_kinds and i >= 0 and start <= windows[i][1]:
-            owner[correlation] = i
-    spans = [[None, None, collections.Counter()] for _ in windows]
-    for kind, start, end, correlation, identity in records:
-        if kind not in api_kinds and correlation in owner:
-            span = spans[owner[correlation]]
-            span[0] = start if span[0] is None else min(span[0], start)
-            span[1] = end if span[1] is None else max(span[1], end)
-            span[2][identity] += 1
-    if any(first is None for first, _, _ in spans):
-        raise ExecutionError("unavailable", "CUPTI recorded no GPU activity for a benchmarked call")
-    samples = [(last - first) / 1e6 for first, last, _ in spans]
-    if min(samples) <= 0:
-        raise ExecutionError("unavailable", "CUPTI reported a non-positive activity span")
-    return samples, all(activities == spans[0][2] for _, _, activities in spans)
-
-
-# --- runtimes --------------------------------------------------------------
-
-class Runtime:
-    """Device-specific pieces: tensors, libraries, synchronisation.
-
-    `device` is "cpu" or "cuda".  Tensors become torch tensors when torch is
-    installed (numpy arrays otherwise); libraries load with tvm_ffi on both.
-    """
-
-    def __init__(self, device: str = "cpu") -> None:
-        self.device = device
-        self.libraries: dict[str, Any] = {}  # blob hash -> loaded module, least recently used first
-
-    def load_tensor(self, data: bytearray, dtype: str, shape: list[int]) -> Any:
-        """`data` is a private writable buffer: the tensor may keep it."""
-        try:
-            import torch
-        except ImportError:
-            return numpy_dtype_array(data, dtype, shape)
-        try:
-            if not data:
-                return torch.empty(shape, dtype=torch_dtype(dtype), device=self.device)
-            flat = torch.frombuffer(data, dtype=torch.uint8)
-            return flat.view(torch_dtype(dtype)).reshape(shape).to(self.device)
-        except Exception as exc:
-            raise ExecutionError("runtime", f"malformed tensor: {exc}") from exc
-
-    def load_library(self, blob_hash: str, data: bytes) -> Any:
-        if blob_hash in self.libraries:
-            self.libraries[blob_hash] = module = self.libraries.pop(blob_hash)
-            return module
-        try:
-            import tvm_ffi
-        except ImportError:
-            raise ExecutionError("unavailable", "library uploads need apache-tvm-ffi "
-                                 "in the worker environment") from None
-        if importlib.util.find_spec("tvm") is not None:
-            with contextlib.suppress(Exception):  # tvm registers the loaders of device modules a library may embed
-                import tvm  # noqa: F401
-        if self.device == "cuda":
-            preload_cute_dsl_runtime()
-        import tempfile
-        fd, path = tempfile.mkstemp(prefix=f"{blob_hash}-", suffix=".so")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            module = tvm_ffi.load_module(path)
-        except Exception as exc:
-            raise ExecutionError("compile", shorten(f"cannot load the uploaded library: {exc}")) from exc
-        finally:
-            os.unlink(path)  # the mapping outlives the file
-        self.libraries[blob_hash] = module
-        while len(self.libraries) > 32:
-            self.libraries.pop(next(iter(self.libraries)))
-        return module
-
-    def library_function(self, module: Any, name: str) -> Any:
-        try:
-            exported = module.implements_function(name)
-        except Exception as exc:
-            raise ExecutionError("runtime", f"cannot inspect the uploaded library: {exc}") from exc
-        if not exported:
-            raise ExecutionError("compile", f"the uploaded library exports no function {name!r}")
-        try:
-            return module.get_function(name)
-        except Exception as exc:
-            raise ExecutionError("compile", shorten(f"cannot bind {name!r}: {exc}")) from exc
-
-    def is_library(self, value: object) -> bool:
-        tvm_ffi = sys.modules.get("tvm_ffi")
-        return tvm_ffi is not None and isinstance(value, tvm_ffi.Module)
-
-    def synchronize(self) -> None:
-        if self.device == "cuda":
-            import torch
-            for index in range(torch.cuda.device_count()):
-                torch.cuda.synchronize(index)
-
-    def release_cached_memory(self) -> None:
-        """Drain every visible device and give the allocator's unused cache back to the driver,
-        so a peer sharing the GPU gets the memory once the lease is released (docs/server.md §2.2)."""
-        if self.device != "cuda":
-            return
-        import torch
-        self.synchronize()
-        for index in range(torch.cuda.device_count()):
-            if torch.cuda.memory_reserved(index) > torch.cuda.memory_allocated(index):
-                with torch.cuda.device(index):
-                    torch.cuda.empty_cache()
-
-    def take_last_error(self) -> str | None:
-        """Read and clear CUDA's last error (docs/server.md §3.4 step 3) in every libcudart loaded here:
-        a bad launch configuration sits there without failing a synchronize.
-        -> "CUDA error <name> (<code>): <description>" for the first pending one, or None."""
-        if self.device != "cuda":
-            return None
-        found = None
-        for cudart in loaded_cudarts():
-            code = cudart.cudaGetLastError()  # also clears it
-            if code and found is None:
-                name, text = cudart.cudaGetErrorName(code), cudart.cudaGetErrorString(code)
-                found = f"CUDA error {(name or b'?').decode()} ({code}): {(text or b'?').decode()}"
-        return found
-
-
-RUNTIME = Runtime("cpu")
-_cudarts: dict[str, ctypes.CDLL] = {}  # path -> the ctypes handle of a libcudart this process loaded
-
-
-def cudart_paths(maps: str) -> list[str]:
-    """Paths of the CUDA runtime libraries mapped into a process, from its /proc/PID/maps text."""
-    paths = []
-    for line in maps.splitlines():
-        fields = line.split(maxsplit=5)
-        if len(fields) == 6 and os.path.basename(fields[5]).startswith("libcudart.so") and fields[5] not in paths:
-            paths.append(fields[5])
-    return paths
-
-
-def loaded_cudarts() -> list[ctypes.CDLL]:
-    """The libcudart copies already loaded (torch's, a library's own shared one): each keeps its own
-    last error.  Opening a loaded path again gives the same library, never a new copy."""
-    with open("/proc/self/maps") as f:
-        paths = cudart_paths(f.read())
-    for path in paths:
-        if path not in _cudarts:
+    import importlib
+    set_dumpable(False)  # a request may not ptrace or read the process that forks the next one
+    saved = {name: os.environ.get(name) for name in import_env}
+    os.environ.update(import_env)
+    for name in preload:
+        importlib.import_module(name)
+    for name, value in saved.items():
+        if value is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = value
+    conn = Connection(fd)
+    send_message(conn, WorkerReady(os.getpid()))
+    for message in messages(conn):
+        if not isinstance(message, ForkWorker):
+            raise UnexpectedMessage(f"a sandbox template cannot serve {message!r}")
+        pipe = reduction.recv_handle(conn)
+        pid = os.fork()
+        if pid == 0:
             try:
-                lib = ctypes.CDLL(path)
-            except OSError:
-                continue
-            lib.cudaGetLastError.restype = ctypes.c_int
-            for getter in (lib.cudaGetErrorName, lib.cudaGetErrorString):
-                getter.restype, getter.argtypes = ctypes.c_char_p, [ctypes.c_int]
-            _cudarts[path] = lib
-    return [_cudarts[p] for p in paths if p in _cudarts]
+                conn.close()
+                set_dumpable(True)
+                worker_main(Connection(pipe), message.device, message.visible_gpus)
+            finally:
+                os._exit(1)
+        os.close(pipe)
+        send_message(conn, WorkerForked(pid))
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        remove_ipc_objects()  # the front-end kills what the request left before it asks for the next worker
+        send_message(conn, WorkerExited(code))
 
 
-_cute_preloaded = False
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                      "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+                      "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID")
 
 
-def preload_cute_dsl_runtime() -> None:
-    """docs/server.md §4.2: libraries that CuTe DSL exported with `--enable-tvm-ffi` need its runtime
-    libraries loaded globally first.  Optional: without CuTe DSL (or with a broken one) nothing happens."""
-    global _cute_preloaded
-    if _cute_preloaded:
-        return
-    _cute_preloaded = True
-    with contextlib.suppress(Exception):
-        from cutlass.cute.runtime import find_runtime_libraries
-        for path in find_runtime_libraries(enable_tvm_ffi=True):
-            ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+def template_cuda_problem() -> str | None:
+    """Why this fork cannot use CUDA, or None.
 
-
-def torch_dtype(name: str) -> Any:
-    import torch
-    return getattr(torch, name)
-
-
-def numpy_dtype(name: str) -> Any:
-    import numpy
-    if name in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
-        import ml_dtypes
-        return numpy.dtype(getattr(ml_dtypes, name))
-    return numpy.dtype(name).newbyteorder("<")
-
-
-def numpy_dtype_array(data: Buffer, dtype: str, shape: list[int]) -> Any:
-    import numpy
-    return numpy.frombuffer(data, dtype=numpy_dtype(dtype)).reshape(shape)
-
-
-# --- value encoding (docs/protocol.md §9.5) -------------------------------------------------
-
-class Encoder:
-    """Encodes returned values depth-first, collecting binary parts in order."""
-
-    def __init__(self, first_part: int, byte_budget: int,
-                 known_digest: Callable[[object], str | None] = lambda value: None,
-                 max_parts: int = 1 << 62) -> None:
-        self.next_part = first_part
-        self.byte_budget = byte_budget
-        self.max_parts = max_parts
-        self.parts: list[tuple[memoryview, str | None]] = []  # (bytes, hash if a staged blob)
-        self.known_digest = known_digest  # a staged blob -> its SHA-256, anything else -> None
-
-    def part(self, data: Buffer, digest: str | None = None) -> tuple[str, str]:
-        # Only file/folder returns are held to the byte budget (docs/protocol.md §8.6, checked while reading);
-        # an oversized value makes the front-end answer 500 response_too_large (docs/protocol.md §9.8).
-        if self.next_part >= self.max_parts:
-            raise ExecutionError("serialization", f"a response may carry at most {self.max_parts} binary parts "
-                                 "(returned bytes, tensors and files)")
-        data = memoryview(data).cast("B")
-        self.byte_budget -= data.nbytes
-        self.parts.append((data, digest))
-        name = f"return:{self.next_part}"
-        self.next_part += 1
-        return name, digest or hashlib.sha256(data).hexdigest()
-
-    def value(self, v: object, depth: int = 0) -> dict[str, Any]:
-        if depth > MAX_VALUE_DEPTH:
-            raise ExecutionError("serialization", "returned value is nested too deeply")
-        if v is None:
-            return {"type": "null"}
-        if isinstance(v, bool):
-            return {"type": "boolean", "value": v}
-        if isinstance(v, int):
-            try:
-                str(int(v))  # the front-end's JSON encoder has the same digit limit
-            except ValueError:
-                raise ExecutionError("serialization", "cannot return an integer of more than "
-                                     f"{sys.get_int_max_str_digits()} digits") from None
-            return {"type": "integer", "value": int(v)}
-        if isinstance(v, float):
-            if v != v or v in (float("inf"), float("-inf")):
-                raise ExecutionError("serialization", "cannot return a non-finite number")
-            return {"type": "number", "value": float(v)}
-        if isinstance(v, str):
-            return {"type": "string", "value": str(v)}
-        if isinstance(v, (bytes, bytearray, memoryview)):
-            name, digest = self.part(v, self.known_digest(v))
-            return {"type": "bytes", "part": name, "sha256": digest}
-        if isinstance(v, (list, tuple)):
-            return {"type": "array", "value": [self.value(x, depth + 1) for x in v]}
-        if isinstance(v, dict):
-            if not all(isinstance(k, str) for k in v):
-                raise ExecutionError("serialization", "returned objects must have string keys")
-            return {"type": "object", "value": {str(k): self.value(x, depth + 1) for k, x in v.items()}}
-        tensor = tensor_bytes(v)
-        if tensor is not None:
-            dtype, shape, data = tensor
-            name, digest = self.part(data)
-            return {"type": "tensor", "dtype": dtype, "shape": shape, "part": name, "sha256": digest}
-        raise ExecutionError("serialization", f"cannot return value of type {type(v).__name__}")
-
-    def file(self, data: Buffer) -> dict[str, Any]:
-        name, digest = self.part(data)
-        return {"type": "file", "part": name, "sha256": digest, "size": len(data)}
-
-
-def tensor_bytes(v: object) -> tuple[str, list[int], Any] | None:
-    """(dtype, shape, little-endian bytes) for torch tensors and numpy arrays/scalars, else None."""
+    The template preloads torch (and tvm_ffi) so that a fresh worker per request
+    costs a fork, not seconds of imports; that is only sound while the template
+    never initialised CUDA (a CUDA context does not survive fork).  The front-end
+    sets PYTORCH_NVML_BASED_CUDA_CHECK=1 for it, so availability checks on import
+    ask NVML instead of calling cuInit.
+    """
     torch = sys.modules.get("torch")
-    if torch is not None and isinstance(v, torch.Tensor):
-        dtype = str(v.dtype).removeprefix("torch.")
-        if dtype not in DTYPE_SIZES:
-            raise ExecutionError("serialization", f"cannot return tensor dtype {dtype}")
-        try:
-            if v.is_cuda:  # kernels on another stream may still be writing it
-                torch.cuda.synchronize(v.device)
-            flat = v.detach().to("cpu").contiguous().reshape(-1)
-            return dtype, list(v.shape), flat.view(torch.uint8).numpy()
-        except Exception as exc:
-            raise ExecutionError("serialization", f"failed to export tensor: {exc}") from exc
-    numpy = sys.modules.get("numpy")
-    if numpy is not None and isinstance(v, (numpy.ndarray, numpy.generic)):
-        array = numpy.asarray(v)
-        dtype = array.dtype.name
-        # ml_dtypes (bfloat16, float8_*) have kind "V": check the item size, not the kind
-        if dtype not in DTYPE_SIZES or array.dtype.itemsize != DTYPE_SIZES[dtype]:
-            raise ExecutionError("serialization", f"cannot return tensor dtype {array.dtype}")
-        little = array.astype(array.dtype.newbyteorder("<"), copy=False)
-        return dtype, list(array.shape), numpy.ascontiguousarray(little).reshape(-1).view(numpy.uint8)
+    if torch is None or not hasattr(torch, "cuda"):
+        return None
+    bad_fork = getattr(torch.cuda, "_is_in_bad_fork", lambda: False)
+    if torch.cuda.is_initialized() or bad_fork():
+        return "the worker template initialised CUDA before forking; its workers cannot use the GPU"
     return None
 
 
-# --- workspace files (docs/protocol.md §8.3, 8.6) ------------------------------------------
+def prepare_gpu(visible_gpus: list[str]) -> None:
+    """Pin the worker to its GPU(s) before CUDA starts; host work only, no CUDA context yet.
+
+    torch reads CUDA_VISIBLE_DEVICES when CUDA initialises, not on import, so
+    pinning after the template imported it still holds.
+    """
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpus)
+    for name in TORCHRUN_VARIABLES:
+        os.environ.pop(name, None)
+    import torch  # noqa: F401  mandatory on GPU workers: failing here fails the start
+    with contextlib.suppress(ImportError):
+        import tvm_ffi  # noqa: F401  preloaded by the template; imported now rather than under the lease later
+
+
+def initialize_gpu() -> GpuInitialized:
+    """Create the CUDA context (the front-end holds the lease meanwhile).
+
+    -> GpuInitialized(arch like "sm_90a", CUDA version torch was built with, device 0's UUID or "").
+    """
+    import torch
+    torch.cuda.init()
+    torch.cuda.synchronize()
+    major, minor = torch.cuda.get_device_capability(0)
+    suffix = "a" if major >= 9 else ""
+    # later CPU-only compiles then need not query the driver
+    os.environ.setdefault("TVM_FFI_CUDA_ARCH_LIST", f"{major}.{minor}{suffix}")
+    uuid = getattr(torch.cuda.get_device_properties(0), "uuid", None)
+    return GpuInitialized(f"sm_{major}{minor}{suffix}", torch.version.cuda, str(uuid or ""))
+
+
+def serve_request(conn: Connection, request: JobRequest, runtime: Runtime) -> bool:
+    blobs = StagedBlobs(request.blob_file, request.blob_index)
+    capture = None
+    if request.capture:
+        out_fd = reduction.recv_handle(conn)
+        err_fd = reduction.recv_handle(conn)
+        capture = Capture(out_fd, err_fd)
+    lease = GpuLease(conn, runtime) if runtime.device == "cuda" else NoLease()
+    root_fd = os.open(request.workspace, NOFOLLOW_DIR)
+    os.chdir(request.workspace)
+    try:
+        program = ProgramRun(conn, request, blobs, root_fd, lease, runtime)
+        error = program.run()
+        error, poisoned = finish_on_device(program, error, lease, reused=not request.retire)
+        if terminate_escaped(request.grace) and error is None:
+            error = program.error_at_last("runtime", "program left background processes running; "
+                                          "they were terminated")
+    finally:
+        os.close(root_fd)
+        os.chdir("/")
+        if capture is not None:
+            capture.restore()
+    send_message(conn, RequestDone(error, poisoned))
+    return poisoned
+
+
+def finish_on_device(program: ProgramRun, error: ErrorObject | None, lease: GpuLease | NoLease,
+                     reused: bool) -> tuple[ErrorObject | None, bool]:
+    """docs/server.md §3.4, under the lease: drain the devices, read and clear CUDA's last error, and
+    on a worker that serves again drop the request's objects and give their GPU memory back
+    before the front-end releases the lease, so an idle worker never sits on a peer's memory.
+    -> (error, poisoned): a CUDA failure here makes the context unusable for later requests."""
+    poisoned = False
+    try:
+        lease.finish()
+    except Exception as exc:
+        poisoned = True
+        error = error or program.error_at_last("runtime", f"{type(exc).__name__}: {exc}")
+    runtime = program.runtime
+    cuda_error = runtime.take_last_error()
+    if cuda_error and error and error["kind"] == "gpu_access":
+        error["message"] += f"; CUDA also reports {cuda_error}"
+    elif cuda_error:
+        error = program.error_at_last("runtime", cuda_error)
+    program.handles.clear()
+    if reused and not poisoned and runtime.device == "cuda":
+        import gc
+        gc.collect()  # module-scope tensors in reference cycles
+        try:
+            runtime.release_cached_memory()
+        except Exception as exc:
+            poisoned = True
+            error = error or program.error_at_last("runtime", f"{type(exc).__name__}: {exc}")
+        finalize_cupti()
+    return error, poisoned
+
+
+def reset_process_state(env: dict[str, str]) -> None:
+    """Between requests of a reused worker: environment, source cache, garbage."""
+    import gc
+    for key in set(os.environ) - set(env):
+        del os.environ[key]
+    for key, value in env.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
+    for name in [n for n in linecache.cache if n.startswith("<uploaded:")]:
+        del linecache.cache[name]
+    gc.collect()
+
+
+# --- one program: instructions in order (docs/protocol.md §8) -------------------------------------
+
+class UploadedModule:
+    """The namespace of an uploaded Python module."""
+
+    def __init__(self, namespace: dict[str, Any]) -> None:
+        self.namespace = namespace
+
+
+def load_module(source: str) -> UploadedModule:
+    filename = f"<uploaded:{hashlib.sha1(source.encode('utf-8', 'surrogatepass')).hexdigest()[:16]}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    try:
+        code = compile(source, filename, "exec", dont_inherit=True)
+    except (SyntaxError, ValueError) as exc:
+        raise ExecutionError("parse", f"syntax error: {exc}") from exc
+    namespace = {}
+    try:
+        exec(code, namespace)
+    except Exception as exc:
+        raise ExecutionError("parse", f"{type(exc).__name__}: {exc}") from exc
+    return UploadedModule(namespace)
+
+
+class ProgramRun:
+    """One request's execution: handles, returns streamed to the front-end, the error."""
+
+    def __init__(self, conn: Connection, request: JobRequest, blobs: StagedBlobs, root_fd: int,
+                 lease: GpuLease | NoLease, runtime: Runtime) -> None:
+        self.conn = conn
+        self.runtime = runtime
+        self.request = request
+        self.blobs = blobs
+        self.root_fd = root_fd
+        self.lease = lease
+        self.handles: dict[str, Any] = {}
+        self.last_index = 0
+        self.cpu_only: set[str] = set()
+        self.encoder = Encoder(0, request.max_response_bytes, lambda value: self.blobs.digest_of(value),
+                               request.max_response_parts)
+
+    def run(self) -> ErrorObject | None:
+        for index, ins in enumerate(self.request.instructions):
+            self.last_index = index
+            send_message(self.conn, InstructionStarted(index))
+            try:
+                self.lease.before(ins, self.cpu_only)
+                getattr(self, "op_" + ins["op"])(ins)
+            except ExecutionError as exc:
+                kind, message = exc.kind, exc.message
+                if kind not in ERROR_KINDS:
+                    kind, message = "engine", f"ExecutionError with unknown kind {exc.kind!r}: {exc.message}"
+                error = error_object(kind, message, index, ins, getattr(exc, "stack", None) or traceback_text(exc))
+                error.update(getattr(exc, "fields", {}))
+                return error
+            except Exception as exc:
+                return error_object("engine", f"{type(exc).__name__}: {exc}", index, ins, traceback_text(exc))
+        return None
+
+    def ref(self, value: dict[str, str]) -> Any:
+        return self.handles[value["$ref"]]
+
+    def error_at_last(self, kind: str, message: str) -> ErrorObject:
+        """An error attributed to the last instruction started (docs/server.md §3.4)."""
+        index = self.last_index
+        return error_object(kind, message, index, self.request.instructions[index], "")
+
+    def op_upload(self, ins: Instruction) -> None:
+        kind = ins["kind"]
+        if kind == "module":
+            value = load_module(ins["source"])
+        elif kind == "bytes":
+            value = self.blobs.read(ins["blob"])
+        elif kind == "tensor":
+            value = self.runtime.load_tensor(self.blobs.read_writable(ins["blob"]), ins["dtype"], ins["shape"])
+        elif kind == "library":
+            value = self.runtime.load_library(ins["blob"], self.blobs.read(ins["blob"]))
+        else:
+            materialize(self.root_fd, ins["path"], self.blobs, ins["blob"])
+            value = ins["path"]
+        self.handles[ins["id"]] = value
+
+    def op_get_function(self, ins: Instruction) -> None:
+        target, name = self.ref(ins["module"]), ins["name"]
+        if isinstance(target, UploadedModule):
+            if name not in target.namespace:
+                raise ExecutionError("parse", f"the uploaded Python module defines no name {name!r}")
+            value = target.namespace[name]
+        elif self.runtime.is_library(target):
+            value = self.runtime.library_function(target, name)
+        elif self.runtime.device == "cpu":
+            raise ExecutionError("unavailable", "get_function needs an uploaded module or library")
+        else:
+            raise ExecutionError("runtime", "get_function needs an uploaded module or library")
+        if ins.get("cpu_only"):
+            self.cpu_only.add(ins["id"])
+        self.handles[ins["id"]] = value
+
+    def op_run(self, ins: Instruction) -> None:
+        fn = self.ref(ins["fn"])
+        if not callable(fn):
+            raise ExecutionError("runtime", f"handle {ins['fn']['$ref']!r} is not callable")
+        args = [self.ref(a) if is_ref(a) else a for a in ins.get("args", [])]
+        watched = self.runtime.device == "cuda" and ins["fn"]["$ref"] in self.cpu_only
+        with CudaCallGuard() if watched else contextlib.nullcontext():
+            self.handles[ins["id"]] = fn(*args)
+
+    def op_return(self, ins: Instruction) -> None:
+        self.encoder.parts = []
+        first_part = self.encoder.next_part
+        try:
+            encoded = self.encode_return(ins)
+            # JSON recurses twice per level: a value the encoder took can still be too deep
+            frame = encode_message(
+                ReturnValue(ins["key"], encoded, [digest or data.nbytes for data, digest in self.encoder.parts]))
+        except BaseException as exc:
+            # a failing return contributes nothing: give its part numbers back
+            self.encoder.byte_budget += sum(data.nbytes for data, _ in self.encoder.parts)
+            self.encoder.next_part = first_part
+            if isinstance(exc, RecursionError):
+                raise ExecutionError("serialization", "returned value is nested too deeply") from exc
+            raise
+        parts = self.encoder.parts
+        send_raw(self.conn, frame)
+        for data, staged in parts:
+            if staged is None:
+                send_raw(self.conn, data)
+
+    def encode_return(self, ins: Instruction) -> dict[str, Any]:
+        kind = ins.get("kind")
+        if kind is None:
+            return self.encoder.value(self.ref(ins["value"]))
+        path = ins["path"]
+        if is_ref(path):
+            try:
+                path = normalize_path(self.ref(path))
+            except ValidationError as exc:
+                raise ExecutionError("serialization", f"cannot return {kind}: {exc}") from exc
+        if kind == "file":
+            return self.encoder.file(collect_file(self.root_fd, path, self.encoder.byte_budget))
+        files, dirs = collect_folder(self.root_fd, path, self.encoder.byte_budget)
+        return {"type": "folder", "files": {rel: self.encoder.file(data) for rel, data in files.items()},
+                "directories": dirs}
+
+
+def error_object(kind: str, message: str, index: int, ins: Instruction, tb: str) -> ErrorObject:
+    return {"kind": kind, "message": message, "instruction_index": index,
+            "instruction_op": ins["op"], "instruction_id": ins.get("id"), "traceback": tb}
+
+
+def traceback_text(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(exc))[-TRACEBACK_CHARS:]
+
+
+class Capture:
+    """Points fds 1 and 2 (and sys.stdout/err) at the front-end's pipes for one request."""
+
+    def __init__(self, out_fd: int, err_fd: int) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            flush_quietly(stream)
+        self.saved = (os.dup(1), os.dup(2), sys.stdout, sys.stderr)
+        os.dup2(out_fd, 1)
+        os.dup2(err_fd, 2)
+        os.close(out_fd)
+        os.close(err_fd)
+        sys.stdout = text_stream(1)
+        sys.stderr = text_stream(2)
+
+    def restore(self) -> None:
+        saved_out, saved_err, sys_out, sys_err = self.saved
+        for stream in (sys.stdout, sys.stderr):
+            flush_quietly(stream)
+        os.dup2(saved_out, 1)
+        os.dup2(saved_err, 2)
+        os.close(saved_out)
+        os.close(saved_err)
+        sys.stdout, sys.stderr = sys_out, sys_err
+
+
+def text_stream(fd: int) -> io.TextIOWrapper:
+    # line-buffered like a terminal: printed lines reach the pipe before a native crash can lose them
+    return io.TextIOWrapper(open(fd, "wb", closefd=False), encoding="utf-8", errors="replace",
+                            line_buffering=True)
+
+
+def flush_quietly(stream: IO[str]) -> None:
+    try:
+        stream.flush()
+    except (OSError, ValueError, AttributeError):  # user code may have closed the fd
+        pass
+
+
+# --- workspace files (docs/protocol.md §8.3, 8.6) -------------------------------------------------
 
 NOFOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -1104,201 +1110,268 @@ def collect_folder(root_fd: int, path: str, budget: int) -> tuple[dict[str, byte
     return dict(sorted(files.items())), sorted(dirs)
 
 
-# --- output capture ---------------------------------------------------------
+# --- value encoding (docs/protocol.md §9.5) -------------------------------------------------------
 
-class Capture:
-    """Points fds 1 and 2 (and sys.stdout/err) at the front-end's pipes for one request."""
+class Encoder:
+    """Encodes returned values depth-first, collecting binary parts in order."""
 
-    def __init__(self, out_fd: int, err_fd: int) -> None:
-        for stream in (sys.stdout, sys.stderr):
-            flush_quietly(stream)
-        self.saved = (os.dup(1), os.dup(2), sys.stdout, sys.stderr)
-        os.dup2(out_fd, 1)
-        os.dup2(err_fd, 2)
-        os.close(out_fd)
-        os.close(err_fd)
-        sys.stdout = text_stream(1)
-        sys.stderr = text_stream(2)
+    def __init__(self, first_part: int, byte_budget: int,
+                 known_digest: Callable[[object], str | None] = lambda value: None,
+                 max_parts: int = 1 << 62) -> None:
+        self.next_part = first_part
+        self.byte_budget = byte_budget
+        self.max_parts = max_parts
+        self.parts: list[tuple[memoryview, str | None]] = []  # (bytes, hash if a staged blob)
+        self.known_digest = known_digest  # a staged blob -> its SHA-256, anything else -> None
 
-    def restore(self) -> None:
-        saved_out, saved_err, sys_out, sys_err = self.saved
-        for stream in (sys.stdout, sys.stderr):
-            flush_quietly(stream)
-        os.dup2(saved_out, 1)
-        os.dup2(saved_err, 2)
-        os.close(saved_out)
-        os.close(saved_err)
-        sys.stdout, sys.stderr = sys_out, sys_err
+    def part(self, data: Buffer, digest: str | None = None) -> tuple[str, str]:
+        # Only file/folder returns are held to the byte budget (docs/protocol.md §8.6, checked while reading);
+        # an oversized value makes the front-end answer 500 response_too_large (docs/protocol.md §9.8).
+        if self.next_part >= self.max_parts:
+            raise ExecutionError("serialization", f"a response may carry at most {self.max_parts} binary parts "
+                                 "(returned bytes, tensors and files)")
+        data = memoryview(data).cast("B")
+        self.byte_budget -= data.nbytes
+        self.parts.append((data, digest))
+        name = f"return:{self.next_part}"
+        self.next_part += 1
+        return name, digest or hashlib.sha256(data).hexdigest()
 
-
-def text_stream(fd: int) -> io.TextIOWrapper:
-    # line-buffered like a terminal: printed lines reach the pipe before a native crash can lose them
-    return io.TextIOWrapper(open(fd, "wb", closefd=False), encoding="utf-8", errors="replace",
-                            line_buffering=True)
-
-
-def flush_quietly(stream: IO[str]) -> None:
-    try:
-        stream.flush()
-    except (OSError, ValueError, AttributeError):  # user code may have closed the fd
-        pass
-
-
-# --- the engine ---------------------------------------------------------------
-
-class UploadedModule:
-    """The namespace of an uploaded Python module."""
-
-    def __init__(self, namespace: dict[str, Any]) -> None:
-        self.namespace = namespace
-
-
-def load_module(source: str) -> UploadedModule:
-    filename = f"<uploaded:{hashlib.sha1(source.encode('utf-8', 'surrogatepass')).hexdigest()[:16]}>"
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    try:
-        code = compile(source, filename, "exec", dont_inherit=True)
-    except (SyntaxError, ValueError) as exc:
-        raise ExecutionError("parse", f"syntax error: {exc}") from exc
-    namespace = {}
-    try:
-        exec(code, namespace)
-    except Exception as exc:
-        raise ExecutionError("parse", f"{type(exc).__name__}: {exc}") from exc
-    return UploadedModule(namespace)
-
-
-class ProgramRun:
-    """One request's execution: handles, returns streamed to the front-end, the error."""
-
-    def __init__(self, conn: Connection, request: JobRequest, blobs: StagedBlobs, root_fd: int,
-                 lease: GpuLease | NoLease) -> None:
-        self.conn = conn
-        self.request = request
-        self.blobs = blobs
-        self.root_fd = root_fd
-        self.lease = lease
-        self.handles: dict[str, Any] = {}
-        self.last_index = 0
-        self.cpu_only: set[str] = set()
-        self.encoder = Encoder(0, request.max_response_bytes, lambda value: self.blobs.digest_of(value),
-                               request.max_response_parts)
-
-    def run(self) -> ErrorObject | None:
-        for index, ins in enumerate(self.request.instructions):
-            self.last_index = index
-            send_message(self.conn, InstructionStarted(index))
+    def value(self, v: object, depth: int = 0) -> dict[str, Any]:
+        if depth > MAX_VALUE_DEPTH:
+            raise ExecutionError("serialization", "returned value is nested too deeply")
+        if v is None:
+            return {"type": "null"}
+        if isinstance(v, bool):
+            return {"type": "boolean", "value": v}
+        if isinstance(v, int):
             try:
-                self.lease.before(ins, self.cpu_only)
-                getattr(self, "op_" + ins["op"])(ins)
-            except ExecutionError as exc:
-                kind, message = exc.kind, exc.message
-                if kind not in ERROR_KINDS:
-                    kind, message = "engine", f"ExecutionError with unknown kind {exc.kind!r}: {exc.message}"
-                error = error_object(kind, message, index, ins, getattr(exc, "stack", None) or traceback_text(exc))
-                error.update(getattr(exc, "fields", {}))
-                return error
-            except Exception as exc:
-                return error_object("engine", f"{type(exc).__name__}: {exc}", index, ins, traceback_text(exc))
-        return None
+                str(int(v))  # the front-end's JSON encoder has the same digit limit
+            except ValueError:
+                raise ExecutionError("serialization", "cannot return an integer of more than "
+                                     f"{sys.get_int_max_str_digits()} digits") from None
+            return {"type": "integer", "value": int(v)}
+        if isinstance(v, float):
+            if v != v or v in (float("inf"), float("-inf")):
+                raise ExecutionError("serialization", "cannot return a non-finite number")
+            return {"type": "number", "value": float(v)}
+        if isinstance(v, str):
+            return {"type": "string", "value": str(v)}
+        if isinstance(v, (bytes, bytearray, memoryview)):
+            name, digest = self.part(v, self.known_digest(v))
+            return {"type": "bytes", "part": name, "sha256": digest}
+        if isinstance(v, (list, tuple)):
+            return {"type": "array", "value": [self.value(x, depth + 1) for x in v]}
+        if isinstance(v, dict):
+            if not all(isinstance(k, str) for k in v):
+                raise ExecutionError("serialization", "returned objects must have string keys")
+            return {"type": "object", "value": {str(k): self.value(x, depth + 1) for k, x in v.items()}}
+        tensor = tensor_bytes(v)
+        if tensor is not None:
+            dtype, shape, data = tensor
+            name, digest = self.part(data)
+            return {"type": "tensor", "dtype": dtype, "shape": shape, "part": name, "sha256": digest}
+        raise ExecutionError("serialization", f"cannot return value of type {type(v).__name__}")
 
-    def ref(self, value: dict[str, str]) -> Any:
-        return self.handles[value["$ref"]]
+    def file(self, data: Buffer) -> dict[str, Any]:
+        name, digest = self.part(data)
+        return {"type": "file", "part": name, "sha256": digest, "size": len(data)}
 
-    def error_at_last(self, kind: str, message: str) -> ErrorObject:
-        """An error attributed to the last instruction started (docs/server.md §3.4)."""
-        index = self.last_index
-        return error_object(kind, message, index, self.request.instructions[index], "")
 
-    def op_upload(self, ins: Instruction) -> None:
-        kind = ins["kind"]
-        if kind == "module":
-            value = load_module(ins["source"])
-        elif kind == "bytes":
-            value = self.blobs.read(ins["blob"])
-        elif kind == "tensor":
-            value = RUNTIME.load_tensor(self.blobs.read_writable(ins["blob"]), ins["dtype"], ins["shape"])
-        elif kind == "library":
-            value = RUNTIME.load_library(ins["blob"], self.blobs.read(ins["blob"]))
-        else:
-            materialize(self.root_fd, ins["path"], self.blobs, ins["blob"])
-            value = ins["path"]
-        self.handles[ins["id"]] = value
-
-    def op_get_function(self, ins: Instruction) -> None:
-        target, name = self.ref(ins["module"]), ins["name"]
-        if isinstance(target, UploadedModule):
-            if name not in target.namespace:
-                raise ExecutionError("parse", f"the uploaded Python module defines no name {name!r}")
-            value = target.namespace[name]
-        elif RUNTIME.is_library(target):
-            value = RUNTIME.library_function(target, name)
-        elif RUNTIME.device == "cpu":
-            raise ExecutionError("unavailable", "get_function needs an uploaded module or library")
-        else:
-            raise ExecutionError("runtime", "get_function needs an uploaded module or library")
-        if ins.get("cpu_only"):
-            self.cpu_only.add(ins["id"])
-        self.handles[ins["id"]] = value
-
-    def op_run(self, ins: Instruction) -> None:
-        fn = self.ref(ins["fn"])
-        if not callable(fn):
-            raise ExecutionError("runtime", f"handle {ins['fn']['$ref']!r} is not callable")
-        args = [self.ref(a) if is_ref(a) else a for a in ins.get("args", [])]
-        watched = RUNTIME.device == "cuda" and ins["fn"]["$ref"] in self.cpu_only
-        with CudaCallGuard() if watched else contextlib.nullcontext():
-            self.handles[ins["id"]] = fn(*args)
-
-    def op_return(self, ins: Instruction) -> None:
-        self.encoder.parts = []
-        first_part = self.encoder.next_part
+def tensor_bytes(v: object) -> tuple[str, list[int], Any] | None:
+    """(dtype, shape, little-endian bytes) for torch tensors and numpy arrays/scalars, else None."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(v, torch.Tensor):
+        dtype = str(v.dtype).removeprefix("torch.")
+        if dtype not in DTYPE_SIZES:
+            raise ExecutionError("serialization", f"cannot return tensor dtype {dtype}")
         try:
-            encoded = self.encode_return(ins)
-            # JSON recurses twice per level: a value the encoder took can still be too deep
-            frame = encode_message(
-                ReturnValue(ins["key"], encoded, [digest or data.nbytes for data, digest in self.encoder.parts]))
-        except BaseException as exc:
-            # a failing return contributes nothing: give its part numbers back
-            self.encoder.byte_budget += sum(data.nbytes for data, _ in self.encoder.parts)
-            self.encoder.next_part = first_part
-            if isinstance(exc, RecursionError):
-                raise ExecutionError("serialization", "returned value is nested too deeply") from exc
-            raise
-        parts = self.encoder.parts
-        send_raw(self.conn, frame)
-        for data, staged in parts:
-            if staged is None:
-                send_raw(self.conn, data)
+            if v.is_cuda:  # kernels on another stream may still be writing it
+                torch.cuda.synchronize(v.device)
+            flat = v.detach().to("cpu").contiguous().reshape(-1)
+            return dtype, list(v.shape), flat.view(torch.uint8).numpy()
+        except Exception as exc:
+            raise ExecutionError("serialization", f"failed to export tensor: {exc}") from exc
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(v, (numpy.ndarray, numpy.generic)):
+        array = numpy.asarray(v)
+        dtype = array.dtype.name
+        # ml_dtypes (bfloat16, float8_*) have kind "V": check the item size, not the kind
+        if dtype not in DTYPE_SIZES or array.dtype.itemsize != DTYPE_SIZES[dtype]:
+            raise ExecutionError("serialization", f"cannot return tensor dtype {array.dtype}")
+        little = array.astype(array.dtype.newbyteorder("<"), copy=False)
+        return dtype, list(array.shape), numpy.ascontiguousarray(little).reshape(-1).view(numpy.uint8)
+    return None
 
-    def encode_return(self, ins: Instruction) -> dict[str, Any]:
-        kind = ins.get("kind")
-        if kind is None:
-            return self.encoder.value(self.ref(ins["value"]))
-        path = ins["path"]
-        if is_ref(path):
+
+def torch_dtype(name: str) -> Any:
+    import torch
+    return getattr(torch, name)
+
+
+def numpy_dtype(name: str) -> Any:
+    import numpy
+    if name in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
+        import ml_dtypes
+        return numpy.dtype(getattr(ml_dtypes, name))
+    return numpy.dtype(name).newbyteorder("<")
+
+
+def numpy_dtype_array(data: Buffer, dtype: str, shape: list[int]) -> Any:
+    import numpy
+    return numpy.frombuffer(data, dtype=numpy_dtype(dtype)).reshape(shape)
+
+
+# --- runtimes: tensors, libraries, the GPU lease, CUDA's guards ------------------------------------
+
+class Runtime:
+    """Device-specific pieces: tensors, libraries, synchronisation.
+
+    `device` is "cpu" or "cuda".  Tensors become torch tensors when torch is
+    installed (numpy arrays otherwise); libraries load with tvm_ffi on both.
+    """
+
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = device
+        self.libraries: dict[str, Any] = {}  # blob hash -> loaded module, least recently used first
+
+    def load_tensor(self, data: bytearray, dtype: str, shape: list[int]) -> Any:
+        """`data` is a private writable buffer: the tensor may keep it."""
+        try:
+            import torch
+        except ImportError:
+            return numpy_dtype_array(data, dtype, shape)
+        try:
+            if not data:
+                return torch.empty(shape, dtype=torch_dtype(dtype), device=self.device)
+            flat = torch.frombuffer(data, dtype=torch.uint8)
+            return flat.view(torch_dtype(dtype)).reshape(shape).to(self.device)
+        except Exception as exc:
+            raise ExecutionError("runtime", f"malformed tensor: {exc}") from exc
+
+    def load_library(self, blob_hash: str, data: bytes) -> Any:
+        if blob_hash in self.libraries:
+            self.libraries[blob_hash] = module = self.libraries.pop(blob_hash)
+            return module
+        try:
+            import tvm_ffi
+        except ImportError:
+            raise ExecutionError("unavailable", "library uploads need apache-tvm-ffi "
+                                 "in the worker environment") from None
+        if importlib.util.find_spec("tvm") is not None:
+            with contextlib.suppress(Exception):  # tvm registers the loaders of device modules a library may embed
+                import tvm  # noqa: F401
+        if self.device == "cuda":
+            preload_cute_dsl_runtime()
+        import tempfile
+        fd, path = tempfile.mkstemp(prefix=f"{blob_hash}-", suffix=".so")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            module = tvm_ffi.load_module(path)
+        except Exception as exc:
+            raise ExecutionError("compile", shorten(f"cannot load the uploaded library: {exc}")) from exc
+        finally:
+            os.unlink(path)  # the mapping outlives the file
+        self.libraries[blob_hash] = module
+        while len(self.libraries) > 32:
+            self.libraries.pop(next(iter(self.libraries)))
+        return module
+
+    def library_function(self, module: Any, name: str) -> Any:
+        try:
+            exported = module.implements_function(name)
+        except Exception as exc:
+            raise ExecutionError("runtime", f"cannot inspect the uploaded library: {exc}") from exc
+        if not exported:
+            raise ExecutionError("compile", f"the uploaded library exports no function {name!r}")
+        try:
+            return module.get_function(name)
+        except Exception as exc:
+            raise ExecutionError("compile", shorten(f"cannot bind {name!r}: {exc}")) from exc
+
+    def is_library(self, value: object) -> bool:
+        tvm_ffi = sys.modules.get("tvm_ffi")
+        return tvm_ffi is not None and isinstance(value, tvm_ffi.Module)
+
+    def synchronize(self) -> None:
+        if self.device == "cuda":
+            import torch
+            for index in range(torch.cuda.device_count()):
+                torch.cuda.synchronize(index)
+
+    def release_cached_memory(self) -> None:
+        """Drain every visible device and give the allocator's unused cache back to the driver,
+        so a peer sharing the GPU gets the memory once the lease is released (docs/server.md §2.2)."""
+        if self.device != "cuda":
+            return
+        import torch
+        self.synchronize()
+        for index in range(torch.cuda.device_count()):
+            if torch.cuda.memory_reserved(index) > torch.cuda.memory_allocated(index):
+                with torch.cuda.device(index):
+                    torch.cuda.empty_cache()
+
+    def take_last_error(self) -> str | None:
+        """Read and clear CUDA's last error (docs/server.md §3.4 step 3) in every libcudart loaded here:
+        a bad launch configuration sits there without failing a synchronize.
+        -> "CUDA error <name> (<code>): <description>" for the first pending one, or None."""
+        if self.device != "cuda":
+            return None
+        found = None
+        for cudart in loaded_cudarts():
+            code = cudart.cudaGetLastError()  # also clears it
+            if code and found is None:
+                name, text = cudart.cudaGetErrorName(code), cudart.cudaGetErrorString(code)
+                found = f"CUDA error {(name or b'?').decode()} ({code}): {(text or b'?').decode()}"
+        return found
+
+
+_cudarts: dict[str, ctypes.CDLL] = {}  # path -> the ctypes handle of a libcudart this process loaded
+
+
+def cudart_paths(maps: str) -> list[str]:
+    """Paths of the CUDA runtime libraries mapped into a process, from its /proc/PID/maps text."""
+    paths = []
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and os.path.basename(fields[5]).startswith("libcudart.so") and fields[5] not in paths:
+            paths.append(fields[5])
+    return paths
+
+
+def loaded_cudarts() -> list[ctypes.CDLL]:
+    """The libcudart copies already loaded (torch's, a library's own shared one): each keeps its own
+    last error.  Opening a loaded path again gives the same library, never a new copy."""
+    with open("/proc/self/maps") as f:
+        paths = cudart_paths(f.read())
+    for path in paths:
+        if path not in _cudarts:
             try:
-                path = normalize_path(self.ref(path))
-            except ValidationError as exc:
-                raise ExecutionError("serialization", f"cannot return {kind}: {exc}") from exc
-        if kind == "file":
-            return self.encoder.file(collect_file(self.root_fd, path, self.encoder.byte_budget))
-        files, dirs = collect_folder(self.root_fd, path, self.encoder.byte_budget)
-        return {"type": "folder", "files": {rel: self.encoder.file(data) for rel, data in files.items()},
-                "directories": dirs}
+                lib = ctypes.CDLL(path)
+            except OSError:
+                continue
+            lib.cudaGetLastError.restype = ctypes.c_int
+            for getter in (lib.cudaGetErrorName, lib.cudaGetErrorString):
+                getter.restype, getter.argtypes = ctypes.c_char_p, [ctypes.c_int]
+            _cudarts[path] = lib
+    return [_cudarts[p] for p in paths if p in _cudarts]
 
 
-def is_ref(value: object) -> bool:
-    return isinstance(value, dict) and len(value) == 1 and isinstance(value.get("$ref"), str) and value["$ref"] != ""
+_cute_preloaded = False
 
 
-def error_object(kind: str, message: str, index: int, ins: Instruction, tb: str) -> ErrorObject:
-    return {"kind": kind, "message": message, "instruction_index": index,
-            "instruction_op": ins["op"], "instruction_id": ins.get("id"), "traceback": tb}
-
-
-def traceback_text(exc: BaseException) -> str:
-    return "".join(traceback.format_exception(exc))[-TRACEBACK_CHARS:]
+def preload_cute_dsl_runtime() -> None:
+    """docs/server.md §4.2: libraries that CuTe DSL exported with `--enable-tvm-ffi` need its runtime
+    libraries loaded globally first.  Optional: without CuTe DSL (or with a broken one) nothing happens."""
+    global _cute_preloaded
+    if _cute_preloaded:
+        return
+    _cute_preloaded = True
+    with contextlib.suppress(Exception):
+        from cutlass.cute.runtime import find_runtime_libraries
+        for path in find_runtime_libraries(enable_tvm_ffi=True):
+            ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
 
 
 class NoLease:
@@ -1314,8 +1387,9 @@ class NoLease:
 class GpuLease:
     """The worker's side of the front-end's lease on its GPU(s) (docs/server.md §2.2)."""
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Connection, runtime: Runtime) -> None:
         self.conn = conn
+        self.runtime = runtime
         self.held = False
 
     def before(self, ins: Instruction, cpu_only: set[str]) -> None:
@@ -1336,14 +1410,14 @@ class GpuLease:
 
     def release(self) -> None:
         if self.held:
-            RUNTIME.release_cached_memory()
+            self.runtime.release_cached_memory()
             send_message(self.conn, ReleaseLease())
             self.held = False
 
     def finish(self) -> None:
         """End-of-request drain under the lease; a CUDA error here fails the program."""
         self.acquire()
-        RUNTIME.synchronize()
+        self.runtime.synchronize()
 
 
 class CudaCallGuard:
@@ -1427,347 +1501,292 @@ def call_site(stack: traceback.StackSummary | list[traceback.FrameSummary]) -> s
     return f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else "an unknown call site"
 
 
-# --- the worker process -------------------------------------------------------
+# --- kcoral.builtins and kcoral.errors: what uploaded code imports ---------------------------------
 
-def worker_main(conn: Connection, device: str, visible_gpus: list[str]) -> None:
-    """Entry point of a worker process forked from the template.
+def install_kcoral_modules() -> tuple[types.ModuleType, types.ModuleType]:
+    """Publish `kcoral.errors` and `kcoral.builtins` in sys.modules; -> (errors, builtins).
 
-    It leads its own process group so that the front-end can kill everything
-    a program started with one signal.
+    Once `kcoral` itself is imported (or not at all: `from kcoral.errors import X` finds a
+    published submodule directly), the import system takes these entries, so the names work
+    in uploaded code and, through kcoral.py calling this, in any process that can import
+    kcoral -- without this file importing kcoral back.  Idempotent.
     """
-    os.setsid()
-    die_with_parent()
-    become_subreaper()
-    os.environ[WORKER_MARK] = str(os.getpid())  # inherited: finds what escapes after a crash
-    problem = template_cuda_problem()
-    if problem:
-        send_message(conn, WorkerFailed(problem))
-        os._exit(1)
-    global RUNTIME
-    if device == "cuda":
-        prepare_gpu(visible_gpus)
-    RUNTIME = Runtime(device)
-    install_kcoral_modules()
-    import gc
-    gc.freeze()  # the template's objects are permanent: later collections skip them
-    env = dict(os.environ)
-    send_message(conn, WorkerReady(os.getpid()))
-    for message in messages(conn):
-        match message:
-            case StopWorker():
-                os._exit(0)
-            case InitGpu():
-                send_message(conn, initialize_gpu())
-                env = dict(os.environ)
-            case JobRequest():
-                poisoned = serve_request(conn, message)
-                if message.retire or poisoned:
-                    os._exit(0)
-                reset_process_state(env)
-            case _:
-                raise UnexpectedMessage(f"a worker cannot serve {message!r}")
+    if "kcoral.errors" in sys.modules and "kcoral.builtins" in sys.modules:
+        return sys.modules["kcoral.errors"], sys.modules["kcoral.builtins"]
+    errors = types.ModuleType("kcoral.errors")
+    errors.ExecutionError = ExecutionError
+    errors.ValidationError = ValidationError
+    builtins_mod = types.ModuleType("kcoral.builtins")
+    builtins_mod.benchmark = benchmark
+    builtins_mod.compile_tirx = compile_tirx
+    builtins_mod.__all__ = ["benchmark", "compile_tirx"]
+    sys.modules["kcoral.errors"] = errors
+    sys.modules["kcoral.builtins"] = builtins_mod
+    return errors, builtins_mod
 
 
-def messages(conn: Connection) -> Iterator[object]:
-    """What the front-end sends, one message at a time; when it closes the pipe, this process
-    (a worker or a sandbox template) has nothing left to do and exits quietly."""
-    while True:
+_compiled: dict[int, Any] = {}  # structural hash -> executable, least recently used first
+
+
+def compile_tirx(fn: Any, bindings: dict[str, Any] | None = None) -> Any:
+    """Compile a TVM TIRx kernel for CUDA (docs/server.md §5.1); cached by structural hash."""
+    try:
+        import tvm
+        from tvm import tirx
+    except ImportError:
+        raise ExecutionError("unavailable", "server-side compilation requires tvm, "
+                             "which is not installed on this server") from None
+    if bindings is not None and not isinstance(bindings, dict):
+        raise ExecutionError("compile", "compile_tirx bindings must be a dict")
+    if isinstance(fn, tirx.PrimFunc):
+        if bindings:
+            raise ExecutionError("compile", "a @T.prim_func takes no bindings")
+        prim_func = fn
+    elif hasattr(fn, "specialize"):
         try:
-            yield receive_message(conn)[0]
-        except EOFError:
-            os._exit(0)
-
-
-WORKER_MARK = "KCORAL_WORKER_PID"
-
-
-def template_main(fd: int, preload: list[str], import_env: dict[str, str]) -> None:
-    """Entry point of a slot's template inside its bubblewrap sandbox (kcoral.py SandboxTemplate).
-
-    It imports once (with `import_env` set meanwhile), then per `ForkWorker` (plus the worker's
-    pipe, passed as a handle) forks one worker, answers `WorkerForked` and, once that worker is
-    gone, `WorkerExited`.
-    """
-    import importlib
-    set_dumpable(False)  # a request may not ptrace or read the process that forks the next one
-    saved = {name: os.environ.get(name) for name in import_env}
-    os.environ.update(import_env)
-    for name in preload:
-        importlib.import_module(name)
-    for name, value in saved.items():
-        if value is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = value
-    conn = Connection(fd)
-    send_message(conn, WorkerReady(os.getpid()))
-    for message in messages(conn):
-        if not isinstance(message, ForkWorker):
-            raise UnexpectedMessage(f"a sandbox template cannot serve {message!r}")
-        pipe = reduction.recv_handle(conn)
-        pid = os.fork()
-        if pid == 0:
-            try:
-                conn.close()
-                set_dumpable(True)
-                worker_main(Connection(pipe), message.device, message.visible_gpus)
-            finally:
-                os._exit(1)
-        os.close(pipe)
-        send_message(conn, WorkerForked(pid))
-        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-        remove_ipc_objects()  # the front-end kills what the request left before it asks for the next worker
-        send_message(conn, WorkerExited(code))
-
-
-IPC_RMID = 0
-
-
-def remove_ipc_objects() -> None:
-    """Remove the System V shared memory, semaphores and message queues and the POSIX message
-    queues of the container's IPC namespace: they are not files, so emptying its directories
-    would leave them for the next request (/dev/mqueue is the namespace's own mqueue mount)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    removers = {"shm": lambda i: libc.shmctl(i, IPC_RMID, None), "msg": lambda i: libc.msgctl(i, IPC_RMID, None),
-                "sem": lambda i: libc.semctl(i, 0, IPC_RMID)}
-    for name, remove in removers.items():
-        with contextlib.suppress(OSError), open(f"/proc/sysvipc/{name}") as table:
-            for line in list(table)[1:]:  # after the header: key, id, ...
-                fields = line.split()
-                if len(fields) > 1 and fields[1].isdigit():
-                    remove(int(fields[1]))
-    with contextlib.suppress(OSError):
-        for queue in os.listdir("/dev/mqueue"):
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join("/dev/mqueue", queue))
-
-
-def set_dumpable(flag: bool) -> None:
-    try:
-        import ctypes
-        ctypes.CDLL(None).prctl(4, int(flag), 0, 0, 0)  # PR_SET_DUMPABLE
-    except (OSError, AttributeError):
-        pass
-
-
-def become_subreaper() -> None:
-    """Orphans of the program stay our descendants, so a new session cannot hide them."""
-    try:
-        import ctypes
-        ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
-    except (OSError, AttributeError):
-        pass
-
-
-def escaped_descendants() -> list[int]:
-    """Live descendants outside our process group (started with a new session or group).
-
-    The front-end kills and reports what is left in the group; these it cannot see.
-    """
-    me, parents, groups = os.getpid(), {}, {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    fields = f.read().rpartition(b")")[2].split()
-            except OSError:
-                continue
-            if fields[0] != b"Z":
-                parents[int(name)], groups[int(name)] = int(fields[1]), int(fields[2])
-    tree, frontier = set(), {me}
-    while frontier:
-        frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - tree
-        tree |= frontier
-    group = os.getpgid(0)
-    return sorted(pid for pid in tree if groups[pid] != group)
-
-
-def terminate_escaped(grace: float) -> bool:
-    """SIGTERM the escaped descendants, SIGKILL them after `grace` s, sweep after sweep (reaping
-    them as their subreaper); -> whether there were any."""
-    found = bool(escaped_descendants())
-
-    def remaining() -> list[int]:
-        with contextlib.suppress(ChildProcessError):  # as their subreaper we reap them, or they linger as zombies
-            while os.waitpid(-1, os.WNOHANG)[0]:
-                pass
-        return escaped_descendants()
-
-    if found:
-        terminate(remaining, grace, 10.0)
-    return found
-
-
-def terminate(remaining: Callable[[], list[int]], grace: float, kill_for: float, group: int | None = None,
-              keep_groups: Collection[int] = ()) -> bool:
-    """SIGTERM each process `remaining()` lists, then, once `grace` has passed, freeze and kill
-    what is left, for up to `kill_for` seconds.  -> whether none is left.
-
-    Killing pid after pid loses to a chain that forks and exits as fast as it can: a snapshot of
-    /proc is stale by the time it is signalled.  So every signal also goes to the process group
-    of each process found (but ours, `group`'s owner's and `keep_groups`), which the kernel
-    delivers to all members at once, forks in progress included; and each sweep SIGSTOPs what
-    it finds (a stopped process cannot fork), SIGKILLing once a sweep finds nothing new.  A
-    chain that also starts a new session in every generation can still outrun the sweeps:
-    only a PID namespace (the sandbox's container) ends that for certain."""
-    spared = {os.getpgrp(), *keep_groups}
-
-    def signal_all(pids: list[int], sig: int) -> None:
-        groups = {group} if group is not None else set()
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                groups.add(os.getpgid(pid))
-                os.kill(pid, sig)
-        for pgid in groups - spared:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, sig)
-
-    pids = remaining()
-    signal_all(pids, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while pids and time.monotonic() < deadline:
-        time.sleep(0.01)
-        pids = remaining()
-    deadline, seen = time.monotonic() + kill_for, set()
-    while pids:
-        signal_all(pids, signal.SIGSTOP)
-        if set(pids) <= seen:  # nothing new since the last sweep: all stopped
-            signal_all(pids, signal.SIGKILL)
-        if time.monotonic() >= deadline:
-            break
-        seen = set(pids)
-        time.sleep(0.001)
-        pids = remaining()
-    return not pids
-
-
-def die_with_parent() -> None:
-    """If the server dies hard, its template exits and takes the workers with it."""
-    try:
-        import ctypes
-        import signal
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-                      "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
-                      "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID")
-
-
-def template_cuda_problem() -> str | None:
-    """Why this fork cannot use CUDA, or None.
-
-    The template preloads torch (and tvm_ffi) so that a fresh worker per request
-    costs a fork, not seconds of imports; that is only sound while the template
-    never initialised CUDA (a CUDA context does not survive fork).  The front-end
-    sets PYTORCH_NVML_BASED_CUDA_CHECK=1 for it, so availability checks on import
-    ask NVML instead of calling cuInit.
-    """
-    torch = sys.modules.get("torch")
-    if torch is None or not hasattr(torch, "cuda"):
-        return None
-    bad_fork = getattr(torch.cuda, "_is_in_bad_fork", lambda: False)
-    if torch.cuda.is_initialized() or bad_fork():
-        return "the worker template initialised CUDA before forking; its workers cannot use the GPU"
-    return None
-
-
-def prepare_gpu(visible_gpus: list[str]) -> None:
-    """Pin the worker to its GPU(s) before CUDA starts; host work only, no CUDA context yet.
-
-    torch reads CUDA_VISIBLE_DEVICES when CUDA initialises, not on import, so
-    pinning after the template imported it still holds.
-    """
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpus)
-    for name in TORCHRUN_VARIABLES:
-        os.environ.pop(name, None)
-    import torch  # noqa: F401  mandatory on GPU workers: failing here fails the start
-    with contextlib.suppress(ImportError):
-        import tvm_ffi  # noqa: F401  preloaded by the template; imported now rather than under the lease later
-
-
-def initialize_gpu() -> GpuInitialized:
-    """Create the CUDA context (the front-end holds the lease meanwhile).
-
-    -> GpuInitialized(arch like "sm_90a", CUDA version torch was built with, device 0's UUID or "").
-    """
-    import torch
-    torch.cuda.init()
-    torch.cuda.synchronize()
-    major, minor = torch.cuda.get_device_capability(0)
-    suffix = "a" if major >= 9 else ""
-    # later CPU-only compiles then need not query the driver
-    os.environ.setdefault("TVM_FFI_CUDA_ARCH_LIST", f"{major}.{minor}{suffix}")
-    uuid = getattr(torch.cuda.get_device_properties(0), "uuid", None)
-    return GpuInitialized(f"sm_{major}{minor}{suffix}", torch.version.cuda, str(uuid or ""))
-
-
-def serve_request(conn: Connection, request: JobRequest) -> bool:
-    blobs = StagedBlobs(request.blob_file, request.blob_index)
-    capture = None
-    if request.capture:
-        out_fd = reduction.recv_handle(conn)
-        err_fd = reduction.recv_handle(conn)
-        capture = Capture(out_fd, err_fd)
-    lease = GpuLease(conn) if RUNTIME.device == "cuda" else NoLease()
-    root_fd = os.open(request.workspace, NOFOLLOW_DIR)
-    os.chdir(request.workspace)
-    try:
-        program = ProgramRun(conn, request, blobs, root_fd, lease)
-        error = program.run()
-        error, poisoned = finish_on_device(program, error, lease, reused=not request.retire)
-        if terminate_escaped(request.grace) and error is None:
-            error = program.error_at_last("runtime", "program left background processes running; "
-                                          "they were terminated")
-    finally:
-        os.close(root_fd)
-        os.chdir("/")
-        if capture is not None:
-            capture.restore()
-    send_message(conn, RequestDone(error, poisoned))
-    return poisoned
-
-
-def finish_on_device(program: ProgramRun, error: ErrorObject | None, lease: GpuLease | NoLease,
-                     reused: bool) -> tuple[ErrorObject | None, bool]:
-    """docs/server.md §3.4, under the lease: drain the devices, read and clear CUDA's last error, and
-    on a worker that serves again drop the request's objects and give their GPU memory back
-    before the front-end releases the lease, so an idle worker never sits on a peer's memory.
-    -> (error, poisoned): a CUDA failure here makes the context unusable for later requests."""
-    poisoned = False
-    try:
-        lease.finish()
-    except Exception as exc:
-        poisoned = True
-        error = error or program.error_at_last("runtime", f"{type(exc).__name__}: {exc}")
-    cuda_error = RUNTIME.take_last_error()
-    if cuda_error and error and error["kind"] == "gpu_access":
-        error["message"] += f"; CUDA also reports {cuda_error}"
-    elif cuda_error:
-        error = program.error_at_last("runtime", cuda_error)
-    program.handles.clear()
-    if reused and not poisoned and RUNTIME.device == "cuda":
-        import gc
-        gc.collect()  # module-scope tensors in reference cycles
-        try:
-            RUNTIME.release_cached_memory()
+            prim_func = fn.specialize(**(bindings or {}))
+        except TypeError as exc:
+            raise ExecutionError("compile", shorten(f"bad bindings: {exc}")) from exc
         except Exception as exc:
-            poisoned = True
-            error = error or program.error_at_last("runtime", f"{type(exc).__name__}: {exc}")
-        finalize_cupti()
-    return error, poisoned
+            if type(exc).__name__ == "DiagnosticError":
+                raise ExecutionError("parse", shorten(str(exc))) from exc
+            raise
+    else:
+        raise ExecutionError("compile", "compile_tirx expects a @T.jit or @T.prim_func kernel handle")
+    import tvm_ffi
+    key = tvm_ffi.structural_hash(prim_func)
+    if key in _compiled:
+        _compiled[key] = _compiled.pop(key)
+        return _compiled[key]
+    try:
+        executable = tvm.compile(tvm.IRModule({"main": prim_func}),
+                                 target=tvm.target.Target("cuda"), tir_pipeline="tirx")
+    except Exception as exc:
+        if isinstance(exc, RuntimeError) or type(exc).__name__ in ("InternalError", "TVMError"):  # nvcc/nvrtc too
+            raise ExecutionError("compile", shorten(str(exc))) from exc
+        raise
+    _compiled[key] = executable
+    while len(_compiled) > 32:
+        _compiled.pop(next(iter(_compiled)))
+    return executable
 
 
-def reset_process_state(env: dict[str, str]) -> None:
-    """Between requests of a reused worker: environment, source cache, garbage."""
-    import gc
-    for key in set(os.environ) - set(env):
-        del os.environ[key]
-    for key, value in env.items():
-        if os.environ.get(key) != value:
-            os.environ[key] = value
-    for name in [n for n in linecache.cache if n.startswith("<uploaded:")]:
-        del linecache.cache[name]
-    gc.collect()
+def benchmark(mod: Callable[..., Any], *args: Any) -> dict[str, Any]:
+    """Per-call latency of mod(*args) (docs/server.md §5.2).
+
+    CUDA workers use the reference's method: CUPTI activity records, each
+    call's span from its first GPU activity to its last; without usable
+    cupti-python the answer is `unavailable`, as in the reference.  CPU
+    workers use a host timer and say so with "timer": "host" (our extension).
+    """
+    config = dict(args[-1]) if args and isinstance(args[-1], dict) else {}
+    if config:
+        args = args[:-1]
+    if not callable(mod):
+        raise ExecutionError("runtime", "benchmark expects a compiled module handle")
+    flush_l2 = bool(config.get("flush_l2", True))  # other keys are ignored, as the reference does
+    try:
+        timer = make_timer(flush_l2)  # allocating the flush buffer can run out of memory: runtime
+        warmup, repeat = benchmark_counts(timer, mod, args, config)
+        for _ in range(warmup):
+            timer.call(mod, args)
+        timer.synchronize()
+        samples, stable = timer.measure(mod, args, repeat)
+    except RuntimeError as exc:
+        raise ExecutionError("runtime", shorten(f"{type(exc).__name__}: {exc}")) from exc
+    samples.sort()
+    mid = len(samples) // 2
+    median = samples[mid] if len(samples) % 2 else (samples[mid - 1] + samples[mid]) / 2
+    result: dict[str, Any] = {"latency_ms_median": median, "latency_ms_mean": sum(samples) / len(samples),
+              "latency_ms_min": samples[0], "latency_ms_max": samples[-1],
+              "activities_stable": stable, "flush_l2": flush_l2,
+              "warmup": warmup, "repeat": repeat}
+    if timer.name:
+        result["timer"] = timer.name
+    return result
+
+
+def benchmark_counts(timer: HostTimer, mod: Callable[..., Any], args: Sequence[Any],
+                     config: dict[str, Any]) -> tuple[int, int]:
+    """-> (warmup, repeat).  Explicit counts win (at least 1); a missing one is its ms budget
+    over the cost of one flush + call, estimated from 5 of them after an untimed one: the
+    budgets bound the time the benchmark really spends, flushes included (docs/server.md §5.2)."""
+    warmup, repeat = config.get("warmup"), config.get("repeat")
+    if warmup is None or repeat is None:
+        timer.call(mod, args)
+        timer.synchronize()
+        estimate = timer.estimate(mod, args)
+
+        def derive(budget: float) -> int:
+            return max(1, int(budget / estimate)) if estimate > 0 else 1000
+        warmup = derive(config.get("warmup_ms", 25)) if warmup is None else warmup
+        repeat = derive(config.get("repeat_ms", 100)) if repeat is None else repeat
+    return max(1, int(warmup)), max(1, int(repeat))
+
+
+def make_timer(flush_l2: bool) -> HostTimer:
+    """CUPTI in a worker that holds a CUDA context (a GPU worker creates it before its first
+    request, a CPU worker never does); the host clock otherwise."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return HostTimer(flush_l2)
+    try:
+        from cupti import cupti
+    except (ImportError, OSError):
+        raise ExecutionError("unavailable", "benchmark needs cupti-python in the worker environment") from None
+    return CuptiTimer(flush_l2, cupti)
+
+
+class HostTimer:
+    """Wall-clock timing for CPU workers; the L2 flush overwrites a buffer larger than the last-level cache."""
+    name = "host"
+
+    def __init__(self, flush_l2: bool) -> None:
+        self.scratch = (ctypes.c_char * (64 << 20))() if flush_l2 else None
+
+    def flush(self) -> None:
+        if self.scratch is not None:
+            ctypes.memset(self.scratch, 0, len(self.scratch))
+
+    def call(self, mod: Callable[..., Any], args: Sequence[Any]) -> None:
+        self.flush()
+        mod(*args)
+
+    def synchronize(self) -> None:
+        pass
+
+    def estimate(self, mod: Callable[..., Any], args: Sequence[Any]) -> float:
+        """ms per flush + call."""
+        start = time.perf_counter()
+        for _ in range(5):
+            self.call(mod, args)
+        return (time.perf_counter() - start) * 1e3 / 5
+
+    def timed(self, mod: Callable[..., Any], args: Sequence[Any]) -> float:
+        self.flush()
+        start = time.perf_counter()
+        mod(*args)
+        return (time.perf_counter() - start) * 1e3
+
+    def measure(self, mod: Callable[..., Any], args: Sequence[Any], repeat: int) -> tuple[list[float], bool]:
+        """-> (samples in ms, activities_stable).  A timer around the call sees no
+        activity records, so stability is not measured and never claimed: False."""
+        return [self.timed(mod, args) for _ in range(repeat)], False
+
+
+class CuptiTimer(HostTimer):
+    """The reference's measurement: CUPTI activity records of what each call launched; the
+    device's L2 flushed by zeroing 2 x its size, and the count estimate timed with CUDA events."""
+    name = None  # the reference's result has no "timer" field
+    API_KINDS = ("RUNTIME", "DRIVER")
+    GPU_KINDS = ("CONCURRENT_KERNEL", "MEMCPY", "MEMSET")
+
+    def __init__(self, flush_l2: bool, cupti: Any) -> None:
+        import torch
+        self.torch = torch
+        self.scratch = None
+        if flush_l2:
+            l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 64 << 20)
+            self.scratch = torch.empty(2 * l2, dtype=torch.int8, device="cuda")
+        self.cupti = cupti
+        self.kinds = [int(getattr(cupti.ActivityKind, k)) for k in self.API_KINDS + self.GPU_KINDS]
+
+    def flush(self) -> None:
+        if self.scratch is not None:
+            self.scratch.zero_()
+
+    def synchronize(self) -> None:
+        self.torch.cuda.synchronize()
+
+    def estimate(self, mod: Callable[..., Any], args: Sequence[Any]) -> float:
+        """ms per flush + call: one pair of events around 5 of them, as the reference times it."""
+        cuda = self.torch.cuda
+        start, end = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
+        cuda.synchronize()
+        start.record()
+        for _ in range(5):
+            self.call(mod, args)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 5
+
+    def measure(self, mod: Callable[..., Any], args: Sequence[Any], repeat: int) -> tuple[list[float], bool]:
+        cupti, sync, records, windows = self.cupti, self.torch.cuda.synchronize, [], []
+        with cupti_unavailable("cannot start CUPTI activity tracing"):
+            # records are copied out at once: their buffer is reused when the callback returns
+            cupti.activity_register_callbacks(lambda: (8 << 20, 0),
+                                              lambda activities: records.extend(map(activity_fields, activities)))
+            for kind in self.kinds:
+                cupti.activity_enable(kind)
+        try:
+            for _ in range(repeat):
+                self.flush()
+                sync()
+                start = cupti.get_timestamp()
+                mod(*args)
+                windows.append((start, cupti.get_timestamp()))
+                sync()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.stop()
+            raise
+        with cupti_unavailable("CUPTI cleanup failed"):
+            self.stop()
+        return activity_spans(records, windows, set(self.kinds[:len(self.API_KINDS)]))
+
+    def stop(self) -> None:
+        self.cupti.activity_flush_all(1)
+        for kind in self.kinds:
+            self.cupti.activity_disable(kind)
+        self.cupti.finalize()
+
+
+@contextlib.contextmanager
+def cupti_unavailable(what: str) -> Iterator[None]:
+    """CUPTI failures answer `unavailable` (docs/server.md §5.2, §6)."""
+    try:
+        yield
+    except ExecutionError:
+        raise
+    except Exception as exc:
+        raise ExecutionError("unavailable", shorten(f"{what}: {type(exc).__name__}: {exc}")) from exc
+
+
+Activity = tuple[int, int, int, int, tuple]  # (kind, start ns, end ns, correlation id, identity)
+
+
+def activity_fields(record: Any) -> Activity:
+    """(kind, start ns, end ns, correlation id, identity) of a CUPTI activity record."""
+    kind = int(record.kind)
+    identity = (kind, getattr(record, "name", None), getattr(record, "copy_kind", None),
+                getattr(record, "bytes", None), getattr(record, "value", None))
+    return kind, record.start, record.end, record.correlation_id, identity
+
+
+def activity_spans(records: list[Activity], windows: list[tuple[int, int]],
+                   api_kinds: set[int]) -> tuple[list[float], bool]:
+    """Per timed call (host timestamp window): ms from its first GPU activity's start to its
+    last one's end, and whether every call launched the same multiset of activities.
+
+    An API record that starts inside a call's window ties its correlation id
+    to that call; GPU activities are attributed through that id.
+    """
+    starts = [start for start, _ in windows]
+    owner = {}
+    for kind, start, _, correlation, _ in records:
+        i = bisect.bisect_right(starts, start) - 1
+        if kind in api_kinds and i >= 0 and start <= windows[i][1]:
+            owner[correlation] = i
+    spans = [[None, None, collections.Counter()] for _ in windows]
+    for kind, start, end, correlation, identity in records:
+        if kind not in api_kinds and correlation in owner:
+            span = spans[owner[correlation]]
+            span[0] = start if span[0] is None else min(span[0], start)
+            span[1] = end if span[1] is None else max(span[1], end)
+            span[2][identity] += 1
+    if any(first is None for first, _, _ in spans):
+        raise ExecutionError("unavailable", "CUPTI recorded no GPU activity for a benchmarked call")
+    samples = [(last - first) / 1e6 for first, last, _ in spans]
+    if min(samples) <= 0:
+        raise ExecutionError("unavailable", "CUPTI reported a non-positive activity span")
+    return samples, all(activities == spans[0][2] for _, _, activities in spans)

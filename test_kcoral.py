@@ -1439,17 +1439,18 @@ def test_teardown_exit_code_fails_a_completed_program(server):
     ok_run(server.url)
 
 
-BACKGROUND = [
-    ("child", "subprocess.Popen(['sleep', '30'])"),
-    ("orphan", "subprocess.Popen(['sh', '-c', 'sleep 30 & echo $!'], stdout=subprocess.PIPE)"),
-    ("new-session", "subprocess.Popen(['sleep', '30'], start_new_session=True)"),
+BACKGROUND = [  # SECONDS is a duration unique to the test, by which the host finds the process
+    ("child", "subprocess.Popen(['sleep', 'SECONDS'])"),
+    ("orphan", "subprocess.Popen(['sh', '-c', 'sleep SECONDS & echo $!'], stdout=subprocess.PIPE)"),
+    ("new-session", "subprocess.Popen(['sleep', 'SECONDS'], start_new_session=True)"),
 ]
 
 
 @pytest.mark.parametrize("spawn", [c[1] for c in BACKGROUND], ids=[c[0] for c in BACKGROUND])
 def test_background_processes_are_terminated_and_reported(server, spawn):
+    seconds = f"30.{uuid.uuid4().int % 10**12:012d}"
     source = ("import subprocess\ndef f():\n"
-              f"    p = {spawn}\n"
+              f"    p = {spawn.replace('SECONDS', seconds)}\n"
               "    pid = int(p.stdout.readline()) if p.stdout else p.pid\n"
               "    print('spawned', pid)\n    return pid\n")
     program = prog(up_module("m", source), get_fn("g", "m", "f"), run("r", "g"), ret("pid", "r"))
@@ -1457,9 +1458,10 @@ def test_background_processes_are_terminated_and_reported(server, spawn):
     error = assert_failed(body, "runtime", 3, "return", None,
                           "program left background processes running; they were terminated")
     assert error["traceback"] == ""
-    pid = body["results"]["pid"]["value"]
+    pid = body["results"]["pid"]["value"]  # the sandbox's PID namespace's number, inside one
     assert body["stdout"] == f"spawned {pid}\n"
-    assert wait_for(lambda: process_gone(pid), timeout=10), f"background process {pid} survived"
+    survivors = lambda: marked_pids(f"sleep\0{seconds}\0")  # noqa: E731
+    assert wait_for(lambda: not survivors(), timeout=10), f"background processes {survivors()} survived"
     ok_run(server.url)
 
 

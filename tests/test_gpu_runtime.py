@@ -524,7 +524,7 @@ LEASE_TABLE = [
 @pytest.mark.parametrize("ins, action", LEASE_TABLE)
 def test_gpu_lease_before_each_instruction(ins, action, held):
     conn = FakeConn()
-    lease = kcoral_worker.GpuLease(conn)
+    lease = kcoral_worker.GpuLease(conn, kcoral_worker.Runtime("cuda"))
     lease.held = held
     lease.before(ins, cpu_only={"cheap"})
     expected = {("release", True): [kcoral_worker.ReleaseLease()], ("acquire", False): [kcoral_worker.AcquireLease()]}
@@ -534,7 +534,7 @@ def test_gpu_lease_before_each_instruction(ins, action, held):
 
 def test_gpu_lease_refuses_an_answer_other_than_granted():
     conn = FakeConn(reply=kcoral_worker.ReleaseLease())
-    lease = kcoral_worker.GpuLease(conn)
+    lease = kcoral_worker.GpuLease(conn, kcoral_worker.Runtime("cuda"))
     with pytest.raises(kcoral_worker.UnexpectedMessage, match="LeaseGranted"):
         lease.acquire()
     assert conn.sent == [kcoral_worker.AcquireLease()] and not lease.held
@@ -542,7 +542,7 @@ def test_gpu_lease_refuses_an_answer_other_than_granted():
 
 def test_gpu_lease_finish_reacquires():
     conn = FakeConn()
-    lease = kcoral_worker.GpuLease(conn)
+    lease = kcoral_worker.GpuLease(conn, kcoral_worker.Runtime("cuda"))
     lease.finish()
     assert conn.sent == [kcoral_worker.AcquireLease()] and lease.held
 
@@ -577,7 +577,6 @@ def fake_cupti(monkeypatch):
     package = types.ModuleType("cupti")
     package.cupti = cupti
     monkeypatch.setitem(sys.modules, "cupti", package)
-    monkeypatch.setattr(kcoral_worker, "RUNTIME", kcoral_worker.Runtime("cuda"))
     return cupti
 
 
@@ -594,7 +593,7 @@ def run_cpu_only(source, cpu_only=True):
         {"op": "get_function", "id": "f", "module": {"$ref": "m"}, "name": "f", "cpu_only": cpu_only},
         {"op": "run", "id": "r", "fn": {"$ref": "f"}}])
     program = kcoral_worker.ProgramRun(FakeConn(), request, kcoral_worker.StagedBlobs(None, {}), None,
-                                       kcoral_worker.NoLease())
+                                       kcoral_worker.NoLease(), kcoral_worker.Runtime("cuda"))
     return program.run(), program
 
 
@@ -624,7 +623,6 @@ def test_cpu_only_guard_passes_a_clean_call(fake_cupti):
 
 def test_cpu_only_without_cupti_is_unavailable(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupti", None)  # import fails
-    monkeypatch.setattr(kcoral_worker, "RUNTIME", kcoral_worker.Runtime("cuda"))
     error, _ = run_cpu_only("def f():\n    return 5\n")
     assert error["kind"] == "unavailable" and "cupti-python" in error["message"]
     error, _ = run_cpu_only("def f():\n    return 5\n", cpu_only=False)
@@ -769,12 +767,16 @@ def fake_torch(log, clock=None, flush_ms=0.040, devices=2, reserved=(512, 0), oo
 
 @pytest.fixture
 def cuda_worker(monkeypatch):
-    """A worker on a "cuda" runtime whose torch is a fake that logs what the worker asks of it."""
+    """A worker holding a CUDA context, whose torch is a fake that logs what the worker asks of it."""
     log = []
     torch, clock = fake_torch(log)
+    torch.cuda.is_initialized = lambda: True
     monkeypatch.setitem(sys.modules, "torch", torch)
-    monkeypatch.setattr(kcoral_worker, "RUNTIME", kcoral_worker.Runtime("cuda"))
     return types.SimpleNamespace(log=log, clock=clock, torch=torch)
+
+
+FAKE_ACTIVITY_API = types.SimpleNamespace(ActivityKind=types.SimpleNamespace(
+    RUNTIME=1, DRIVER=2, CONCURRENT_KERNEL=3, MEMCPY=4, MEMSET=5))  # what CuptiTimer reads when built
 
 
 def test_count_estimate_times_the_flush_with_the_call(cuda_worker):
@@ -784,7 +786,7 @@ def test_count_estimate_times_the_flush_with_the_call(cuda_worker):
     def kernel():
         clock.now += 0.005  # a 5 us kernel after a 40 us flush
 
-    timer = kcoral_worker.CudaTimer(flush_l2=True)
+    timer = kcoral_worker.CuptiTimer(True, FAKE_ACTIVITY_API)
     assert cuda_worker.log[0] == ("flush buffer", 2 * (60 << 20))  # 2 x the device's L2
     estimate = timer.estimate(kernel, ())
     assert estimate == pytest.approx(0.045)
@@ -792,7 +794,7 @@ def test_count_estimate_times_the_flush_with_the_call(cuda_worker):
     assert (warmup, repeat) == (int(25 / estimate), int(100 / estimate))  # about 555, 2222; not 5000, 20000
     assert kcoral_worker.benchmark_counts(timer, kernel, (), {"repeat": 7, "warmup_ms": 9}) == (int(9 / estimate), 7)
     assert kcoral_worker.benchmark_counts(timer, kernel, (), {"warmup": 0, "repeat": 3}) == (1, 3)
-    unflushed = kcoral_worker.CudaTimer(flush_l2=False)
+    unflushed = kcoral_worker.CuptiTimer(False, FAKE_ACTIVITY_API)
     estimate = unflushed.estimate(kernel, ())
     assert estimate == pytest.approx(0.005)
     assert kcoral_worker.benchmark_counts(unflushed, kernel, (), {}) == (int(25 / estimate), int(100 / estimate))
@@ -809,8 +811,8 @@ def test_benchmark_without_cupti_is_unavailable(cuda_worker, monkeypatch):
 def test_flush_buffer_out_of_memory_is_runtime(monkeypatch):
     """Risk 10: an OOM allocating the flush buffer is a torch RuntimeError: kind runtime, not engine."""
     torch, _ = fake_torch([], oom=True)
+    torch.cuda.is_initialized = lambda: True
     monkeypatch.setitem(sys.modules, "torch", torch)
-    monkeypatch.setattr(kcoral_worker, "RUNTIME", kcoral_worker.Runtime("cuda"))
     monkeypatch.setitem(sys.modules, "cupti", types.SimpleNamespace(cupti=FakeCupti()))
     with pytest.raises(kcoral_worker.ExecutionError) as info:
         kcoral_worker.benchmark(lambda: None)
@@ -840,7 +842,7 @@ class FakeCudart:
 
 
 def serve(tmp_path, source, retire=False, cpu_only=False):
-    """serve_request on a scripted pipe: upload a module, run f, return its result -> (done message, sent)."""
+    """serve_request on a scripted pipe, as a GPU worker: upload a module, run f, return its result -> (done message, sent)."""
     conn = FakeConn()
     request = job_request([
         {"op": "upload", "id": "m", "kind": "module", "source": source},
@@ -849,7 +851,7 @@ def serve(tmp_path, source, retire=False, cpu_only=False):
         {"op": "return", "key": "out", "value": {"$ref": "r"}}], workspace=str(tmp_path), retire=retire)
     cwd = os.getcwd()
     try:
-        kcoral_worker.serve_request(conn, request)
+        kcoral_worker.serve_request(conn, request, kcoral_worker.Runtime("cuda"))
     finally:
         os.chdir(cwd)
     return conn.sent[-1], conn.sent
@@ -925,9 +927,8 @@ def test_cpu_only_release_empties_the_cache_on_every_device(monkeypatch):
     log = []
     torch, _ = fake_torch(log, reserved=(512, 256))
     monkeypatch.setitem(sys.modules, "torch", torch)
-    monkeypatch.setattr(kcoral_worker, "RUNTIME", kcoral_worker.Runtime("cuda"))
     conn = FakeConn()
-    lease = kcoral_worker.GpuLease(conn)
+    lease = kcoral_worker.GpuLease(conn, kcoral_worker.Runtime("cuda"))
     lease.held = True
     lease.release()
     assert log == [("synchronize", 0), ("synchronize", 1), ("empty_cache", 0), ("empty_cache", 1)]
@@ -962,7 +963,6 @@ def test_tensor_export_synchronizes_first(monkeypatch):
 
 def test_numpy_arrays_encode_as_tensors_on_gpu_workers_too(monkeypatch):
     """Risk 10, decided: our extension 1 (numpy arrays are tensors on any server) holds on GPU servers."""
-    monkeypatch.setattr(kcoral_worker, "RUNTIME", kcoral_worker.Runtime("cuda"))
     encoded = kcoral_worker.Encoder(0, 1 << 20).value(numpy.arange(3, dtype="<f4"))
     assert (encoded["type"], encoded["dtype"], encoded["shape"]) == ("tensor", "float32", [3])
 
