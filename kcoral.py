@@ -8,18 +8,54 @@ caches, and hands it to a worker process (kcoral_worker.py) forked from a
 warm template; `GET /health` reports load, target and versions.  Everything
 here runs on the standard library: `http.server` threads, a hand-written
 multipart parser, `multiprocessing` pipes.  The wire contract is
-docs/protocol.md; docs/design.md follows one request through this file.
+docs/protocol.md; docs/design.md gives the decisions behind this file's shape.
 
-Sections, in the order a request travels: configuration; wire rules (multipart, strict
-JSON, program validation); the blob store; process groups, GPUs and the lease, the
-sandbox; workers, the pool and one `Execution` per request; logging; the server
-(`handle_execute`, lifecycle); HTTP (connection limits, framing, `RequestHandler`); the
-command line and `haproxy-config`.
+Processes and threads (one node):
+
+    kcoral (this file)                           forkserver template (or, sandboxed, a
+      main thread: serve_forever, signals          bwrap container per slot running
+      HTTPServer: a thread per connection  --->    kcoral_worker.template_main)
+        RequestHandler -> handle_execute               | fork
+        -> Pool.run_job -> Execution.run   <--pipe-->  worker process (kcoral_worker.worker_main)
+      ConnectionGuard thread: cuts slow clients          serves one request at a time, in its
+      OutputDrain thread per request: stdout/err  <--    own process group; retires after one
+      slot replacement threads (fresh workers)          request by default
+
+Sections, in the order a request travels (each section's functions in call order):
+ 0. configuration: `ServerConfig`, every setting once; the command line is generated from it
+ 1. HTTP front-end: `ConnectionGuard`, `BodyBudget`, `HTTPServer`, `RequestHandler`
+    (`handle_one_request` -> `parse_request` -> `do_POST` -> `read_and_execute` -> `respond`)
+ 2. the application: `KCoralServer.handle_execute` (protocol order, docs/protocol.md §4.7), its
+    lifecycle (`start`, `serve_forever`, `stop`)
+ 3. what it records: `EventLog`, `SavedPrograms`
+ 4. wire rules, envelope: `split_request`, the multipart parser, strict JSON
+ 5. wire rules, program: `parse_program` and its checks
+ 6. the blob store: `BlobStore` over `MemoryCache` and `DiskCache`
+ 7. the pool and one execution: `Pool.run_job` -> `Execution.run` (the worker conversation)
+ 8. launching workers: the forkserver, `Worker`, killing a process group
+ 9. GPUs and the lease: `LeaseArbiter`
+10. the sandbox: `SandboxTemplate`, `bwrap_command`
+11. workspaces: created per request, removed without following links
+12. the command line, 13. `haproxy-config`
+
+Reading one request downwards, the jumps are: (a) from `Execution.converse` (§7) into
+kcoral_worker.py's `serve_request`, whose messages come back to §7; (b) the answer goes back
+up from §7 to `RequestHandler.respond` in §1 (with `multipart_result`); (c) `Pool.run_job`
+reaches a worker started at start-up by §8, and, GPU only, takes the lease of §9 and, under
+the sandbox, §10's container; (d) `Execution` removes its workspace with §11's helpers.
+
+Lifecycle verbs mean one thing each, across the classes: `start` begins serving (threads,
+processes); `drain` admits nothing new while admitted work runs on (`Pool`, `BodyBudget`,
+`LeaseArbiter`); `stop` ends gracefully and releases everything once work is done
+(`KCoralServer`, `Pool`, `Worker`, `ConnectionGuard`); `kill` ends processes now (`Worker`,
+`SandboxTemplate`); `close` releases a file or descriptor only (`EventLog`, `SavedPrograms`).
 
 The client lives in client.py; `from kcoral import Client, Program` loads it
 lazily from beside this file (`load_client`), so the server needs only this
 file and kcoral_worker.py.
 """
+
+from __future__ import annotations
 
 import argparse
 import collections
@@ -59,6 +95,7 @@ import tempfile
 import threading
 import time
 import types
+import typing
 import urllib.parse
 import urllib.request
 import uuid
@@ -263,2278 +300,1016 @@ class ServerConfig:
 DEFAULT_LIMITS = ServerConfig()  # the limits of the wire rules' functions called without a server's settings
 
 
-# --- 1. wire rules: strict JSON and multipart (docs/protocol.md §4.3-4.6, 5.1) --------------------
-
-class RequestTooLarge(ValidationError):
-    """A request beyond one of the size limits (parts, program, instructions, arguments): 413
-    request_too_large rather than 400, since a valid program can be this large."""
-
-
-def strict_json(data: Buffer) -> Json:
-    """Decode UTF-8 JSON, refusing a BOM, duplicate keys and NaN/Infinity."""
-    def pairs(items: list[tuple[str, Json]]) -> dict[str, Json]:
-        obj = dict(items)
-        if len(obj) != len(items):
-            raise ValidationError("duplicate key in JSON object")
-        return obj
-
-    def constant(name: str) -> NoReturn:
-        raise ValidationError(f"{name} is not valid JSON")
-
-    try:
-        text = bytes(data).decode("utf-8")
-        if text.startswith("\ufeff"):
-            raise ValidationError("JSON must not start with a byte-order mark")
-        return json.loads(text, object_pairs_hook=pairs, parse_constant=constant)
-    except RecursionError:
-        raise ValidationError("JSON is nested too deeply") from None
-    except UnicodeDecodeError:
-        raise ValidationError("JSON is not valid UTF-8") from None
-    except ValidationError:
-        raise
-    except ValueError as exc:  # also integers beyond the interpreter's digit limit
-        raise ValidationError(f"invalid JSON: {exc}") from None
+def validate_config(config: ServerConfig) -> None:
+    if config.device not in ("auto", "cpu", "gpu"):
+        raise ValueError("device must be 'auto', 'cpu' or 'gpu'")
+    if config.sandbox not in ("auto", "none", "bubblewrap"):
+        raise ValueError("sandbox must be 'auto', 'none' or 'bubblewrap'")
+    if config.sandbox_readonly_paths and config.sandbox == "none":
+        raise ValueError("--sandbox-readonly-path requires the sandbox")
+    if config.sandbox == "bubblewrap" and config.max_requests_per_worker != 1:
+        # one process would serve several tenants: whatever a request left in its memory, the next one reads
+        raise ValueError("--sandbox bubblewrap needs --max-requests-per-worker 1 (a fresh worker per request)")
+    if not all(os.path.isabs(path) for path in config.sandbox_readonly_paths):
+        raise ValueError("--sandbox-readonly-path takes absolute paths")
+    if config.token is not None:
+        split_tokens(config.token, "--token")
+    checks = [(config.disk_cache_capacity_mbytes >= 0, "disk_cache_capacity_mbytes must be >= 0"),
+              (config.num_workers >= 1, "num_workers must be >= 1"),
+              (config.workers_per_gpu >= 1, "workers_per_gpu must be >= 1"),
+              (config.max_requests_per_worker >= 0, "max_requests_per_worker must be >= 0"),
+              (len(config.gpus) > 0, "gpus must not be empty"),
+              (config.default_timeout_seconds > 0 and config.max_timeout_seconds > 0,
+               "timeouts must be positive"),
+              (1 <= config.port <= 65535 or config.port == 0, "port must be 1-65535"),
+              (0 <= config.drain_seconds <= 3600, "drain_seconds must be 0-3600"),
+              (min(config.log_max_bytes, config.log_backups, config.log_programs_max_bytes,
+                   config.log_programs_max_count) >= 0, "the log limits must be >= 0")]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
 
 
-TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-MEDIA = re.compile(rf"{TOKEN.pattern}(?:/{TOKEN.pattern})?")  # `form-data`, `type/subtype`
-
-
-HEADER_PIECE = re.compile(r'(?:[^;"]++|"(?:[^"\\]++|\\.)*+")*+', re.DOTALL)  # possessive: no backtracking
-
-
-def header_pieces(value: str) -> list[str]:
-    """`a; b="x;y"` -> ["a", ' b="x;y"']: split at the semicolons outside quoted strings (a backslash
-    escapes the next character inside one).  A regex, not a loop per character: every part of a
-    request has two such headers."""
-    pieces, pos = [], 0
-    while True:
-        end = HEADER_PIECE.match(value, pos).end()
-        if end < len(value) and value[end] == '"':
-            raise ValidationError("unterminated quoted string in header")
-        pieces.append(value[pos:end])
-        if end == len(value):
-            return pieces
-        pos = end + 1
-
-
-@functools.lru_cache(maxsize=64)  # a request's parts repeat their Content-Type values
-def parse_header_params(value: str) -> tuple[str, dict[str, str]]:
-    """`type; k=v; k="quoted"` -> (lower-cased type, {lower-cased k: v}); callers must not change the dict."""
-    pieces = header_pieces(value)
-    media = pieces[0].strip().lower()
-    if not MEDIA.fullmatch(media):
-        raise ValidationError(f"malformed header value {pieces[0].strip()[:80]!r}")
-    params = {}
-    for piece in pieces[1:]:
-        if not piece.strip():
-            continue
-        key, eq, raw = piece.partition("=")
-        key, raw = key.strip().lower(), raw.strip()
-        if not eq or not TOKEN.fullmatch(key):
-            raise ValidationError(f"malformed header parameter {piece.strip()!r}")
-        if raw.startswith('"'):
-            if len(raw) < 2 or not raw.endswith('"'):
-                raise ValidationError("malformed quoted header parameter")
-            raw = re.sub(r"\\(.)", r"\1", raw[1:-1])
-        elif not raw or re.search(r'[\s"]', raw):  # lenient: senders leave `name=blob:<hex>` unquoted
-            raise ValidationError(f"malformed header parameter {piece.strip()!r}")
-        if key in params:
-            raise ValidationError(f"header parameter {key!r} given twice")
-        params[key] = raw
-    return media, params
-
-
-def request_boundary(content_type: str | None) -> bytes:
-    if not content_type or not content_type.lower().startswith("multipart/form-data"):
-        raise ValidationError("expected a multipart/form-data request")
-    media, params = parse_header_params(content_type)
-    if media != "multipart/form-data":
-        raise ValidationError("expected a multipart/form-data request")
-    boundary = params.get("boundary", "")
-    if not boundary or "\r" in boundary or "\n" in boundary:
-        raise ValidationError("multipart request needs a non-empty boundary")
-    return boundary.encode("latin-1", "replace")
-
-
-def find_delimiter(body: Body, delimiter: bytes, start: int) -> int:
-    """Position of the next real delimiter line (docs/protocol.md §4.4), or -1."""
-    while True:
-        i = body.find(delimiter, start)
-        if i < 0:
-            return -1
-        if i == 0 or body[i - 1] == 0x0A:
-            j = i + len(delimiter)
-            if body[j:j + 2] == b"--":
-                return i
-            while j < len(body) and body[j] in b" \t":
-                j += 1
-            if body[j:j + 1] == b"\n" or body[j:j + 2] == b"\r\n":
-                return i
-        start = i + 1
-
-
-def parse_multipart(body: Body, boundary: bytes,
-                    limits: ServerConfig = DEFAULT_LIMITS) -> Iterator[tuple[PartHeaders, memoryview]]:
-    """Split a multipart body into (headers, payload memoryview) pairs without copying payloads, one
-    at a time: the caller checks each part before the next is parsed, so a body of a million tiny
-    parts is refused at the first bad one, or at `max_request_parts`, not after all are parsed."""
-    delimiter = b"--" + boundary
-    view = memoryview(body)
-    pos = find_delimiter(body, delimiter, 0)
-    if pos < 0:
-        raise ValidationError("multipart body has no delimiter")
-    count = 0
-    while True:
-        j = pos + len(delimiter)
-        if body[j:j + 2] == b"--":
-            if not count:
-                raise ValidationError("multipart body has no parts")
-            check_close_delimiter_line(body, j + 2)
-            return
-        if count == limits.max_request_parts:
-            raise RequestTooLarge(f"request has more than {limits.max_request_parts} multipart parts")
-        j = body.find(b"\n", j) + 1  # a delimiter line always ends (find_delimiter checked)
-        following = find_delimiter(body, delimiter, j)
-        if following < 0:
-            raise ValidationError("multipart body has no closing delimiter")
-        end = following - 1
-        if end > j and body[end - 1] == 0x0D:
-            end -= 1
-        headers, payload_start = parse_part_headers(body, j, end, limits)
-        count += 1
-        yield headers, view[payload_start:end]
-        pos = following
-
-
-def check_close_delimiter_line(body: Body, start: int) -> None:
-    """RFC 2046: only transport padding may follow the close delimiter on its line (the
-    reference answers 400 for `--B--junk`); the epilogue starts on the next line."""
-    end = body.find(b"\n", start)
-    rest = bytes(body[start:len(body) if end < 0 else end]).rstrip(b"\r")
-    if rest.strip(b" \t"):
-        raise ValidationError("unexpected bytes after the closing multipart delimiter")
-
-
-FIRST_LINE_EMPTY = re.compile(rb"\r*\n")
-EMPTY_LINE = re.compile(rb"\n\r*\n")  # a line of nothing but CRs is empty too
-
-
-def parse_part_headers(body: Body, start: int, end: int, limits: ServerConfig) -> tuple[PartHeaders, int]:
-    """Header block up to the first empty line -> ({lower name: [values]}, payload start).  Its lines
-    and bytes are capped: each part costs at most that much parsing."""
-    first = FIRST_LINE_EMPTY.match(body, start, end)
-    if first:
-        return {}, first.end()
-    stop = min(end, start + limits.max_part_header_bytes)
-    blank = EMPTY_LINE.search(body, start, stop)
-    if blank is None and stop < end:
-        raise ValidationError(f"multipart part headers exceed {limits.max_part_header_bytes} bytes")
-    if blank is None:
-        raise ValidationError("multipart part has no end of headers")
-    lines = bytes(body[start:blank.start()]).decode("utf-8", "surrogateescape").split("\n")
-    if len(lines) > limits.max_part_header_lines:
-        raise ValidationError(f"multipart part has more than {limits.max_part_header_lines} header lines")
-    headers, last = {}, None
-    for line in lines:
-        line = line.rstrip("\r")
-        if line[0] in " \t" and last is not None:
-            headers[last][-1] += " " + line.strip()
-            continue
-        name, colon, value = line.partition(":")
-        if not colon or not TOKEN.fullmatch(name):
-            raise ValidationError(f"malformed multipart header line {line[:80]!r}")
-        last = name.lower()
-        headers.setdefault(last, []).append(value.strip())
-    return headers, blank.end()
-
-
-def check_part_headers(headers: PartHeaders) -> tuple[str, str]:
-    """docs/protocol.md §4.5 -> the part's name and media type."""
-    for required in ("content-disposition", "content-type"):
-        if len(headers.get(required, ())) != 1:
-            raise ValidationError(f"each part needs exactly one {required} header")
-    disposition, params = parse_header_params(headers["content-disposition"][0])
-    if disposition != "form-data":
-        raise ValidationError("part disposition must be form-data")
-    if not params.get("name"):
-        raise ValidationError("part needs a non-empty name")
-    media, _ = parse_header_params(headers["content-type"][0])
-    if media.startswith("multipart/"):
-        raise ValidationError("nested multipart parts are not supported")
-    encodings = headers.get("content-transfer-encoding", [])
-    if len(encodings) > 1 or any(e.strip().lower() not in ("binary", "8bit") for e in encodings):
-        raise ValidationError("content-transfer-encoding must be binary or 8bit")
-    return params["name"], media
-
-
-BLOB_PART = re.compile(r"blob:([0-9a-f]{64})")
-HASH = re.compile(r"[0-9a-f]{64}")
-
+# --- 1. HTTP front-end: connection limits, body budget, framing, the request handler --------------
 
 @dataclasses.dataclass
-class RequestParts:
-    """A request split into its parts: the program part's JSON and the blob parts by hash.  The
-    program is decoded and validated once, when first asked for (`program()`)."""
-    limits: ServerConfig
-    program_json: memoryview | None = None
-    blobs: dict[str, memoryview] = dataclasses.field(default_factory=dict)
-    checked: "ValidProgram | ValidationError | None" = None
-
-    def add(self, name: str, media: str, payload: memoryview) -> None:
-        """docs/protocol.md §4.6 for one part."""
-        if name == "program":
-            if self.program_json is not None:
-                raise ValidationError("duplicate 'program' part")
-            if media != "application/json":
-                raise ValidationError("'program' part must be application/json")
-            self.program_json = payload
-            return
-        match = BLOB_PART.fullmatch(name)
-        if not match:
-            raise ValidationError(f"unexpected part name {name[:80]!r}")
-        digest = match.group(1)
-        if digest in self.blobs:
-            raise ValidationError(f"duplicate blob part {digest}")
-        if media != "application/octet-stream":
-            raise ValidationError(f"blob part {digest} must be application/octet-stream")
-        if hashlib.sha256(payload).hexdigest() != digest:
-            raise ValidationError(f"blob hash mismatch for part {digest}")
-        self.blobs[digest] = payload
-
-    def program(self) -> "ValidProgram":
-        """The program part decoded (§5.1) and validated (§5, 6); its error, raised again if asked twice."""
-        if self.checked is None:
-            try:
-                self.checked = parse_program(decode_program(self.program_json, self.limits), self.limits)
-            except ValidationError as exc:
-                self.checked = exc
-        if isinstance(self.checked, ValidationError):
-            raise self.checked
-        return self.checked
-
-    def parts_allowed(self) -> int:
-        """Parts a request may have once its first part, the program, is known: one per blob it
-        references, plus the program; more are unreferenced or duplicates, a 400 whatever follows.
-        An invalid program leaves the hard cap (its error comes later, in protocol order), unless
-        it is too large: the size limits come first."""
-        try:
-            return len(self.program().blob_kinds) + 1
-        except RequestTooLarge:
-            raise
-        except ValidationError:
-            return self.limits.max_request_parts
-
-
-def refuse_extra_part(parts: RequestParts, name: str, media: str, payload: memoryview,
-                      failure: ValidationError | None) -> NoReturn:
-    """A part beyond the valid program's blobs plus one: what the reference would answer once it read
-    the rest, as far as the parts read so far tell (a later part's bad headers would have won, §4.7):
-    an earlier part's error, this part's, or the unreferenced blobs, one of which there must be."""
-    if failure is not None:
-        raise failure
-    parts.add(name, media, payload)
-    check_no_unreferenced_blobs(parts.program(), parts.blobs)
-    raise ValidationError("more parts than the program references blobs")  # not reached: one is unreferenced
-
-
-def split_request(body: Body, content_type: str | None, limits: ServerConfig = DEFAULT_LIMITS) -> RequestParts:
-    """docs/protocol.md §4.3-4.7 -> the request's parts, in the reference's check order: each part's
-    headers as it is parsed (§4.5), then its name, content type and hash (§4.6), whose failure waits
-    until every later part's headers have passed (step 2 before step 3)."""
-    parts, failure = RequestParts(limits), None
-    allowed = limits.max_request_parts
-    for count, (headers, payload) in enumerate(parse_multipart(body, request_boundary(content_type), limits), 1):
-        name, media = check_part_headers(headers)
-        if count > allowed:
-            refuse_extra_part(parts, name, media, payload, failure)
-        if name == "program" and len(payload) > limits.max_program_bytes:
-            raise RequestTooLarge(f"'program' part exceeds {limits.max_program_bytes} bytes")
-        if failure is None:
-            try:
-                parts.add(name, media, payload)
-            except ValidationError as exc:
-                failure = exc
-        if count == 1 and failure is None and name == "program":
-            allowed = parts.parts_allowed()
-    if failure is not None:
-        raise failure
-    if parts.program_json is None:
-        raise ValidationError("missing 'program' part")
-    return parts
-
-
-# --- 2. wire rules: program validation (docs/protocol.md §5, 6) -----------------------------------
-
-JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
-
-
-def decode_program(data: memoryview, limits: ServerConfig) -> Json:
-    """strict_json, once the program's JSON values are counted: decoding costs about 60 bytes per value
-    (`[[],[],...]` ~20 times its size), so the count is capped first.  Its commas and opening
-    brackets outside strings bound it, found at C speed once the strings are cut out."""
-    structure = JSON_STRING.sub(b"", data)
-    values = structure.count(b",") + structure.count(b"[") + structure.count(b"{")
-    if values > limits.max_program_values:
-        raise RequestTooLarge(f"'program' holds more than {limits.max_program_values} JSON values")
-    return strict_json(data)
-
-
-UPLOAD_FIELDS = {"module": {"source"}, "tensor": {"blob", "dtype", "shape"}, "bytes": {"blob"},
-                 "library": {"blob"}, "file": {"blob", "path"}}
-
-
-@dataclasses.dataclass
-class ValidProgram:
-    instructions: list[Instruction]
-    options: dict[str, Json]
-    blob_kinds: dict[str, set[str]]  # hash -> {"file", "memory"}, in order of first reference
-    tensor_sizes: list[tuple[str, str, int]]  # (instruction id, hash, expected byte count)
-
-
-def is_integer(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def parse_program(body: Json, limits: ServerConfig = DEFAULT_LIMITS) -> ValidProgram:
-    """Validate a decoded program object; ValidationError names the offending field."""
-    if not isinstance(body, dict):
-        raise ValidationError("program must be a JSON object")
-    unknown = set(body) - {"instructions", "options"}
-    if unknown:
-        raise ValidationError(f"unknown program field(s): {sorted(unknown)}")
-    instructions = body.get("instructions")
-    if not isinstance(instructions, list) or not instructions:
-        raise ValidationError("'instructions' must be a non-empty array")
-    if len(instructions) > limits.max_program_instructions:
-        raise RequestTooLarge(f"program has more than {limits.max_program_instructions} instructions")
-    options = check_options(body.get("options", {}))
-    program = ValidProgram(instructions, options, {}, [])
-    ids, keys, paths = set(), set(), {}
-    for index, ins in enumerate(instructions):
-        where = f"instruction {index}"
-        if not isinstance(ins, dict):
-            raise ValidationError(f"{where} must be an object")
-        op = ins.get("op")
-        if op not in ("upload", "get_function", "run", "return"):
-            raise ValidationError(f"{where}: unknown op {brief(op)}")
-        if op != "return":
-            check_id(ins, ids, where)
-        check_instruction(program, ins, op, ids, keys, paths, f"{where} ({op})", limits)
-        if op != "return":
-            ids.add(ins["id"])
-    return program
-
-
-MAX_ARG_DEPTH = 400  # programs reach the worker as JSON, whose decoder recurses once per level: well within its limit
-
-
-def check_literals(args: list[Json], where: str) -> None:
-    """Run arguments hold finite numbers only (1e400 decodes to inf, docs/protocol.md §5.1) and nest at
-    most MAX_ARG_DEPTH levels; walked without recursion."""
-    stack = [(args, 1)]
-    while stack:
-        v, depth = stack.pop()
-        if isinstance(v, float) and not math.isfinite(v):
-            raise ValidationError(f"{where}: 'args' holds a number that is not finite")
-        if isinstance(v, (list, dict)):
-            if depth > MAX_ARG_DEPTH:
-                raise ValidationError(f"{where}: 'args' nested deeper than {MAX_ARG_DEPTH} levels")
-            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
-
-
-def brief(value: object) -> str:
-    """A value for an error message: repr() of a deeply nested one would overflow the stack."""
-    if isinstance(value, (str, int, float, bool, type(None))):
-        return repr(value)[:80]
-    return f"<{type(value).__name__}>"
-
-
-def tensor_byte_count(shape: list[int], itemsize: int) -> int:
-    """product(shape) * itemsize, stopping at 2**64: no blob is that long, and the exact
-    product of 100 000 huge dimensions takes seconds and has too many digits to print."""
-    if 0 in shape:
-        return 0
-    total = itemsize
-    for d in shape:
-        total *= d
-        if total >= 1 << 64:
-            return 1 << 64
-    return total
-
-
-def check_options(options: Json) -> dict[str, Json]:
-    if not isinstance(options, dict):
-        raise ValidationError("'options' must be an object")
-    unknown = set(options) - {"timeout_seconds", "output_limit_bytes", "gpu_count"}
-    if unknown:
-        raise ValidationError(f"unknown option(s): {sorted(unknown)}")
-    if "timeout_seconds" in options:
-        t = options["timeout_seconds"]
-        if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t <= 0:
-            raise ValidationError("options.timeout_seconds must be a finite number > 0")
-    if "output_limit_bytes" in options:
-        n = options["output_limit_bytes"]
-        if not is_integer(n) or n < 0:
-            raise ValidationError("options.output_limit_bytes must be an integer >= 0")
-    if "gpu_count" in options:
-        n = options["gpu_count"]
-        if not is_integer(n) or not 1 <= n <= 8:
-            raise ValidationError("options.gpu_count must be an integer from 1 to 8")
-    return options
-
-
-def check_id(ins: Instruction, ids: set[str], where: str) -> None:
-    if "id" not in ins:
-        raise ValidationError(f"{where}: missing field 'id'")
-    value = ins["id"]
-    if not isinstance(value, str) or not value:
-        raise ValidationError(f"{where}: 'id' must be a non-empty string")
-    if value in ids:
-        raise ValidationError(f"{where}: duplicate instruction id {value!r}")
-
-
-def check_fields(ins: Instruction, required: set[str], optional: set[str], where: str) -> None:
-    unknown = set(ins) - required - optional
-    if unknown:
-        raise ValidationError(f"{where}: unknown field(s) {sorted(unknown)}")
-    missing = required - set(ins)
-    if missing:
-        raise ValidationError(f"{where}: missing field(s) {sorted(missing)}")
-
-
-def check_ref(value: Json, ids: set[str], where: str, field: str) -> None:
-    if not is_ref(value):
-        raise ValidationError(f"{where}: '{field}' must be {{'$ref': id}}")
-    if value["$ref"] not in ids:
-        raise ValidationError(f"{where}: '{field}' references unknown/forward handle {value['$ref']!r}")
-
-
-def check_path(value: Json, where: str) -> str:
-    try:
-        return normalize_path(value)
-    except ValidationError as exc:
-        raise ValidationError(f"{where}: invalid 'path': {exc}") from None
-
-
-def check_instruction(program: ValidProgram, ins: Instruction, op: str, ids: set[str], keys: set[str],
-                      paths: dict[str, str], where: str, limits: ServerConfig) -> None:
-    if op == "upload":
-        kind = ins.get("kind")
-        if not isinstance(kind, str) or kind not in UPLOAD_FIELDS:  # a list is unhashable
-            raise ValidationError(f"{where}: unknown kind {brief(kind)}")
-        check_fields(ins, {"op", "id", "kind"} | UPLOAD_FIELDS[kind], set(), where)
-        check_upload(program, ins, kind, paths, where)
-    elif op == "get_function":
-        check_fields(ins, {"op", "id", "module", "name"}, {"cpu_only"}, where)
-        check_ref(ins["module"], ids, where, "module")
-        if not isinstance(ins["name"], str) or not ins["name"]:
-            raise ValidationError(f"{where}: 'name' must be a non-empty string")
-        if not isinstance(ins.get("cpu_only", False), bool):
-            raise ValidationError(f"{where}: 'cpu_only' must be a boolean")
-    elif op == "run":
-        check_fields(ins, {"op", "id", "fn"}, {"args"}, where)
-        check_ref(ins["fn"], ids, where, "fn")
-        args = ins.get("args", [])
-        if not isinstance(args, list):
-            raise ValidationError(f"{where}: 'args' must be an array")
-        if len(args) > limits.max_run_args:
-            raise RequestTooLarge(f"{where}: more than {limits.max_run_args} arguments")
-        for position, arg in enumerate(args):
-            if is_ref(arg):
-                check_ref(arg, ids, where, f"args[{position}]")
-        check_literals(args, where)
-    else:
-        check_return(ins, ids, keys, where)
-
-
-def check_upload(program: ValidProgram, ins: Instruction, kind: str, paths: dict[str, str], where: str) -> None:
-    if kind == "module":
-        if not isinstance(ins["source"], str):
-            raise ValidationError(f"{where}: 'source' must be a string")
-        return
-    blob = ins["blob"]
-    if not isinstance(blob, str) or not HASH.fullmatch(blob):
-        raise ValidationError(f"{where}: 'blob' must be a lowercase SHA-256 hex string")
-    program.blob_kinds.setdefault(blob, set()).add("file" if kind == "file" else "memory")
-    if kind == "tensor":
-        dtype, shape = ins["dtype"], ins["shape"]
-        if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
-            raise ValidationError(f"{where}: unsupported dtype {brief(dtype)}")
-        if not isinstance(shape, list) or not all(is_integer(d) and d >= 0 for d in shape):
-            raise ValidationError(f"{where}: 'shape' must be an array of non-negative integers")
-        program.tensor_sizes.append((ins["id"], blob, tensor_byte_count(shape, DTYPE_SIZES[dtype])))
-    elif kind == "file":
-        path = check_path(ins["path"], where)
-        claim_file_path(paths, path, where)
-        ins["path"] = path
-
-
-def claim_file_path(paths: dict[str, str], path: str, where: str) -> None:
-    """docs/protocol.md §6.8 in one pass per path: `paths` maps each earlier file path to itself and each of
-    their parent directories to the first file below it (a pairwise check is quadratic)."""
-    parents = [path[:i] for i, ch in enumerate(path) if ch == "/"]
-    earlier = paths.get(path)
-    if earlier == path:
-        raise ValidationError(f"{where}: duplicate file upload path {path!r}")
-    if earlier is not None:
-        raise ValidationError(f"{where}: conflicting file upload paths {earlier!r} and {path!r}")
-    for parent in parents:
-        if paths.get(parent) == parent:
-            raise ValidationError(f"{where}: conflicting file upload paths {parent!r} and {path!r}")
-    paths[path] = path
-    for parent in parents:
-        paths.setdefault(parent, path)
-
-
-def check_return(ins: Instruction, ids: set[str], keys: set[str], where: str) -> None:
-    if "kind" in ins:
-        check_fields(ins, {"op", "key", "kind", "path"}, set(), where)
-        if ins["kind"] not in ("file", "folder"):
-            raise ValidationError(f"{where}: 'kind' must be 'file' or 'folder'")
-    else:
-        check_fields(ins, {"op", "key", "value"}, set(), where)
-    key = ins["key"]
-    if not isinstance(key, str) or not key:
-        raise ValidationError(f"{where}: 'key' must be a non-empty string")
-    if key in keys:
-        raise ValidationError(f"{where}: duplicate return key {key!r}")
-    keys.add(key)
-    if "kind" not in ins:
-        check_ref(ins["value"], ids, where, "value")
-    elif isinstance(ins["path"], dict):
-        check_ref(ins["path"], ids, where, "path")
-    else:
-        ins["path"] = check_path(ins["path"], where)
-
-
-def check_no_unreferenced_blobs(program: ValidProgram, supplied: dict[str, memoryview]) -> None:
-    extra = [h for h in supplied if h not in program.blob_kinds]
-    if extra:
-        raise ValidationError(f"unreferenced blob part(s): {', '.join(extra)}")
-
-
-def check_tensor_sizes(program: ValidProgram, blobs: Blobs) -> None:
-    """docs/protocol.md §7.3: a tensor's blob holds exactly product(shape) * itemsize bytes (checked once present)."""
-    for ident, digest, expected in program.tensor_sizes:
-        if digest in blobs and len(blobs[digest]) != expected:
-            raise ValidationError(f"tensor upload {ident!r} expects "
-                                  f"{expected if expected < 1 << 64 else 'at least 2**64'} bytes, "
-                                  f"got {len(blobs[digest])}")
-
-
-# --- 3. the blob store (docs/protocol.md §7.4, 7.5) -----------------------------------------------
-
-def pinned_bytes(data: Buffer) -> int:
-    """What keeping `data` alive costs: a view pins the whole buffer it was cut from."""
-    owner = data.obj if isinstance(data, memoryview) else data
-    return memoryview(owner).nbytes
-
-
-CACHE_ENTRY_OVERHEAD = 384  # bytes an entry costs beyond its payload (tests/test_bounds.py measures ~330)
-
-
-class MemoryCache:
-    """LRU of blob bytes by SHA-256; pinned entries are never evicted.
-
-    Entries are charged for the memory they keep alive (pinned_bytes) plus CACHE_ENTRY_OVERHEAD
-    (key, tuple, buffer object, dict slot: ~330 B, which 20 000 blobs of 8 bytes each would
-    otherwise not be charged at all).  Pinned entries wait in `held`, outside the LRU order, so
-    eviction only ever pops from the LRU end of `entries`: amortized O(1) per insert.
-    """
-
-    def __init__(self, capacity: int, max_entries: int) -> None:
-        self.capacity = capacity
-        self.max_entries = max_entries
-        self.entries: collections.OrderedDict[str, tuple[Buffer, int]] = collections.OrderedDict()
-        self.held: dict[str, tuple[Buffer, int]] = {}  # pinned entries
-        self.size = 0
-        self.pins: collections.Counter[str] = collections.Counter()
-        self.lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self.entries) + len(self.held)
-
-    def get(self, digest: str) -> Buffer | None:
-        with self.lock:
-            entry = self.entries.get(digest) or self.held.get(digest)
-            if entry is None:
-                return None
-            if digest in self.entries:
-                self.entries.move_to_end(digest)
-            return entry[0]
-
-    def put(self, digest: str, data: Buffer) -> None:
-        cost = pinned_bytes(data) + CACHE_ENTRY_OVERHEAD
-        if cost * 4 > self.capacity:
-            return
-        with self.lock:
-            if digest in self.entries:
-                self.entries.move_to_end(digest)
-                return
-            if digest in self.held:
-                return
-            (self.held if self.pins[digest] else self.entries)[digest] = (data, cost)
-            self.size += cost
-            self.evict()
-
-    def evict(self) -> None:
-        """Least recently used unpinned entries go while over the byte or entry budget (lock held)."""
-        while self.entries and (self.size > self.capacity or len(self) > self.max_entries):
-            self.size -= self.entries.popitem(last=False)[1][1]
-
-    def pin(self, digests: list[str]) -> None:
-        with self.lock:
-            self.pins.update(digests)
-            for d in digests:
-                if d in self.entries:
-                    self.held[d] = self.entries.pop(d)
-
-    def unpin(self, digests: list[str]) -> None:
-        with self.lock:
-            self.pins.subtract(digests)
-            for d in digests:
-                if self.pins[d] <= 0:
-                    del self.pins[d]
-                    if d in self.held:
-                        self.entries[d] = self.held.pop(d)  # most recently used: its program just ran
-            self.evict()
-
-
-def disk_cost(info: os.stat_result) -> int:
-    """What a file costs its file system: the blocks it occupies (a 1-byte file takes a whole block)."""
-    return info.st_blocks * 512
-
-
-class DiskCache:
-    """Blobs of file uploads under <dir>/v1/<ab>/<hash>; persistent, verified on read.
-
-    Every disk problem is a miss or an ignored write: the cache can never
-    make a request fail.  Files are charged the blocks they occupy (disk_cost) and counted: a
-    file system runs out of inodes long before thousands of 1-byte blobs fill a byte budget.
-    Once over either budget, eviction takes both down to nine tenths of it, so the directory is
-    scanned once per tenth of the budget written, not on every put.
-    """
-
-    def __init__(self, directory: str, capacity_bytes: int, max_files: int) -> None:
-        self.root = os.path.join(directory, "v1")
-        self.capacity = capacity_bytes
-        self.max_files = max_files
-        self.total = 0
-        self.files = 0
-        self.lock = threading.Lock()
-        try:
-            os.makedirs(self.root, mode=0o700, exist_ok=True)
-            self.evict()
-        except OSError:
-            pass
-
-    def path(self, digest: str) -> str:
-        return os.path.join(self.root, digest[:2], digest)
-
-    def get(self, digest: str) -> bytearray | None:
-        path = self.path(digest)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-            with open(fd, "rb") as f:
-                info = os.fstat(fd)
-                if stat.S_ISREG(info.st_mode):
-                    data = bytearray(info.st_size)
-                    if f.readinto(data) == info.st_size and hashlib.sha256(data).hexdigest() == digest:
-                        os.utime(fd)
-                        return data
-        except FileNotFoundError:
-            return None
-        except OSError:
-            pass
-        self.discard(path)  # else put() finds the damaged entry "present" and never replaces it
-        return None
-
-    @staticmethod
-    def discard(path: str) -> None:
-        try:
-            os.unlink(path)
-        except IsADirectoryError:
-            shutil.rmtree(path, ignore_errors=True)
-        except OSError:
-            pass
-
-    def put(self, digest: str, data: Buffer) -> None:
-        if len(data) > self.capacity:
-            return
-        try:
-            target = self.path(digest)
-            if os.path.exists(target):
-                os.utime(target)
-                return
-            os.makedirs(os.path.dirname(target), mode=0o700, exist_ok=True)
-            fd, staging = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".tmp-")
-            try:
-                with open(fd, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    cost = disk_cost(os.fstat(fd))
-                os.replace(staging, target)
-            except BaseException:
-                os.unlink(staging)
-                raise
-            with self.lock:
-                self.total += cost
-                self.files += 1
-                over = self.total > self.capacity or self.files > self.max_files
-            if over:
-                self.evict()
-        except OSError:
-            pass
-
-    def put_all(self, items: list[tuple[str, Buffer]]) -> None:
-        for digest, data in items:
-            self.put(digest, data)
-
-    def evict(self) -> None:
-        """Remove least recently used entries while over nine tenths of either budget (writers
-        serialised by a lock file)."""
-        with self.lock, open(os.path.join(self.root, ".lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            entries = []
-            for sub in os.scandir(self.root):
-                if sub.is_dir(follow_symlinks=False):
-                    for entry in os.scandir(sub.path):
-                        if entry.is_file(follow_symlinks=False):
-                            info = entry.stat(follow_symlinks=False)
-                            entries.append((info.st_mtime_ns, disk_cost(info), entry.path))
-            entries.sort()
-            self.total, self.files = sum(cost for _, cost, _ in entries), len(entries)
-            if self.total <= self.capacity and self.files <= self.max_files:
-                return
-            bytes_left, files_left = self.capacity - self.capacity // 10, self.max_files - self.max_files // 10
-            for _, cost, path in entries:
-                if self.total <= bytes_left and self.files <= files_left:
-                    break
-                try:
-                    os.unlink(path)
-                    self.total -= cost
-                    self.files -= 1
-                except OSError:
-                    pass
-
-
-class BlobStore:
-    """What survives between requests: blobs by SHA-256, in memory (bytes, tensors and
-    libraries) and on disk (file uploads), docs/protocol.md §7.4-7.5."""
+class Phase:
+    """Where a connection is in its request: "idle" (keep-alive, waiting for a request),
+    "header" (request line and headers) or "body"; `received` counts body bytes."""
+    name: str
+    since: float
+    received: int = 0
+    window_start: float = 0.0
+    window_bytes: int = 0
+
+
+class ConnectionGuard:
+    """Deadlines that no socket timeout can express: a socket timeout bounds one read, so a
+    header or body trickling in a byte at a time never trips it.  One thread checks every
+    watched connection a few times a second and cuts the read side of those past their
+    deadline; the handler's read then ends and it answers 408 (or just closes)."""
+
+    TICK = 0.25
 
     def __init__(self, config: ServerConfig) -> None:
-        self.memory = MemoryCache(config.cache_capacity_bytes, config.cache_max_entries)
-        self.disk = (DiskCache(config.disk_cache_dir, config.disk_cache_capacity_mbytes << 20,
-                               config.disk_cache_max_files)
-                     if config.disk_cache_dir and config.disk_cache_capacity_mbytes > 0 else None)
+        self.config = config
+        self.lock = threading.Lock()
+        self.watched: dict[RequestHandler, Phase] = {}
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self.run, name="kcoral-connection-guard", daemon=True)
+        self.thread.start()
 
-    def keep_file_blobs(self, program: ValidProgram, supplied: dict[str, memoryview]) -> threading.Thread | None:
-        """Start putting supplied file-upload blobs into the disk cache -> a thread to join, or None.
+    def enter(self, handler: RequestHandler, name: str) -> Phase:
+        now = time.monotonic()
+        phase = Phase(name, now, window_start=now)
+        with self.lock:
+            self.watched[handler] = phase
+        return phase
 
-        Creating hundreds of small files can take a while on a busy disk; meanwhile the
-        request goes on, and its worker creates the workspace copies in parallel.
-        """
-        items = [(digest, data) for digest, data in supplied.items() if "file" in program.blob_kinds[digest]]
-        if not items or self.disk is None:
+    def leave(self, handler: RequestHandler) -> None:
+        with self.lock:
+            self.watched.pop(handler, None)
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.TICK):
+            now = time.monotonic()
+            with self.lock:
+                expired = [(h, phase, reason) for h, phase in self.watched.items()
+                           if (reason := self.expired(phase, now)) is not None]
+            for handler, phase, reason in expired:
+                self.cut(handler, reason, phase)
+
+    def expired(self, phase: Phase, now: float) -> str | None:
+        config = self.config
+        if phase.name == "idle":
+            return "idle" if now - phase.since >= config.keepalive_timeout_seconds else None
+        if phase.name == "header":
+            return "header_timeout" if now - phase.since >= config.header_timeout_seconds else None
+        if now - phase.window_start < config.body_rate_window_seconds:
             return None
-        thread = threading.Thread(target=self.disk.put_all, args=(items,), daemon=True)
-        thread.start()
-        return thread
+        if phase.received - phase.window_bytes < config.body_rate_min_bytes:
+            return "body_rate"
+        phase.window_start, phase.window_bytes = now, phase.received  # the next window
+        return None
 
-    def resolve(self, program: ValidProgram, supplied: dict[str, memoryview]) -> tuple[Blobs, list[str]]:
-        """docs/protocol.md §7.1: supplied parts go into the memory cache (the disk cache: keep_file_blobs),
-        then every referenced blob is looked up, supplied parts first -> (blobs, missing)."""
-        for digest, data in supplied.items():
-            if "memory" in program.blob_kinds[digest]:
-                # a small blob must not keep a large request body alive in the cache
-                keep = data if len(data) * 2 >= len(data.obj) else bytes(data)
-                self.memory.put(digest, keep)
-        blobs, missing = {}, []
-        for digest, kinds in program.blob_kinds.items():
-            data = supplied.get(digest)
-            if data is None and "file" in kinds and self.disk is not None:
-                data = self.disk.get(digest)
-            if data is None and "memory" in kinds:
-                data = self.memory.get(digest)
-            if data is None:
-                missing.append(digest)
-            else:
-                blobs[digest] = data
-        return blobs, missing
-
-    @contextlib.contextmanager
-    def pinned(self, program: ValidProgram) -> Iterator[None]:
-        """While a program runs, the memory blobs it uses stay cached (its retry would need them)."""
-        memory = [h for h, kinds in program.blob_kinds.items() if "memory" in kinds]
-        self.memory.pin(memory)
+    def cut(self, handler: RequestHandler, reason: str, phase: Phase | None = None) -> None:
+        """Cut the read side of `handler`'s connection if it is still in `phase` (any phase: None)."""
+        with self.lock:
+            current = self.watched.get(handler)
+            if current is None or (phase is not None and current is not phase):
+                return  # it moved on meanwhile
+            del self.watched[handler]
+        handler.cut_reason = reason
         try:
-            yield
-        finally:
-            self.memory.unpin(memory)
-
-
-# --- 4. process groups ----------------------------------------------------------------------------
-
-def group_members(pgid: int, exclude: Collection[int] = ()) -> list[int]:
-    """Live processes in a process group, plus the leader's live descendants in other groups
-    (a program may start new sessions); zombies of ours found on the way are reaped."""
-    members, me, parents = [], os.getpid(), {}
-    own_group = os.getpgrp()  # the forkserver and resource tracker: multiprocessing reaps those
-    for pid, state, ppid, pgrp in kcoral_worker.process_table():
-        if pid in exclude:
-            continue
-        if state == b"Z":
-            if ppid == me and pgrp != own_group:  # an orphan of some program, ended up with us
-                with contextlib.suppress(ChildProcessError):
-                    os.waitpid(pid, os.WNOHANG)
-        elif pgrp == pgid:
-            members.append(pid)
-        else:
-            parents[pid] = ppid
-    frontier = {pgid}
-    while frontier:
-        frontier = {pid for pid, ppid in parents.items() if ppid in frontier and pid not in members}
-        members.extend(frontier)
-    return members
-
-
-def marked_processes(worker_pid: int) -> list[int]:
-    """Live processes started under a worker (they inherit its KCORAL_WORKER_PID), wherever
-    they are now: after a crash, a new-session child is an orphan outside every tree."""
-    mark = f"\0{kcoral_worker.WORKER_MARK}={worker_pid}\0".encode()
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/environ", "rb") as f:
-                    if mark in b"\0" + f.read() + b"\0":
-                        found.append(int(name))
-            except OSError:
-                pass
-    return found
-
-
-def is_live(pid: int) -> bool:
-    fields = kcoral_worker.proc_stat(pid)
-    return fields is not None and fields[0] not in (b"Z", b"X")
-
-
-def kill_group(pgid: int, grace: float, exclude: Collection[int] = (), orphans: bool = False,
-               kill_wait: float = 10.0) -> bool:
-    """SIGTERM the group and its leader's descendants (with `orphans`, also every process
-    started under it), SIGKILL what is left after the grace period, sweep after sweep for up to
-    `kill_wait` seconds.  -> whether it is gone."""
-    def remaining() -> list[int]:
-        marked = [pid for pid in marked_processes(pgid) if pid not in exclude] if orphans else []
-        return group_members(pgid, exclude) + [pid for pid in marked if is_live(pid)]
-
-    return kcoral_worker.terminate(remaining, grace, kill_wait, group=pgid)
-
-
-# --- 5. GPUs and the lease (docs/server.md §1-2) --------------------------------------------------
-
-def nvml_gpu_ids() -> list[str]:
-    """UUIDs of the visible NVIDIA GPUs through NVML, without importing torch; [] if none."""
-    try:
-        nvml = ctypes.CDLL("libnvidia-ml.so.1")
-    except OSError:
-        return []
-    if nvml.nvmlInit_v2() != 0:
-        return []
-    count = ctypes.c_uint()
-    if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
-        return []
-    uuids = []
-    for index in range(count.value):
-        handle, buf = ctypes.c_void_p(), ctypes.create_string_buffer(96)
-        ok = (nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) == 0 and
-              nvml.nvmlDeviceGetUUID(handle, buf, 96) == 0)
-        uuids.append(buf.value.decode() if ok else str(index))
-    return uuids
-
-
-WARM_TVM_FFI = "import torch, tvm_ffi"  # tvm_ffi builds its torch add-on on import when it must
-
-
-def prepare_template_imports(timeout: float, warm: str = WARM_TVM_FFI, log: "EventLog | None" = None) -> str:
-    """Make the worker template's imports fast and free of CUDA before any worker starts.
-
-    PYTORCH_NVML_BASED_CUDA_CHECK=1 lets `torch.cuda.is_available()` (tvm_ffi calls it on
-    import) ask NVML instead of calling cuInit, so the template never holds CUDA state that
-    its forks would inherit unusable.  With a torch that lacks the DLPack exchange API,
-    `import tvm_ffi` compiles an add-on into its cache on first use (nvcc: minutes): that
-    happens here, once, in a separate process within `timeout` seconds; if it fails or takes
-    longer, the add-on is disabled for this server so no worker can meet the slow path.
-    -> "native", "warmed", "disabled" or "absent" (also logged).
-    """
-    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-    if not (importlib.util.find_spec("torch") and importlib.util.find_spec("tvm_ffi")):
-        return "absent"
-    if os.environ.get("TVM_FFI_DISABLE_TORCH_C_DLPACK", "0") != "0" or torch_has_dlpack_exchange_api():
-        return "native"
-    started = time.monotonic()
-    try:
-        subprocess.run([sys.executable, "-I", "-c", warm], check=True, timeout=timeout,
-                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        state, error = "warmed", None
-    except (subprocess.SubprocessError, OSError) as exc:
-        os.environ["TVM_FFI_DISABLE_TORCH_C_DLPACK"] = "1"
-        state, error = "disabled", f"{type(exc).__name__}: {str(exc)[-300:]}"
-    if log is not None:
-        log.event("template_prepared", "WARNING" if error else "INFO", tvm_ffi_torch_addon=state,
-                  seconds=round(time.monotonic() - started, 1), error=error)
-    return state
-
-
-def torch_has_dlpack_exchange_api() -> bool:
-    """Whether the installed torch exports the DLPack exchange API itself (read, not imported)."""
-    spec = importlib.util.find_spec("torch")
-    for location in spec.submodule_search_locations or ():
-        try:
-            with open(os.path.join(location, "_tensor.py"), encoding="utf-8") as f:
-                return "dlpack_exchange_api" in f.read()  # or its older name
+            handler.connection.shutdown(socket.SHUT_RD)
         except OSError:
             pass
-    return importlib.util.find_spec("torch_c_dlpack_ext") is not None
+
+    def cut_idle(self, idle_for: float) -> int:
+        """Close keep-alive connections idle for `idle_for` seconds or more -> how many."""
+        now = time.monotonic()
+        with self.lock:
+            idle = [(h, phase) for h, phase in self.watched.items()
+                    if phase.name == "idle" and now - phase.since >= idle_for]
+        for handler, phase in idle:
+            self.cut(handler, "idle", phase)
+        return len(idle)
+
+    def cut_phase(self, name: str, reason: str) -> None:
+        """Cut every connection now in phase `name` (shutdown: the bodies still arriving)."""
+        with self.lock:
+            found = [(h, phase) for h, phase in self.watched.items() if phase.name == name]
+        for handler, phase in found:
+            self.cut(handler, reason, phase)
+
+    def stop(self) -> None:
+        self.stopped.set()
 
 
-def same_gpu(seen: str, expected: str) -> bool:
-    """docs/server.md §1.1: UUIDs compare without the GPU- prefix, case-insensitively; unknown ones pass."""
-    def bare(uuid: str) -> str:
-        return uuid.lower().removeprefix("gpu-")
+class BodyBudget:
+    """Admission of request bodies against a global in-memory budget, first come first served, so
+    memory stays bounded however many clients upload at once.  Bodies reserve it as their bytes
+    arrive, a step ahead (BodyReservation), not their declared size: a client trickling a body it
+    declared huge holds a step, not the budget.  When the budget is full, the first body waiting
+    may take all it still declared beyond it, provided no body does already: bodies read halfway
+    then never wait on each other for ever, and memory stays below the budget plus one body."""
 
-    return not seen or not expected.lower().startswith("gpu-") or bare(seen) == bare(expected)
-
-
-STARTUP_OWNER = "worker-startup"  # lease owner while a worker creates its CUDA context; not a request
-
-
-class LeaseRefused(Exception):
-    """A lease that will never be granted: its GPU is quarantined, or the server is shutting down."""
-
-
-class LeaseArbiter:
-    """One exclusive lease per GPU, granted strictly in arrival order (docs/server.md §2.1).
-
-    Workers ask over their pipe and the request thread blocks here, so a
-    killed holder cannot leak a lease: the thread that served it releases it.
-    A request for "any n GPUs" that cannot be met blocks every GPU for later
-    waiters, so the big job is not starved.
-    """
-
-    def __init__(self, gpu_ids: Iterable[int]) -> None:
-        self.gpu_ids = list(gpu_ids)
-        self.holder: dict[int, str | None] = {g: None for g in self.gpu_ids}
-        self.queue: collections.deque[LeaseTicket] = collections.deque()
-        self.history: dict[int, collections.deque[tuple[float, float | None, str]]] = {
-            g: collections.deque(maxlen=256) for g in self.gpu_ids}  # (start, end or None while held, owner)
-        self.quarantined: set[int] = set()
-        self.closing = False
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.in_use = 0
+        self.queue: collections.deque[object] = collections.deque()
+        self.closed = False
         self.cond = threading.Condition()
 
-    def acquire(self, owner: str, gpus: list[int] | None = None, count: int | None = None,
-                deadline: float | None = None) -> tuple[list[int], float]:
-        """Block until `gpus` (or any `count` GPUs) are ours; returns (granted GPUs, wait ms).
-        LeaseRefused when that can no longer happen (quarantine; "any n" waits at shutdown);
-        TimeoutError once time.monotonic() passes `deadline`."""
-        start = time.monotonic()
-        ticket = (object(), gpus, count)  # unique: queue.remove() must not take an equal twin
+    def reserve(self, held: int, wanted: int, declared: int, timeout: float) -> int | None:
+        """Grow a reservation of `held` bytes to `wanted` (or to `declared`, beyond the budget) -> the
+        new reservation, or None after `timeout` s or on shutdown."""
+        ticket = object()
+        deadline = time.monotonic() + timeout
         with self.cond:
             self.queue.append(ticket)
             try:
-                while True:
-                    self.check_servable(gpus, count)
-                    granted = self.grantable(ticket)
-                    if granted is not None:
-                        break
-                    if deadline is not None and deadline <= time.monotonic():
-                        raise TimeoutError
-                    self.cond.wait(None if deadline is None else deadline - time.monotonic())
+                while not self.closed:
+                    if self.queue[0] is ticket:
+                        if self.in_use + wanted - held <= self.capacity:
+                            self.in_use += wanted - held
+                            return wanted
+                        if self.in_use <= self.capacity:  # no body is beyond the budget: this one may be
+                            self.in_use += declared - held
+                            return declared
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return None
+                    self.cond.wait(remaining)
+                return None
             finally:
                 self.queue.remove(ticket)
                 self.cond.notify_all()
-            now = time.time()
-            for g in granted:
-                self.holder[g] = owner
-                self.history[g].append((now, None, owner))
-        return granted, (time.monotonic() - start) * 1e3
 
-    def check_servable(self, gpus: list[int] | None, count: int | None) -> None:
-        if count and self.closing:
-            raise LeaseRefused("server is shutting down")
-        if (count and count > len(self.gpu_ids) - len(self.quarantined)) or self.quarantined & set(gpus or ()):
-            raise LeaseRefused("GPU quarantined: a worker's process tree could not be confirmed gone")
-
-    def quarantine(self, gpus: Iterable[int]) -> None:
-        """docs/server.md §2.1: never lend these GPUs again; waiters that need them are refused."""
+    def release(self, size: int) -> None:
         with self.cond:
-            self.quarantined.update(gpus)
+            self.in_use -= size
             self.cond.notify_all()
-
-    def close(self) -> None:
-        """Shutdown: requests still waiting for "any n" GPUs are refused (docs/server.md §8)."""
-        with self.cond:
-            self.closing = True
-            self.cond.notify_all()
-
-    def grantable(self, ticket: LeaseTicket) -> list[int] | None:
-        blocked = set()
-        for waiter in self.queue:
-            _, gpus, count = waiter
-            free = [g for g in self.gpu_ids if self.holder[g] is None and g not in blocked | self.quarantined]
-            wanted = free[:count] if count else [g for g in gpus if g in free]
-            enough = len(wanted) == (count or len(gpus))
-            if waiter is ticket:
-                return wanted if enough else None
-            blocked.update(self.gpu_ids if count else gpus)
-
-    def release(self, owner: str, gpus: Iterable[int]) -> None:
-        with self.cond:
-            now = time.time()
-            for g in gpus:
-                if self.holder[g] == owner:
-                    self.holder[g] = None
-                    start, _, who = self.history[g].pop()
-                    self.history[g].append((start, now, who))
-            self.cond.notify_all()
-
-    def holder_at(self, gpus: Iterable[int], when: float) -> str | None:
-        """Who held any of `gpus` at wall-clock time `when` (for gpu_access reports); None if nobody."""
-        with self.cond:
-            for g in gpus:
-                for start, end, who in self.history[g]:
-                    if start <= when and (end is None or when <= end):
-                        return who
-        return None
-
-
-# --- 6. the sandbox (docs/sandbox.md) -------------------------------------------------------------
-
-SANDBOX_ROOT = "/kcoral"  # inside a sandbox: the slot's private directory (work/, blobs, home/, cache/)
-# A slot's host directory (0700, invisible inside) holds the three directories a container may write,
-# each a mount point inside, so a program can change what they hold but never rename or replace them:
-SANDBOX_WRITABLE = {"private": (SANDBOX_ROOT,), "tmp": ("/tmp", "/var/tmp"), "shm": ("/dev/shm",)}
-SANDBOX_ETC = ("alternatives", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "passwd", "group", "nsswitch.conf",
-               "hosts", "localtime", "ssl", "ca-certificates", "os-release", "debian_version", "gitconfig")
-SYSTEM_TOPS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
-# exact names, never prefixes (an NVIDIA_API_KEY must not pass): locale, threads and the tool settings
-# kernels need; the cache locations among them are replaced by the sandbox's own
-SANDBOX_ENV_NAMES = (
-    "PATH", "LD_LIBRARY_PATH", "LANG", "LANGUAGE", "TZ", "LC_ALL", "LC_CTYPE", "LC_NUMERIC", "LC_TIME",
-    "LC_COLLATE", "LC_MONETARY", "LC_MESSAGES", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
-    "CUDA_HOME", "CUDA_PATH", "CUDA_MODULE_LOADING", "CUDA_LAUNCH_BLOCKING", "CUDA_DEVICE_MAX_CONNECTIONS",
-    "NVIDIA_DRIVER_CAPABILITIES", "NVCC_APPEND_FLAGS", "NVCC_PREPEND_FLAGS", "NVCC_CCBIN",
-    "TORCH_CUDA_ARCH_LIST", "TORCH_SHOW_CPP_STACKTRACES", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_NO_CUDA_MEMORY_CACHING",
-    "PYTORCH_NVML_BASED_CUDA_CHECK", "TRITON_PTXAS_PATH", "TVM_FFI_CUDA_ARCH_LIST")
-SANDBOX_ADDONS = "/opt/kcoral-tvm-ffi"  # inside: the tvm_ffi torch add-on the server built (read-only)
-KILL_SWEEP_SECONDS = 2.0  # SIGKILL sweeps over a container's request processes before it is ended whole
-GPU_CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-caps")
-
-
-def sandbox_environment() -> dict[str, str]:
-    """An allow-list of the server's variables, never its secrets; home, temporary files and the
-    compiler/JIT caches all inside the slot's private directory, so they vanish with the request."""
-    env = {k: v for k, v in os.environ.items() if k in SANDBOX_ENV_NAMES}
-    for name in ("PATH", "LD_LIBRARY_PATH"):  # a directory that does not exist inside could not be created there
-        if name in env:
-            env[name] = ":".join(d for d in env[name].split(":") if shown_inside(d))
-    cache = f"{SANDBOX_ROOT}/cache"
-    env.update(HOME=f"{SANDBOX_ROOT}/home", TMPDIR="/tmp", XDG_CACHE_HOME=cache,
-               TORCH_EXTENSIONS_DIR=f"{cache}/torch_extensions", TRITON_CACHE_DIR=f"{cache}/triton",
-               CUDA_CACHE_PATH=f"{cache}/nv", TVM_FFI_CACHE_DIR=f"{cache}/tvm-ffi")
-    return env
-
-
-def is_under(path: str, parent: str) -> bool:
-    return path == parent or path.startswith(parent.rstrip("/") + "/")
-
-
-def shown_inside(directory: str) -> bool:
-    """Whether a host directory exists, read-only, inside every container (the system directories
-    and the Python installation; not the operator's --sandbox-readonly-path entries)."""
-    return (os.path.isabs(directory) and os.path.isdir(directory)
-            and any(is_under(os.path.realpath(directory), top) for top in SYSTEM_TOPS + tuple(python_paths())))
-
-
-def python_paths() -> list[str]:
-    """What the interpreter needs to run our worker: its prefixes and import path, minus the
-    server's working directory (only the project's own files are shown from there)."""
-    project = os.path.dirname(os.path.abspath(kcoral_worker.__file__))
-    skipped = {"", os.getcwd(), project}
-    paths = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]
-    paths += [p for p in sys.path if p not in skipped and os.path.exists(p)]
-    return sorted(set(map(os.path.abspath, paths)))
-
-
-def project_files() -> tuple[str, list[str]]:
-    project = os.path.dirname(os.path.abspath(kcoral_worker.__file__))
-    names = ("kcoral_worker.py", "kcoral.py", "client.py")
-    return project, [os.path.join(project, n) for n in names if os.path.exists(os.path.join(project, n))]
-
-
-def shown_paths(config: ServerConfig) -> list[str]:
-    """The host paths a sandbox shows read-only at the same place: Python, our files, the operator's."""
-    _, files = project_files()
-    return python_paths() + files + [os.path.abspath(p) for p in config.sandbox_readonly_paths]
-
-
-def mount_points_within(config: ServerConfig, name: str) -> list[str]:
-    """Where read-only mounts sit inside the writable directory `name` (a checkout or a
-    --sandbox-readonly-path under /tmp, say), relative to it: emptying must leave their way."""
-    return [os.path.relpath(path, top) for path in shown_paths(config)
-            for top in SANDBOX_WRITABLE[name] if is_under(path, top) and path != top]
-
-
-def torch_addons() -> list[str]:
-    """The tvm_ffi torch add-on(s) prepare_template_imports built into the host's cache, if any:
-    the sandbox shows them so its template does not compile them again (minutes with nvcc)."""
-    cache = os.path.expanduser(os.environ.get("TVM_FFI_CACHE_DIR", "~/.cache/tvm-ffi"))
-    try:
-        return [os.path.join(cache, n) for n in sorted(os.listdir(cache)) if n.startswith("libtorch_c_dlpack_addon")]
-    except OSError:
-        return []
-
-
-def gpu_device_node(gpu_id: int) -> str:
-    """/dev/nvidiaN of a physical GPU id: NVML's minor number, the id itself where NVML cannot say."""
-    try:
-        nvml = ctypes.CDLL("libnvidia-ml.so.1")
-        handle, minor = ctypes.c_void_p(), ctypes.c_uint()
-        if (nvml.nvmlInit_v2() == 0 and nvml.nvmlDeviceGetHandleByIndex_v2(gpu_id, ctypes.byref(handle)) == 0
-                and nvml.nvmlDeviceGetMinorNumber(handle, ctypes.byref(minor)) == 0):
-            return f"/dev/nvidia{minor.value}"
-    except OSError:
-        pass
-    return f"/dev/nvidia{gpu_id}"
-
-
-def bwrap_command(config: ServerConfig, gpus: list[int], root: str) -> list[str]:
-    """The bubblewrap command line of a slot whose private directory is `root` (docs/server.md §3.1).
-
-    Every namespace is new (no network, own PIDs), no capabilities, no nested user namespaces;
-    the system, the Python environment, our files and --sandbox-readonly-path entries read-only;
-    the log directory, disk cache and the server's temporary directory hidden where they would
-    otherwise show through one of those."""
-    args = [shutil.which("bwrap") or "bwrap", "--die-with-parent", "--unshare-all", "--unshare-user",
-            "--disable-userns", "--cap-drop", "ALL", "--new-session", "--clearenv"]
-    for name, value in sandbox_environment().items():
-        args += ["--setenv", name, value]
-    for top in SYSTEM_TOPS:
-        if os.path.islink(top):
-            args += ["--symlink", os.readlink(top), top]
-        elif os.path.isdir(top):
-            args += ["--ro-bind", top, top]
-    for name in SANDBOX_ETC:
-        args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
-    args += ["--ro-bind", "/sys", "/sys", "--proc", "/proc", "--dev", "/dev", "--mqueue", "/dev/mqueue"]
-    for node in [gpu_device_node(g) for g in gpus] + list(GPU_CONTROL_NODES if gpus else ()):
-        args += ["--dev-bind-try", node, node]
-    for addon in torch_addons():
-        args += ["--ro-bind", addon, os.path.join(SANDBOX_ADDONS, os.path.basename(addon))]
-    for name, places in SANDBOX_WRITABLE.items():
-        for place in places:
-            args += ["--bind", os.path.join(root, name), place]
-    shown = shown_paths(config)
-    hidden = [os.path.abspath(p) for p in (config.log_dir, config.disk_cache_dir, tempfile.gettempdir(),
-                                           os.path.expanduser("~")) if p]
-    hidden = [p for p in hidden if any(is_under(p, s) for s in shown)]
-    # parents before children, so a hidden directory's tmpfs never covers a mount inside it
-    for path, kind in sorted([(p, "--ro-bind") for p in shown] + [(p, "--tmpfs") for p in hidden]):
-        args += [kind, path] if kind == "--tmpfs" else [kind, path, path]
-    # Last, everything bwrap itself made writable becomes read-only (its root, /dev, the hiding
-    # tmpfs mounts): a file a request leaves anywhere but the three directories above would
-    # otherwise be there for the next request in the same container.
-    for path in ["/", "/dev", *hidden]:
-        args += ["--remount-ro", path]
-    return args + ["--chdir", "/"]
-
-
-def children_of(pid: int | None) -> list[int]:
-    """Live children of a process, from the kernel's per-thread child lists: a few small reads
-    instead of a scan of every process on the machine (this runs on every request)."""
-    found = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return found
-    for tid in tasks:
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/children") as f:
-            found += [int(child) for child in f.read().split()]
-    return [child for child in found if is_live(child)]
-
-
-def descendants(pid: int | None) -> list[int]:
-    found, frontier = [], [pid]
-    while frontier:
-        frontier = [child for parent in frontier for child in children_of(parent)]
-        found += frontier
-    return found
-
-
-def inner_pid(pid: int) -> int | None:
-    """A process's id in its own (innermost) PID namespace."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return int(next(line for line in f if line.startswith("NSpid:")).split()[-1])
-    except (OSError, StopIteration, ValueError):
-        return None
-
-
-def probe_bubblewrap(config: ServerConfig) -> None:
-    """--sandbox bubblewrap without a working bwrap stops the start-up; it never runs unsandboxed."""
-    if shutil.which("bwrap") is None:
-        raise SystemExit("kcoral: --sandbox bubblewrap needs bwrap on PATH (Debian: apt-get install bubblewrap)")
-    root = tempfile.mkdtemp(prefix="kcoral-sandbox-probe-")
-    try:
-        for name in SANDBOX_WRITABLE:
-            os.mkdir(os.path.join(root, name), 0o700)
-        project, _ = project_files()
-        code = f"import sys; sys.path.insert(0, {project!r}); import kcoral_worker"
-        result = subprocess.run(bwrap_command(config, [], root) + [sys.executable, "-I", "-c", code], check=False,
-                                env=sandbox_environment(), stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise SystemExit(f"kcoral: --sandbox bubblewrap: bwrap does not work here: {exc}") from None
-    finally:
-        remove_tree(root)
-    if result.returncode != 0:
-        lines = result.stderr.decode(errors="replace").strip().splitlines() or [f"exit code {result.returncode}"]
-        raise SystemExit(f"kcoral: --sandbox bubblewrap: bwrap does not work here: {lines[-1]}")
-
-
-SPAWNS: dict[str, Any] = {"queue": None, "lock": threading.Lock()}
-
-
-def lasting_popen(args: list[str], **options: Any) -> subprocess.Popen:
-    """subprocess.Popen run by one thread that lives as long as the server.
-
-    bwrap --die-with-parent ties a container to the *thread* that started it (PR_SET_PDEATHSIG),
-    and the pool starts containers from threads that come and go.
-    """
-    with SPAWNS["lock"]:
-        if SPAWNS["queue"] is None:
-            SPAWNS["queue"] = queue.SimpleQueue()
-            threading.Thread(target=serve_spawns, args=(SPAWNS["queue"],), name="kcoral-spawner",
-                             daemon=True).start()
-    reply = queue.SimpleQueue()
-    SPAWNS["queue"].put((args, options, reply))
-    outcome = reply.get()
-    if isinstance(outcome, Exception):
-        raise outcome
-    return outcome
-
-
-def serve_spawns(requests: queue.SimpleQueue) -> None:
-    while True:
-        args, options, reply = requests.get()
-        try:
-            reply.put(subprocess.Popen(args, **options))
-        except (OSError, ValueError, subprocess.SubprocessError) as exc:  # handed to the caller
-            reply.put(exc)
-
-
-class SandboxTemplate:
-    """A slot's bubblewrap container, and in it a warm template that forks one worker at a time.
-
-    Starting a container and importing torch takes seconds; forking a worker from a template
-    that did both once takes milliseconds.  So a slot keeps its container: each request gets a
-    fresh process in it, a private directory emptied after the request, and everything the
-    request started is killed (the container's PID namespace holds nothing else).
-    """
-    init_pid: int | None  # the container's PID 1 and our template in it, host pids, once ready()
-    pid: int | None
-    current: "SandboxedProcess | None"  # the worker it forked last
-
-    def __init__(self, config: ServerConfig, device: str, gpus: list[int]) -> None:
-        self.root = tempfile.mkdtemp(prefix=workspace_prefix("sandbox"))  # 0700, never shown inside
-        self.private = os.path.join(self.root, "private")  # the container's SANDBOX_ROOT
-        self.identity = {}  # name -> (st_dev, st_ino): what clear() empties is what was mounted
-        for name in SANDBOX_WRITABLE:
-            os.mkdir(os.path.join(self.root, name), 0o700)
-            info = os.stat(os.path.join(self.root, name), follow_symlinks=False)
-            self.identity[name] = (info.st_dev, info.st_ino)
-        self.mount_points = {name: mount_points_within(config, name) for name in SANDBOX_WRITABLE}
-        self.conn, child = multiprocessing.Pipe()
-        project, _ = project_files()
-        # as the unsandboxed template: GPU workers pin their device after the fork, before CUDA starts
-        preload = ["numpy"] + [m for m in ("torch", "tvm_ffi") if importlib.util.find_spec(m)]
-        import_env = {"TVM_FFI_CACHE_DIR": SANDBOX_ADDONS} if torch_addons() else {}
-        code = (f"import sys; sys.path.insert(0, {project!r}); import kcoral_worker; "
-                f"kcoral_worker.template_main({child.fileno()}, {preload!r}, {import_env!r})")
-        # bwrap's own processes get the clean environment too: the container's PID 1 is one of them;
-        # -I: no start directory, user site or PYTHON* variables on the import path
-        self.process = lasting_popen(bwrap_command(config, gpus, self.root) + [sys.executable, "-I", "-c", code],
-                                     env=sandbox_environment(), pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
-        child.close()
-        self.init_pid = self.pid = self.current = None
-
-    def ready(self, timeout: float) -> None:
-        """Wait for the template's first message; find its init and template processes."""
-        if self.pid is not None:
-            return
-        try:
-            template_pid = expect(self.conn, kcoral_worker.WorkerReady, time.monotonic() + timeout,
-                                  f"the sandbox did not start within {timeout:.0f} s").pid
-        except WorkerCrashed:
-            self.close()
-            raise
-        self.init_pid = next(iter(children_of(self.process.pid)), None)
-        self.pid = next((p for p in children_of(self.init_pid) if inner_pid(p) == template_pid), None)
-        if self.pid is None:
-            self.close()
-            raise WorkerCrashed("the sandbox's template is gone")
-
-    def alive(self) -> bool:
-        return self.process.poll() is None and (self.pid is None or is_live(self.pid))
-
-    def fork(self, conn: Connection, device: str, visible: list[str], timeout: float) -> "SandboxedProcess":
-        """A fresh worker for `conn` in a freshly emptied private directory -> its SandboxedProcess.
-
-        A template that does not answer (a program may have stopped it) takes its container
-        down with it, so that the slot's next worker comes from a new one."""
-        self.ready(timeout)
-        try:
-            if self.current is not None:  # its exit status comes first on the pipe
-                self.current.join(5)
-                if self.current.exitcode is None:
-                    raise WorkerCrashed("the sandbox's previous worker did not exit")
-            try:
-                self.clear()
-            except OSError as exc:
-                raise WorkerCrashed(f"the sandbox's directories could not be emptied: {exc}") from exc
-            try:
-                kcoral_worker.send_message(self.conn, kcoral_worker.ForkWorker(device, visible))
-                reduction.send_handle(self.conn, conn.fileno(), self.pid)
-            except OSError as exc:
-                raise WorkerCrashed("the sandbox's template is gone") from exc
-            forked = expect(self.conn, kcoral_worker.WorkerForked, time.monotonic() + 60,
-                            "the sandbox's template did not fork")
-            host_pid = next((p for p in children_of(self.pid) if inner_pid(p) == forked.pid), None)
-            if host_pid is None:
-                raise WorkerCrashed("the sandbox's new worker is gone")
-        except WorkerCrashed:
-            self.close()
-            raise
-        self.current = SandboxedProcess(self, host_pid)
-        return self.current
-
-    def kill_requests(self, grace: float) -> bool:
-        """SIGTERM everything in the container but its init and template, then SIGKILL what is
-        left after `grace`, sweep after sweep: a fork chain that outruns one snapshot is caught
-        by the next.  -> whether it is all gone; if not, the caller ends the container (the
-        kernel then kills its whole PID namespace at once)."""
-        spared = [os.getpgid(p) for p in (self.init_pid, self.pid) if p and is_live(p)]
-        return kcoral_worker.terminate(lambda: [p for p in descendants(self.init_pid) if p != self.pid], grace,
-                                       KILL_SWEEP_SECONDS, keep_groups=spared)
-
-    def clear(self) -> None:
-        """Empty the three directories the container can write, through descriptors that follow
-        no link (empty_directory_at), and make each 0700 again; the mount points of read-only
-        paths inside /tmp stay.  OSError when one is not the directory that was mounted."""
-        root_fd = os.open(self.root, NOFOLLOW_DIR)
-        try:
-            for name in SANDBOX_WRITABLE:
-                fd = os.open(name, NOFOLLOW_DIR, dir_fd=root_fd)
-                try:
-                    info = os.fstat(fd)
-                    if (info.st_dev, info.st_ino) != self.identity[name]:
-                        raise OSError(errno.EXDEV, f"the sandbox's {name} directory was replaced")
-                    empty_directory_at(fd, self.mount_points[name])
-                    if name == "private":
-                        for sub in ("home", "cache"):
-                            os.mkdir(sub, 0o700, dir_fd=fd)
-                finally:
-                    os.close(fd)
-        finally:
-            os.close(root_fd)
-
-    def close(self) -> None:
-        """End the container: its init is SIGKILLed, which takes down every process in its PID
-        namespace at once (whatever forked, hid or ignored signals), and bwrap exits with it."""
-        with contextlib.suppress(OSError):
-            self.conn.close()
-        if self.init_pid is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(self.init_pid, signal.SIGKILL)
-        try:
-            self.process.wait(5)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        remove_tree(self.root)
-
-
-class SandboxedProcess:
-    """The parts of multiprocessing.Process the pool uses, for a worker its template forked."""
-
-    def __init__(self, template: SandboxTemplate, pid: int | None) -> None:
-        self.template = template
-        self.pid = pid
-        self.exitcode: int | None = None
-
-    def join(self, timeout: float | None = None) -> None:
-        if self.exitcode is None:
-            try:
-                if self.template.conn.poll(timeout):
-                    self.exitcode = expect(self.template.conn, kcoral_worker.WorkerExited,
-                                           time.monotonic() + 5, "the sandbox's template stalled").exit_code
-            except WorkerCrashed:  # a template that breaks the protocol takes its container down
-                self.template.close()
-                self.exitcode = -signal.SIGKILL
-
-    def is_alive(self) -> bool:
-        self.join(0)
-        return self.exitcode is None
-
-
-# --- 7. workers, the pool and one Execution per request (docs/design.md §4) -----------------------
-
-class WorkerCrashed(Exception):
-    """The worker process died or stopped talking the protocol."""
-
-
-class WorkerStartTimeout(WorkerCrashed):
-    """A start-up phase outlived its time limit (a multi-GPU request answers 504, docs/server.md §7)."""
-
-
-class ResponseTooLarge(Exception):
-    """A worker announced more returned bytes or parts than the response may carry."""
-
-
-WORKER_MESSAGES = (kcoral_worker.InstructionStarted, kcoral_worker.ReturnValue, kcoral_worker.AcquireLease,
-                   kcoral_worker.ReleaseLease, kcoral_worker.RequestDone)  # what a worker may send mid-request
-WORKER_PHASE_SECONDS = 60.0  # each start-up phase (docs/server.md §1.1)
-CONTROL_MESSAGE_BYTES = 1 << 16  # any worker or template message but a ReturnValue, which the response budget bounds
-
-
-def expect(conn: Connection, kinds: type | tuple[type, ...], deadline: float, late: str,
-           limit: int = CONTROL_MESSAGE_BYTES, sizes: list[int] | None = None) -> Any:
-    """A worker's or template's next message, which must be one of `kinds` (its frame's size
-    is appended to `sizes`, if given).
-
-    Nothing from those processes is trusted (they run, or ran, uploaded code): a frame that is
-    oversized, malformed or of another kind is WorkerCrashed, as is a closed pipe; no message
-    by `deadline` is WorkerStartTimeout(`late`), which the conversation turns into a 504."""
-    try:
-        message, size = kcoral_worker.receive_message(conn, limit, deadline)
-    except TimeoutError:
-        raise WorkerStartTimeout(late) from None
-    except kcoral_worker.UnexpectedMessage as exc:
-        raise WorkerCrashed(f"protocol violation: {exc}") from None
-    except (EOFError, OSError) as exc:
-        raise WorkerCrashed(f"the pipe broke: {exc}") from None
-    if not isinstance(message, kinds):
-        raise WorkerCrashed(f"protocol violation: an unexpected {type(message).__name__}")
-    if sizes is not None:
-        sizes.append(size)
-    return message
-
-
-class Worker:
-    """One worker process forked from the template (a slot's sandbox template, if any), with its pipe."""
-
-    def __init__(self, pool: "Pool", gpus: list[int], phase_timeout: float = WORKER_PHASE_SECONDS,
-                 template: SandboxTemplate | None = None) -> None:
-        self.gpus = gpus
-        self.template = template
-        self.log = pool.log
-        self.conn, child = pool.context.Pipe()
-        visible = [pool.gpu_names[g] for g in gpus]
-        if template is not None:
-            try:
-                self.process = template.fork(child, pool.device, visible, phase_timeout)
-            finally:
-                child.close()
-        else:
-            self.process = pool.context.Process(target=kcoral_worker.worker_main,
-                                                args=(child, pool.device, visible), name="kcoral-worker")
-            self.process.start()
-            # Process.start() on another thread polls every child multiprocessing tracks; two threads
-            # reading one forkserver exit status make join() report 255 for a clean exit.  We track ours.
-            multiprocessing.process._children.discard(self.process)
-            child.close()
-        self.pid = self.process.pid
-        self.served = 0
-        try:
-            message = expect(self.conn, (kcoral_worker.WorkerReady, kcoral_worker.WorkerFailed),
-                             time.monotonic() + phase_timeout, f"worker did not start within {phase_timeout:.0f} s")
-            if isinstance(message, kcoral_worker.WorkerFailed):
-                raise WorkerCrashed(f"worker did not start: {message.reason:.500}")
-        except WorkerCrashed:
-            self.kill(0)
-            raise
-
-    def initialize(self, expected_uuid: str, phase_timeout: float = WORKER_PHASE_SECONDS) -> None:
-        """GPU workers: create the CUDA context (the caller holds the lease) and check the pinning."""
-        try:
-            try:
-                kcoral_worker.send_message(self.conn, kcoral_worker.InitGpu())
-            except OSError as exc:
-                raise WorkerCrashed(str(exc)) from exc
-            reply = expect(self.conn, kcoral_worker.GpuInitialized, time.monotonic() + phase_timeout,
-                           f"worker did not initialize its GPU within {phase_timeout:.0f} s")
-            self.arch, self.cuda = reply.arch[:32], reply.cuda and reply.cuda[:32]
-            if not same_gpu(reply.uuid, expected_uuid):
-                raise WorkerCrashed(f"worker's device 0 is {reply.uuid:.80}, expected {expected_uuid}")
-        except WorkerCrashed as exc:
-            self.kill(0)
-            kind = WorkerStartTimeout if isinstance(exc, WorkerStartTimeout) else WorkerCrashed
-            raise kind(f"GPU worker failed to initialize: {str(exc) or type(exc).__name__}") from exc
-
-    def kill(self, grace: float, orphans: bool = False) -> bool:
-        """-> whether the whole tree is confirmed gone (else its GPUs must be quarantined).
-        In a sandbox, survivors end with their container, which the slot then replaces."""
-        if self.template is not None:  # its container holds exactly what this worker started
-            gone = self.template.kill_requests(grace)
-            if not gone:
-                self.log.event("sandbox_replaced", "WARNING", reason="processes outlived the request's kill sweeps")
-                self.template.close()
-                gone = not is_live(self.template.init_pid or 0)
-        else:
-            gone = kill_group(self.pid, grace, orphans=orphans)
-        self.process.join(5)
-        self.conn.close()
-        return gone
-
-    def stop(self, grace: float) -> None:
-        """Tell an idle worker to exit; kill its group if it does not."""
-        with contextlib.suppress(OSError):
-            kcoral_worker.send_message(self.conn, kcoral_worker.StopWorker())
-        self.process.join(grace)
-        self.kill(grace)
-
-
-class Slot:
-    def __init__(self, name: str, gpus: list[int]) -> None:
-        self.name = name
-        self.gpus = gpus
-        self.worker: Worker | None = None
-        self.template: SandboxTemplate | None = None  # under --sandbox bubblewrap
-
-
-@dataclasses.dataclass
-class Job:
-    request_id: str
-    program: ValidProgram
-    blobs: Blobs
-    timeout: float
-    output_limit: int
-
-
-@dataclasses.dataclass
-class Outcome:
-    http_status: int = 200
-    kind: str = ""                 # error kind of a non-200 answer
-    message: str = ""
-    body: dict[str, Json] | None = None  # COMPLETED/FAILED JSON
-    parts: list[Buffer] = dataclasses.field(default_factory=list)
-    worker_id: str = ""
-
-
-PIPE_BYTES = 1 << 20  # capture pipe capacity (Linux's default pipe-max-size) and drain read size
-
-
-class OutputDrain:
-    """Reads a worker's stdout/stderr pipes, keeping the first `limit` + 1 bytes of each."""
-
-    def __init__(self, out_fd: int, err_fd: int, limit: int) -> None:
-        self.limit = limit
-        self.data = {out_fd: bytearray(), err_fd: bytearray()}
-        self.fds = (out_fd, err_fd)
-        self.thread = threading.Thread(target=self.drain, daemon=True)
-        self.thread.start()
 
     def drain(self) -> None:
-        with selectors.DefaultSelector() as sel:
-            for fd in self.fds:
-                sel.register(fd, selectors.EVENT_READ)
-            open_fds = len(self.fds)
-            while open_fds:
-                for key, _ in sel.select():
-                    chunk = os.read(key.fd, PIPE_BYTES)
-                    if not chunk:
-                        sel.unregister(key.fd)
-                        os.close(key.fd)
-                        open_fds -= 1
-                    elif len(self.data[key.fd]) <= self.limit:
-                        self.data[key.fd] += chunk[:self.limit + 1 - len(self.data[key.fd])]
-
-    def result(self, wait: float) -> tuple[str, str, bool, bool]:
-        """(stdout, stderr, stdout_truncated, stderr_truncated) once the writers are gone.
-
-        A process that escaped the group may hold a pipe open; then the
-        thread keeps draining (and closes the pipe) on its own.
-        """
-        self.thread.join(wait)
-        texts = []
-        for fd in self.fds:
-            data = bytes(self.data[fd])
-            texts.append((data[:self.limit].decode("utf-8", "replace"), len(data) > self.limit))
-        return texts[0][0], texts[1][0], texts[0][1], texts[1][1]
-
-
-class Pool:
-    """Worker slots, FIFO scheduling, execution of jobs, and worker replacement."""
-
-    def __init__(self, config: ServerConfig, device: str, gpu_ids: list[int], gpu_names: dict[int, str],
-                 log: "EventLog") -> None:
-        self.config = config
-        self.device = device
-        self.gpu_names = gpu_names
-        self.log = log
-        self.context = multiprocessing.get_context("forkserver")
-        prepare_template_imports(config.prepare_timeout_seconds, log=log)
-        # torch and tvm_ffi in the template keep their imports off every fresh worker's critical path;
-        # GPU workers pin CUDA_VISIBLE_DEVICES after the fork, before CUDA starts (never in the template)
-        preload = ["kcoral", "kcoral_worker", "numpy"]
-        preload += [m for m in ("torch", "tvm_ffi") if importlib.util.find_spec(m)]
-        self.context.set_forkserver_preload(preload)
-        start_forkserver(self.context)
-        if device == "cuda":
-            self.arbiter = LeaseArbiter(gpu_ids)
-            self.slots = [Slot(f"gpu{g}/w{i}", [g]) for g in gpu_ids
-                          for i in range(config.workers_per_gpu)]
-        else:
-            self.arbiter = None
-            self.slots = [Slot(f"cpu/w{i}", []) for i in range(config.num_workers)]
-        self.cond = threading.Condition()
-        self.idle = []
-        self.waiters: collections.deque[object] = collections.deque()
-        self.in_progress = 0
-        self.closing = False
-        self.replacing: set[threading.Thread] = set()  # each leaves when done: nothing stays per request
-        if config.sandbox == "bubblewrap":  # probed by resolve_sandbox
-            for slot in self.slots:  # the containers import in parallel
-                slot.template = SandboxTemplate(config, device, slot.gpus)
-        for slot in self.slots:
-            slot.worker = self.start_slot_worker(slot)
-            self.idle.append(slot)
-
-    def start_slot_worker(self, slot: Slot) -> Worker:
-        """The slot's next worker.  Under the sandbox, from the slot's container, started again if a
-        program killed or stopped its template (a container that failed to fork is closed)."""
-        try:
-            return self.start_worker(slot.gpus, self.live_template(slot))
-        except WorkerCrashed:
-            if slot.template is None or slot.template.alive():
-                raise
-            return self.start_worker(slot.gpus, self.live_template(slot))
-
-    def live_template(self, slot: Slot) -> "SandboxTemplate | None":
-        """The slot's sandbox template, a new one if the old one is gone; None without a sandbox."""
-        if slot.template is not None and not slot.template.alive():
-            slot.template.close()
-            slot.template = SandboxTemplate(self.config, self.device, slot.gpus)
-        return slot.template
-
-    def quarantine(self, gpus: list[int], reason: str) -> None:
-        """docs/server.md §2.1: a tree whose exit is unconfirmed may still use its GPUs.  Nobody gets
-        them again, and the pool begins shutting down (later requests: 503 busy)."""
-        self.log.event("gpu_quarantined", "ERROR", gpu_ids=list(gpus), reason=reason)
-        self.arbiter.quarantine(gpus)
-        self.close()
-
-    def dispose(self, worker: Worker, grace: float = 0, orphans: bool = False) -> bool:
-        """Kill a worker's tree; its GPUs are quarantined when the kill cannot be confirmed.
-        -> whether it is confirmed gone."""
-        gone = worker.kill(grace, orphans=orphans)
-        if not gone and self.arbiter is not None:
-            self.quarantine(worker.gpus, "a worker's process tree outlived SIGKILL")
-        return gone
-
-    def start_worker(self, gpus: list[int], template: SandboxTemplate | None = None) -> Worker:
-        worker = Worker(self, gpus, template=template)  # pinning and imports are host work: no lease yet
-        if self.arbiter is not None:
-            # context creation must not overlap someone else's measurement
-            self.arbiter.acquire(STARTUP_OWNER, gpus)
-            try:
-                worker.initialize(self.gpu_names[gpus[0]])
-            finally:
-                self.arbiter.release(STARTUP_OWNER, gpus)
-        return worker
-
-    def load(self) -> dict[str, int]:
-        # A slot whose worker is being replaced still counts: it is back within tens of ms, and
-        # with one request per worker a 1-worker node would otherwise read as full after every
-        # request (a load balancer sizing or checking on it would take it out of rotation).
+        """Admit no more bodies; those waiting for room are refused."""
         with self.cond:
-            capacity = 0 if self.closing else len(self.slots)
-            return {"request_capacity": capacity, "requests_in_progress": self.in_progress,
-                    "requests_waiting": len(self.waiters)}
-
-    def acquire(self, timeout: float) -> Slot | None:
-        """Wait (FIFO) for an idle slot; None when closing or after `timeout` seconds."""
-        deadline = time.monotonic() + timeout
-        ticket = object()
-        with self.cond:
-            self.waiters.append(ticket)
-            try:
-                while not self.closing and not (self.idle and self.waiters[0] is ticket):
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0 or not self.cond.wait(remaining):
-                        if not (self.idle and self.waiters[0] is ticket):
-                            return None
-                if self.closing:
-                    return None
-                slot = min(self.idle, key=self.gpu_load)
-                self.idle.remove(slot)
-                self.in_progress += 1
-                return slot
-            finally:
-                self.waiters.remove(ticket)
-                self.cond.notify_all()
-
-    def gpu_load(self, slot: Slot) -> tuple[int, int]:
-        """Prefer the GPU with the fewest assigned requests (ties: configured order)."""
-        busy = [s for s in self.slots if s not in self.idle]
-        return sum(1 for s in busy if s.gpus == slot.gpus), self.slots.index(slot)
-
-    def release(self, slot: Slot, retire: bool) -> None:
-        if retire:
-            thread = threading.Thread(target=self.replace, args=(slot,), name=f"kcoral-replace-{slot.name}",
-                                      daemon=True)
-            with self.cond:
-                self.in_progress -= 1
-                self.replacing.add(thread)
-            thread.start()
-        else:
-            with self.cond:
-                self.in_progress -= 1
-                self.idle.append(slot)
-                self.cond.notify_all()
-
-    def replace(self, slot: Slot) -> None:
-        """Start the slot's next worker off the request's critical path."""
-        try:
-            slot.worker = self.start_slot_worker(slot)
-        except Exception as exc:
-            slot.worker = None
-            self.log.event("worker_replace_failed", "ERROR", worker_id=slot.name, error=str(exc))
-        with self.cond:
-            self.idle.append(slot)
-            self.replacing.discard(threading.current_thread())
+            self.closed = True
             self.cond.notify_all()
 
-    def run_job(self, job: Job) -> Outcome:
-        """Run a job on the next free slot -> Outcome (503 when none frees up in time)."""
-        start = time.monotonic()
-        slot = self.acquire(self.config.worker_wait_timeout_seconds)
-        if slot is None:  # nothing ran: a cohort's HAProxy retries a 503 on another node
-            return Outcome(503, "busy", "server saturated" if not self.closing else "server is shutting down")
-        queue_ms = (time.monotonic() - start) * 1e3
-        retire = True
+
+class BodyReservation:
+    """One body's share of the BodyBudget: `held` bytes, kept a STEP ahead of the `received` ones."""
+
+    STEP = 256 << 10  # small, so that a thousand connections each trickling a byte hold little
+
+    def __init__(self, budget: BodyBudget, declared: int, timeout: float) -> None:
+        self.budget, self.declared, self.timeout = budget, declared, timeout
+        self.held = self.received = 0
+
+    def room(self) -> int:
+        return self.held - self.received
+
+    def grow(self) -> bool:
+        """Room for the next bytes -> False after the admission wait, or on shutdown."""
+        wanted = min(self.declared, self.received + self.STEP)
+        held = self.budget.reserve(self.held, max(wanted, self.held), self.declared, self.timeout)
+        if held is None:
+            return False
+        self.held = held
+        return True
+
+    def release(self) -> None:
+        self.budget.release(self.held)
+        self.held = 0
+
+
+class BodyCut(Exception):
+    """The connection guard cut a request body (too slow, or the server is stopping)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def default_max_connections() -> int:
+    """A quarter of the fd limit (a connection in a request may hold a few more fds: staging
+    files, pipes, cache files), so fds run out after connections do."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 16
+    return max(8, min(1024, (soft - 64) // 4))
+
+
+ACCEPT_RESOURCE_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+
+class HTTPServer(http.server.ThreadingHTTPServer):
+    """ThreadingHTTPServer with a bounded number of connections (one thread each).
+
+    At the limit, the listening socket is not accepted from: new connections wait in the
+    backlog while idle keep-alive connections are closed to make room.  When the process runs
+    out of fds, accept() fails while the socket stays readable; we back off instead of spinning.
+    """
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 128
+
+    def __init__(self, address: tuple[str, int], handler: type[RequestHandler], app: KCoralServer) -> None:
+        self.app = app
+        self.guard = ConnectionGuard(app.config)
+        self.max_connections = app.config.max_connections or default_max_connections()
+        self.open_connections = 0
+        self.slots = threading.Condition()
+        super().__init__(address, handler)
+
+    def get_request(self) -> tuple[socket.socket, tuple[str, int]]:
+        with self.slots:
+            if self.open_connections >= self.max_connections:
+                self.guard.cut_idle(min(1.0, self.app.config.keepalive_timeout_seconds))
+                self.slots.wait(0.5)
+                if self.open_connections >= self.max_connections:  # serve_forever polls again
+                    raise OSError(errno.EAGAIN, "connection limit reached")
         try:
-            if slot.worker is not None and not slot.worker.process.is_alive():
-                # it died while idle (a program killed the forkserver, say): a fresh one, not a 500
-                slot.worker.kill(0)
-                slot.worker = None
-                try:
-                    slot.worker = self.start_slot_worker(slot)
-                except Exception as exc:
-                    self.log.event("worker_replace_failed", "ERROR", worker_id=slot.name, error=str(exc))
-            if slot.worker is None:
-                return Outcome(500, "engine", "worker crashed", worker_id=slot.name)
-            gpu_count = job.program.options.get("gpu_count")
-            if gpu_count:
-                outcome, retire = self.run_multi_gpu(slot, job, gpu_count, queue_ms), False
-            else:
-                outcome, retire = Execution(self, slot.worker, slot.gpus, job, queue_ms).run()
-            outcome.worker_id = slot.name
-            return outcome
-        finally:
-            if retire and slot.worker is not None and not self.dispose(slot.worker):
-                slot.worker = None  # its GPU is quarantined: no replacement there
-            self.release(slot, retire)
-
-    def run_multi_gpu(self, slot: Slot, job: Job, count: int, queue_ms: float) -> Outcome:
-        """docs/protocol.md §8.9: a dedicated worker that sees `count` GPUs, started under all their leases."""
-        try:
-            gpus, wait_ms = self.arbiter.acquire(job.request_id, count=count)
-        except LeaseRefused as exc:
-            return Outcome(503, "busy", str(exc))
-        # under the sandbox, its own container showing exactly these GPUs: a cold start
-        template = SandboxTemplate(self.config, self.device, gpus) if self.config.sandbox == "bubblewrap" else None
-        try:
-            return self.run_dedicated_worker(job, gpus, wait_ms, queue_ms, template)
-        finally:
-            if template is not None:
-                template.close()
-
-    def run_dedicated_worker(self, job: Job, gpus: list[int], wait_ms: float, queue_ms: float,
-                             template: SandboxTemplate | None) -> Outcome:
-        started = time.monotonic()
-        phase_timeout = min(WORKER_PHASE_SECONDS, job.timeout)  # start-up is part of the request's timeout
-        try:
-            worker = Worker(self, gpus, phase_timeout, template=template)
-            worker.initialize(self.gpu_names[gpus[0]], phase_timeout)
-        except WorkerStartTimeout:
-            return Outcome(504, "timeout", "execution timed out while the multi-GPU worker started")
-        except WorkerCrashed:
-            return Outcome(500, "engine", "multi-GPU worker failed to start")
-        finally:
-            self.arbiter.release(job.request_id, gpus)
-        startup_s = time.monotonic() - started
-        if startup_s >= job.timeout:
-            self.dispose(worker)
-            return Outcome(504, "timeout", "execution timed out")
-        job.timeout -= startup_s
-        execution = Execution(self, worker, gpus, job, queue_ms)
-        execution.lease_wait_ms, execution.lease_held_ms = wait_ms, startup_s * 1e3
-        execution.single_use = True  # so it exits under the lease, inside the request
-        outcome, _ = execution.run()
-        self.dispose(worker)
-        if outcome.body is not None:
-            outcome.body["gpu_ids"] = list(gpus)
-            outcome.body["gpu_count"] = len(gpus)
-        return outcome
-
-    def close(self) -> None:
-        with self.cond:
-            self.closing = True
-            self.cond.notify_all()
-        if self.arbiter is not None:
-            self.arbiter.close()
-
-    def shutdown(self) -> None:
-        with self.cond:
-            running = list(self.replacing)
-        for thread in running:
-            thread.join()
-        for slot in self.slots:
-            if slot.worker is not None:
-                slot.worker.stop(self.config.worker_termination_grace_seconds)
-            if slot.template is not None:
-                slot.template.close()
-
-
-class Execution:
-    """One job on one worker: the message loop, timeout, crash attribution, teardown."""
-    lease_since: float | None  # time.monotonic() when the GPU lease was granted; None while not held
-    last_index: int | None  # the instruction the worker last reported starting
-    results: dict[str, Json]  # return key -> encoded value
-    parts: list[Buffer]  # the raw parts those values refer to
-
-    def __init__(self, pool: Pool, worker: Worker, gpus: list[int], job: Job, queue_ms: float) -> None:
-        self.pool = pool
-        self.config = pool.config
-        self.worker = worker
-        self.gpus = gpus
-        self.job = job
-        self.queue_ms = queue_ms
-        self.lease_wait_ms = 0.0
-        self.lease_held_ms = 0.0
-        self.lease_since = None
-        self.single_use = False
-        self.last_index = None
-        self.results = {}
-        self.parts = []
-        self.response_bytes = 0  # announced so far: returned parts and the frames describing them
-        self.return_keys = {ins["key"] for ins in job.program.instructions if ins["op"] == "return"}
-        # <root>/work is the program's working directory; the file <root>/blobs stages its blobs.
-        # In a sandbox the root is the slot's private directory, which the worker sees as SANDBOX_ROOT.
-        if worker.template is None:
-            self.root = self.inside = tempfile.mkdtemp(prefix=workspace_prefix())
-        else:  # emptied by the template before it forks the next worker, once this one's tree is gone
-            self.root, self.inside = worker.template.private, SANDBOX_ROOT
-        self.workspace = os.path.join(self.root, "work")
-        self.blob_file = os.path.join(self.root, "blobs")
-
-    def run(self) -> tuple[Outcome, bool]:
-        """-> (Outcome, whether the worker must be retired)."""
-        started = time.monotonic()
-        self.deadline = started + self.job.timeout
-        self.last_moment = started + 2 * self.job.timeout
-        self.drain = None
-        try:
-            self.send_job()
-            error, retire = self.converse(), False
-            self.worker.served += 1
-            if self.retiring:
-                error, retire = self.retire_worker(error), True
-            elif group_members(self.worker.pid, exclude=(self.worker.pid,)):
-                error, retire = self.background_processes(error), True
-        except TimeoutError:
-            if not self.kill_worker():
-                return Outcome(500, "engine", "the timed-out worker could not be confirmed gone"), True
-            return Outcome(504, "timeout", "execution timed out"), True
-        except WorkerCrashed:
-            if not self.kill_worker():
-                return Outcome(500, "engine", "the crashed worker could not be confirmed gone"), True
-            if self.last_index is None:
-                return Outcome(500, "engine", "worker crashed"), True
-            error, retire = self.crash_error(), True
-        except ResponseTooLarge:  # the program ran; what it returned is dropped (docs/protocol.md §11)
-            if not self.kill_worker():
-                return Outcome(500, "engine", "the worker could not be confirmed gone"), True
-            return Outcome(500, "response_too_large", "results exceed the configured response-size limit"), True
-        except LeaseRefused as exc:  # its GPU was quarantined while it waited
-            self.worker.kill(self.config.worker_termination_grace_seconds, orphans=True)
-            return Outcome(503, "busy", str(exc)), True
-        finally:
-            self.release_lease()
-            output = self.drain.result(wait=2.0) if self.drain else ("", "", False, False)
-            self.remove_workspace()
-        body = {"status": "FAILED" if error else "COMPLETED", "request_id": self.job.request_id,
-                "queue_ms": self.queue_ms, "elapsed_ms": (time.monotonic() - started) * 1e3,
-                "lease_wait_ms": self.lease_wait_ms, "lease_held_ms": self.lease_held_ms,
-                "stdout": output[0], "stderr": output[1],
-                "stdout_truncated": output[2], "stderr_truncated": output[3],
-                "results": self.results}
-        if error:
-            body["error"] = error
-        return Outcome(body=body, parts=self.parts), retire
-
-    def remove_workspace(self) -> None:
-        if self.worker.template is None:
-            failed = remove_tree(self.root)
-            if failed:
-                self.pool.log.event("cleanup_failed", "ERROR", path=self.root, error=str(failed))
-
-    def send_job(self) -> None:
-        program = self.job.program
-        limit = self.config.max_requests_per_worker
-        request = kcoral_worker.JobRequest(
-            instructions=program.instructions,
-            retire=self.single_use or (bool(limit) and self.worker.served + 1 >= limit),
-            workspace=os.path.join(self.inside, "work"), blob_file=os.path.join(self.inside, "blobs"),
-            blob_index=self.stage_blobs(), capture=self.job.output_limit > 0,
-            grace=self.config.worker_termination_grace_seconds, max_response_bytes=self.config.max_response_bytes,
-            max_response_parts=self.config.max_response_parts)
-        self.retiring = request.retire
-        conn = self.worker.conn
-        try:
-            kcoral_worker.send_message(conn, request)
-            if request.capture:
-                out_r, out_w = os.pipe()
-                err_r, err_w = os.pipe()
-                for fd in (out_w, err_w):  # 16x fewer wake-ups than the default 64 KiB for a chatty program
-                    with contextlib.suppress(OSError):  # over the user's pipe quota: the default size
-                        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
-                self.drain = OutputDrain(out_r, err_r, self.job.output_limit)
-                try:
-                    for fd in (out_w, err_w):
-                        reduction.send_handle(conn, fd, self.worker.pid)
-                finally:  # the drain sees end-of-file once the worker's copies are gone too
-                    os.close(out_w)
-                    os.close(err_w)
+            request = self.socket.accept()
         except OSError as exc:
-            raise WorkerCrashed(str(exc)) from exc
+            if exc.errno in ACCEPT_RESOURCE_ERRORS:
+                self.guard.cut_idle(0.0)
+                time.sleep(0.1)
+            raise
+        with self.slots:
+            self.open_connections += 1
+        return request
 
-    def stage_blobs(self) -> dict[str, tuple[int, int]]:
-        """Write the job's blobs back to back into one file -> {hash: (offset, size)}.
+    def shutdown_request(self, request: socket.socket | tuple[bytes, socket.socket]) -> None:
+        super().shutdown_request(request)
+        with self.slots:
+            self.open_connections -= 1
+            self.slots.notify_all()
 
-        The worker reads each straight into its final object; one file, because creating
-        a file costs far more than writing it (500 small uploads would be 500 inodes).
-        """
-        os.mkdir(self.workspace, 0o700)
-        index, offset = {}, 0
-        fd = os.open(self.blob_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    def handle_error(self, request: socket.socket | tuple[bytes, socket.socket],
+                     client_address: tuple[str, int]) -> None:
+        """One line, never a traceback: a client that vanished is routine, anything else a bug."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, OSError):
+            self.app.log.event("client_disconnected", "WARNING", peer=client_address[0], phase="request",
+                               error=type(exc).__name__)
+        else:
+            self.app.log.event("server_error", "ERROR", peer=client_address[0], error=repr(exc))
+
+    def server_close(self) -> None:
+        self.guard.stop()
+        super().server_close()
+
+
+CONTROL_CHARS = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+DRAIN_LIMIT = 1 << 16  # unread bodies up to this size are skipped to keep the connection
+SEND_SLICE = 1 << 20  # the send timeout applies to each slice: a slow reader is fine, a stalled one is not
+
+
+class RequestHandler(http.server.BaseHTTPRequestHandler):
+    """One connection: reads each request's head and body under the guard's deadlines and the
+    body budget, hands POST /execute to the app, writes the answer.
+
+    Overrides of BaseHTTPRequestHandler, in call order: `setup`, `handle_one_request` (a
+    capped head read instead of readline), `parse_request` (plus RFC 9112 framing checks),
+    `do_GET`/`do_POST`, `send_error` (JSON bodies), `finish`, `log_message` (silenced: the
+    event log has one line per request).  `handle_expect_100` is deferred to
+    `read_and_execute`, which answers 100 only once the request is acceptable."""
+    protocol_version = "HTTP/1.1"
+    server_version = "kcoral/" + __version__
+    disable_nagle_algorithm = True  # headers and body are separate writes
+    server: HTTPServer
+
+    def setup(self) -> None:
+        # per socket operation: bounds each send slice, and backs up the guard for reads
+        self.timeout = self.server.app.config.send_timeout_seconds
+        super().setup()
+        self.cut_reason: str | None = None  # set by the ConnectionGuard when it cuts this connection
+        self.body_done = True
+        self.head_started = time.monotonic()  # of the request being read; its events' total_ms counts from it
+
+    def handle_one_request(self) -> None:
+        """http.server's, with the request head read under a size cap and a total deadline,
+        and the wait for a keep-alive connection's next request bounded."""
+        self.watch("idle")
         try:
-            for digest, data in self.job.blobs.items():
-                view = memoryview(data).cast("B")
-                index[digest] = (offset, view.nbytes)
-                offset += view.nbytes
-                while view:
-                    view = view[os.write(fd, view[:1 << 30]):]
-        finally:
-            os.close(fd)
-        return index
+            waiting = self.rfile.peek(1)
+        except OSError:  # reset, or the backstop timeout, while idle: nothing to say
+            waiting = b""
+        if not waiting or self.cut_reason:
+            self.unwatch()
+            self.close_connection = True
+            return
+        self.watch("header")
+        self.head_started = time.monotonic()
+        head = self.read_head()
+        self.unwatch()
+        if head is None:
+            self.close_connection = True
+            return
+        self.raw_requestline, self.header_block = head
+        if not self.parse_request():
+            return
+        self.body_done = False
+        self.expects_continue = (self.headers.get("Expect", "").lower() == "100-continue"
+                                 and self.request_version >= "HTTP/1.1")
+        handler = getattr(self, "do_" + self.command, None)
+        if handler is None:
+            return self.route_error()
+        handler()
+        self.wfile.flush()
 
-    def converse(self) -> ErrorObject | None:
-        """Follow the worker's messages until it reports the program done; -> error or None.
+    def watch(self, phase: str) -> None:
+        self.phase = self.server.guard.enter(self, phase)
 
-        Each message is checked against what the protocol allows at this point (an instruction
-        index in range, a return key of the program's not seen yet, a lease asked for only when
-        not held, sizes within the response budget): anything else is WorkerCrashed."""
-        conn = self.worker.conn
-        while True:
-            room, sizes = self.config.max_response_bytes - self.response_bytes, []
-            try:
-                message = expect(conn, WORKER_MESSAGES, self.deadline, "", CONTROL_MESSAGE_BYTES + max(room, 0), sizes)
-            except WorkerStartTimeout:
-                raise TimeoutError from None
-            match message:
-                case kcoral_worker.InstructionStarted():
-                    if not 0 <= message.index < len(self.job.program.instructions):
-                        raise WorkerCrashed("protocol violation: an instruction index out of range")
-                    self.last_index = message.index
-                case kcoral_worker.ReturnValue():
-                    self.receive_return(message, sizes[0])
-                case kcoral_worker.AcquireLease():
-                    if self.pool.arbiter is None or self.lease_since is not None:
-                        raise WorkerCrashed("protocol violation: a lease asked for while held, or on a CPU worker")
-                    self.hold_lease()
-                    try:
-                        kcoral_worker.send_message(conn, kcoral_worker.LeaseGranted())
-                    except OSError as exc:
-                        raise WorkerCrashed(str(exc)) from exc
-                case kcoral_worker.ReleaseLease():
-                    if self.lease_since is None:
-                        raise WorkerCrashed("protocol violation: a lease released while not held")
-                    self.release_lease()
-                case kcoral_worker.RequestDone():
-                    self.retiring = self.retiring or message.poisoned
-                    return self.attribute_gpu_access(self.checked_error(message.error))
+    def unwatch(self) -> None:
+        self.server.guard.leave(self)
 
-    def receive_return(self, message: "kcoral_worker.ReturnValue", frame_bytes: int) -> None:
-        """Take one returned value and its parts off the pipe, counting every announced byte
-        against --max-response-bytes (and every part against --max-response-parts) before
-        reading it: a worker cannot make the front-end hold more than the response may carry."""
-        if message.key not in self.return_keys or message.key in self.results:
-            raise WorkerCrashed("protocol violation: a return key the program does not have, or twice")
-        self.response_bytes += frame_bytes  # about what the value's JSON adds to the response
-        if self.response_bytes > self.config.max_response_bytes:
-            raise ResponseTooLarge
-        for part in message.parts:  # a size to read off the pipe, or a blob of ours
-            if len(self.parts) >= self.config.max_response_parts:
-                raise ResponseTooLarge
-            if isinstance(part, str):
-                if part not in self.job.blobs:
-                    raise WorkerCrashed(f"protocol violation: an unknown blob {part!r:.80} returned")
-                size = memoryview(self.job.blobs[part]).nbytes
-            else:
-                size = part
-            if size < 0 or self.response_bytes + size > self.config.max_response_bytes:
-                raise ResponseTooLarge
-            self.response_bytes += size
-            if isinstance(part, str):  # returned unchanged
-                self.parts.append(self.job.blobs[part])
-                continue
-            try:
-                self.parts.append(recv_raw(self.worker.conn, size, self.deadline))
-            except (EOFError, OSError) as exc:  # TimeoutError included: a stalled part is no answer
-                raise WorkerCrashed(f"the pipe broke in a returned part: {exc}") from None
-        self.results[message.key] = message.encoded
-
-    def checked_error(self, error: ErrorObject | None) -> ErrorObject | None:
-        """A FAILED result's error object as the worker reported it, held to its shape
-        (docs/protocol.md §9.7): it goes into the response and the log."""
-        if error is None:
+    def read_head(self) -> tuple[bytes, bytes] | None:
+        """Request line and header block -> (request line, header bytes); None once answered or gone."""
+        limit = self.app.config.max_header_bytes
+        lines, size = [], 0
+        try:
+            while True:
+                line = self.rfile.readline(limit - size + 1)
+                size += len(line)
+                if size > limit:
+                    self.refuse_head(431, f"request line and headers exceed {limit} bytes")
+                    return None
+                if not line.endswith(b"\n"):
+                    self.head_cut_short(size)
+                    return None
+                lines.append(line)
+                if line in (b"\r\n", b"\n"):
+                    return lines[0], b"".join(lines[1:])
+                if len(lines) > http.client._MAXHEADERS + 1:  # http.server's own limit, without waiting for the end
+                    self.refuse_head(431, f"more than {http.client._MAXHEADERS} request headers")
+                    return None
+        except OSError as exc:
+            self.disconnected("header", error=type(exc).__name__)
             return None
-        shape = {"kind": str, "message": str, "instruction_index": int, "instruction_op": str,
-                 "instruction_id": (str, type(None)), "traceback": str}
-        extra = {"cuda_call": str, "location": str, "lease_time": (int, float)}
-        instructions = self.job.program.instructions
-        if (not set(shape) <= set(error) <= set(shape) | set(extra)
-                or not all(isinstance(error[k], t) and type(error[k]) is not bool
-                           for k, t in {**shape, **extra}.items() if k in error)
-                or error["kind"] not in kcoral_worker.ERROR_KINDS
-                or not 0 <= error["instruction_index"] < len(instructions)):
-            raise WorkerCrashed("protocol violation: a malformed error object")
-        return error
 
-    def hold_lease(self, deadline: float | None = None) -> None:
-        """Wait for the lease, until `deadline` (default: the request's last moment).  Lease waits
-        do not consume the timeout, up to one timeout's worth in all: a request waiting behind
-        others still ends by twice its timeout (docs/server.md §2.3)."""
-        asked_at = time.monotonic()
-        _, wait_ms = self.pool.arbiter.acquire(self.job.request_id, self.gpus, deadline=deadline or self.last_moment)
-        self.lease_wait_ms += wait_ms
-        self.deadline = min(self.deadline + time.monotonic() - asked_at, self.last_moment)
-        self.lease_since = time.monotonic()
+    def head_cut_short(self, size: int) -> None:
+        if self.cut_reason == "header_timeout":
+            self.disconnected("header", reason="header_timeout")
+            self.refuse_head(408, f"request headers not received within {self.app.config.header_timeout_seconds:g} s")
+        elif self.cut_reason is None and size:
+            self.disconnected("header")
 
-    def release_lease(self) -> None:
-        if self.lease_since is not None:
-            self.pool.arbiter.release(self.job.request_id, self.gpus)
-            self.lease_held_ms += (time.monotonic() - self.lease_since) * 1e3
-            self.lease_since = None
+    def refuse_head(self, status: int, message: str) -> None:
+        """Answer a request whose head could not be read, then close."""
+        self.command, self.requestline, self.request_version = None, "", "HTTP/1.1"
+        try:
+            self.send_error(status, message)
+        except OSError:
+            pass
 
-    def retire_worker(self, error: ErrorObject | None) -> ErrorObject | None:
-        """The worker exits after its last request; teardown counts toward the timeout."""
-        self.worker.process.join(max(0.0, self.deadline - time.monotonic()))
-        if self.worker.process.exitcode is None:
-            raise TimeoutError
-        if group_members(self.worker.pid):
-            return self.background_processes(error)
-        code = self.worker.process.exitcode
-        if code != 0 and error is None:
-            return self.teardown_error(f"worker exited with code {code} during teardown")
-        return error
+    def parse_request(self) -> bool:
+        """http.server's parser over the head read_head took in, then RFC 9112's framing checks.
 
-    def background_processes(self, error: ErrorObject | None) -> ErrorObject | None:
-        kill_group(self.worker.pid, self.config.worker_termination_grace_seconds, exclude=(self.worker.pid,))
-        if error is None:
-            return self.teardown_error("program left background processes running; they were terminated")
-        return error
+        http.server also stops the header block at a line it cannot parse (no colon, a bare
+        CR) and drops the headers after it, Content-Length included: the body would then be
+        read as the next request on the connection.  Refuse such a request instead."""
+        socket_reader, self.rfile = self.rfile, io.BytesIO(self.header_block)
+        try:
+            parsed = super().parse_request()
+        finally:
+            self.rfile = socket_reader
+        if not parsed:
+            return False
+        problem = "malformed request header block" if self.headers.get_payload() else framing_problem(self.headers)
+        if problem:
+            self.send_error(400, problem)
+            return False
+        return True
 
-    def teardown_error(self, message: str) -> ErrorObject:
-        index = self.last_index or 0
-        ins = self.job.program.instructions[index]
-        return {"kind": "runtime", "message": message, "instruction_index": index,
-                "instruction_op": ins["op"], "instruction_id": ins.get("id"), "traceback": ""}
+    def handle_expect_100(self) -> bool:
+        """`100 Continue` waits until the request is known to be acceptable (execute)."""
+        return True
 
-    def crash_error(self) -> ErrorObject:
-        error = self.teardown_error("worker exited while executing the instruction")
-        error["instruction_index"] = self.last_index
-        return error
+    def do_GET(self) -> None:
+        if not self.authorized(""):
+            return
+        if self.path != "/health":
+            return self.route_error()
+        self.drain_body()
+        self.send_json(200, self.app.health())
 
-    def kill_worker(self) -> bool:
-        """Kill the tree holding the GPU lease: its CUDA teardown must not overlap someone's measurement.
-        -> whether it is confirmed gone (if not, the pool quarantines its GPUs)."""
-        if self.pool.arbiter is not None and self.lease_since is None:
+    def do_POST(self) -> None:
+        request_id = self.request_id()
+        if not self.authorized(request_id):
+            return
+        if self.path != "/execute":
+            return self.route_error()
+        started = time.monotonic()
+        with self.app.request_in_flight():  # a graceful shutdown waits until the answer is out
+            outcome = self.outcome_of_post(request_id)
+            outcome, size, lost = self.send_outcome(request_id, outcome)
+        fields = {"client_request_id": self.canonical_uuid("X-KCoral-Client-Request-ID"),
+                  **request_fields(request_id, outcome, started)}
+        if size is None:
+            self.disconnected("response", error=lost, **fields)
+        else:
+            self.app.log.event("request_finished", response_bytes=size, **fields)
+
+    def request_id(self) -> str:
+        """docs/protocol.md §4.2: the client's X-Request-ID if it is exactly one canonical UUID."""
+        return self.canonical_uuid("X-Request-ID") or str(uuid.uuid4())
+
+    def canonical_uuid(self, header: str) -> str | None:
+        """The header's value if the request has exactly one and it is a UUID in canonical form
+        (so nothing else, however long or strange, reaches the log); None otherwise."""
+        values = self.headers.get_all(header) or []
+        if len(values) == 1:
             try:
-                self.hold_lease(time.monotonic() + self.job.timeout)
-            except LeaseRefused:  # quarantined already: nobody else will use it
+                if str(uuid.UUID(values[0])) == values[0]:
+                    return values[0]
+            except ValueError:
                 pass
-            except TimeoutError:  # every holder ends by its own deadline: this is no normal wait
-                self.pool.log.event("lease_wait_for_kill_timed_out", "WARNING", request_id=self.job.request_id)
-        return self.pool.dispose(self.worker, self.config.worker_termination_grace_seconds, orphans=True)
-
-    def attribute_gpu_access(self, error: ErrorObject | None) -> ErrorObject | None:
-        """docs/server.md §6: name the request that held our GPU(s) when a cpu_only call entered CUDA."""
-        if error is None or error["kind"] != "gpu_access":
-            return error
-        when = error.pop("lease_time", None)
-        who = self.pool.arbiter.holder_at(self.gpus, when) if when and self.pool.arbiter else None
-        error.setdefault("cuda_call", "unknown")  # an ExecutionError("gpu_access") raised by uploaded code
-        error.setdefault("location", "an unknown call site")
-        error["interfered_request_id"] = who if who not in (self.job.request_id, STARTUP_OWNER) else None
-        self.pool.log.event("gpu_access_violation", "WARNING", request_id=self.job.request_id,
-                            gpu_id=self.gpus[0] if self.gpus else None, instruction_id=error["instruction_id"],
-                            cuda_call=error["cuda_call"], location=error["location"],
-                            interfered_request_id=error["interfered_request_id"])
-        return error
-
-
-WORKSPACE = re.compile(r"kcoral-(?:program|sandbox)-(\d+)\.(\d+)-")
-
-
-def process_start_ticks(pid: int) -> int | None:
-    """A process's start time in clock ticks since boot (/proc/PID/stat field 22), or None if
-    it is gone: with the pid, it names one process even after the pid is reused."""
-    fields = kcoral_worker.proc_stat(pid)
-    try:
-        return int(fields[19]) if fields is not None else None
-    except (IndexError, ValueError):
         return None
 
+    def authorized(self, request_id: str) -> bool:
+        if self.app.token_accepted(self.headers.get("Authorization", "")):
+            return True
+        self.drain_body()
+        self.refuse(Outcome(401, "unauthorized", "missing or invalid bearer token"), request_id,
+                    {"WWW-Authenticate": "Bearer"})
+        return False
 
-def workspace_prefix(kind: str = "program") -> str:
-    """`kcoral-<program|sandbox>-<server pid>.<its start ticks>-`: the owner is in the name, so
-    the next start can tell the directories of a killed server from a live one's."""
-    return f"kcoral-{kind}-{os.getpid()}.{process_start_ticks(os.getpid())}-"
-
-
-def remove_dead_workspaces(directory: str) -> int:
-    """Remove workspaces and sandbox directories whose owning server no longer runs (it was
-    killed before its cleanup)."""
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return 0
-    removed = 0
-    for name in names:
-        match = WORKSPACE.match(name)
-        if match and process_start_ticks(int(match.group(1))) != int(match.group(2)):
-            remove_tree(os.path.join(directory, name))
-            removed += 1
-    return removed
-
-
-NOFOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def remove_tree(path: str) -> OSError | None:
-    """Remove a workspace or sandbox directory whatever a program did inside it: the path is
-    the server's own (in its temporary directory), everything below it is treated as hostile.
-    -> what stopped the removal, if anything (callers with a log report it as cleanup_failed)."""
-    parent, name = os.path.split(os.path.abspath(path))
-    try:
-        parent_fd = os.open(parent, NOFOLLOW_DIR)
-    except OSError as exc:
-        return exc
-    try:
-        remove_entry_at(parent_fd, name)
-    except OSError as exc:
-        return exc
-    finally:
-        os.close(parent_fd)
-    return None
-
-
-def remove_entry_at(dir_fd: int, name: str) -> None:
-    """Remove a file, link or directory tree named relative to an open directory."""
-    with contextlib.suppress(FileNotFoundError):
+    def outcome_of_post(self, request_id: str) -> Outcome:
+        """Read the body and execute it -> Outcome; a body that could not be read is answered here."""
         try:
-            os.unlink(name, dir_fd=dir_fd)
-        except (IsADirectoryError, PermissionError):  # Linux's unlink() of a directory: EISDIR
-            fd = os.open(name, NOFOLLOW_DIR, dir_fd=dir_fd)
-            try:
-                empty_directory_at(fd)
-            finally:
-                os.close(fd)
-            os.rmdir(name, dir_fd=dir_fd)
+            return self.read_and_execute(request_id)
+        except ValidationError as exc:  # refused while reading the body (chunked framing, 100-continue)
+            return Outcome(400, "parse", str(exc))
+        except BodyCut as cut:
+            self.close_connection = True
+            return self.cut_outcome(cut.reason)
+        except (ConnectionError, TimeoutError):  # body cut short; a half-closed client can still read this
+            self.close_connection = True
+            return Outcome(400, "parse", "request body ended before Content-Length bytes arrived")
+        except Exception as exc:  # never let a bug take the connection down silently
+            self.app.log.event("server_error", "ERROR", request_id=request_id, error=repr(exc))
+            return Outcome(500, "engine", "internal server error")
+
+    def read_and_execute(self, request_id: str) -> Outcome:
+        """Read the body (admitted against the in-flight budget first) and hand it to the app."""
+        config = self.app.config
+        limit = config.max_request_bytes
+        chunked = "Transfer-Encoding" in self.headers  # framing_problem let only exactly `chunked` through
+        size = declared_length(self.headers.get("Content-Length", "0"))
+        if size > limit:
+            self.close_connection = True  # the body stays unread
+            return Outcome(413, "request_too_large", "request exceeds the configured size limit")
+        if self.expects_continue:
+            keep_open, self.close_connection = not self.close_connection, True  # a refusal leaves the body unsent
+            request_boundary(self.headers.get("Content-Type"))
+        reservation = BodyReservation(self.app.bodies, limit if chunked else size, config.body_admission_wait_seconds)
+        if not reservation.grow():
+            self.close_connection = True
+            return self.app.refuse_while_draining() if self.app.closing else Outcome(503, "busy", "server saturated")
+        try:
+            if self.expects_continue:
+                self.send_response_only(100)
+                self.end_headers()
+                self.close_connection = not keep_open
+            body = self.read_chunked(limit, reservation) if chunked else self.read_body(size, reservation)
+            self.body_done = True
+            if body is None:
+                return Outcome(413, "request_too_large", "request exceeds the configured size limit")
+            return self.app.handle_execute(request_id, body, self.headers.get("Content-Type"))
+        finally:
+            reservation.release()
+
+    def read_body(self, size: int, reservation: BodyReservation | None = None) -> bytearray | mmap.mmap:
+        """Read `size` body bytes under the guard's rate rule (and the body budget) -> a new buffer."""
+        self.watch("body")
+        try:
+            return self.read_exact(size, reservation)
+        finally:
+            self.unwatch()
+
+    def read_exact(self, size: int, reservation: BodyReservation | None) -> bytearray | mmap.mmap:
+        body = large_buffer(size)
+        view = memoryview(body)
+        while view:
+            room = len(view) if reservation is None else self.budget_room(reservation)
+            n = self.rfile.readinto1(view[:room])  # one socket read at a time: the guard sees the progress
+            if not n:
+                if self.cut_reason:
+                    raise BodyCut(self.cut_reason)
+                raise ConnectionError("client closed the connection mid-body")
+            self.phase.received += n
+            if reservation is not None:
+                reservation.received += n
+            view = view[n:]
+        return body
+
+    def budget_room(self, reservation: BodyReservation) -> int:
+        """Bytes the body may read now; waits for the budget to grow its reservation first, unwatched
+        meanwhile (the body is not slow: the server is)."""
+        if reservation.room() > 0:
+            return reservation.room()
+        self.unwatch()
+        grown = reservation.grow()
+        self.watch("body")
+        if not grown:
+            raise BodyCut("shutdown" if self.app.closing else "budget")
+        return reservation.room()
+
+    def read_chunked(self, limit: int, reservation: BodyReservation) -> bytearray | None:
+        self.watch("body")
+        try:
+            return self.read_chunks(limit, reservation)
+        finally:
+            self.unwatch()
+
+    def read_chunks(self, limit: int, reservation: BodyReservation) -> bytearray | None:
+        body = bytearray()
+        while True:
+            line = self.rfile.readline(1024).split(b";")[0].strip()
+            if self.cut_reason:
+                raise BodyCut(self.cut_reason)
+            if not re.fullmatch(rb"[0-9A-Fa-f]+", line):  # int() would also take "-5", "+5", "0x5"
+                self.close_connection = True
+                raise ValidationError("malformed chunked request body")
+            size = int(line, 16)
+            if size == 0:
+                while self.rfile.readline(1024) not in (b"\r\n", b"\n", b""):
+                    pass
+                return body
+            if len(body) + size > limit:
+                self.close_connection = True
+                return None
+            body += self.read_exact(size, reservation)
+            self.rfile.readline(1024)
+
+    def cut_outcome(self, reason: str) -> Outcome:
+        if reason == "body_rate":
+            config = self.app.config
+            self.disconnected("body", reason=reason)
+            return Outcome(408, "parse", f"request body slower than {config.body_rate_min_bytes} bytes per "
+                                         f"{config.body_rate_window_seconds:g} s")
+        if reason == "budget":  # read halfway, no room for the rest within the admission wait
+            return Outcome(503, "busy", "server saturated")
+        return self.app.refuse_while_draining()
+
+    def send_outcome(self, request_id: str, outcome: Outcome) -> tuple[Outcome, int | None, str | None]:
+        """-> (the outcome sent, bytes sent, None), or (outcome, None, why) when the client
+        stopped reading or went away."""
+        try:
+            return outcome, self.respond(request_id, outcome), None
+        except OSError as exc:  # the send timeout, or a reset
+            self.close_connection = True
+            return outcome, None, type(exc).__name__
+        except Exception as exc:  # e.g. a result that cannot be encoded: nothing was written yet
+            self.app.log.event("server_error", "ERROR", request_id=request_id, error=repr(exc))
+            failure = Outcome(500, "engine", "internal server error")
+            return failure, self.respond(request_id, failure), None
+
+    def respond(self, request_id: str, outcome: Outcome) -> int:
+        """Send an Outcome; -> bytes sent."""
+        if outcome.http_status != 200:
+            return self.send_error_body(outcome.http_status, request_id, outcome.kind, outcome.message,
+                                        {"Retry-After": "1"} if outcome.http_status == 503 else {})
+        if not outcome.parts:
+            encoded = json_bytes(outcome.body)
+            if len(encoded) > self.app.config.max_response_bytes:
+                return self.too_large(request_id)
+            return self.send_json(200, outcome.body, {"X-Request-ID": request_id}, encoded)
+        content_type, pieces = multipart_result(outcome.body, outcome.parts)
+        total = sum(len(p) for p in pieces)
+        if total > self.app.config.max_response_bytes:
+            return self.too_large(request_id)
+        self.send_response(200)
+        self.send_common_headers(content_type, total, {"X-Request-ID": request_id})
+        for piece in pieces:
+            self.send_all(piece)
+        return total
+
+    def send_all(self, data: Buffer) -> None:
+        """Write in slices, each under the send timeout: a client that stops reading is dropped."""
+        view = memoryview(data).cast("B")
+        for start in range(0, view.nbytes, SEND_SLICE):
+            self.wfile.write(view[start:start + SEND_SLICE])
+
+    def too_large(self, request_id: str) -> int:
+        return self.send_error_body(500, request_id, "response_too_large",
+                                    "results exceed the configured response-size limit")
+
+    def send_json(self, status: int, body: Json, headers: ExtraHeaders = (), encoded: bytes | None = None) -> int:
+        encoded = encoded if encoded is not None else json_bytes(body)
+        self.send_response(status)
+        self.send_common_headers("application/json", len(encoded), dict(headers))
+        self.send_all(encoded)
+        return len(encoded)
+
+    def send_error_body(self, status: int, request_id: str, kind: str, message: str,
+                        headers: ExtraHeaders = ()) -> int:
+        body = {"status": "ERROR", "request_id": request_id, "error": {"kind": kind, "message": message}}
+        return self.send_json(status, body, {"X-Request-ID": request_id, **dict(headers)})
+
+    def send_common_headers(self, content_type: str, length: int, headers: Mapping[str, str]) -> None:
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(length))
+        self.send_header("X-KCoral-Instance", self.app.instance_id)
+        for name, value in headers.items():
+            self.send_header(name, value)
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+
+    def route_error(self) -> None:
+        self.drain_body()
+        if self.path in ("/health", "/execute"):
+            allow = "GET" if self.path == "/health" else "POST"
+            self.send_json(405, {"detail": "Method Not Allowed"}, {"Allow": allow})
+        else:
+            self.send_json(404, {"detail": "Not Found"})
+
+    def drain_body(self) -> None:
+        """Skip a small unread body so the connection stays usable; close it otherwise (also when
+        the client awaits `100 Continue`: it has sent nothing and needs no body read)."""
+        if self.body_done:
+            return
+        self.body_done = True
+        size = declared_length(self.headers.get("Content-Length", "0"))
+        if self.headers.get("Transfer-Encoding") or self.expects_continue or size > DRAIN_LIMIT:
+            self.close_connection = True
+            return
+        try:
+            self.read_body(size)
+        except (OSError, BodyCut):
+            self.close_connection = True
+
+    def refuse(self, outcome: Outcome, request_id: str, headers: ExtraHeaders = ()) -> None:
+        """Answer a request refused before it ran (its head, its token) -> one request_refused event."""
+        size = None
+        try:
+            size = self.send_error_body(outcome.http_status, request_id, outcome.kind, outcome.message, headers)
+        finally:  # also when the client is gone (OSError): the refusal is logged either way
+            self.app.log.event("request_refused", "WARNING", peer=self.client_address[0],
+                               response_bytes=size, **request_fields(request_id, outcome, self.head_started))
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """What http.server rejects itself (bad request line, oversized headers) gets the
+        ERROR JSON body (docs/protocol.md §9.8) rather than an HTML page; an unknown method gets 404/405."""
+        if code == 501 and self.command:
+            return self.route_error()
+        self.close_connection = True
+        short = self.responses.get(code, ("error",))[0]
+        self.refuse(Outcome(code, "parse" if code < 500 else "engine", message or short), str(uuid.uuid4()))
+
+    def disconnected(self, phase: str, **fields: Any) -> None:
+        """The one log line for a client that went away (or was cut off)."""
+        self.app.log.event("client_disconnected", "WARNING", peer=self.client_address[0], phase=phase, **fields)
+
+    def finish(self) -> None:
+        self.unwatch()  # whatever ended the connection, the guard forgets it
+        super().finish()
+
+    def log_message(self, format: str, *args: Any) -> None:  # one structured line per request instead
+        pass
+
+    @property
+    def app(self) -> KCoralServer:
+        return self.server.app
+
+    do_PUT = do_DELETE = do_PATCH = lambda self: self.route_error()
 
 
-@dataclasses.dataclass
-class Emptying:
-    """A directory being emptied: its open fd, the kept ways below it, its name in its parent."""
-    fd: int
-    ways: dict[str, Any]
-    name: str
-    done: set[str] = dataclasses.field(default_factory=set)  # entries on a kept way, emptied
-
-
-EMPTYING_DEPTH = 64  # open directories at most; deeper subtrees are moved up to the top first
-
-
-def empty_directory_at(top: int, keep: Iterable[str] = ()) -> None:
-    """Remove what the open directory `top` holds, except the directories on the way to each of
-    `keep` (relative paths: mount points inside a sandbox's /tmp), which are emptied instead,
-    and each of `keep` itself (a mount point may be a file).
-
-    Everything is opened relative to its parent without following a link, and each directory is
-    made ours (0700) before it is emptied, so nothing a program renamed, linked or chmod-ed can
-    steer the removal outside `top` or stop it; an entry on a kept way that is not a directory
-    raises OSError.  Iterative, with at most EMPTYING_DEPTH directories open: a program may nest
-    directories deeper than Python's recursion or the fd limit allows."""
-    ways: dict[str, Any] = {}
-    for path in keep:
-        node = ways
-        for part in path.split("/"):
-            node = node.setdefault(part, {})
-    stack = [Emptying(os.dup(top), ways, "")]
-    try:
-        while stack:
-            here = stack[-1]
-            os.fchmod(here.fd, 0o700)
-            below = next_directory_emptying(here)
-            if below is None:  # emptied: removed from its parent unless it lies on a kept way
-                stack.pop()
-                os.close(here.fd)
-                if stack and here.name in stack[-1].ways:
-                    stack[-1].done.add(here.name)
-                elif stack:
-                    os.rmdir(here.name, dir_fd=stack[-1].fd)
-            elif len(stack) >= EMPTYING_DEPTH and below not in here.ways:
-                os.rename(below, f".kcoral-deep-{secrets.token_hex(8)}", src_dir_fd=here.fd, dst_dir_fd=stack[0].fd)
-            else:
-                stack.append(Emptying(os.open(below, NOFOLLOW_DIR, dir_fd=here.fd), here.ways.get(below, {}), below))
-    finally:
-        for frame in stack:
-            os.close(frame.fd)
-
-
-def next_directory_emptying(here: Emptying) -> str | None:
-    """Unlink `here`'s files and links up to its next directory still to empty -> that one's name."""
-    with os.scandir(here.fd) as entries:
-        for entry in entries:
-            if entry.name in here.done:
-                continue
-            is_dir = entry.is_dir(follow_symlinks=False)
-            if entry.name in here.ways and not is_dir:
-                if here.ways[entry.name]:  # the way goes on below something that is no directory
-                    raise NotADirectoryError(errno.ENOTDIR, "a kept mount point's way was replaced", entry.name)
-                here.done.add(entry.name)  # a file's mount point (bwrap made it for a read-only file)
-                continue
-            if is_dir:
-                return entry.name
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(entry.name, dir_fd=here.fd)
+def framing_problem(headers: email.message.Message) -> str | None:
+    """RFC 9112 §6 checks http.server leaves out: a request whose length two parsers (a proxy
+    in front, and us) could read differently is refused, so no request hides in another's body."""
+    for name, value in headers.items():
+        if CONTROL_CHARS.search(value):
+            return f"control character in the {name} header"
+    lengths = headers.get_all("Content-Length") or []
+    if len(lengths) > 1:  # even equal ones (RFC 9110 §8.6 allows refusing them): one rule, one reading
+        return "conflicting Content-Length headers"
+    if lengths and declared_length(lengths[0]) is None:  # `5, 5`, `+5`, `0x5`, `5 5`: one run of digits only
+        return "invalid Content-Length header"
+    encodings = headers.get_all("Transfer-Encoding") or []
+    if encodings and lengths:
+        return "Transfer-Encoding together with Content-Length"
+    if encodings and [e.strip().lower() for e in encodings] != ["chunked"]:
+        return "unsupported Transfer-Encoding (only chunked is accepted)"
     return None
 
 
-# --- 8. logging (docs/server.md §10) --------------------------------------------------------------
+def declared_length(value: str) -> int | None:
+    """A Content-Length value -> int, or None unless it is ASCII digits (between optional spaces
+    and tabs, which RFC 9110 §5.5 does not count as part of a field value).
+
+    str.isdigit() also accepts "²", and int() refuses strings of more than
+    4300 digits, so huge values are capped instead of converted.
+    """
+    value = value.strip(" \t")
+    if not value.isascii() or not value.isdigit():
+        return None
+    digits = value.lstrip("0") or "0"
+    return int(digits) if len(digits) <= 30 else 1 << 100
+
+
+def request_fields(request_id: str, outcome: Outcome, started: float) -> dict[str, Any]:
+    """What every request event says about a request (request_finished, request_refused, a disconnect)."""
+    body = outcome.body or {}
+    return {"request_id": request_id, "http_status": outcome.http_status, "status": body.get("status", "ERROR"),
+            "error_kind": (body.get("error") or {}).get("kind") or outcome.kind or None,
+            "worker_id": outcome.worker_id or None, "queue_ms": body.get("queue_ms"),
+            "elapsed_ms": body.get("elapsed_ms"), "total_ms": (time.monotonic() - started) * 1e3}
+
+
+def multipart_result(body: Json, parts: list[Buffer]) -> tuple[str, list[Buffer]]:
+    """docs/protocol.md §9.2: a result with binary parts -> (Content-Type, the response body as pieces to send)."""
+    boundary = "kcoral-" + secrets.token_hex(16)  # 128 random bits: no payload can contain it by chance
+    pieces = [b"--" + boundary.encode() + b'\r\nContent-Disposition: form-data; name="result"\r\n'
+              b"Content-Type: application/json\r\n\r\n" + json_bytes(body) + b"\r\n"]
+    for number, part in enumerate(parts):
+        pieces.append(f'--{boundary}\r\nContent-Disposition: form-data; name="return:{number}"\r\n'
+                      f"Content-Type: application/octet-stream\r\n\r\n".encode())
+        pieces.append(part)
+        pieces.append(b"\r\n")
+    pieces.append(f"--{boundary}--\r\n".encode())
+    return f"multipart/form-data; boundary={boundary}", pieces
+
+
+def json_bytes(value: Json) -> bytes:
+    try:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate (e.g. from a "\ud800" escape) has no UTF-8 form
+        return json.dumps(value, separators=(",", ":"), allow_nan=False).encode("ascii")
+
+
+# --- 2. the application: KCoralServer, handle_execute and the instance's lifecycle ----------------
+
+BEARER_TOKEN = re.compile(r"[A-Za-z0-9._~+/-]+=*")  # RFC 6750 b64token: never a comma or white space
+TOKEN_FILE_LIMIT = 64 << 10
+
+
+def split_tokens(text: str, source: str) -> list[str]:
+    """Bearer tokens separated by commas or white space (one a line in a file) -> the list.
+    ValueError names `source` and the token's position, never the token."""
+    tokens = text.replace(",", " ").split()
+    if not tokens:
+        raise ValueError(f"{source} holds no token")
+    for number, token in enumerate(tokens, 1):
+        if not BEARER_TOKEN.fullmatch(token):
+            raise ValueError(f"{source}: token {number} is not a bearer token "
+                             "(letters, digits and -._~+/, then optional '=')")
+    return tokens
+
+
+def read_token_file(path: str) -> list[str]:
+    """The tokens of --token-file; ValueError if it is not a regular file of at most 64 KiB that
+    only its owner may access (a secret that group or others can read, or add to, is none)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not hang the start
+        with open(fd, "rb") as f:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise ValueError(f"--token-file {path} is not a regular file")
+            if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+                raise ValueError(f"--token-file {path} is accessible to group or others (mode "
+                                 f"{stat.S_IMODE(info.st_mode):o}); chmod 600 it")
+            data = f.read(TOKEN_FILE_LIMIT + 1)
+    except OSError as exc:
+        raise ValueError(f"--token-file {path}: {exc.strerror}") from None
+    if len(data) > TOKEN_FILE_LIMIT:
+        raise ValueError(f"--token-file {path} is larger than {TOKEN_FILE_LIMIT} bytes")
+    return split_tokens(data.decode("ascii", "replace"), f"--token-file {path}")
+
+
+def accepted_credentials(config: ServerConfig) -> tuple[bytes, ...]:
+    """Every `Authorization` value let in: `Bearer <token>` for each configured token; () for no check."""
+    tokens = split_tokens(config.token, "--token") if config.token is not None else []
+    if config.token_file:
+        tokens += read_token_file(config.token_file)
+    return tuple(f"Bearer {token}".encode() for token in dict.fromkeys(tokens))
+
+
+class KCoralServer:
+    """Caches, pool and HTTP server of one instance.  `create_app(config)` builds one.
+
+    Callers use: `start()` (workers up, listening on a background thread; embedding, tests),
+    `url`, `serve_forever()` (blocks until SIGTERM/SIGINT, then `stop()`; SIGHUP: `reload()`),
+    `stop()` (graceful: drain, wait for requests in flight, release everything).
+    The handler calls: `token_accepted`, `health`, `request_in_flight`, `handle_execute`,
+    `refuse_while_draining`.
+    """
+
+    def __init__(self, config: ServerConfig | None = None) -> None:
+        config = config or ServerConfig()
+        validate_config(config)
+        self.config = config
+        try:
+            self.credentials = accepted_credentials(config)
+        except ValueError as exc:
+            raise SystemExit(f"kcoral: {exc}") from None
+        self.log = EventLog(config)
+        self.instance_id = str(uuid.uuid4())
+        self.started_at = utc_now().isoformat(timespec="microseconds").replace("+00:00", "Z")
+        self.blobs = BlobStore(config)
+        self.in_flight = 0
+        self.in_flight_cond = threading.Condition()
+        self.bodies = BodyBudget(config.max_body_bytes_in_flight)
+        self.last_post = -math.inf  # time.monotonic() of the latest POST, for the drain's quiet period
+        self.drain_started = math.inf
+        self.closing = False
+        self.pool = None
+        self.httpd = None
+
+    def start(self) -> KCoralServer:
+        """Start workers and listen; returns once requests are accepted."""
+        run_dir = self.log.open()
+        removed = remove_dead_workspaces(tempfile.gettempdir())
+        if removed:
+            self.log.event("stale_workspaces_removed", count=removed)
+        become_subreaper()
+        isolate_import_path()
+        sandbox, why_not = resolve_sandbox(self.config)
+        if why_not:
+            self.log.event("sandbox_off", "WARNING", reason=why_not)
+        self.config = dataclasses.replace(self.config, sandbox=sandbox)
+        device, gpu_ids, gpu_names = resolve_device(self.config)
+        self.device = device
+        self.pool = Pool(self.config, device, gpu_ids, gpu_names, self.log)
+        self.target, self.versions = describe_runtime(device, self.pool)
+        self.gpu_count = len(gpu_ids)
+        self.httpd = HTTPServer((self.config.host, self.config.port), RequestHandler, self)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+        self.log.event("server_started", url=self.url, device=device, sandbox=self.config.sandbox,
+                       workers=len(self.pool.slots), run_dir=run_dir, instance_id=self.instance_id)
+        return self
+
+    @property
+    def url(self) -> str:
+        host, port = self.httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def serve_forever(self) -> None:
+        """Serve until SIGTERM/SIGINT, then drain in-flight requests and exit cleanly.  SIGHUP reloads."""
+        stop, hangup = threading.Event(), threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        signal.signal(signal.SIGHUP, lambda *_: hangup.set())  # its default would end the server
+        self.start()
+        while not stop.wait(0.5):
+            if hangup.is_set():  # here, not in the handler: the handler may interrupt a thread holding the log
+                hangup.clear()
+                self.reload()
+        self.stop()
+
+    def reload(self) -> None:
+        """SIGHUP: reopen the event log by name (after logrotate moved it) and read --token-file
+        again (tokens rotate without a restart).  A token file that no longer reads keeps the
+        tokens in use."""
+        self.log.reopen()
+        if self.config.token_file:
+            try:
+                self.credentials = accepted_credentials(self.config)
+                self.log.event("tokens_reloaded", tokens=len(self.credentials))
+            except ValueError as exc:
+                self.log.event("tokens_reload_failed", "ERROR", error=str(exc))
+
+    def token_accepted(self, authorization: str) -> bool:
+        """Our extension: with tokens configured, every endpoint needs `Authorization: Bearer <token>`
+        with one of them.  Each comparison takes constant time, and every token is compared."""
+        credentials = self.credentials
+        given = authorization.encode("utf-8", "replace")
+        matches = [hmac.compare_digest(given, accepted) for accepted in credentials]  # no early exit
+        return not credentials or any(matches)
+
+    def health(self) -> dict[str, Any]:
+        return {"status": "ok", "instance_id": self.instance_id, "started_at": self.started_at,
+                "gpu_count": self.gpu_count, "load": self.pool.load(),
+                "target": self.target, "versions": self.versions, "sandbox": self.config.sandbox}
+
+    @contextlib.contextmanager
+    def request_in_flight(self) -> Iterator[None]:
+        """Counts a POST from its arrival until its answer is out: close() waits for none left."""
+        with self.in_flight_cond:
+            self.in_flight += 1
+            self.last_post = time.monotonic()
+        try:
+            yield
+        finally:
+            with self.in_flight_cond:
+                self.in_flight -= 1
+                self.in_flight_cond.notify_all()
+
+    def handle_execute(self, request_id: str, body: Body, content_type: str | None) -> Outcome:
+        """A request body, read -> Outcome.  The checks run in protocol order (docs/protocol.md §4.7): the first
+        that fails decides the answer."""
+        try:
+            parts = split_request(body, content_type, self.config)       # envelope and parts
+            data, supplied = parts.program_json, parts.blobs
+            program = parts.program()                                    # strict JSON, then the program
+            check_no_unreferenced_blobs(program, supplied)
+            disk_writes = self.blobs.keep_file_blobs(program, supplied)  # cached even if refused below
+            try:
+                blobs, missing = self.blobs.resolve(program, supplied)
+                check_tensor_sizes(program, blobs)
+                if missing:
+                    return Outcome(body={"status": "CACHE_MISS", "request_id": request_id,
+                                         "missing_blobs": missing})
+                self.check_gpu_count(program)
+                return self.run_program(request_id, data, program, blobs)
+            finally:
+                if disk_writes is not None:
+                    disk_writes.join()  # once answered, the client may count on its file blobs being cached
+        except RequestTooLarge as exc:
+            return Outcome(413, "request_too_large", str(exc))
+        except ValidationError as exc:
+            return Outcome(400, "parse", str(exc))
+
+    def check_gpu_count(self, program: ValidProgram) -> None:
+        gpu_count = program.options.get("gpu_count")
+        if gpu_count and gpu_count > self.gpu_count:
+            raise ValidationError("gpu_count exceeds this GPU server's configured capacity")
+
+    def run_program(self, request_id: str, data: memoryview, program: ValidProgram, blobs: Blobs) -> Outcome:
+        """A valid program with all its blobs -> a worker's Outcome (or 503 busy: nothing ran)."""
+        if self.closing:
+            return self.refuse_while_draining()
+        self.log.save_program(request_id, data)
+        options, config = program.options, self.config
+        job = Job(request_id, program, blobs,
+                  timeout=min(options.get("timeout_seconds", config.default_timeout_seconds),
+                              config.max_timeout_seconds),
+                  output_limit=min(options.get("output_limit_bytes", config.output_limit_bytes),
+                                   config.max_output_limit_bytes))
+        with self.blobs.pinned(program):
+            outcome = self.pool.run_job(job)
+        return self.refuse_while_draining() if outcome.http_status == 503 and self.closing else outcome
+
+    def refuse_while_draining(self) -> Outcome:
+        """503 busy for a request that arrived during shutdown: nothing of it ran, so a load
+        balancer may retry it on another node.  The answer waits until `drain_seconds` after the
+        signal: by then the balancer's health check has seen capacity 0 and taken this node out,
+        so its retry goes elsewhere instead of straight back here (least connections would pick
+        this node again, the one with the fewest connections)."""
+        time.sleep(max(0.0, self.drain_started + self.config.drain_seconds - time.monotonic()))
+        return Outcome(503, "busy", "server is shutting down")
+
+    def stop(self) -> None:
+        """Graceful shutdown: capacity 0, new programs 503, in-flight ones finish."""
+        self.drain_started = time.monotonic()
+        self.closing = True
+        self.pool.drain()
+        self.bodies.drain()
+        self.httpd.guard.cut_phase("body", "shutdown")  # uploads still arriving; executions finish
+        with self.in_flight_cond:
+            self.log.event("shutdown_started", remaining=self.in_flight)
+            while self.in_flight:
+                self.in_flight_cond.wait()
+            self.wait_for_quiet()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.pool.stop()
+        self.log.event("server_stopped")
+        self.log.close()
+
+    def wait_for_quiet(self) -> None:
+        """Behind a load balancer, requests keep coming until its health check sees capacity 0.
+        Each gets 503 busy (see `refuse_while_draining`); closing the port instead would reset
+        the connections queued on it after their requests were sent, which no balancer may
+        safely retry.  So the port closes only once POSTs have stopped for `drain_seconds`
+        (waiting at most ten times that).  Called with in_flight_cond held."""
+        quiet = self.config.drain_seconds
+        give_up = time.monotonic() + 10 * quiet
+        while self.in_flight or time.monotonic() < min(self.last_post + quiet, give_up):
+            self.in_flight_cond.wait(0.05)
+
+
+def create_app(config: ServerConfig | None = None) -> KCoralServer:
+    """A server for embedding and tests: `create_app(cfg).start()`, then `.url`, then `.stop()`."""
+    return KCoralServer(config)
+
+
+# --- 3. what the application records: the event log and saved programs (docs/server.md §10) -----
 
 # The log and the saved programs hold every tenant's requests: they are for the server's user alone,
 # whatever the umask (the modes are given where the files are created; a umask can only narrow them).
@@ -2742,279 +1517,1464 @@ class EventLog:
             self.fd = self.run_fd = self.programs = None
 
 
-# --- 9. the server: handle_execute and the instance's lifecycle (docs/design.md §2) ---------------
+# --- 4. wire rules: strict JSON and multipart (docs/protocol.md §4.3-4.6, 5.1) --------------------
 
-BEARER_TOKEN = re.compile(r"[A-Za-z0-9._~+/-]+=*")  # RFC 6750 b64token: never a comma or white space
-TOKEN_FILE_LIMIT = 64 << 10
-
-
-def split_tokens(text: str, source: str) -> list[str]:
-    """Bearer tokens separated by commas or white space (one a line in a file) -> the list.
-    ValueError names `source` and the token's position, never the token."""
-    tokens = text.replace(",", " ").split()
-    if not tokens:
-        raise ValueError(f"{source} holds no token")
-    for number, token in enumerate(tokens, 1):
-        if not BEARER_TOKEN.fullmatch(token):
-            raise ValueError(f"{source}: token {number} is not a bearer token "
-                             "(letters, digits and -._~+/, then optional '=')")
-    return tokens
+class RequestTooLarge(ValidationError):
+    """A request beyond one of the size limits (parts, program, instructions, arguments): 413
+    request_too_large rather than 400, since a valid program can be this large."""
 
 
-def read_token_file(path: str) -> list[str]:
-    """The tokens of --token-file; ValueError if it is not a regular file of at most 64 KiB that
-    only its owner may access (a secret that group or others can read, or add to, is none)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not hang the start
-        with open(fd, "rb") as f:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise ValueError(f"--token-file {path} is not a regular file")
-            if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-                raise ValueError(f"--token-file {path} is accessible to group or others (mode "
-                                 f"{stat.S_IMODE(info.st_mode):o}); chmod 600 it")
-            data = f.read(TOKEN_FILE_LIMIT + 1)
-    except OSError as exc:
-        raise ValueError(f"--token-file {path}: {exc.strerror}") from None
-    if len(data) > TOKEN_FILE_LIMIT:
-        raise ValueError(f"--token-file {path} is larger than {TOKEN_FILE_LIMIT} bytes")
-    return split_tokens(data.decode("ascii", "replace"), f"--token-file {path}")
-
-
-def accepted_credentials(config: ServerConfig) -> tuple[bytes, ...]:
-    """Every `Authorization` value let in: `Bearer <token>` for each configured token; () for no check."""
-    tokens = split_tokens(config.token, "--token") if config.token is not None else []
-    if config.token_file:
-        tokens += read_token_file(config.token_file)
-    return tuple(f"Bearer {token}".encode() for token in dict.fromkeys(tokens))
-
-
-class KCoralServer:
-    """Caches, pool and HTTP server of one instance.  `create_app(config)` builds one.
-
-    start() serves on a background thread (embedding, tests); serve_forever()
-    blocks until SIGTERM/SIGINT and then shuts down gracefully (SIGHUP: `reload`).
-    """
-
-    def __init__(self, config: ServerConfig | None = None) -> None:
-        config = config or ServerConfig()
-        validate_config(config)
-        self.config = config
-        try:
-            self.credentials = accepted_credentials(config)
-        except ValueError as exc:
-            raise SystemExit(f"kcoral: {exc}") from None
-        self.log = EventLog(config)
-        self.instance_id = str(uuid.uuid4())
-        self.started_at = utc_now().isoformat(timespec="microseconds").replace("+00:00", "Z")
-        self.blobs = BlobStore(config)
-        self.in_flight = 0
-        self.in_flight_cond = threading.Condition()
-        self.bodies = BodyBudget(config.max_body_bytes_in_flight)
-        self.last_post = -math.inf  # time.monotonic() of the latest POST, for the drain's quiet period
-        self.drain_started = math.inf
-        self.closing = False
-        self.pool = None
-        self.httpd = None
-
-    def start(self) -> "KCoralServer":
-        """Start workers and listen; returns once requests are accepted."""
-        run_dir = self.log.open()
-        removed = remove_dead_workspaces(tempfile.gettempdir())
-        if removed:
-            self.log.event("stale_workspaces_removed", count=removed)
-        become_subreaper()
-        isolate_import_path()
-        sandbox, why_not = resolve_sandbox(self.config)
-        if why_not:
-            self.log.event("sandbox_off", "WARNING", reason=why_not)
-        self.config = dataclasses.replace(self.config, sandbox=sandbox)
-        device, gpu_ids, gpu_names = resolve_device(self.config)
-        self.device = device
-        self.pool = Pool(self.config, device, gpu_ids, gpu_names, self.log)
-        self.target, self.versions = describe_runtime(device, self.pool)
-        self.gpu_count = len(gpu_ids)
-        self.httpd = HTTPServer((self.config.host, self.config.port), RequestHandler, self)
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-        self.log.event("server_started", url=self.url, device=device, sandbox=self.config.sandbox,
-                       workers=len(self.pool.slots), run_dir=run_dir, instance_id=self.instance_id)
-        return self
-
-    @property
-    def url(self) -> str:
-        host, port = self.httpd.server_address[:2]
-        return f"http://{host}:{port}"
-
-    def serve_forever(self) -> None:
-        """Serve until SIGTERM/SIGINT, then drain in-flight requests and exit cleanly.  SIGHUP reloads."""
-        stop, hangup = threading.Event(), threading.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
-        signal.signal(signal.SIGHUP, lambda *_: hangup.set())  # its default would end the server
-        self.start()
-        while not stop.wait(0.5):
-            if hangup.is_set():  # here, not in the handler: the handler may interrupt a thread holding the log
-                hangup.clear()
-                self.reload()
-        self.close()
-
-    def reload(self) -> None:
-        """SIGHUP: reopen the event log by name (after logrotate moved it) and read --token-file
-        again (tokens rotate without a restart).  A token file that no longer reads keeps the
-        tokens in use."""
-        self.log.reopen()
-        if self.config.token_file:
+def split_request(body: Body, content_type: str | None, limits: ServerConfig = DEFAULT_LIMITS) -> RequestParts:
+    """docs/protocol.md §4.3-4.7 -> the request's parts, in the reference's check order: each part's
+    headers as it is parsed (§4.5), then its name, content type and hash (§4.6), whose failure waits
+    until every later part's headers have passed (step 2 before step 3)."""
+    parts, failure = RequestParts(limits), None
+    allowed = limits.max_request_parts
+    for count, (headers, payload) in enumerate(parse_multipart(body, request_boundary(content_type), limits), 1):
+        name, media = check_part_headers(headers)
+        if count > allowed:
+            refuse_extra_part(parts, name, media, payload, failure)
+        if name == "program" and len(payload) > limits.max_program_bytes:
+            raise RequestTooLarge(f"'program' part exceeds {limits.max_program_bytes} bytes")
+        if failure is None:
             try:
-                self.credentials = accepted_credentials(self.config)
-                self.log.event("tokens_reloaded", tokens=len(self.credentials))
-            except ValueError as exc:
-                self.log.event("tokens_reload_failed", "ERROR", error=str(exc))
+                parts.add(name, media, payload)
+            except ValidationError as exc:
+                failure = exc
+        if count == 1 and failure is None and name == "program":
+            allowed = parts.parts_allowed()
+    if failure is not None:
+        raise failure
+    if parts.program_json is None:
+        raise ValidationError("missing 'program' part")
+    return parts
 
-    def close(self) -> None:
-        """Graceful shutdown: capacity 0, new programs 503, in-flight ones finish."""
-        self.drain_started = time.monotonic()
-        self.closing = True
-        self.pool.close()
-        self.bodies.close()
-        self.httpd.guard.cut_phase("body", "shutdown")  # uploads still arriving; executions finish
-        with self.in_flight_cond:
-            self.log.event("shutdown_started", remaining=self.in_flight)
-            while self.in_flight:
-                self.in_flight_cond.wait()
-            self.wait_for_quiet()
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.pool.shutdown()
-        self.log.event("server_stopped")
-        self.log.close()
 
-    def wait_for_quiet(self) -> None:
-        """Behind a load balancer, requests keep coming until its health check sees capacity 0.
-        Each gets 503 busy (see `refuse_while_draining`); closing the port instead would reset
-        the connections queued on it after their requests were sent, which no balancer may
-        safely retry.  So the port closes only once POSTs have stopped for `drain_seconds`
-        (waiting at most ten times that).  Called with in_flight_cond held."""
-        quiet = self.config.drain_seconds
-        give_up = time.monotonic() + 10 * quiet
-        while self.in_flight or time.monotonic() < min(self.last_post + quiet, give_up):
-            self.in_flight_cond.wait(0.05)
+@dataclasses.dataclass
+class RequestParts:
+    """A request split into its parts: the program part's JSON and the blob parts by hash.  The
+    program is decoded and validated once, when first asked for (`program()`)."""
+    limits: ServerConfig
+    program_json: memoryview | None = None
+    blobs: dict[str, memoryview] = dataclasses.field(default_factory=dict)
+    checked: ValidProgram | ValidationError | None = None
 
-    def token_accepted(self, authorization: str) -> bool:
-        """Our extension: with tokens configured, every endpoint needs `Authorization: Bearer <token>`
-        with one of them.  Each comparison takes constant time, and every token is compared."""
-        credentials = self.credentials
-        given = authorization.encode("utf-8", "replace")
-        matches = [hmac.compare_digest(given, accepted) for accepted in credentials]  # no early exit
-        return not credentials or any(matches)
+    def add(self, name: str, media: str, payload: memoryview) -> None:
+        """docs/protocol.md §4.6 for one part."""
+        if name == "program":
+            if self.program_json is not None:
+                raise ValidationError("duplicate 'program' part")
+            if media != "application/json":
+                raise ValidationError("'program' part must be application/json")
+            self.program_json = payload
+            return
+        match = BLOB_PART.fullmatch(name)
+        if not match:
+            raise ValidationError(f"unexpected part name {name[:80]!r}")
+        digest = match.group(1)
+        if digest in self.blobs:
+            raise ValidationError(f"duplicate blob part {digest}")
+        if media != "application/octet-stream":
+            raise ValidationError(f"blob part {digest} must be application/octet-stream")
+        if hashlib.sha256(payload).hexdigest() != digest:
+            raise ValidationError(f"blob hash mismatch for part {digest}")
+        self.blobs[digest] = payload
+
+    def program(self) -> ValidProgram:
+        """The program part decoded (§5.1) and validated (§5, 6); its error, raised again if asked twice."""
+        if self.checked is None:
+            try:
+                self.checked = parse_program(decode_program(self.program_json, self.limits), self.limits)
+            except ValidationError as exc:
+                self.checked = exc
+        if isinstance(self.checked, ValidationError):
+            raise self.checked
+        return self.checked
+
+    def parts_allowed(self) -> int:
+        """Parts a request may have once its first part, the program, is known: one per blob it
+        references, plus the program; more are unreferenced or duplicates, a 400 whatever follows.
+        An invalid program leaves the hard cap (its error comes later, in protocol order), unless
+        it is too large: the size limits come first."""
+        try:
+            return len(self.program().blob_kinds) + 1
+        except RequestTooLarge:
+            raise
+        except ValidationError:
+            return self.limits.max_request_parts
+
+
+def refuse_extra_part(parts: RequestParts, name: str, media: str, payload: memoryview,
+                      failure: ValidationError | None) -> NoReturn:
+    """A part beyond the valid program's blobs plus one: what the reference would answer once it read
+    the rest, as far as the parts read so far tell (a later part's bad headers would have won, §4.7):
+    an earlier part's error, this part's, or the unreferenced blobs, one of which there must be."""
+    if failure is not None:
+        raise failure
+    parts.add(name, media, payload)
+    check_no_unreferenced_blobs(parts.program(), parts.blobs)
+    raise ValidationError("more parts than the program references blobs")  # not reached: one is unreferenced
+
+
+def strict_json(data: Buffer) -> Json:
+    """Decode UTF-8 JSON, refusing a BOM, duplicate keys and NaN/Infinity."""
+    def pairs(items: list[tuple[str, Json]]) -> dict[str, Json]:
+        obj = dict(items)
+        if len(obj) != len(items):
+            raise ValidationError("duplicate key in JSON object")
+        return obj
+
+    def constant(name: str) -> NoReturn:
+        raise ValidationError(f"{name} is not valid JSON")
+
+    try:
+        text = bytes(data).decode("utf-8")
+        if text.startswith("\ufeff"):
+            raise ValidationError("JSON must not start with a byte-order mark")
+        return json.loads(text, object_pairs_hook=pairs, parse_constant=constant)
+    except RecursionError:
+        raise ValidationError("JSON is nested too deeply") from None
+    except UnicodeDecodeError:
+        raise ValidationError("JSON is not valid UTF-8") from None
+    except ValidationError:
+        raise
+    except ValueError as exc:  # also integers beyond the interpreter's digit limit
+        raise ValidationError(f"invalid JSON: {exc}") from None
+
+
+TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+MEDIA = re.compile(rf"{TOKEN.pattern}(?:/{TOKEN.pattern})?")  # `form-data`, `type/subtype`
+
+
+HEADER_PIECE = re.compile(r'(?:[^;"]++|"(?:[^"\\]++|\\.)*+")*+', re.DOTALL)  # possessive: no backtracking
+
+
+def header_pieces(value: str) -> list[str]:
+    """`a; b="x;y"` -> ["a", ' b="x;y"']: split at the semicolons outside quoted strings (a backslash
+    escapes the next character inside one).  A regex, not a loop per character: every part of a
+    request has two such headers."""
+    pieces, pos = [], 0
+    while True:
+        end = HEADER_PIECE.match(value, pos).end()
+        if end < len(value) and value[end] == '"':
+            raise ValidationError("unterminated quoted string in header")
+        pieces.append(value[pos:end])
+        if end == len(value):
+            return pieces
+        pos = end + 1
+
+
+@functools.lru_cache(maxsize=64)  # a request's parts repeat their Content-Type values
+def parse_header_params(value: str) -> tuple[str, dict[str, str]]:
+    """`type; k=v; k="quoted"` -> (lower-cased type, {lower-cased k: v}); callers must not change the dict."""
+    pieces = header_pieces(value)
+    media = pieces[0].strip().lower()
+    if not MEDIA.fullmatch(media):
+        raise ValidationError(f"malformed header value {pieces[0].strip()[:80]!r}")
+    params = {}
+    for piece in pieces[1:]:
+        if not piece.strip():
+            continue
+        key, eq, raw = piece.partition("=")
+        key, raw = key.strip().lower(), raw.strip()
+        if not eq or not TOKEN.fullmatch(key):
+            raise ValidationError(f"malformed header parameter {piece.strip()!r}")
+        if raw.startswith('"'):
+            if len(raw) < 2 or not raw.endswith('"'):
+                raise ValidationError("malformed quoted header parameter")
+            raw = re.sub(r"\\(.)", r"\1", raw[1:-1])
+        elif not raw or re.search(r'[\s"]', raw):  # lenient: senders leave `name=blob:<hex>` unquoted
+            raise ValidationError(f"malformed header parameter {piece.strip()!r}")
+        if key in params:
+            raise ValidationError(f"header parameter {key!r} given twice")
+        params[key] = raw
+    return media, params
+
+
+def request_boundary(content_type: str | None) -> bytes:
+    if not content_type or not content_type.lower().startswith("multipart/form-data"):
+        raise ValidationError("expected a multipart/form-data request")
+    media, params = parse_header_params(content_type)
+    if media != "multipart/form-data":
+        raise ValidationError("expected a multipart/form-data request")
+    boundary = params.get("boundary", "")
+    if not boundary or "\r" in boundary or "\n" in boundary:
+        raise ValidationError("multipart request needs a non-empty boundary")
+    return boundary.encode("latin-1", "replace")
+
+
+def parse_multipart(body: Body, boundary: bytes,
+                    limits: ServerConfig = DEFAULT_LIMITS) -> Iterator[tuple[PartHeaders, memoryview]]:
+    """Split a multipart body into (headers, payload memoryview) pairs without copying payloads, one
+    at a time: the caller checks each part before the next is parsed, so a body of a million tiny
+    parts is refused at the first bad one, or at `max_request_parts`, not after all are parsed."""
+    delimiter = b"--" + boundary
+    view = memoryview(body)
+    pos = find_delimiter(body, delimiter, 0)
+    if pos < 0:
+        raise ValidationError("multipart body has no delimiter")
+    count = 0
+    while True:
+        j = pos + len(delimiter)
+        if body[j:j + 2] == b"--":
+            if not count:
+                raise ValidationError("multipart body has no parts")
+            check_close_delimiter_line(body, j + 2)
+            return
+        if count == limits.max_request_parts:
+            raise RequestTooLarge(f"request has more than {limits.max_request_parts} multipart parts")
+        j = body.find(b"\n", j) + 1  # a delimiter line always ends (find_delimiter checked)
+        following = find_delimiter(body, delimiter, j)
+        if following < 0:
+            raise ValidationError("multipart body has no closing delimiter")
+        end = following - 1
+        if end > j and body[end - 1] == 0x0D:
+            end -= 1
+        headers, payload_start = parse_part_headers(body, j, end, limits)
+        count += 1
+        yield headers, view[payload_start:end]
+        pos = following
+
+
+def find_delimiter(body: Body, delimiter: bytes, start: int) -> int:
+    """Position of the next real delimiter line (docs/protocol.md §4.4), or -1."""
+    while True:
+        i = body.find(delimiter, start)
+        if i < 0:
+            return -1
+        if i == 0 or body[i - 1] == 0x0A:
+            j = i + len(delimiter)
+            if body[j:j + 2] == b"--":
+                return i
+            while j < len(body) and body[j] in b" \t":
+                j += 1
+            if body[j:j + 1] == b"\n" or body[j:j + 2] == b"\r\n":
+                return i
+        start = i + 1
+
+
+def check_close_delimiter_line(body: Body, start: int) -> None:
+    """RFC 2046: only transport padding may follow the close delimiter on its line (the
+    reference answers 400 for `--B--junk`); the epilogue starts on the next line."""
+    end = body.find(b"\n", start)
+    rest = bytes(body[start:len(body) if end < 0 else end]).rstrip(b"\r")
+    if rest.strip(b" \t"):
+        raise ValidationError("unexpected bytes after the closing multipart delimiter")
+
+
+FIRST_LINE_EMPTY = re.compile(rb"\r*\n")
+EMPTY_LINE = re.compile(rb"\n\r*\n")  # a line of nothing but CRs is empty too
+
+
+def parse_part_headers(body: Body, start: int, end: int, limits: ServerConfig) -> tuple[PartHeaders, int]:
+    """Header block up to the first empty line -> ({lower name: [values]}, payload start).  Its lines
+    and bytes are capped: each part costs at most that much parsing."""
+    first = FIRST_LINE_EMPTY.match(body, start, end)
+    if first:
+        return {}, first.end()
+    stop = min(end, start + limits.max_part_header_bytes)
+    blank = EMPTY_LINE.search(body, start, stop)
+    if blank is None and stop < end:
+        raise ValidationError(f"multipart part headers exceed {limits.max_part_header_bytes} bytes")
+    if blank is None:
+        raise ValidationError("multipart part has no end of headers")
+    lines = bytes(body[start:blank.start()]).decode("utf-8", "surrogateescape").split("\n")
+    if len(lines) > limits.max_part_header_lines:
+        raise ValidationError(f"multipart part has more than {limits.max_part_header_lines} header lines")
+    headers, last = {}, None
+    for line in lines:
+        line = line.rstrip("\r")
+        if line[0] in " \t" and last is not None:
+            headers[last][-1] += " " + line.strip()
+            continue
+        name, colon, value = line.partition(":")
+        if not colon or not TOKEN.fullmatch(name):
+            raise ValidationError(f"malformed multipart header line {line[:80]!r}")
+        last = name.lower()
+        headers.setdefault(last, []).append(value.strip())
+    return headers, blank.end()
+
+
+def check_part_headers(headers: PartHeaders) -> tuple[str, str]:
+    """docs/protocol.md §4.5 -> the part's name and media type."""
+    for required in ("content-disposition", "content-type"):
+        if len(headers.get(required, ())) != 1:
+            raise ValidationError(f"each part needs exactly one {required} header")
+    disposition, params = parse_header_params(headers["content-disposition"][0])
+    if disposition != "form-data":
+        raise ValidationError("part disposition must be form-data")
+    if not params.get("name"):
+        raise ValidationError("part needs a non-empty name")
+    media, _ = parse_header_params(headers["content-type"][0])
+    if media.startswith("multipart/"):
+        raise ValidationError("nested multipart parts are not supported")
+    encodings = headers.get("content-transfer-encoding", [])
+    if len(encodings) > 1 or any(e.strip().lower() not in ("binary", "8bit") for e in encodings):
+        raise ValidationError("content-transfer-encoding must be binary or 8bit")
+    return params["name"], media
+
+
+BLOB_PART = re.compile(r"blob:([0-9a-f]{64})")
+HASH = re.compile(r"[0-9a-f]{64}")
+
+
+# --- 5. wire rules: program validation (docs/protocol.md §5, 6) -----------------------------------
+
+JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+
+
+def decode_program(data: memoryview, limits: ServerConfig) -> Json:
+    """strict_json, once the program's JSON values are counted: decoding costs about 60 bytes per value
+    (`[[],[],...]` ~20 times its size), so the count is capped first.  Its commas and opening
+    brackets outside strings bound it, found at C speed once the strings are cut out."""
+    structure = JSON_STRING.sub(b"", data)
+    values = structure.count(b",") + structure.count(b"[") + structure.count(b"{")
+    if values > limits.max_program_values:
+        raise RequestTooLarge(f"'program' holds more than {limits.max_program_values} JSON values")
+    return strict_json(data)
+
+
+UPLOAD_FIELDS = {"module": {"source"}, "tensor": {"blob", "dtype", "shape"}, "bytes": {"blob"},
+                 "library": {"blob"}, "file": {"blob", "path"}}
+
+
+@dataclasses.dataclass
+class ValidProgram:
+    instructions: list[Instruction]
+    options: dict[str, Json]
+    blob_kinds: dict[str, set[str]]  # hash -> {"file", "memory"}, in order of first reference
+    tensor_sizes: list[tuple[str, str, int]]  # (instruction id, hash, expected byte count)
+
+
+def parse_program(body: Json, limits: ServerConfig = DEFAULT_LIMITS) -> ValidProgram:
+    """Validate a decoded program object; ValidationError names the offending field."""
+    if not isinstance(body, dict):
+        raise ValidationError("program must be a JSON object")
+    unknown = set(body) - {"instructions", "options"}
+    if unknown:
+        raise ValidationError(f"unknown program field(s): {sorted(unknown)}")
+    instructions = body.get("instructions")
+    if not isinstance(instructions, list) or not instructions:
+        raise ValidationError("'instructions' must be a non-empty array")
+    if len(instructions) > limits.max_program_instructions:
+        raise RequestTooLarge(f"program has more than {limits.max_program_instructions} instructions")
+    options = check_options(body.get("options", {}))
+    program = ValidProgram(instructions, options, {}, [])
+    ids, keys, paths = set(), set(), {}
+    for index, ins in enumerate(instructions):
+        where = f"instruction {index}"
+        if not isinstance(ins, dict):
+            raise ValidationError(f"{where} must be an object")
+        op = ins.get("op")
+        if op not in ("upload", "get_function", "run", "return"):
+            raise ValidationError(f"{where}: unknown op {brief(op)}")
+        if op != "return":
+            check_id(ins, ids, where)
+        check_instruction(program, ins, op, ids, keys, paths, f"{where} ({op})", limits)
+        if op != "return":
+            ids.add(ins["id"])
+    return program
+
+
+def is_integer(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+MAX_ARG_DEPTH = 400  # programs reach the worker as JSON, whose decoder recurses once per level: well within its limit
+
+
+def check_options(options: Json) -> dict[str, Json]:
+    if not isinstance(options, dict):
+        raise ValidationError("'options' must be an object")
+    unknown = set(options) - {"timeout_seconds", "output_limit_bytes", "gpu_count"}
+    if unknown:
+        raise ValidationError(f"unknown option(s): {sorted(unknown)}")
+    if "timeout_seconds" in options:
+        t = options["timeout_seconds"]
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t <= 0:
+            raise ValidationError("options.timeout_seconds must be a finite number > 0")
+    if "output_limit_bytes" in options:
+        n = options["output_limit_bytes"]
+        if not is_integer(n) or n < 0:
+            raise ValidationError("options.output_limit_bytes must be an integer >= 0")
+    if "gpu_count" in options:
+        n = options["gpu_count"]
+        if not is_integer(n) or not 1 <= n <= 8:
+            raise ValidationError("options.gpu_count must be an integer from 1 to 8")
+    return options
+
+
+def check_instruction(program: ValidProgram, ins: Instruction, op: str, ids: set[str], keys: set[str],
+                      paths: dict[str, str], where: str, limits: ServerConfig) -> None:
+    if op == "upload":
+        kind = ins.get("kind")
+        if not isinstance(kind, str) or kind not in UPLOAD_FIELDS:  # a list is unhashable
+            raise ValidationError(f"{where}: unknown kind {brief(kind)}")
+        check_fields(ins, {"op", "id", "kind"} | UPLOAD_FIELDS[kind], set(), where)
+        check_upload(program, ins, kind, paths, where)
+    elif op == "get_function":
+        check_fields(ins, {"op", "id", "module", "name"}, {"cpu_only"}, where)
+        check_ref(ins["module"], ids, where, "module")
+        if not isinstance(ins["name"], str) or not ins["name"]:
+            raise ValidationError(f"{where}: 'name' must be a non-empty string")
+        if not isinstance(ins.get("cpu_only", False), bool):
+            raise ValidationError(f"{where}: 'cpu_only' must be a boolean")
+    elif op == "run":
+        check_fields(ins, {"op", "id", "fn"}, {"args"}, where)
+        check_ref(ins["fn"], ids, where, "fn")
+        args = ins.get("args", [])
+        if not isinstance(args, list):
+            raise ValidationError(f"{where}: 'args' must be an array")
+        if len(args) > limits.max_run_args:
+            raise RequestTooLarge(f"{where}: more than {limits.max_run_args} arguments")
+        for position, arg in enumerate(args):
+            if is_ref(arg):
+                check_ref(arg, ids, where, f"args[{position}]")
+        check_literals(args, where)
+    else:
+        check_return(ins, ids, keys, where)
+
+
+def check_id(ins: Instruction, ids: set[str], where: str) -> None:
+    if "id" not in ins:
+        raise ValidationError(f"{where}: missing field 'id'")
+    value = ins["id"]
+    if not isinstance(value, str) or not value:
+        raise ValidationError(f"{where}: 'id' must be a non-empty string")
+    if value in ids:
+        raise ValidationError(f"{where}: duplicate instruction id {value!r}")
+
+
+def check_fields(ins: Instruction, required: set[str], optional: set[str], where: str) -> None:
+    unknown = set(ins) - required - optional
+    if unknown:
+        raise ValidationError(f"{where}: unknown field(s) {sorted(unknown)}")
+    missing = required - set(ins)
+    if missing:
+        raise ValidationError(f"{where}: missing field(s) {sorted(missing)}")
+
+
+def check_ref(value: Json, ids: set[str], where: str, field: str) -> None:
+    if not is_ref(value):
+        raise ValidationError(f"{where}: '{field}' must be {{'$ref': id}}")
+    if value["$ref"] not in ids:
+        raise ValidationError(f"{where}: '{field}' references unknown/forward handle {value['$ref']!r}")
+
+
+def check_path(value: Json, where: str) -> str:
+    try:
+        return normalize_path(value)
+    except ValidationError as exc:
+        raise ValidationError(f"{where}: invalid 'path': {exc}") from None
+
+
+def check_upload(program: ValidProgram, ins: Instruction, kind: str, paths: dict[str, str], where: str) -> None:
+    if kind == "module":
+        if not isinstance(ins["source"], str):
+            raise ValidationError(f"{where}: 'source' must be a string")
+        return
+    blob = ins["blob"]
+    if not isinstance(blob, str) or not HASH.fullmatch(blob):
+        raise ValidationError(f"{where}: 'blob' must be a lowercase SHA-256 hex string")
+    program.blob_kinds.setdefault(blob, set()).add("file" if kind == "file" else "memory")
+    if kind == "tensor":
+        dtype, shape = ins["dtype"], ins["shape"]
+        if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+            raise ValidationError(f"{where}: unsupported dtype {brief(dtype)}")
+        if not isinstance(shape, list) or not all(is_integer(d) and d >= 0 for d in shape):
+            raise ValidationError(f"{where}: 'shape' must be an array of non-negative integers")
+        program.tensor_sizes.append((ins["id"], blob, tensor_byte_count(shape, DTYPE_SIZES[dtype])))
+    elif kind == "file":
+        path = check_path(ins["path"], where)
+        claim_file_path(paths, path, where)
+        ins["path"] = path
+
+
+def claim_file_path(paths: dict[str, str], path: str, where: str) -> None:
+    """docs/protocol.md §6.8 in one pass per path: `paths` maps each earlier file path to itself and each of
+    their parent directories to the first file below it (a pairwise check is quadratic)."""
+    parents = [path[:i] for i, ch in enumerate(path) if ch == "/"]
+    earlier = paths.get(path)
+    if earlier == path:
+        raise ValidationError(f"{where}: duplicate file upload path {path!r}")
+    if earlier is not None:
+        raise ValidationError(f"{where}: conflicting file upload paths {earlier!r} and {path!r}")
+    for parent in parents:
+        if paths.get(parent) == parent:
+            raise ValidationError(f"{where}: conflicting file upload paths {parent!r} and {path!r}")
+    paths[path] = path
+    for parent in parents:
+        paths.setdefault(parent, path)
+
+
+def check_return(ins: Instruction, ids: set[str], keys: set[str], where: str) -> None:
+    if "kind" in ins:
+        check_fields(ins, {"op", "key", "kind", "path"}, set(), where)
+        if ins["kind"] not in ("file", "folder"):
+            raise ValidationError(f"{where}: 'kind' must be 'file' or 'folder'")
+    else:
+        check_fields(ins, {"op", "key", "value"}, set(), where)
+    key = ins["key"]
+    if not isinstance(key, str) or not key:
+        raise ValidationError(f"{where}: 'key' must be a non-empty string")
+    if key in keys:
+        raise ValidationError(f"{where}: duplicate return key {key!r}")
+    keys.add(key)
+    if "kind" not in ins:
+        check_ref(ins["value"], ids, where, "value")
+    elif isinstance(ins["path"], dict):
+        check_ref(ins["path"], ids, where, "path")
+    else:
+        ins["path"] = check_path(ins["path"], where)
+
+
+def check_literals(args: list[Json], where: str) -> None:
+    """Run arguments hold finite numbers only (1e400 decodes to inf, docs/protocol.md §5.1) and nest at
+    most MAX_ARG_DEPTH levels; walked without recursion."""
+    stack = [(args, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValidationError(f"{where}: 'args' holds a number that is not finite")
+        if isinstance(v, (list, dict)):
+            if depth > MAX_ARG_DEPTH:
+                raise ValidationError(f"{where}: 'args' nested deeper than {MAX_ARG_DEPTH} levels")
+            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+
+
+def brief(value: object) -> str:
+    """A value for an error message: repr() of a deeply nested one would overflow the stack."""
+    if isinstance(value, (str, int, float, bool, type(None))):
+        return repr(value)[:80]
+    return f"<{type(value).__name__}>"
+
+
+def tensor_byte_count(shape: list[int], itemsize: int) -> int:
+    """product(shape) * itemsize, stopping at 2**64: no blob is that long, and the exact
+    product of 100 000 huge dimensions takes seconds and has too many digits to print."""
+    if 0 in shape:
+        return 0
+    total = itemsize
+    for d in shape:
+        total *= d
+        if total >= 1 << 64:
+            return 1 << 64
+    return total
+
+
+def check_no_unreferenced_blobs(program: ValidProgram, supplied: dict[str, memoryview]) -> None:
+    extra = [h for h in supplied if h not in program.blob_kinds]
+    if extra:
+        raise ValidationError(f"unreferenced blob part(s): {', '.join(extra)}")
+
+
+def check_tensor_sizes(program: ValidProgram, blobs: Blobs) -> None:
+    """docs/protocol.md §7.3: a tensor's blob holds exactly product(shape) * itemsize bytes (checked once present)."""
+    for ident, digest, expected in program.tensor_sizes:
+        if digest in blobs and len(blobs[digest]) != expected:
+            raise ValidationError(f"tensor upload {ident!r} expects "
+                                  f"{expected if expected < 1 << 64 else 'at least 2**64'} bytes, "
+                                  f"got {len(blobs[digest])}")
+
+
+# --- 6. the blob store (docs/protocol.md §7.4, 7.5) -----------------------------------------------
+
+def pinned_bytes(data: Buffer) -> int:
+    """What keeping `data` alive costs: a view pins the whole buffer it was cut from."""
+    owner = data.obj if isinstance(data, memoryview) else data
+    return memoryview(owner).nbytes
+
+
+CACHE_ENTRY_OVERHEAD = 384  # bytes an entry costs beyond its payload (tests/test_bounds.py measures ~330)
+
+
+class BlobStore:
+    """What survives between requests: blobs by SHA-256, in memory (bytes, tensors and
+    libraries) and on disk (file uploads), docs/protocol.md §7.4-7.5."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.memory = MemoryCache(config.cache_capacity_bytes, config.cache_max_entries)
+        self.disk = (DiskCache(config.disk_cache_dir, config.disk_cache_capacity_mbytes << 20,
+                               config.disk_cache_max_files)
+                     if config.disk_cache_dir and config.disk_cache_capacity_mbytes > 0 else None)
+
+    def keep_file_blobs(self, program: ValidProgram, supplied: dict[str, memoryview]) -> threading.Thread | None:
+        """Start putting supplied file-upload blobs into the disk cache -> a thread to join, or None.
+
+        Creating hundreds of small files can take a while on a busy disk; meanwhile the
+        request goes on, and its worker creates the workspace copies in parallel.
+        """
+        items = [(digest, data) for digest, data in supplied.items() if "file" in program.blob_kinds[digest]]
+        if not items or self.disk is None:
+            return None
+        thread = threading.Thread(target=self.disk.put_all, args=(items,), daemon=True)
+        thread.start()
+        return thread
+
+    def resolve(self, program: ValidProgram, supplied: dict[str, memoryview]) -> tuple[Blobs, list[str]]:
+        """docs/protocol.md §7.1: supplied parts go into the memory cache (the disk cache: keep_file_blobs),
+        then every referenced blob is looked up, supplied parts first -> (blobs, missing)."""
+        for digest, data in supplied.items():
+            if "memory" in program.blob_kinds[digest]:
+                # a small blob must not keep a large request body alive in the cache
+                keep = data if len(data) * 2 >= len(data.obj) else bytes(data)
+                self.memory.put(digest, keep)
+        blobs, missing = {}, []
+        for digest, kinds in program.blob_kinds.items():
+            data = supplied.get(digest)
+            if data is None and "file" in kinds and self.disk is not None:
+                data = self.disk.get(digest)
+            if data is None and "memory" in kinds:
+                data = self.memory.get(digest)
+            if data is None:
+                missing.append(digest)
+            else:
+                blobs[digest] = data
+        return blobs, missing
 
     @contextlib.contextmanager
-    def request_in_flight(self) -> Iterator[None]:
-        """Counts a POST from its arrival until its answer is out: close() waits for none left."""
-        with self.in_flight_cond:
-            self.in_flight += 1
-            self.last_post = time.monotonic()
+    def pinned(self, program: ValidProgram) -> Iterator[None]:
+        """While a program runs, the memory blobs it uses stay cached (its retry would need them)."""
+        memory = [h for h, kinds in program.blob_kinds.items() if "memory" in kinds]
+        self.memory.pin(memory)
         try:
             yield
         finally:
-            with self.in_flight_cond:
-                self.in_flight -= 1
-                self.in_flight_cond.notify_all()
+            self.memory.unpin(memory)
 
-    def health(self) -> dict[str, Any]:
-        return {"status": "ok", "instance_id": self.instance_id, "started_at": self.started_at,
-                "gpu_count": self.gpu_count, "load": self.pool.load(),
-                "target": self.target, "versions": self.versions, "sandbox": self.config.sandbox}
 
-    def handle_execute(self, request_id: str, body: Body, content_type: str | None) -> Outcome:
-        """A request body, read -> Outcome.  The checks run in protocol order (docs/protocol.md §4.7): the first
-        that fails decides the answer."""
+class MemoryCache:
+    """LRU of blob bytes by SHA-256; pinned entries are never evicted.
+
+    Entries are charged for the memory they keep alive (pinned_bytes) plus CACHE_ENTRY_OVERHEAD
+    (key, tuple, buffer object, dict slot: ~330 B, which 20 000 blobs of 8 bytes each would
+    otherwise not be charged at all).  Pinned entries wait in `held`, outside the LRU order, so
+    eviction only ever pops from the LRU end of `entries`: amortized O(1) per insert.
+    """
+
+    def __init__(self, capacity: int, max_entries: int) -> None:
+        self.capacity = capacity
+        self.max_entries = max_entries
+        self.entries: collections.OrderedDict[str, tuple[Buffer, int]] = collections.OrderedDict()
+        self.held: dict[str, tuple[Buffer, int]] = {}  # pinned entries
+        self.size = 0
+        self.pins: collections.Counter[str] = collections.Counter()
+        self.lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self.entries) + len(self.held)
+
+    def get(self, digest: str) -> Buffer | None:
+        with self.lock:
+            entry = self.entries.get(digest) or self.held.get(digest)
+            if entry is None:
+                return None
+            if digest in self.entries:
+                self.entries.move_to_end(digest)
+            return entry[0]
+
+    def put(self, digest: str, data: Buffer) -> None:
+        cost = pinned_bytes(data) + CACHE_ENTRY_OVERHEAD
+        if cost * 4 > self.capacity:
+            return
+        with self.lock:
+            if digest in self.entries:
+                self.entries.move_to_end(digest)
+                return
+            if digest in self.held:
+                return
+            (self.held if self.pins[digest] else self.entries)[digest] = (data, cost)
+            self.size += cost
+            self.evict()
+
+    def evict(self) -> None:
+        """Least recently used unpinned entries go while over the byte or entry budget (lock held)."""
+        while self.entries and (self.size > self.capacity or len(self) > self.max_entries):
+            self.size -= self.entries.popitem(last=False)[1][1]
+
+    def pin(self, digests: list[str]) -> None:
+        with self.lock:
+            self.pins.update(digests)
+            for d in digests:
+                if d in self.entries:
+                    self.held[d] = self.entries.pop(d)
+
+    def unpin(self, digests: list[str]) -> None:
+        with self.lock:
+            self.pins.subtract(digests)
+            for d in digests:
+                if self.pins[d] <= 0:
+                    del self.pins[d]
+                    if d in self.held:
+                        self.entries[d] = self.held.pop(d)  # most recently used: its program just ran
+            self.evict()
+
+
+def disk_cost(info: os.stat_result) -> int:
+    """What a file costs its file system: the blocks it occupies (a 1-byte file takes a whole block)."""
+    return info.st_blocks * 512
+
+
+class DiskCache:
+    """Blobs of file uploads under <dir>/v1/<ab>/<hash>; persistent, verified on read.
+
+    Every disk problem is a miss or an ignored write: the cache can never
+    make a request fail.  Files are charged the blocks they occupy (disk_cost) and counted: a
+    file system runs out of inodes long before thousands of 1-byte blobs fill a byte budget.
+    Once over either budget, eviction takes both down to nine tenths of it, so the directory is
+    scanned once per tenth of the budget written, not on every put.
+    """
+
+    def __init__(self, directory: str, capacity_bytes: int, max_files: int) -> None:
+        self.root = os.path.join(directory, "v1")
+        self.capacity = capacity_bytes
+        self.max_files = max_files
+        self.total = 0
+        self.files = 0
+        self.lock = threading.Lock()
         try:
-            parts = split_request(body, content_type, self.config)       # envelope and parts
-            data, supplied = parts.program_json, parts.blobs
-            program = parts.program()                                    # strict JSON, then the program
-            check_no_unreferenced_blobs(program, supplied)
-            disk_writes = self.blobs.keep_file_blobs(program, supplied)  # cached even if refused below
+            os.makedirs(self.root, mode=0o700, exist_ok=True)
+            self.evict()
+        except OSError:
+            pass
+
+    def path(self, digest: str) -> str:
+        return os.path.join(self.root, digest[:2], digest)
+
+    def get(self, digest: str) -> bytearray | None:
+        path = self.path(digest)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            with open(fd, "rb") as f:
+                info = os.fstat(fd)
+                if stat.S_ISREG(info.st_mode):
+                    data = bytearray(info.st_size)
+                    if f.readinto(data) == info.st_size and hashlib.sha256(data).hexdigest() == digest:
+                        os.utime(fd)
+                        return data
+        except FileNotFoundError:
+            return None
+        except OSError:
+            pass
+        self.discard(path)  # else put() finds the damaged entry "present" and never replaces it
+        return None
+
+    @staticmethod
+    def discard(path: str) -> None:
+        try:
+            os.unlink(path)
+        except IsADirectoryError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass
+
+    def put(self, digest: str, data: Buffer) -> None:
+        if len(data) > self.capacity:
+            return
+        try:
+            target = self.path(digest)
+            if os.path.exists(target):
+                os.utime(target)
+                return
+            os.makedirs(os.path.dirname(target), mode=0o700, exist_ok=True)
+            fd, staging = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".tmp-")
             try:
-                blobs, missing = self.blobs.resolve(program, supplied)
-                check_tensor_sizes(program, blobs)
-                if missing:
-                    return Outcome(body={"status": "CACHE_MISS", "request_id": request_id,
-                                         "missing_blobs": missing})
-                self.check_gpu_count(program)
-                return self.run_program(request_id, data, program, blobs)
+                with open(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    cost = disk_cost(os.fstat(fd))
+                os.replace(staging, target)
+            except BaseException:
+                os.unlink(staging)
+                raise
+            with self.lock:
+                self.total += cost
+                self.files += 1
+                over = self.total > self.capacity or self.files > self.max_files
+            if over:
+                self.evict()
+        except OSError:
+            pass
+
+    def put_all(self, items: list[tuple[str, Buffer]]) -> None:
+        for digest, data in items:
+            self.put(digest, data)
+
+    def evict(self) -> None:
+        """Remove least recently used entries while over nine tenths of either budget (writers
+        serialised by a lock file)."""
+        with self.lock, open(os.path.join(self.root, ".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            entries = []
+            for sub in os.scandir(self.root):
+                if sub.is_dir(follow_symlinks=False):
+                    for entry in os.scandir(sub.path):
+                        if entry.is_file(follow_symlinks=False):
+                            info = entry.stat(follow_symlinks=False)
+                            entries.append((info.st_mtime_ns, disk_cost(info), entry.path))
+            entries.sort()
+            self.total, self.files = sum(cost for _, cost, _ in entries), len(entries)
+            if self.total <= self.capacity and self.files <= self.max_files:
+                return
+            bytes_left, files_left = self.capacity - self.capacity // 10, self.max_files - self.max_files // 10
+            for _, cost, path in entries:
+                if self.total <= bytes_left and self.files <= files_left:
+                    break
+                try:
+                    os.unlink(path)
+                    self.total -= cost
+                    self.files -= 1
+                except OSError:
+                    pass
+
+
+# --- 7. the pool and one Execution per request (docs/server.md §3) --------------------------------
+
+class WorkerCrashed(Exception):
+    """The worker process died or stopped talking the protocol."""
+
+
+class WorkerStartTimeout(WorkerCrashed):
+    """A start-up phase outlived its time limit (a multi-GPU request answers 504, docs/server.md §7)."""
+
+
+class ResponseTooLarge(Exception):
+    """A worker announced more returned bytes or parts than the response may carry."""
+
+
+class Slot:
+    def __init__(self, name: str, gpus: list[int]) -> None:
+        self.name = name
+        self.gpus = gpus
+        self.worker: Worker | None = None
+        self.template: SandboxTemplate | None = None  # under --sandbox bubblewrap
+
+
+@dataclasses.dataclass
+class Job:
+    request_id: str
+    program: ValidProgram
+    blobs: Blobs
+    timeout: float
+    output_limit: int
+
+
+@dataclasses.dataclass
+class Outcome:
+    http_status: int = 200
+    kind: str = ""                 # error kind of a non-200 answer
+    message: str = ""
+    body: dict[str, Json] | None = None  # COMPLETED/FAILED JSON
+    parts: list[Buffer] = dataclasses.field(default_factory=list)
+    worker_id: str = ""
+
+
+class Pool:
+    """Worker slots, FIFO scheduling, execution of jobs, and worker replacement.
+
+    Callers use: `run_job(job)` -> Outcome (waits for a slot, runs one `Execution`, replaces
+    the worker it used), `load()` for /health, `drain()` then `stop()` at shutdown.
+    `run_multi_gpu` is run_job's path for gpu_count > 1 (a dedicated worker over n leases)."""
+
+    def __init__(self, config: ServerConfig, device: str, gpu_ids: list[int], gpu_names: dict[int, str],
+                 log: EventLog) -> None:
+        self.config = config
+        self.device = device
+        self.gpu_names = gpu_names
+        self.log = log
+        self.context = multiprocessing.get_context("forkserver")
+        prepare_template_imports(config.prepare_timeout_seconds, log=log)
+        # torch and tvm_ffi in the template keep their imports off every fresh worker's critical path;
+        # GPU workers pin CUDA_VISIBLE_DEVICES after the fork, before CUDA starts (never in the template)
+        preload = ["kcoral", "kcoral_worker", "numpy"]
+        preload += [m for m in ("torch", "tvm_ffi") if importlib.util.find_spec(m)]
+        self.context.set_forkserver_preload(preload)
+        start_forkserver(self.context)
+        if device == "cuda":
+            self.arbiter = LeaseArbiter(gpu_ids)
+            self.slots = [Slot(f"gpu{g}/w{i}", [g]) for g in gpu_ids
+                          for i in range(config.workers_per_gpu)]
+        else:
+            self.arbiter = None
+            self.slots = [Slot(f"cpu/w{i}", []) for i in range(config.num_workers)]
+        self.cond = threading.Condition()
+        self.idle = []
+        self.waiters: collections.deque[object] = collections.deque()
+        self.in_progress = 0
+        self.closing = False
+        self.replacing: set[threading.Thread] = set()  # each leaves when done: nothing stays per request
+        if config.sandbox == "bubblewrap":  # probed by resolve_sandbox
+            for slot in self.slots:  # the containers import in parallel
+                slot.template = SandboxTemplate(config, device, slot.gpus)
+        for slot in self.slots:
+            slot.worker = self.start_slot_worker(slot)
+            self.idle.append(slot)
+
+    def start_slot_worker(self, slot: Slot) -> Worker:
+        """The slot's next worker.  Under the sandbox, from the slot's container, started again if a
+        program killed or stopped its template (a container that failed to fork is closed)."""
+        try:
+            return self.start_worker(slot.gpus, self.live_template(slot))
+        except WorkerCrashed:
+            if slot.template is None or slot.template.alive():
+                raise
+            return self.start_worker(slot.gpus, self.live_template(slot))
+
+    def start_worker(self, gpus: list[int], template: SandboxTemplate | None = None) -> Worker:
+        worker = Worker(self, gpus, template=template)  # pinning and imports are host work: no lease yet
+        if self.arbiter is not None:
+            # context creation must not overlap someone else's measurement
+            self.arbiter.acquire(STARTUP_OWNER, gpus)
+            try:
+                worker.initialize(self.gpu_names[gpus[0]])
             finally:
-                if disk_writes is not None:
-                    disk_writes.join()  # once answered, the client may count on its file blobs being cached
-        except RequestTooLarge as exc:
-            return Outcome(413, "request_too_large", str(exc))
-        except ValidationError as exc:
-            return Outcome(400, "parse", str(exc))
+                self.arbiter.release(STARTUP_OWNER, gpus)
+        return worker
 
-    def check_gpu_count(self, program: ValidProgram) -> None:
-        gpu_count = program.options.get("gpu_count")
-        if gpu_count and gpu_count > self.gpu_count:
-            raise ValidationError("gpu_count exceeds this GPU server's configured capacity")
+    def live_template(self, slot: Slot) -> SandboxTemplate | None:
+        """The slot's sandbox template, a new one if the old one is gone; None without a sandbox."""
+        if slot.template is not None and not slot.template.alive():
+            slot.template.kill()
+            slot.template = SandboxTemplate(self.config, self.device, slot.gpus)
+        return slot.template
 
-    def run_program(self, request_id: str, data: memoryview, program: ValidProgram, blobs: Blobs) -> Outcome:
-        """A valid program with all its blobs -> a worker's Outcome (or 503 busy: nothing ran)."""
-        if self.closing:
-            return self.refuse_while_draining()
-        self.log.save_program(request_id, data)
-        options, config = program.options, self.config
-        job = Job(request_id, program, blobs,
-                  timeout=min(options.get("timeout_seconds", config.default_timeout_seconds),
-                              config.max_timeout_seconds),
-                  output_limit=min(options.get("output_limit_bytes", config.output_limit_bytes),
-                                   config.max_output_limit_bytes))
-        with self.blobs.pinned(program):
-            outcome = self.pool.run_job(job)
-        return self.refuse_while_draining() if outcome.http_status == 503 and self.closing else outcome
+    def run_job(self, job: Job) -> Outcome:
+        """Run a job on the next free slot -> Outcome (503 when none frees up in time)."""
+        start = time.monotonic()
+        slot = self.acquire(self.config.worker_wait_timeout_seconds)
+        if slot is None:  # nothing ran: a cohort's HAProxy retries a 503 on another node
+            return Outcome(503, "busy", "server saturated" if not self.closing else "server is shutting down")
+        queue_ms = (time.monotonic() - start) * 1e3
+        retire = True
+        try:
+            if slot.worker is not None and not slot.worker.process.is_alive():
+                # it died while idle (a program killed the forkserver, say): a fresh one, not a 500
+                slot.worker.kill(0)
+                slot.worker = None
+                try:
+                    slot.worker = self.start_slot_worker(slot)
+                except Exception as exc:
+                    self.log.event("worker_replace_failed", "ERROR", worker_id=slot.name, error=str(exc))
+            if slot.worker is None:
+                return Outcome(500, "engine", "worker crashed", worker_id=slot.name)
+            gpu_count = job.program.options.get("gpu_count")
+            if gpu_count:
+                outcome, retire = self.run_multi_gpu(slot, job, gpu_count, queue_ms), False
+            else:
+                outcome, retire = Execution(self, slot.worker, slot.gpus, job, queue_ms).run()
+            outcome.worker_id = slot.name
+            return outcome
+        finally:
+            if retire and slot.worker is not None and not self.dispose(slot.worker):
+                slot.worker = None  # its GPU is quarantined: no replacement there
+            self.release(slot, retire)
 
-    def refuse_while_draining(self) -> Outcome:
-        """503 busy for a request that arrived during shutdown: nothing of it ran, so a load
-        balancer may retry it on another node.  The answer waits until `drain_seconds` after the
-        signal: by then the balancer's health check has seen capacity 0 and taken this node out,
-        so its retry goes elsewhere instead of straight back here (least connections would pick
-        this node again, the one with the fewest connections)."""
-        time.sleep(max(0.0, self.drain_started + self.config.drain_seconds - time.monotonic()))
-        return Outcome(503, "busy", "server is shutting down")
+    def acquire(self, timeout: float) -> Slot | None:
+        """Wait (FIFO) for an idle slot; None when closing or after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        ticket = object()
+        with self.cond:
+            self.waiters.append(ticket)
+            try:
+                while not self.closing and not (self.idle and self.waiters[0] is ticket):
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0 or not self.cond.wait(remaining):
+                        if not (self.idle and self.waiters[0] is ticket):
+                            return None
+                if self.closing:
+                    return None
+                slot = min(self.idle, key=self.gpu_load)
+                self.idle.remove(slot)
+                self.in_progress += 1
+                return slot
+            finally:
+                self.waiters.remove(ticket)
+                self.cond.notify_all()
+
+    def gpu_load(self, slot: Slot) -> tuple[int, int]:
+        """Prefer the GPU with the fewest assigned requests (ties: configured order)."""
+        busy = [s for s in self.slots if s not in self.idle]
+        return sum(1 for s in busy if s.gpus == slot.gpus), self.slots.index(slot)
+
+    def release(self, slot: Slot, retire: bool) -> None:
+        if retire:
+            thread = threading.Thread(target=self.replace, args=(slot,), name=f"kcoral-replace-{slot.name}",
+                                      daemon=True)
+            with self.cond:
+                self.in_progress -= 1
+                self.replacing.add(thread)
+            thread.start()
+        else:
+            with self.cond:
+                self.in_progress -= 1
+                self.idle.append(slot)
+                self.cond.notify_all()
+
+    def dispose(self, worker: Worker, grace: float = 0, orphans: bool = False) -> bool:
+        """Kill a worker's tree; its GPUs are quarantined when the kill cannot be confirmed.
+        -> whether it is confirmed gone."""
+        gone = worker.kill(grace, orphans=orphans)
+        if not gone and self.arbiter is not None:
+            self.quarantine(worker.gpus, "a worker's process tree outlived SIGKILL")
+        return gone
+
+    def replace(self, slot: Slot) -> None:
+        """Start the slot's next worker off the request's critical path."""
+        try:
+            slot.worker = self.start_slot_worker(slot)
+        except Exception as exc:
+            slot.worker = None
+            self.log.event("worker_replace_failed", "ERROR", worker_id=slot.name, error=str(exc))
+        with self.cond:
+            self.idle.append(slot)
+            self.replacing.discard(threading.current_thread())
+            self.cond.notify_all()
+
+    def quarantine(self, gpus: list[int], reason: str) -> None:
+        """docs/server.md §2.1: a tree whose exit is unconfirmed may still use its GPUs.  Nobody gets
+        them again, and the pool begins shutting down (later requests: 503 busy)."""
+        self.log.event("gpu_quarantined", "ERROR", gpu_ids=list(gpus), reason=reason)
+        self.arbiter.quarantine(gpus)
+        self.close()
+
+    def run_multi_gpu(self, slot: Slot, job: Job, count: int, queue_ms: float) -> Outcome:
+        """docs/protocol.md §8.9: a dedicated worker that sees `count` GPUs, started under all their leases."""
+        try:
+            gpus, wait_ms = self.arbiter.acquire(job.request_id, count=count)
+        except LeaseRefused as exc:
+            return Outcome(503, "busy", str(exc))
+        # under the sandbox, its own container showing exactly these GPUs: a cold start
+        template = SandboxTemplate(self.config, self.device, gpus) if self.config.sandbox == "bubblewrap" else None
+        try:
+            return self.run_dedicated_worker(job, gpus, wait_ms, queue_ms, template)
+        finally:
+            if template is not None:
+                template.kill()
+
+    def run_dedicated_worker(self, job: Job, gpus: list[int], wait_ms: float, queue_ms: float,
+                             template: SandboxTemplate | None) -> Outcome:
+        started = time.monotonic()
+        phase_timeout = min(WORKER_PHASE_SECONDS, job.timeout)  # start-up is part of the request's timeout
+        try:
+            worker = Worker(self, gpus, phase_timeout, template=template)
+            worker.initialize(self.gpu_names[gpus[0]], phase_timeout)
+        except WorkerStartTimeout:
+            return Outcome(504, "timeout", "execution timed out while the multi-GPU worker started")
+        except WorkerCrashed:
+            return Outcome(500, "engine", "multi-GPU worker failed to start")
+        finally:
+            self.arbiter.release(job.request_id, gpus)
+        startup_s = time.monotonic() - started
+        if startup_s >= job.timeout:
+            self.dispose(worker)
+            return Outcome(504, "timeout", "execution timed out")
+        job.timeout -= startup_s
+        execution = Execution(self, worker, gpus, job, queue_ms)
+        execution.lease_wait_ms, execution.lease_held_ms = wait_ms, startup_s * 1e3
+        execution.single_use = True  # so it exits under the lease, inside the request
+        outcome, _ = execution.run()
+        self.dispose(worker)
+        if outcome.body is not None:
+            outcome.body["gpu_ids"] = list(gpus)
+            outcome.body["gpu_count"] = len(gpus)
+        return outcome
+
+    def load(self) -> dict[str, int]:
+        # A slot whose worker is being replaced still counts: it is back within tens of ms, and
+        # with one request per worker a 1-worker node would otherwise read as full after every
+        # request (a load balancer sizing or checking on it would take it out of rotation).
+        with self.cond:
+            capacity = 0 if self.closing else len(self.slots)
+            return {"request_capacity": capacity, "requests_in_progress": self.in_progress,
+                    "requests_waiting": len(self.waiters)}
+
+    def drain(self) -> None:
+        """Capacity 0: new requests are refused, those admitted run to the end."""
+        with self.cond:
+            self.closing = True
+            self.cond.notify_all()
+        if self.arbiter is not None:
+            self.arbiter.drain()
+
+    def stop(self) -> None:
+        """Once drained and idle: end every worker and sandbox (and wait for replacements under way)."""
+        with self.cond:
+            running = list(self.replacing)
+        for thread in running:
+            thread.join()
+        for slot in self.slots:
+            if slot.worker is not None:
+                slot.worker.stop(self.config.worker_termination_grace_seconds)
+            if slot.template is not None:
+                slot.template.kill()
 
 
-def create_app(config: ServerConfig | None = None) -> KCoralServer:
-    """A server for embedding and tests: `create_app(cfg).start()`, then `.url`, then `.close()`."""
-    return KCoralServer(config)
+class Execution:
+    """One job on one worker: the message loop, timeout, crash attribution, teardown.
+
+    Callers use: `run()` -> (Outcome, retire the worker?).  In order it stages the blobs and
+    sends the JobRequest (`send_job`), follows the worker's messages (`converse`), turns a
+    timeout, crash or oversized answer into its error, and removes the workspace."""
+    lease_since: float | None  # time.monotonic() when the GPU lease was granted; None while not held
+    last_index: int | None  # the instruction the worker last reported starting
+    results: dict[str, Json]  # return key -> encoded value
+    parts: list[Buffer]  # the raw parts those values refer to
+
+    def __init__(self, pool: Pool, worker: Worker, gpus: list[int], job: Job, queue_ms: float) -> None:
+        self.pool = pool
+        self.config = pool.config
+        self.worker = worker
+        self.gpus = gpus
+        self.job = job
+        self.queue_ms = queue_ms
+        self.lease_wait_ms = 0.0
+        self.lease_held_ms = 0.0
+        self.lease_since = None
+        self.single_use = False
+        self.last_index = None
+        self.results = {}
+        self.parts = []
+        self.response_bytes = 0  # announced so far: returned parts and the frames describing them
+        self.return_keys = {ins["key"] for ins in job.program.instructions if ins["op"] == "return"}
+        # <root>/work is the program's working directory; the file <root>/blobs stages its blobs.
+        # In a sandbox the root is the slot's private directory, which the worker sees as SANDBOX_ROOT.
+        if worker.template is None:
+            self.root = self.inside = tempfile.mkdtemp(prefix=workspace_prefix())
+        else:  # emptied by the template before it forks the next worker, once this one's tree is gone
+            self.root, self.inside = worker.template.private, SANDBOX_ROOT
+        self.workspace = os.path.join(self.root, "work")
+        self.blob_file = os.path.join(self.root, "blobs")
+
+    def run(self) -> tuple[Outcome, bool]:
+        """-> (Outcome, whether the worker must be retired)."""
+        started = time.monotonic()
+        self.deadline = started + self.job.timeout
+        self.last_moment = started + 2 * self.job.timeout
+        self.drain = None
+        try:
+            self.send_job()
+            error, retire = self.converse(), False
+            self.worker.served += 1
+            if self.retiring:
+                error, retire = self.retire_worker(error), True
+            elif group_members(self.worker.pid, exclude=(self.worker.pid,)):
+                error, retire = self.background_processes(error), True
+        except TimeoutError:
+            if not self.kill_worker():
+                return Outcome(500, "engine", "the timed-out worker could not be confirmed gone"), True
+            return Outcome(504, "timeout", "execution timed out"), True
+        except WorkerCrashed:
+            if not self.kill_worker():
+                return Outcome(500, "engine", "the crashed worker could not be confirmed gone"), True
+            if self.last_index is None:
+                return Outcome(500, "engine", "worker crashed"), True
+            error, retire = self.crash_error(), True
+        except ResponseTooLarge:  # the program ran; what it returned is dropped (docs/protocol.md §11)
+            if not self.kill_worker():
+                return Outcome(500, "engine", "the worker could not be confirmed gone"), True
+            return Outcome(500, "response_too_large", "results exceed the configured response-size limit"), True
+        except LeaseRefused as exc:  # its GPU was quarantined while it waited
+            self.worker.kill(self.config.worker_termination_grace_seconds, orphans=True)
+            return Outcome(503, "busy", str(exc)), True
+        finally:
+            self.release_lease()
+            output = self.drain.result(wait=2.0) if self.drain else ("", "", False, False)
+            self.remove_workspace()
+        body = {"status": "FAILED" if error else "COMPLETED", "request_id": self.job.request_id,
+                "queue_ms": self.queue_ms, "elapsed_ms": (time.monotonic() - started) * 1e3,
+                "lease_wait_ms": self.lease_wait_ms, "lease_held_ms": self.lease_held_ms,
+                "stdout": output[0], "stderr": output[1],
+                "stdout_truncated": output[2], "stderr_truncated": output[3],
+                "results": self.results}
+        if error:
+            body["error"] = error
+        return Outcome(body=body, parts=self.parts), retire
+
+    def send_job(self) -> None:
+        program = self.job.program
+        limit = self.config.max_requests_per_worker
+        os.mkdir(self.workspace, 0o700)
+        blob_index = self.stage_blobs()
+        request = kcoral_worker.JobRequest(
+            instructions=program.instructions,
+            retire=self.single_use or (bool(limit) and self.worker.served + 1 >= limit),
+            workspace=os.path.join(self.inside, "work"), blob_file=os.path.join(self.inside, "blobs"),
+            blob_index=blob_index, capture=self.job.output_limit > 0,
+            grace=self.config.worker_termination_grace_seconds, max_response_bytes=self.config.max_response_bytes,
+            max_response_parts=self.config.max_response_parts)
+        self.retiring = request.retire
+        conn = self.worker.conn
+        try:
+            kcoral_worker.send_message(conn, request)
+            if request.capture:
+                out_r, out_w = os.pipe()
+                err_r, err_w = os.pipe()
+                for fd in (out_w, err_w):  # 16x fewer wake-ups than the default 64 KiB for a chatty program
+                    with contextlib.suppress(OSError):  # over the user's pipe quota: the default size
+                        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+                self.drain = OutputDrain(out_r, err_r, self.job.output_limit)
+                try:
+                    for fd in (out_w, err_w):
+                        reduction.send_handle(conn, fd, self.worker.pid)
+                finally:  # the drain sees end-of-file once the worker's copies are gone too
+                    os.close(out_w)
+                    os.close(err_w)
+        except OSError as exc:
+            raise WorkerCrashed(str(exc)) from exc
+
+    def stage_blobs(self) -> dict[str, tuple[int, int]]:
+        """Write the job's blobs back to back into one file -> {hash: (offset, size)}.
+
+        The worker reads each straight into its final object; one file, because creating
+        a file costs far more than writing it (500 small uploads would be 500 inodes).
+        """
+        index, offset = {}, 0
+        fd = os.open(self.blob_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            for digest, data in self.job.blobs.items():
+                view = memoryview(data).cast("B")
+                index[digest] = (offset, view.nbytes)
+                offset += view.nbytes
+                while view:
+                    view = view[os.write(fd, view[:1 << 30]):]
+        finally:
+            os.close(fd)
+        return index
+
+    def converse(self) -> ErrorObject | None:
+        """Follow the worker's messages until it reports the program done; -> error or None.
+
+        Each message is checked against what the protocol allows at this point (an instruction
+        index in range, a return key of the program's not seen yet, a lease asked for only when
+        not held, sizes within the response budget): anything else is WorkerCrashed."""
+        conn = self.worker.conn
+        while True:
+            room, sizes = self.config.max_response_bytes - self.response_bytes, []
+            try:
+                message = expect(conn, WORKER_MESSAGES, self.deadline, "", CONTROL_MESSAGE_BYTES + max(room, 0), sizes)
+            except WorkerStartTimeout:
+                raise TimeoutError from None
+            match message:
+                case kcoral_worker.InstructionStarted():
+                    if not 0 <= message.index < len(self.job.program.instructions):
+                        raise WorkerCrashed("protocol violation: an instruction index out of range")
+                    self.last_index = message.index
+                case kcoral_worker.ReturnValue():
+                    self.receive_return(message, sizes[0])
+                case kcoral_worker.AcquireLease():
+                    if self.pool.arbiter is None or self.lease_since is not None:
+                        raise WorkerCrashed("protocol violation: a lease asked for while held, or on a CPU worker")
+                    self.hold_lease()
+                    try:
+                        kcoral_worker.send_message(conn, kcoral_worker.LeaseGranted())
+                    except OSError as exc:
+                        raise WorkerCrashed(str(exc)) from exc
+                case kcoral_worker.ReleaseLease():
+                    if self.lease_since is None:
+                        raise WorkerCrashed("protocol violation: a lease released while not held")
+                    self.release_lease()
+                case kcoral_worker.RequestDone():
+                    self.retiring = self.retiring or message.poisoned
+                    return self.attribute_gpu_access(self.checked_error(message.error))
+
+    def receive_return(self, message: kcoral_worker.ReturnValue, frame_bytes: int) -> None:
+        """Take one returned value and its parts off the pipe, counting every announced byte
+        against --max-response-bytes (and every part against --max-response-parts) before
+        reading it: a worker cannot make the front-end hold more than the response may carry."""
+        if message.key not in self.return_keys or message.key in self.results:
+            raise WorkerCrashed("protocol violation: a return key the program does not have, or twice")
+        self.response_bytes += frame_bytes  # about what the value's JSON adds to the response
+        if self.response_bytes > self.config.max_response_bytes:
+            raise ResponseTooLarge
+        for part in message.parts:  # a size to read off the pipe, or a blob of ours
+            if len(self.parts) >= self.config.max_response_parts:
+                raise ResponseTooLarge
+            if isinstance(part, str):
+                if part not in self.job.blobs:
+                    raise WorkerCrashed(f"protocol violation: an unknown blob {part!r:.80} returned")
+                size = memoryview(self.job.blobs[part]).nbytes
+            else:
+                size = part
+            if size < 0 or self.response_bytes + size > self.config.max_response_bytes:
+                raise ResponseTooLarge
+            self.response_bytes += size
+            if isinstance(part, str):  # returned unchanged
+                self.parts.append(self.job.blobs[part])
+                continue
+            try:
+                self.parts.append(recv_raw(self.worker.conn, size, self.deadline))
+            except (EOFError, OSError) as exc:  # TimeoutError included: a stalled part is no answer
+                raise WorkerCrashed(f"the pipe broke in a returned part: {exc}") from None
+        self.results[message.key] = message.encoded
+
+    def hold_lease(self, deadline: float | None = None) -> None:
+        """Wait for the lease, until `deadline` (default: the request's last moment).  Lease waits
+        do not consume the timeout, up to one timeout's worth in all: a request waiting behind
+        others still ends by twice its timeout (docs/server.md §2.3)."""
+        asked_at = time.monotonic()
+        _, wait_ms = self.pool.arbiter.acquire(self.job.request_id, self.gpus, deadline=deadline or self.last_moment)
+        self.lease_wait_ms += wait_ms
+        self.deadline = min(self.deadline + time.monotonic() - asked_at, self.last_moment)
+        self.lease_since = time.monotonic()
+
+    def release_lease(self) -> None:
+        if self.lease_since is not None:
+            self.pool.arbiter.release(self.job.request_id, self.gpus)
+            self.lease_held_ms += (time.monotonic() - self.lease_since) * 1e3
+            self.lease_since = None
+
+    def checked_error(self, error: ErrorObject | None) -> ErrorObject | None:
+        """A FAILED result's error object as the worker reported it, held to its shape
+        (docs/protocol.md §9.7): it goes into the response and the log."""
+        if error is None:
+            return None
+        shape = {"kind": str, "message": str, "instruction_index": int, "instruction_op": str,
+                 "instruction_id": (str, type(None)), "traceback": str}
+        extra = {"cuda_call": str, "location": str, "lease_time": (int, float)}
+        instructions = self.job.program.instructions
+        if (not set(shape) <= set(error) <= set(shape) | set(extra)
+                or not all(isinstance(error[k], t) and type(error[k]) is not bool
+                           for k, t in {**shape, **extra}.items() if k in error)
+                or error["kind"] not in kcoral_worker.ERROR_KINDS
+                or not 0 <= error["instruction_index"] < len(instructions)):
+            raise WorkerCrashed("protocol violation: a malformed error object")
+        return error
+
+    def attribute_gpu_access(self, error: ErrorObject | None) -> ErrorObject | None:
+        """docs/server.md §6: name the request that held our GPU(s) when a cpu_only call entered CUDA."""
+        if error is None or error["kind"] != "gpu_access":
+            return error
+        when = error.pop("lease_time", None)
+        who = self.pool.arbiter.holder_at(self.gpus, when) if when and self.pool.arbiter else None
+        error.setdefault("cuda_call", "unknown")  # an ExecutionError("gpu_access") raised by uploaded code
+        error.setdefault("location", "an unknown call site")
+        error["interfered_request_id"] = who if who not in (self.job.request_id, STARTUP_OWNER) else None
+        self.pool.log.event("gpu_access_violation", "WARNING", request_id=self.job.request_id,
+                            gpu_id=self.gpus[0] if self.gpus else None, instruction_id=error["instruction_id"],
+                            cuda_call=error["cuda_call"], location=error["location"],
+                            interfered_request_id=error["interfered_request_id"])
+        return error
+
+    def retire_worker(self, error: ErrorObject | None) -> ErrorObject | None:
+        """The worker exits after its last request; teardown counts toward the timeout."""
+        self.worker.process.join(max(0.0, self.deadline - time.monotonic()))
+        if self.worker.process.exitcode is None:
+            raise TimeoutError
+        if group_members(self.worker.pid):
+            return self.background_processes(error)
+        code = self.worker.process.exitcode
+        if code != 0 and error is None:
+            return self.teardown_error(f"worker exited with code {code} during teardown")
+        return error
+
+    def background_processes(self, error: ErrorObject | None) -> ErrorObject | None:
+        kill_group(self.worker.pid, self.config.worker_termination_grace_seconds, exclude=(self.worker.pid,))
+        if error is None:
+            return self.teardown_error("program left background processes running; they were terminated")
+        return error
+
+    def crash_error(self) -> ErrorObject:
+        error = self.teardown_error("worker exited while executing the instruction")
+        error["instruction_index"] = self.last_index
+        return error
+
+    def teardown_error(self, message: str) -> ErrorObject:
+        index = self.last_index or 0
+        ins = self.job.program.instructions[index]
+        return {"kind": "runtime", "message": message, "instruction_index": index,
+                "instruction_op": ins["op"], "instruction_id": ins.get("id"), "traceback": ""}
+
+    def kill_worker(self) -> bool:
+        """Kill the tree holding the GPU lease: its CUDA teardown must not overlap someone's measurement.
+        -> whether it is confirmed gone (if not, the pool quarantines its GPUs)."""
+        if self.pool.arbiter is not None and self.lease_since is None:
+            try:
+                self.hold_lease(time.monotonic() + self.job.timeout)
+            except LeaseRefused:  # quarantined already: nobody else will use it
+                pass
+            except TimeoutError:  # every holder ends by its own deadline: this is no normal wait
+                self.pool.log.event("lease_wait_for_kill_timed_out", "WARNING", request_id=self.job.request_id)
+        return self.pool.dispose(self.worker, self.config.worker_termination_grace_seconds, orphans=True)
+
+    def remove_workspace(self) -> None:
+        if self.worker.template is None:
+            failed = remove_tree(self.root)
+            if failed:
+                self.pool.log.event("cleanup_failed", "ERROR", path=self.root, error=str(failed))
 
 
-def validate_config(config: ServerConfig) -> None:
-    if config.device not in ("auto", "cpu", "gpu"):
-        raise ValueError("device must be 'auto', 'cpu' or 'gpu'")
-    if config.sandbox not in ("auto", "none", "bubblewrap"):
-        raise ValueError("sandbox must be 'auto', 'none' or 'bubblewrap'")
-    if config.sandbox_readonly_paths and config.sandbox == "none":
-        raise ValueError("--sandbox-readonly-path requires the sandbox")
-    if config.sandbox == "bubblewrap" and config.max_requests_per_worker != 1:
-        # one process would serve several tenants: whatever a request left in its memory, the next one reads
-        raise ValueError("--sandbox bubblewrap needs --max-requests-per-worker 1 (a fresh worker per request)")
-    if not all(os.path.isabs(path) for path in config.sandbox_readonly_paths):
-        raise ValueError("--sandbox-readonly-path takes absolute paths")
-    if config.token is not None:
-        split_tokens(config.token, "--token")
-    checks = [(config.disk_cache_capacity_mbytes >= 0, "disk_cache_capacity_mbytes must be >= 0"),
-              (config.num_workers >= 1, "num_workers must be >= 1"),
-              (config.workers_per_gpu >= 1, "workers_per_gpu must be >= 1"),
-              (config.max_requests_per_worker >= 0, "max_requests_per_worker must be >= 0"),
-              (len(config.gpus) > 0, "gpus must not be empty"),
-              (config.default_timeout_seconds > 0 and config.max_timeout_seconds > 0,
-               "timeouts must be positive"),
-              (1 <= config.port <= 65535 or config.port == 0, "port must be 1-65535"),
-              (0 <= config.drain_seconds <= 3600, "drain_seconds must be 0-3600"),
-              (min(config.log_max_bytes, config.log_backups, config.log_programs_max_bytes,
-                   config.log_programs_max_count) >= 0, "the log limits must be >= 0")]
-    for ok, message in checks:
-        if not ok:
-            raise ValueError(message)
+WORKER_MESSAGES = (kcoral_worker.InstructionStarted, kcoral_worker.ReturnValue, kcoral_worker.AcquireLease,
+                   kcoral_worker.ReleaseLease, kcoral_worker.RequestDone)  # what a worker may send mid-request
+WORKER_PHASE_SECONDS = 60.0  # each start-up phase (docs/server.md §1.1)
+CONTROL_MESSAGE_BYTES = 1 << 16  # any worker or template message but a ReturnValue, which the response budget bounds
 
+
+def expect(conn: Connection, kinds: type | tuple[type, ...], deadline: float, late: str,
+           limit: int = CONTROL_MESSAGE_BYTES, sizes: list[int] | None = None) -> Any:
+    """A worker's or template's next message, which must be one of `kinds` (its frame's size
+    is appended to `sizes`, if given).
+
+    Nothing from those processes is trusted (they run, or ran, uploaded code): a frame that is
+    oversized, malformed or of another kind is WorkerCrashed, as is a closed pipe; no message
+    by `deadline` is WorkerStartTimeout(`late`), which the conversation turns into a 504."""
+    try:
+        message, size = kcoral_worker.receive_message(conn, limit, deadline)
+    except TimeoutError:
+        raise WorkerStartTimeout(late) from None
+    except kcoral_worker.UnexpectedMessage as exc:
+        raise WorkerCrashed(f"protocol violation: {exc}") from None
+    except (EOFError, OSError) as exc:
+        raise WorkerCrashed(f"the pipe broke: {exc}") from None
+    if not isinstance(message, kinds):
+        raise WorkerCrashed(f"protocol violation: an unexpected {type(message).__name__}")
+    if sizes is not None:
+        sizes.append(size)
+    return message
+
+
+PIPE_BYTES = 1 << 20  # capture pipe capacity (Linux's default pipe-max-size) and drain read size
+
+
+class OutputDrain:
+    """Reads a worker's stdout/stderr pipes, keeping the first `limit` + 1 bytes of each."""
+
+    def __init__(self, out_fd: int, err_fd: int, limit: int) -> None:
+        self.limit = limit
+        self.data = {out_fd: bytearray(), err_fd: bytearray()}
+        self.fds = (out_fd, err_fd)
+        self.thread = threading.Thread(target=self.drain, daemon=True)
+        self.thread.start()
+
+    def drain(self) -> None:
+        with selectors.DefaultSelector() as sel:
+            for fd in self.fds:
+                sel.register(fd, selectors.EVENT_READ)
+            open_fds = len(self.fds)
+            while open_fds:
+                for key, _ in sel.select():
+                    chunk = os.read(key.fd, PIPE_BYTES)
+                    if not chunk:
+                        sel.unregister(key.fd)
+                        os.close(key.fd)
+                        open_fds -= 1
+                    elif len(self.data[key.fd]) <= self.limit:
+                        self.data[key.fd] += chunk[:self.limit + 1 - len(self.data[key.fd])]
+
+    def result(self, wait: float) -> tuple[str, str, bool, bool]:
+        """(stdout, stderr, stdout_truncated, stderr_truncated) once the writers are gone.
+
+        A process that escaped the group may hold a pipe open; then the
+        thread keeps draining (and closes the pipe) on its own.
+        """
+        self.thread.join(wait)
+        texts = []
+        for fd in self.fds:
+            data = bytes(self.data[fd])
+            texts.append((data[:self.limit].decode("utf-8", "replace"), len(data) > self.limit))
+        return texts[0][0], texts[1][0], texts[0][1], texts[1][1]
+
+
+# --- 8. launching workers: the forkserver template, a Worker, its process group --------------------
 
 def isolate_import_path() -> None:
     """Drop the server's start directory from the import path its workers inherit: a `numpy.py`
@@ -3038,25 +2998,137 @@ def start_forkserver(context: multiprocessing.context.BaseContext) -> None:
         os.chdir(start)
 
 
-def resolve_sandbox(config: ServerConfig) -> tuple[str, str | None]:
-    """--sandbox auto -> ("bubblewrap", None) when a working bwrap is found, else ("none", why,
-    with how to get it, for the start-up warning); workers reused across requests
-    (--max-requests-per-worker other than 1) are never sandboxed, since one process would
-    serve several tenants.  Other values stand (bubblewrap is probed: no start without it)."""
-    if config.sandbox == "bubblewrap":
-        probe_bubblewrap(config)  # without a working bwrap the start stops: never unsandboxed
-    if config.sandbox != "auto":
-        return config.sandbox, None
-    if config.max_requests_per_worker != 1:
-        return "none", ("--max-requests-per-worker is not 1: workers serve several requests, which the "
-                        "sandbox does not allow; pass --sandbox none to silence this")
-    try:
-        probe_bubblewrap(config)
-    except SystemExit as exc:
-        return "none", (f"{exc}; requests run unsandboxed (install bubblewrap, e.g. apt-get install "
-                        "bubblewrap, or pass --sandbox none to silence this)")
-    return "bubblewrap", None
+class Worker:
+    """One worker process forked from the template (a slot's sandbox template, if any), with its pipe."""
 
+    def __init__(self, pool: Pool, gpus: list[int], phase_timeout: float = WORKER_PHASE_SECONDS,
+                 template: SandboxTemplate | None = None) -> None:
+        self.gpus = gpus
+        self.template = template
+        self.log = pool.log
+        self.conn, child = pool.context.Pipe()
+        visible = [pool.gpu_names[g] for g in gpus]
+        if template is not None:
+            try:
+                self.process = template.fork(child, pool.device, visible, phase_timeout)
+            finally:
+                child.close()
+        else:
+            self.process = pool.context.Process(target=kcoral_worker.worker_main,
+                                                args=(child, pool.device, visible), name="kcoral-worker")
+            self.process.start()
+            # Process.start() on another thread polls every child multiprocessing tracks; two threads
+            # reading one forkserver exit status make join() report 255 for a clean exit.  We track ours.
+            multiprocessing.process._children.discard(self.process)
+            child.close()
+        self.pid = self.process.pid
+        self.served = 0
+        try:
+            message = expect(self.conn, (kcoral_worker.WorkerReady, kcoral_worker.WorkerFailed),
+                             time.monotonic() + phase_timeout, f"worker did not start within {phase_timeout:.0f} s")
+            if isinstance(message, kcoral_worker.WorkerFailed):
+                raise WorkerCrashed(f"worker did not start: {message.reason:.500}")
+        except WorkerCrashed:
+            self.kill(0)
+            raise
+
+    def initialize(self, expected_uuid: str, phase_timeout: float = WORKER_PHASE_SECONDS) -> None:
+        """GPU workers: create the CUDA context (the caller holds the lease) and check the pinning."""
+        try:
+            try:
+                kcoral_worker.send_message(self.conn, kcoral_worker.InitGpu())
+            except OSError as exc:
+                raise WorkerCrashed(str(exc)) from exc
+            reply = expect(self.conn, kcoral_worker.GpuInitialized, time.monotonic() + phase_timeout,
+                           f"worker did not initialize its GPU within {phase_timeout:.0f} s")
+            self.arch, self.cuda = reply.arch[:32], reply.cuda and reply.cuda[:32]
+            if not same_gpu(reply.uuid, expected_uuid):
+                raise WorkerCrashed(f"worker's device 0 is {reply.uuid:.80}, expected {expected_uuid}")
+        except WorkerCrashed as exc:
+            self.kill(0)
+            kind = WorkerStartTimeout if isinstance(exc, WorkerStartTimeout) else WorkerCrashed
+            raise kind(f"GPU worker failed to initialize: {str(exc) or type(exc).__name__}") from exc
+
+    def kill(self, grace: float, orphans: bool = False) -> bool:
+        """-> whether the whole tree is confirmed gone (else its GPUs must be quarantined).
+        In a sandbox, survivors end with their container, which the slot then replaces."""
+        if self.template is not None:  # its container holds exactly what this worker started
+            gone = self.template.kill_requests(grace)
+            if not gone:
+                self.log.event("sandbox_replaced", "WARNING", reason="processes outlived the request's kill sweeps")
+                self.template.kill()
+                gone = not is_live(self.template.init_pid or 0)
+        else:
+            gone = kill_group(self.pid, grace, orphans=orphans)
+        self.process.join(5)
+        self.conn.close()
+        return gone
+
+    def stop(self, grace: float) -> None:
+        """Tell an idle worker to exit; kill its group if it does not."""
+        with contextlib.suppress(OSError):
+            kcoral_worker.send_message(self.conn, kcoral_worker.StopWorker())
+        self.process.join(grace)
+        self.kill(grace)
+
+
+def group_members(pgid: int, exclude: Collection[int] = ()) -> list[int]:
+    """Live processes in a process group, plus the leader's live descendants in other groups
+    (a program may start new sessions); zombies of ours found on the way are reaped."""
+    members, me, parents = [], os.getpid(), {}
+    own_group = os.getpgrp()  # the forkserver and resource tracker: multiprocessing reaps those
+    for pid, state, ppid, pgrp in kcoral_worker.process_table():
+        if pid in exclude:
+            continue
+        if state == b"Z":
+            if ppid == me and pgrp != own_group:  # an orphan of some program, ended up with us
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)
+        elif pgrp == pgid:
+            members.append(pid)
+        else:
+            parents[pid] = ppid
+    frontier = {pgid}
+    while frontier:
+        frontier = {pid for pid, ppid in parents.items() if ppid in frontier and pid not in members}
+        members.extend(frontier)
+    return members
+
+
+def marked_processes(worker_pid: int) -> list[int]:
+    """Live processes started under a worker (they inherit its KCORAL_WORKER_PID), wherever
+    they are now: after a crash, a new-session child is an orphan outside every tree."""
+    mark = f"\0{kcoral_worker.WORKER_MARK}={worker_pid}\0".encode()
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/environ", "rb") as f:
+                    if mark in b"\0" + f.read() + b"\0":
+                        found.append(int(name))
+            except OSError:
+                pass
+    return found
+
+
+def is_live(pid: int) -> bool:
+    fields = kcoral_worker.proc_stat(pid)
+    return fields is not None and fields[0] not in (b"Z", b"X")
+
+
+def kill_group(pgid: int, grace: float, exclude: Collection[int] = (), orphans: bool = False,
+               kill_wait: float = 10.0) -> bool:
+    """SIGTERM the group and its leader's descendants (with `orphans`, also every process
+    started under it), SIGKILL what is left after the grace period, sweep after sweep for up to
+    `kill_wait` seconds.  -> whether it is gone."""
+    def remaining() -> list[int]:
+        marked = [pid for pid in marked_processes(pgid) if pid not in exclude] if orphans else []
+        return group_members(pgid, exclude) + [pid for pid in marked if is_live(pid)]
+
+    return kcoral_worker.terminate(remaining, grace, kill_wait, group=pgid)
+
+
+# --- 9. GPUs and the lease (docs/server.md §1-2) --------------------------------------------------
 
 def resolve_device(config: ServerConfig) -> tuple[str, list[int], dict[int, str]]:
     """-> ("cpu" | "cuda", configured GPU ids, {id: CUDA_VISIBLE_DEVICES name})."""
@@ -3102,733 +3174,735 @@ def common_target(workers: list[Worker]) -> str:
     return arches[0]
 
 
-# --- 10. HTTP: connection limits, framing, the request handler (docs/design.md §1) ----------------
+def nvml_gpu_ids() -> list[str]:
+    """UUIDs of the visible NVIDIA GPUs through NVML, without importing torch; [] if none."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return []
+    if nvml.nvmlInit_v2() != 0:
+        return []
+    count = ctypes.c_uint()
+    if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+        return []
+    uuids = []
+    for index in range(count.value):
+        handle, buf = ctypes.c_void_p(), ctypes.create_string_buffer(96)
+        ok = (nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) == 0 and
+              nvml.nvmlDeviceGetUUID(handle, buf, 96) == 0)
+        uuids.append(buf.value.decode() if ok else str(index))
+    return uuids
 
-@dataclasses.dataclass
-class Phase:
-    """Where a connection is in its request: "idle" (keep-alive, waiting for a request),
-    "header" (request line and headers) or "body"; `received` counts body bytes."""
-    name: str
-    since: float
-    received: int = 0
-    window_start: float = 0.0
-    window_bytes: int = 0
+
+WARM_TVM_FFI = "import torch, tvm_ffi"  # tvm_ffi builds its torch add-on on import when it must
 
 
-class ConnectionGuard:
-    """Deadlines that no socket timeout can express: a socket timeout bounds one read, so a
-    header or body trickling in a byte at a time never trips it.  One thread checks every
-    watched connection a few times a second and cuts the read side of those past their
-    deadline; the handler's read then ends and it answers 408 (or just closes)."""
+def prepare_template_imports(timeout: float, warm: str = WARM_TVM_FFI, log: EventLog | None = None) -> str:
+    """Make the worker template's imports fast and free of CUDA before any worker starts.
 
-    TICK = 0.25
+    PYTORCH_NVML_BASED_CUDA_CHECK=1 lets `torch.cuda.is_available()` (tvm_ffi calls it on
+    import) ask NVML instead of calling cuInit, so the template never holds CUDA state that
+    its forks would inherit unusable.  With a torch that lacks the DLPack exchange API,
+    `import tvm_ffi` compiles an add-on into its cache on first use (nvcc: minutes): that
+    happens here, once, in a separate process within `timeout` seconds; if it fails or takes
+    longer, the add-on is disabled for this server so no worker can meet the slow path.
+    -> "native", "warmed", "disabled" or "absent" (also logged).
+    """
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    if not (importlib.util.find_spec("torch") and importlib.util.find_spec("tvm_ffi")):
+        return "absent"
+    if os.environ.get("TVM_FFI_DISABLE_TORCH_C_DLPACK", "0") != "0" or torch_has_dlpack_exchange_api():
+        return "native"
+    started = time.monotonic()
+    try:
+        subprocess.run([sys.executable, "-I", "-c", warm], check=True, timeout=timeout,
+                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        state, error = "warmed", None
+    except (subprocess.SubprocessError, OSError) as exc:
+        os.environ["TVM_FFI_DISABLE_TORCH_C_DLPACK"] = "1"
+        state, error = "disabled", f"{type(exc).__name__}: {str(exc)[-300:]}"
+    if log is not None:
+        log.event("template_prepared", "WARNING" if error else "INFO", tvm_ffi_torch_addon=state,
+                  seconds=round(time.monotonic() - started, 1), error=error)
+    return state
 
-    def __init__(self, config: ServerConfig) -> None:
-        self.config = config
-        self.lock = threading.Lock()
-        self.watched: dict[RequestHandler, Phase] = {}
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self.run, name="kcoral-connection-guard", daemon=True)
-        self.thread.start()
 
-    def enter(self, handler: "RequestHandler", name: str) -> Phase:
-        now = time.monotonic()
-        phase = Phase(name, now, window_start=now)
-        with self.lock:
-            self.watched[handler] = phase
-        return phase
-
-    def leave(self, handler: "RequestHandler") -> None:
-        with self.lock:
-            self.watched.pop(handler, None)
-
-    def run(self) -> None:
-        while not self.stopped.wait(self.TICK):
-            now = time.monotonic()
-            with self.lock:
-                expired = [(h, phase, reason) for h, phase in self.watched.items()
-                           if (reason := self.expired(phase, now)) is not None]
-            for handler, phase, reason in expired:
-                self.cut(handler, reason, phase)
-
-    def expired(self, phase: Phase, now: float) -> str | None:
-        config = self.config
-        if phase.name == "idle":
-            return "idle" if now - phase.since >= config.keepalive_timeout_seconds else None
-        if phase.name == "header":
-            return "header_timeout" if now - phase.since >= config.header_timeout_seconds else None
-        if now - phase.window_start < config.body_rate_window_seconds:
-            return None
-        if phase.received - phase.window_bytes < config.body_rate_min_bytes:
-            return "body_rate"
-        phase.window_start, phase.window_bytes = now, phase.received  # the next window
-        return None
-
-    def cut(self, handler: "RequestHandler", reason: str, phase: Phase | None = None) -> None:
-        """Cut the read side of `handler`'s connection if it is still in `phase` (any phase: None)."""
-        with self.lock:
-            current = self.watched.get(handler)
-            if current is None or (phase is not None and current is not phase):
-                return  # it moved on meanwhile
-            del self.watched[handler]
-        handler.cut_reason = reason
+def torch_has_dlpack_exchange_api() -> bool:
+    """Whether the installed torch exports the DLPack exchange API itself (read, not imported)."""
+    spec = importlib.util.find_spec("torch")
+    for location in spec.submodule_search_locations or ():
         try:
-            handler.connection.shutdown(socket.SHUT_RD)
+            with open(os.path.join(location, "_tensor.py"), encoding="utf-8") as f:
+                return "dlpack_exchange_api" in f.read()  # or its older name
         except OSError:
             pass
-
-    def cut_idle(self, idle_for: float) -> int:
-        """Close keep-alive connections idle for `idle_for` seconds or more -> how many."""
-        now = time.monotonic()
-        with self.lock:
-            idle = [(h, phase) for h, phase in self.watched.items()
-                    if phase.name == "idle" and now - phase.since >= idle_for]
-        for handler, phase in idle:
-            self.cut(handler, "idle", phase)
-        return len(idle)
-
-    def cut_phase(self, name: str, reason: str) -> None:
-        """Cut every connection now in phase `name` (shutdown: the bodies still arriving)."""
-        with self.lock:
-            found = [(h, phase) for h, phase in self.watched.items() if phase.name == name]
-        for handler, phase in found:
-            self.cut(handler, reason, phase)
-
-    def stop(self) -> None:
-        self.stopped.set()
+    return importlib.util.find_spec("torch_c_dlpack_ext") is not None
 
 
-class BodyBudget:
-    """Admission of request bodies against a global in-memory budget, first come first served, so
-    memory stays bounded however many clients upload at once.  Bodies reserve it as their bytes
-    arrive, a step ahead (BodyReservation), not their declared size: a client trickling a body it
-    declared huge holds a step, not the budget.  When the budget is full, the first body waiting
-    may take all it still declared beyond it, provided no body does already: bodies read halfway
-    then never wait on each other for ever, and memory stays below the budget plus one body."""
+def same_gpu(seen: str, expected: str) -> bool:
+    """docs/server.md §1.1: UUIDs compare without the GPU- prefix, case-insensitively; unknown ones pass."""
+    def bare(uuid: str) -> str:
+        return uuid.lower().removeprefix("gpu-")
 
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.in_use = 0
-        self.queue: collections.deque[object] = collections.deque()
-        self.closed = False
+    return not seen or not expected.lower().startswith("gpu-") or bare(seen) == bare(expected)
+
+
+STARTUP_OWNER = "worker-startup"  # lease owner while a worker creates its CUDA context; not a request
+
+
+class LeaseRefused(Exception):
+    """A lease that will never be granted: its GPU is quarantined, or the server is shutting down."""
+
+
+class LeaseArbiter:
+    """One exclusive lease per GPU, granted strictly in arrival order (docs/server.md §2.1).
+
+    Workers ask over their pipe and the request thread blocks here, so a
+    killed holder cannot leak a lease: the thread that served it releases it.
+    A request for "any n GPUs" that cannot be met blocks every GPU for later
+    waiters, so the big job is not starved.
+    """
+
+    def __init__(self, gpu_ids: Iterable[int]) -> None:
+        self.gpu_ids = list(gpu_ids)
+        self.holder: dict[int, str | None] = {g: None for g in self.gpu_ids}
+        self.queue: collections.deque[LeaseTicket] = collections.deque()
+        self.history: dict[int, collections.deque[tuple[float, float | None, str]]] = {
+            g: collections.deque(maxlen=256) for g in self.gpu_ids}  # (start, end or None while held, owner)
+        self.quarantined: set[int] = set()
+        self.closing = False
         self.cond = threading.Condition()
 
-    def reserve(self, held: int, wanted: int, declared: int, timeout: float) -> int | None:
-        """Grow a reservation of `held` bytes to `wanted` (or to `declared`, beyond the budget) -> the
-        new reservation, or None after `timeout` s or on shutdown."""
-        ticket = object()
-        deadline = time.monotonic() + timeout
+    def acquire(self, owner: str, gpus: list[int] | None = None, count: int | None = None,
+                deadline: float | None = None) -> tuple[list[int], float]:
+        """Block until `gpus` (or any `count` GPUs) are ours; returns (granted GPUs, wait ms).
+        LeaseRefused when that can no longer happen (quarantine; "any n" waits at shutdown);
+        TimeoutError once time.monotonic() passes `deadline`."""
+        start = time.monotonic()
+        ticket = (object(), gpus, count)  # unique: queue.remove() must not take an equal twin
         with self.cond:
             self.queue.append(ticket)
             try:
-                while not self.closed:
-                    if self.queue[0] is ticket:
-                        if self.in_use + wanted - held <= self.capacity:
-                            self.in_use += wanted - held
-                            return wanted
-                        if self.in_use <= self.capacity:  # no body is beyond the budget: this one may be
-                            self.in_use += declared - held
-                            return declared
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        return None
-                    self.cond.wait(remaining)
-                return None
+                while True:
+                    self.check_servable(gpus, count)
+                    granted = self.grantable(ticket)
+                    if granted is not None:
+                        break
+                    if deadline is not None and deadline <= time.monotonic():
+                        raise TimeoutError
+                    self.cond.wait(None if deadline is None else deadline - time.monotonic())
             finally:
                 self.queue.remove(ticket)
                 self.cond.notify_all()
+            now = time.time()
+            for g in granted:
+                self.holder[g] = owner
+                self.history[g].append((now, None, owner))
+        return granted, (time.monotonic() - start) * 1e3
 
-    def release(self, size: int) -> None:
+    def check_servable(self, gpus: list[int] | None, count: int | None) -> None:
+        if count and self.closing:
+            raise LeaseRefused("server is shutting down")
+        if (count and count > len(self.gpu_ids) - len(self.quarantined)) or self.quarantined & set(gpus or ()):
+            raise LeaseRefused("GPU quarantined: a worker's process tree could not be confirmed gone")
+
+    def quarantine(self, gpus: Iterable[int]) -> None:
+        """docs/server.md §2.1: never lend these GPUs again; waiters that need them are refused."""
         with self.cond:
-            self.in_use -= size
+            self.quarantined.update(gpus)
             self.cond.notify_all()
 
-    def close(self) -> None:
+    def drain(self) -> None:
+        """Shutdown: requests still waiting for "any n" GPUs are refused (docs/server.md §8)."""
         with self.cond:
-            self.closed = True
+            self.closing = True
             self.cond.notify_all()
 
+    def grantable(self, ticket: LeaseTicket) -> list[int] | None:
+        blocked = set()
+        for waiter in self.queue:
+            _, gpus, count = waiter
+            free = [g for g in self.gpu_ids if self.holder[g] is None and g not in blocked | self.quarantined]
+            wanted = free[:count] if count else [g for g in gpus if g in free]
+            enough = len(wanted) == (count or len(gpus))
+            if waiter is ticket:
+                return wanted if enough else None
+            blocked.update(self.gpu_ids if count else gpus)
 
-class BodyReservation:
-    """One body's share of the BodyBudget: `held` bytes, kept a STEP ahead of the `received` ones."""
+    def release(self, owner: str, gpus: Iterable[int]) -> None:
+        with self.cond:
+            now = time.time()
+            for g in gpus:
+                if self.holder[g] == owner:
+                    self.holder[g] = None
+                    start, _, who = self.history[g].pop()
+                    self.history[g].append((start, now, who))
+            self.cond.notify_all()
 
-    STEP = 256 << 10  # small, so that a thousand connections each trickling a byte hold little
-
-    def __init__(self, budget: BodyBudget, declared: int, timeout: float) -> None:
-        self.budget, self.declared, self.timeout = budget, declared, timeout
-        self.held = self.received = 0
-
-    def room(self) -> int:
-        return self.held - self.received
-
-    def grow(self) -> bool:
-        """Room for the next bytes -> False after the admission wait, or on shutdown."""
-        wanted = min(self.declared, self.received + self.STEP)
-        held = self.budget.reserve(self.held, max(wanted, self.held), self.declared, self.timeout)
-        if held is None:
-            return False
-        self.held = held
-        return True
-
-    def release(self) -> None:
-        self.budget.release(self.held)
-        self.held = 0
-
-
-class BodyCut(Exception):
-    """The connection guard cut a request body (too slow, or the server is stopping)."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
+    def holder_at(self, gpus: Iterable[int], when: float) -> str | None:
+        """Who held any of `gpus` at wall-clock time `when` (for gpu_access reports); None if nobody."""
+        with self.cond:
+            for g in gpus:
+                for start, end, who in self.history[g]:
+                    if start <= when and (end is None or when <= end):
+                        return who
+        return None
 
 
-def default_max_connections() -> int:
-    """A quarter of the fd limit (a connection in a request may hold a few more fds: staging
-    files, pipes, cache files), so fds run out after connections do."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        soft = 1 << 16
-    return max(8, min(1024, (soft - 64) // 4))
+# --- 10. the sandbox (docs/sandbox.md) ------------------------------------------------------------
+
+def resolve_sandbox(config: ServerConfig) -> tuple[str, str | None]:
+    """--sandbox auto -> ("bubblewrap", None) when a working bwrap is found, else ("none", why,
+    with how to get it, for the start-up warning); workers reused across requests
+    (--max-requests-per-worker other than 1) are never sandboxed, since one process would
+    serve several tenants.  Other values stand (bubblewrap is probed: no start without it)."""
+    if config.sandbox == "bubblewrap":
+        probe_bubblewrap(config)  # without a working bwrap the start stops: never unsandboxed
+    if config.sandbox != "auto":
+        return config.sandbox, None
+    if config.max_requests_per_worker != 1:
+        return "none", ("--max-requests-per-worker is not 1: workers serve several requests, which the "
+                        "sandbox does not allow; pass --sandbox none to silence this")
+    try:
+        probe_bubblewrap(config)
+    except SystemExit as exc:
+        return "none", (f"{exc}; requests run unsandboxed (install bubblewrap, e.g. apt-get install "
+                        "bubblewrap, or pass --sandbox none to silence this)")
+    return "bubblewrap", None
 
 
-ACCEPT_RESOURCE_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+SANDBOX_ROOT = "/kcoral"  # inside a sandbox: the slot's private directory (work/, blobs, home/, cache/)
+# A slot's host directory (0700, invisible inside) holds the three directories a container may write,
+# each a mount point inside, so a program can change what they hold but never rename or replace them:
+SANDBOX_WRITABLE = {"private": (SANDBOX_ROOT,), "tmp": ("/tmp", "/var/tmp"), "shm": ("/dev/shm",)}
+SANDBOX_ETC = ("alternatives", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "passwd", "group", "nsswitch.conf",
+               "hosts", "localtime", "ssl", "ca-certificates", "os-release", "debian_version", "gitconfig")
+SYSTEM_TOPS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+# exact names, never prefixes (an NVIDIA_API_KEY must not pass): locale, threads and the tool settings
+# kernels need; the cache locations among them are replaced by the sandbox's own
+SANDBOX_ENV_NAMES = (
+    "PATH", "LD_LIBRARY_PATH", "LANG", "LANGUAGE", "TZ", "LC_ALL", "LC_CTYPE", "LC_NUMERIC", "LC_TIME",
+    "LC_COLLATE", "LC_MONETARY", "LC_MESSAGES", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+    "CUDA_HOME", "CUDA_PATH", "CUDA_MODULE_LOADING", "CUDA_LAUNCH_BLOCKING", "CUDA_DEVICE_MAX_CONNECTIONS",
+    "NVIDIA_DRIVER_CAPABILITIES", "NVCC_APPEND_FLAGS", "NVCC_PREPEND_FLAGS", "NVCC_CCBIN",
+    "TORCH_CUDA_ARCH_LIST", "TORCH_SHOW_CPP_STACKTRACES", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_NO_CUDA_MEMORY_CACHING",
+    "PYTORCH_NVML_BASED_CUDA_CHECK", "TRITON_PTXAS_PATH", "TVM_FFI_CUDA_ARCH_LIST")
+SANDBOX_ADDONS = "/opt/kcoral-tvm-ffi"  # inside: the tvm_ffi torch add-on the server built (read-only)
+KILL_SWEEP_SECONDS = 2.0  # SIGKILL sweeps over a container's request processes before it is ended whole
+GPU_CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-caps")
 
 
-class HTTPServer(http.server.ThreadingHTTPServer):
-    """ThreadingHTTPServer with a bounded number of connections (one thread each).
+def probe_bubblewrap(config: ServerConfig) -> None:
+    """--sandbox bubblewrap without a working bwrap stops the start-up; it never runs unsandboxed."""
+    if shutil.which("bwrap") is None:
+        raise SystemExit("kcoral: --sandbox bubblewrap needs bwrap on PATH (Debian: apt-get install bubblewrap)")
+    root = tempfile.mkdtemp(prefix="kcoral-sandbox-probe-")
+    try:
+        for name in SANDBOX_WRITABLE:
+            os.mkdir(os.path.join(root, name), 0o700)
+        project, _ = project_files()
+        code = f"import sys; sys.path.insert(0, {project!r}); import kcoral_worker"
+        result = subprocess.run(bwrap_command(config, [], root) + [sys.executable, "-I", "-c", code], check=False,
+                                env=sandbox_environment(), stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise SystemExit(f"kcoral: --sandbox bubblewrap: bwrap does not work here: {exc}") from None
+    finally:
+        remove_tree(root)
+    if result.returncode != 0:
+        lines = result.stderr.decode(errors="replace").strip().splitlines() or [f"exit code {result.returncode}"]
+        raise SystemExit(f"kcoral: --sandbox bubblewrap: bwrap does not work here: {lines[-1]}")
 
-    At the limit, the listening socket is not accepted from: new connections wait in the
-    backlog while idle keep-alive connections are closed to make room.  When the process runs
-    out of fds, accept() fails while the socket stays readable; we back off instead of spinning.
+
+class SandboxTemplate:
+    """A slot's bubblewrap container, and in it a warm template that forks one worker at a time.
+
+    Starting a container and importing torch takes seconds; forking a worker from a template
+    that did both once takes milliseconds.  So a slot keeps its container: each request gets a
+    fresh process in it, a private directory emptied after the request, and everything the
+    request started is killed (the container's PID namespace holds nothing else).
     """
-    daemon_threads = True
-    allow_reuse_address = True
-    request_queue_size = 128
+    init_pid: int | None  # the container's PID 1 and our template in it, host pids, once ready()
+    pid: int | None
+    current: SandboxedProcess | None  # the worker it forked last
 
-    def __init__(self, address: tuple[str, int], handler: "type[RequestHandler]", app: KCoralServer) -> None:
-        self.app = app
-        self.guard = ConnectionGuard(app.config)
-        self.max_connections = app.config.max_connections or default_max_connections()
-        self.open_connections = 0
-        self.slots = threading.Condition()
-        super().__init__(address, handler)
+    def __init__(self, config: ServerConfig, device: str, gpus: list[int]) -> None:
+        self.root = tempfile.mkdtemp(prefix=workspace_prefix("sandbox"))  # 0700, never shown inside
+        self.private = os.path.join(self.root, "private")  # the container's SANDBOX_ROOT
+        self.identity = {}  # name -> (st_dev, st_ino): what clear() empties is what was mounted
+        for name in SANDBOX_WRITABLE:
+            os.mkdir(os.path.join(self.root, name), 0o700)
+            info = os.stat(os.path.join(self.root, name), follow_symlinks=False)
+            self.identity[name] = (info.st_dev, info.st_ino)
+        self.mount_points = {name: mount_points_within(config, name) for name in SANDBOX_WRITABLE}
+        self.conn, child = multiprocessing.Pipe()
+        project, _ = project_files()
+        # as the unsandboxed template: GPU workers pin their device after the fork, before CUDA starts
+        preload = ["numpy"] + [m for m in ("torch", "tvm_ffi") if importlib.util.find_spec(m)]
+        import_env = {"TVM_FFI_CACHE_DIR": SANDBOX_ADDONS} if torch_addons() else {}
+        code = (f"import sys; sys.path.insert(0, {project!r}); import kcoral_worker; "
+                f"kcoral_worker.template_main({child.fileno()}, {preload!r}, {import_env!r})")
+        # bwrap's own processes get the clean environment too: the container's PID 1 is one of them;
+        # -I: no start directory, user site or PYTHON* variables on the import path
+        self.process = lasting_popen(bwrap_command(config, gpus, self.root) + [sys.executable, "-I", "-c", code],
+                                     env=sandbox_environment(), pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
+        child.close()
+        self.init_pid = self.pid = self.current = None
 
-    def get_request(self) -> tuple[socket.socket, tuple[str, int]]:
-        with self.slots:
-            if self.open_connections >= self.max_connections:
-                self.guard.cut_idle(min(1.0, self.app.config.keepalive_timeout_seconds))
-                self.slots.wait(0.5)
-                if self.open_connections >= self.max_connections:  # serve_forever polls again
-                    raise OSError(errno.EAGAIN, "connection limit reached")
+    def ready(self, timeout: float) -> None:
+        """Wait for the template's first message; find its init and template processes."""
+        if self.pid is not None:
+            return
         try:
-            request = self.socket.accept()
-        except OSError as exc:
-            if exc.errno in ACCEPT_RESOURCE_ERRORS:
-                self.guard.cut_idle(0.0)
-                time.sleep(0.1)
+            template_pid = expect(self.conn, kcoral_worker.WorkerReady, time.monotonic() + timeout,
+                                  f"the sandbox did not start within {timeout:.0f} s").pid
+        except WorkerCrashed:
+            self.close()
             raise
-        with self.slots:
-            self.open_connections += 1
-        return request
+        self.init_pid = next(iter(children_of(self.process.pid)), None)
+        self.pid = next((p for p in children_of(self.init_pid) if inner_pid(p) == template_pid), None)
+        if self.pid is None:
+            self.close()
+            raise WorkerCrashed("the sandbox's template is gone")
 
-    def shutdown_request(self, request: socket.socket | tuple[bytes, socket.socket]) -> None:
-        super().shutdown_request(request)
-        with self.slots:
-            self.open_connections -= 1
-            self.slots.notify_all()
+    def alive(self) -> bool:
+        return self.process.poll() is None and (self.pid is None or is_live(self.pid))
 
-    def handle_error(self, request: socket.socket | tuple[bytes, socket.socket],
-                     client_address: tuple[str, int]) -> None:
-        """One line, never a traceback: a client that vanished is routine, anything else a bug."""
-        exc = sys.exc_info()[1]
-        if isinstance(exc, OSError):
-            self.app.log.event("client_disconnected", "WARNING", peer=client_address[0], phase="request",
-                               error=type(exc).__name__)
-        else:
-            self.app.log.event("server_error", "ERROR", peer=client_address[0], error=repr(exc))
+    def fork(self, conn: Connection, device: str, visible: list[str], timeout: float) -> SandboxedProcess:
+        """A fresh worker for `conn` in a freshly emptied private directory -> its SandboxedProcess.
 
-    def server_close(self) -> None:
-        self.guard.stop()
-        super().server_close()
+        A template that does not answer (a program may have stopped it) takes its container
+        down with it, so that the slot's next worker comes from a new one."""
+        self.ready(timeout)
+        try:
+            if self.current is not None:  # its exit status comes first on the pipe
+                self.current.join(5)
+                if self.current.exitcode is None:
+                    raise WorkerCrashed("the sandbox's previous worker did not exit")
+            try:
+                self.clear()
+            except OSError as exc:
+                raise WorkerCrashed(f"the sandbox's directories could not be emptied: {exc}") from exc
+            try:
+                kcoral_worker.send_message(self.conn, kcoral_worker.ForkWorker(device, visible))
+                reduction.send_handle(self.conn, conn.fileno(), self.pid)
+            except OSError as exc:
+                raise WorkerCrashed("the sandbox's template is gone") from exc
+            forked = expect(self.conn, kcoral_worker.WorkerForked, time.monotonic() + 60,
+                            "the sandbox's template did not fork")
+            host_pid = next((p for p in children_of(self.pid) if inner_pid(p) == forked.pid), None)
+            if host_pid is None:
+                raise WorkerCrashed("the sandbox's new worker is gone")
+        except WorkerCrashed:
+            self.close()
+            raise
+        self.current = SandboxedProcess(self, host_pid)
+        return self.current
+
+    def kill_requests(self, grace: float) -> bool:
+        """SIGTERM everything in the container but its init and template, then SIGKILL what is
+        left after `grace`, sweep after sweep: a fork chain that outruns one snapshot is caught
+        by the next.  -> whether it is all gone; if not, the caller ends the container (the
+        kernel then kills its whole PID namespace at once)."""
+        spared = [os.getpgid(p) for p in (self.init_pid, self.pid) if p and is_live(p)]
+        return kcoral_worker.terminate(lambda: [p for p in descendants(self.init_pid) if p != self.pid], grace,
+                                       KILL_SWEEP_SECONDS, keep_groups=spared)
+
+    def clear(self) -> None:
+        """Empty the three directories the container can write, through descriptors that follow
+        no link (empty_directory_at), and make each 0700 again; the mount points of read-only
+        paths inside /tmp stay.  OSError when one is not the directory that was mounted."""
+        root_fd = os.open(self.root, NOFOLLOW_DIR)
+        try:
+            for name in SANDBOX_WRITABLE:
+                fd = os.open(name, NOFOLLOW_DIR, dir_fd=root_fd)
+                try:
+                    info = os.fstat(fd)
+                    if (info.st_dev, info.st_ino) != self.identity[name]:
+                        raise OSError(errno.EXDEV, f"the sandbox's {name} directory was replaced")
+                    empty_directory_at(fd, self.mount_points[name])
+                    if name == "private":
+                        for sub in ("home", "cache"):
+                            os.mkdir(sub, 0o700, dir_fd=fd)
+                finally:
+                    os.close(fd)
+        finally:
+            os.close(root_fd)
+
+    def kill(self) -> None:
+        """End the container: its init is SIGKILLed, which takes down every process in its PID
+        namespace at once (whatever forked, hid or ignored signals), and bwrap exits with it."""
+        with contextlib.suppress(OSError):
+            self.conn.close()
+        if self.init_pid is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(self.init_pid, signal.SIGKILL)
+        try:
+            self.process.wait(5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        remove_tree(self.root)
 
 
-CONTROL_CHARS = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
-DRAIN_LIMIT = 1 << 16  # unread bodies up to this size are skipped to keep the connection
-SEND_SLICE = 1 << 20  # the send timeout applies to each slice: a slow reader is fine, a stalled one is not
+class SandboxedProcess:
+    """The parts of multiprocessing.Process the pool uses, for a worker its template forked."""
+
+    def __init__(self, template: SandboxTemplate, pid: int | None) -> None:
+        self.template = template
+        self.pid = pid
+        self.exitcode: int | None = None
+
+    def join(self, timeout: float | None = None) -> None:
+        if self.exitcode is None:
+            try:
+                if self.template.conn.poll(timeout):
+                    self.exitcode = expect(self.template.conn, kcoral_worker.WorkerExited,
+                                           time.monotonic() + 5, "the sandbox's template stalled").exit_code
+            except WorkerCrashed:  # a template that breaks the protocol takes its container down
+                self.template.kill()
+                self.exitcode = -signal.SIGKILL
+
+    def is_alive(self) -> bool:
+        self.join(0)
+        return self.exitcode is None
 
 
-def framing_problem(headers: email.message.Message) -> str | None:
-    """RFC 9112 §6 checks http.server leaves out: a request whose length two parsers (a proxy
-    in front, and us) could read differently is refused, so no request hides in another's body."""
-    for name, value in headers.items():
-        if CONTROL_CHARS.search(value):
-            return f"control character in the {name} header"
-    lengths = headers.get_all("Content-Length") or []
-    if len(lengths) > 1:  # even equal ones (RFC 9110 §8.6 allows refusing them): one rule, one reading
-        return "conflicting Content-Length headers"
-    if lengths and declared_length(lengths[0]) is None:  # `5, 5`, `+5`, `0x5`, `5 5`: one run of digits only
-        return "invalid Content-Length header"
-    encodings = headers.get_all("Transfer-Encoding") or []
-    if encodings and lengths:
-        return "Transfer-Encoding together with Content-Length"
-    if encodings and [e.strip().lower() for e in encodings] != ["chunked"]:
-        return "unsupported Transfer-Encoding (only chunked is accepted)"
+def bwrap_command(config: ServerConfig, gpus: list[int], root: str) -> list[str]:
+    """The bubblewrap command line of a slot whose private directory is `root` (docs/server.md §3.1).
+
+    Every namespace is new (no network, own PIDs), no capabilities, no nested user namespaces;
+    the system, the Python environment, our files and --sandbox-readonly-path entries read-only;
+    the log directory, disk cache and the server's temporary directory hidden where they would
+    otherwise show through one of those."""
+    args = [shutil.which("bwrap") or "bwrap", "--die-with-parent", "--unshare-all", "--unshare-user",
+            "--disable-userns", "--cap-drop", "ALL", "--new-session", "--clearenv"]
+    for name, value in sandbox_environment().items():
+        args += ["--setenv", name, value]
+    for top in SYSTEM_TOPS:
+        if os.path.islink(top):
+            args += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            args += ["--ro-bind", top, top]
+    for name in SANDBOX_ETC:
+        args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
+    args += ["--ro-bind", "/sys", "/sys", "--proc", "/proc", "--dev", "/dev", "--mqueue", "/dev/mqueue"]
+    for node in [gpu_device_node(g) for g in gpus] + list(GPU_CONTROL_NODES if gpus else ()):
+        args += ["--dev-bind-try", node, node]
+    for addon in torch_addons():
+        args += ["--ro-bind", addon, os.path.join(SANDBOX_ADDONS, os.path.basename(addon))]
+    for name, places in SANDBOX_WRITABLE.items():
+        for place in places:
+            args += ["--bind", os.path.join(root, name), place]
+    shown = shown_paths(config)
+    hidden = [os.path.abspath(p) for p in (config.log_dir, config.disk_cache_dir, tempfile.gettempdir(),
+                                           os.path.expanduser("~")) if p]
+    hidden = [p for p in hidden if any(is_under(p, s) for s in shown)]
+    # parents before children, so a hidden directory's tmpfs never covers a mount inside it
+    for path, kind in sorted([(p, "--ro-bind") for p in shown] + [(p, "--tmpfs") for p in hidden]):
+        args += [kind, path] if kind == "--tmpfs" else [kind, path, path]
+    # Last, everything bwrap itself made writable becomes read-only (its root, /dev, the hiding
+    # tmpfs mounts): a file a request leaves anywhere but the three directories above would
+    # otherwise be there for the next request in the same container.
+    for path in ["/", "/dev", *hidden]:
+        args += ["--remount-ro", path]
+    return args + ["--chdir", "/"]
+
+
+def sandbox_environment() -> dict[str, str]:
+    """An allow-list of the server's variables, never its secrets; home, temporary files and the
+    compiler/JIT caches all inside the slot's private directory, so they vanish with the request."""
+    env = {k: v for k, v in os.environ.items() if k in SANDBOX_ENV_NAMES}
+    for name in ("PATH", "LD_LIBRARY_PATH"):  # a directory that does not exist inside could not be created there
+        if name in env:
+            env[name] = ":".join(d for d in env[name].split(":") if shown_inside(d))
+    cache = f"{SANDBOX_ROOT}/cache"
+    env.update(HOME=f"{SANDBOX_ROOT}/home", TMPDIR="/tmp", XDG_CACHE_HOME=cache,
+               TORCH_EXTENSIONS_DIR=f"{cache}/torch_extensions", TRITON_CACHE_DIR=f"{cache}/triton",
+               CUDA_CACHE_PATH=f"{cache}/nv", TVM_FFI_CACHE_DIR=f"{cache}/tvm-ffi")
+    return env
+
+
+def is_under(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+def shown_inside(directory: str) -> bool:
+    """Whether a host directory exists, read-only, inside every container (the system directories
+    and the Python installation; not the operator's --sandbox-readonly-path entries)."""
+    return (os.path.isabs(directory) and os.path.isdir(directory)
+            and any(is_under(os.path.realpath(directory), top) for top in SYSTEM_TOPS + tuple(python_paths())))
+
+
+def python_paths() -> list[str]:
+    """What the interpreter needs to run our worker: its prefixes and import path, minus the
+    server's working directory (only the project's own files are shown from there)."""
+    project = os.path.dirname(os.path.abspath(kcoral_worker.__file__))
+    skipped = {"", os.getcwd(), project}
+    paths = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]
+    paths += [p for p in sys.path if p not in skipped and os.path.exists(p)]
+    return sorted(set(map(os.path.abspath, paths)))
+
+
+def project_files() -> tuple[str, list[str]]:
+    project = os.path.dirname(os.path.abspath(kcoral_worker.__file__))
+    names = ("kcoral_worker.py", "kcoral.py", "client.py")
+    return project, [os.path.join(project, n) for n in names if os.path.exists(os.path.join(project, n))]
+
+
+def shown_paths(config: ServerConfig) -> list[str]:
+    """The host paths a sandbox shows read-only at the same place: Python, our files, the operator's."""
+    _, files = project_files()
+    return python_paths() + files + [os.path.abspath(p) for p in config.sandbox_readonly_paths]
+
+
+def mount_points_within(config: ServerConfig, name: str) -> list[str]:
+    """Where read-only mounts sit inside the writable directory `name` (a checkout or a
+    --sandbox-readonly-path under /tmp, say), relative to it: emptying must leave their way."""
+    return [os.path.relpath(path, top) for path in shown_paths(config)
+            for top in SANDBOX_WRITABLE[name] if is_under(path, top) and path != top]
+
+
+def torch_addons() -> list[str]:
+    """The tvm_ffi torch add-on(s) prepare_template_imports built into the host's cache, if any:
+    the sandbox shows them so its template does not compile them again (minutes with nvcc)."""
+    cache = os.path.expanduser(os.environ.get("TVM_FFI_CACHE_DIR", "~/.cache/tvm-ffi"))
+    try:
+        return [os.path.join(cache, n) for n in sorted(os.listdir(cache)) if n.startswith("libtorch_c_dlpack_addon")]
+    except OSError:
+        return []
+
+
+def gpu_device_node(gpu_id: int) -> str:
+    """/dev/nvidiaN of a physical GPU id: NVML's minor number, the id itself where NVML cannot say."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        handle, minor = ctypes.c_void_p(), ctypes.c_uint()
+        if (nvml.nvmlInit_v2() == 0 and nvml.nvmlDeviceGetHandleByIndex_v2(gpu_id, ctypes.byref(handle)) == 0
+                and nvml.nvmlDeviceGetMinorNumber(handle, ctypes.byref(minor)) == 0):
+            return f"/dev/nvidia{minor.value}"
+    except OSError:
+        pass
+    return f"/dev/nvidia{gpu_id}"
+
+
+def children_of(pid: int | None) -> list[int]:
+    """Live children of a process, from the kernel's per-thread child lists: a few small reads
+    instead of a scan of every process on the machine (this runs on every request)."""
+    found = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for tid in tasks:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/children") as f:
+            found += [int(child) for child in f.read().split()]
+    return [child for child in found if is_live(child)]
+
+
+def descendants(pid: int | None) -> list[int]:
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [child for parent in frontier for child in children_of(parent)]
+        found += frontier
+    return found
+
+
+def inner_pid(pid: int) -> int | None:
+    """A process's id in its own (innermost) PID namespace."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return int(next(line for line in f if line.startswith("NSpid:")).split()[-1])
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+SPAWNS: dict[str, Any] = {"queue": None, "lock": threading.Lock()}
+
+
+def lasting_popen(args: list[str], **options: Any) -> subprocess.Popen:
+    """subprocess.Popen run by one thread that lives as long as the server.
+
+    bwrap --die-with-parent ties a container to the *thread* that started it (PR_SET_PDEATHSIG),
+    and the pool starts containers from threads that come and go.
+    """
+    with SPAWNS["lock"]:
+        if SPAWNS["queue"] is None:
+            SPAWNS["queue"] = queue.SimpleQueue()
+            threading.Thread(target=serve_spawns, args=(SPAWNS["queue"],), name="kcoral-spawner",
+                             daemon=True).start()
+    reply = queue.SimpleQueue()
+    SPAWNS["queue"].put((args, options, reply))
+    outcome = reply.get()
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome
+
+
+def serve_spawns(requests: queue.SimpleQueue) -> None:
+    while True:
+        args, options, reply = requests.get()
+        try:
+            reply.put(subprocess.Popen(args, **options))
+        except (OSError, ValueError, subprocess.SubprocessError) as exc:  # handed to the caller
+            reply.put(exc)
+
+
+# --- 11. workspaces: private directories, removed without following a link -----------------------
+
+WORKSPACE = re.compile(r"kcoral-(?:program|sandbox)-(\d+)\.(\d+)-")
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """A process's start time in clock ticks since boot (/proc/PID/stat field 22), or None if
+    it is gone: with the pid, it names one process even after the pid is reused."""
+    fields = kcoral_worker.proc_stat(pid)
+    try:
+        return int(fields[19]) if fields is not None else None
+    except (IndexError, ValueError):
+        return None
+
+
+def workspace_prefix(kind: str = "program") -> str:
+    """`kcoral-<program|sandbox>-<server pid>.<its start ticks>-`: the owner is in the name, so
+    the next start can tell the directories of a killed server from a live one's."""
+    return f"kcoral-{kind}-{os.getpid()}.{process_start_ticks(os.getpid())}-"
+
+
+def remove_dead_workspaces(directory: str) -> int:
+    """Remove workspaces and sandbox directories whose owning server no longer runs (it was
+    killed before its cleanup)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    removed = 0
+    for name in names:
+        match = WORKSPACE.match(name)
+        if match and process_start_ticks(int(match.group(1))) != int(match.group(2)):
+            remove_tree(os.path.join(directory, name))
+            removed += 1
+    return removed
+
+
+NOFOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def remove_tree(path: str) -> OSError | None:
+    """Remove a workspace or sandbox directory whatever a program did inside it: the path is
+    the server's own (in its temporary directory), everything below it is treated as hostile.
+    -> what stopped the removal, if anything (callers with a log report it as cleanup_failed)."""
+    parent, name = os.path.split(os.path.abspath(path))
+    try:
+        parent_fd = os.open(parent, NOFOLLOW_DIR)
+    except OSError as exc:
+        return exc
+    try:
+        remove_entry_at(parent_fd, name)
+    except OSError as exc:
+        return exc
+    finally:
+        os.close(parent_fd)
     return None
 
 
-class RequestHandler(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server_version = "kcoral/" + __version__
-    disable_nagle_algorithm = True  # headers and body are separate writes
-    server: HTTPServer
-
-    def setup(self) -> None:
-        # per socket operation: bounds each send slice, and backs up the guard for reads
-        self.timeout = self.server.app.config.send_timeout_seconds
-        super().setup()
-        self.cut_reason: str | None = None  # set by the ConnectionGuard when it cuts this connection
-        self.body_done = True
-        self.head_started = time.monotonic()  # of the request being read; its events' total_ms counts from it
-
-    def finish(self) -> None:
-        self.unwatch()  # whatever ended the connection, the guard forgets it
-        super().finish()
-
-    def log_message(self, format: str, *args: Any) -> None:  # one structured line per request instead
-        pass
-
-    @property
-    def app(self) -> KCoralServer:
-        return self.server.app
-
-    def watch(self, phase: str) -> None:
-        self.phase = self.server.guard.enter(self, phase)
-
-    def unwatch(self) -> None:
-        self.server.guard.leave(self)
-
-    def handle_one_request(self) -> None:
-        """http.server's, with the request head read under a size cap and a total deadline,
-        and the wait for a keep-alive connection's next request bounded."""
-        self.watch("idle")
+def remove_entry_at(dir_fd: int, name: str) -> None:
+    """Remove a file, link or directory tree named relative to an open directory."""
+    with contextlib.suppress(FileNotFoundError):
         try:
-            waiting = self.rfile.peek(1)
-        except OSError:  # reset, or the backstop timeout, while idle: nothing to say
-            waiting = b""
-        if not waiting or self.cut_reason:
-            self.unwatch()
-            self.close_connection = True
-            return
-        self.watch("header")
-        self.head_started = time.monotonic()
-        head = self.read_head()
-        self.unwatch()
-        if head is None:
-            self.close_connection = True
-            return
-        self.raw_requestline, self.header_block = head
-        if not self.parse_request():
-            return
-        self.body_done = False
-        self.expects_continue = (self.headers.get("Expect", "").lower() == "100-continue"
-                                 and self.request_version >= "HTTP/1.1")
-        handler = getattr(self, "do_" + self.command, None)
-        if handler is None:
-            return self.route_error()
-        handler()
-        self.wfile.flush()
-
-    def read_head(self) -> tuple[bytes, bytes] | None:
-        """Request line and header block -> (request line, header bytes); None once answered or gone."""
-        limit = self.app.config.max_header_bytes
-        lines, size = [], 0
-        try:
-            while True:
-                line = self.rfile.readline(limit - size + 1)
-                size += len(line)
-                if size > limit:
-                    self.refuse_head(431, f"request line and headers exceed {limit} bytes")
-                    return None
-                if not line.endswith(b"\n"):
-                    self.head_cut_short(size)
-                    return None
-                lines.append(line)
-                if line in (b"\r\n", b"\n"):
-                    return lines[0], b"".join(lines[1:])
-                if len(lines) > http.client._MAXHEADERS + 1:  # http.server's own limit, without waiting for the end
-                    self.refuse_head(431, f"more than {http.client._MAXHEADERS} request headers")
-                    return None
-        except OSError as exc:
-            self.disconnected("header", error=type(exc).__name__)
-            return None
-
-    def head_cut_short(self, size: int) -> None:
-        if self.cut_reason == "header_timeout":
-            self.disconnected("header", reason="header_timeout")
-            self.refuse_head(408, f"request headers not received within {self.app.config.header_timeout_seconds:g} s")
-        elif self.cut_reason is None and size:
-            self.disconnected("header")
-
-    def refuse_head(self, status: int, message: str) -> None:
-        """Answer a request whose head could not be read, then close."""
-        self.command, self.requestline, self.request_version = None, "", "HTTP/1.1"
-        try:
-            self.send_error(status, message)
-        except OSError:
-            pass
-
-    def disconnected(self, phase: str, **fields: Any) -> None:
-        """The one log line for a client that went away (or was cut off)."""
-        self.app.log.event("client_disconnected", "WARNING", peer=self.client_address[0], phase=phase, **fields)
-
-    def do_GET(self) -> None:
-        if not self.authorized(""):
-            return
-        if self.path != "/health":
-            return self.route_error()
-        self.drain_body()
-        self.send_json(200, self.app.health())
-
-    def do_POST(self) -> None:
-        request_id = self.request_id()
-        if not self.authorized(request_id):
-            return
-        if self.path != "/execute":
-            return self.route_error()
-        started = time.monotonic()
-        with self.app.request_in_flight():  # a graceful shutdown waits until the answer is out
-            outcome = self.outcome_of_post(request_id)
-            outcome, size, lost = self.send_outcome(request_id, outcome)
-        fields = {"client_request_id": self.canonical_uuid("X-KCoral-Client-Request-ID"),
-                  **request_fields(request_id, outcome, started)}
-        if size is None:
-            self.disconnected("response", error=lost, **fields)
-        else:
-            self.app.log.event("request_finished", response_bytes=size, **fields)
-
-    def outcome_of_post(self, request_id: str) -> Outcome:
-        """Read the body and execute it -> Outcome; a body that could not be read is answered here."""
-        try:
-            return self.read_and_execute(request_id)
-        except ValidationError as exc:  # refused while reading the body (chunked framing, 100-continue)
-            return Outcome(400, "parse", str(exc))
-        except BodyCut as cut:
-            self.close_connection = True
-            return self.cut_outcome(cut.reason)
-        except (ConnectionError, TimeoutError):  # body cut short; a half-closed client can still read this
-            self.close_connection = True
-            return Outcome(400, "parse", "request body ended before Content-Length bytes arrived")
-        except Exception as exc:  # never let a bug take the connection down silently
-            self.app.log.event("server_error", "ERROR", request_id=request_id, error=repr(exc))
-            return Outcome(500, "engine", "internal server error")
-
-    def send_outcome(self, request_id: str, outcome: Outcome) -> tuple[Outcome, int | None, str | None]:
-        """-> (the outcome sent, bytes sent, None), or (outcome, None, why) when the client
-        stopped reading or went away."""
-        try:
-            return outcome, self.respond(request_id, outcome), None
-        except OSError as exc:  # the send timeout, or a reset
-            self.close_connection = True
-            return outcome, None, type(exc).__name__
-        except Exception as exc:  # e.g. a result that cannot be encoded: nothing was written yet
-            self.app.log.event("server_error", "ERROR", request_id=request_id, error=repr(exc))
-            failure = Outcome(500, "engine", "internal server error")
-            return failure, self.respond(request_id, failure), None
-
-    do_PUT = do_DELETE = do_PATCH = lambda self: self.route_error()
-
-    def cut_outcome(self, reason: str) -> Outcome:
-        if reason == "body_rate":
-            config = self.app.config
-            self.disconnected("body", reason=reason)
-            return Outcome(408, "parse", f"request body slower than {config.body_rate_min_bytes} bytes per "
-                                         f"{config.body_rate_window_seconds:g} s")
-        if reason == "budget":  # read halfway, no room for the rest within the admission wait
-            return Outcome(503, "busy", "server saturated")
-        return self.app.refuse_while_draining()
-
-    def route_error(self) -> None:
-        self.drain_body()
-        if self.path in ("/health", "/execute"):
-            allow = "GET" if self.path == "/health" else "POST"
-            self.send_json(405, {"detail": "Method Not Allowed"}, {"Allow": allow})
-        else:
-            self.send_json(404, {"detail": "Not Found"})
-
-    def parse_request(self) -> bool:
-        """http.server's parser over the head read_head took in, then RFC 9112's framing checks.
-
-        http.server also stops the header block at a line it cannot parse (no colon, a bare
-        CR) and drops the headers after it, Content-Length included: the body would then be
-        read as the next request on the connection.  Refuse such a request instead."""
-        socket_reader, self.rfile = self.rfile, io.BytesIO(self.header_block)
-        try:
-            parsed = super().parse_request()
-        finally:
-            self.rfile = socket_reader
-        if not parsed:
-            return False
-        problem = "malformed request header block" if self.headers.get_payload() else framing_problem(self.headers)
-        if problem:
-            self.send_error(400, problem)
-            return False
-        return True
-
-    def handle_expect_100(self) -> bool:
-        """`100 Continue` waits until the request is known to be acceptable (execute)."""
-        return True
-
-    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
-        """What http.server rejects itself (bad request line, oversized headers) gets the
-        ERROR JSON body (docs/protocol.md §9.8) rather than an HTML page; an unknown method gets 404/405."""
-        if code == 501 and self.command:
-            return self.route_error()
-        self.close_connection = True
-        short = self.responses.get(code, ("error",))[0]
-        self.refuse(Outcome(code, "parse" if code < 500 else "engine", message or short), str(uuid.uuid4()))
-
-    def refuse(self, outcome: Outcome, request_id: str, headers: ExtraHeaders = ()) -> None:
-        """Answer a request refused before it ran (its head, its token) -> one request_refused event."""
-        size = None
-        try:
-            size = self.send_error_body(outcome.http_status, request_id, outcome.kind, outcome.message, headers)
-        finally:  # also when the client is gone (OSError): the refusal is logged either way
-            self.app.log.event("request_refused", "WARNING", peer=self.client_address[0],
-                               response_bytes=size, **request_fields(request_id, outcome, self.head_started))
-
-    def request_id(self) -> str:
-        """docs/protocol.md §4.2: the client's X-Request-ID if it is exactly one canonical UUID."""
-        return self.canonical_uuid("X-Request-ID") or str(uuid.uuid4())
-
-    def canonical_uuid(self, header: str) -> str | None:
-        """The header's value if the request has exactly one and it is a UUID in canonical form
-        (so nothing else, however long or strange, reaches the log); None otherwise."""
-        values = self.headers.get_all(header) or []
-        if len(values) == 1:
+            os.unlink(name, dir_fd=dir_fd)
+        except (IsADirectoryError, PermissionError):  # Linux's unlink() of a directory: EISDIR
+            fd = os.open(name, NOFOLLOW_DIR, dir_fd=dir_fd)
             try:
-                if str(uuid.UUID(values[0])) == values[0]:
-                    return values[0]
-            except ValueError:
-                pass
-        return None
-
-    def authorized(self, request_id: str) -> bool:
-        if self.app.token_accepted(self.headers.get("Authorization", "")):
-            return True
-        self.drain_body()
-        self.refuse(Outcome(401, "unauthorized", "missing or invalid bearer token"), request_id,
-                    {"WWW-Authenticate": "Bearer"})
-        return False
-
-    def drain_body(self) -> None:
-        """Skip a small unread body so the connection stays usable; close it otherwise (also when
-        the client awaits `100 Continue`: it has sent nothing and needs no body read)."""
-        if self.body_done:
-            return
-        self.body_done = True
-        size = declared_length(self.headers.get("Content-Length", "0"))
-        if self.headers.get("Transfer-Encoding") or self.expects_continue or size > DRAIN_LIMIT:
-            self.close_connection = True
-            return
-        try:
-            self.read_body(size)
-        except (OSError, BodyCut):
-            self.close_connection = True
-
-    def read_and_execute(self, request_id: str) -> Outcome:
-        """Read the body (admitted against the in-flight budget first) and hand it to the app."""
-        config = self.app.config
-        limit = config.max_request_bytes
-        chunked = "Transfer-Encoding" in self.headers  # framing_problem let only exactly `chunked` through
-        size = declared_length(self.headers.get("Content-Length", "0"))
-        if size > limit:
-            self.close_connection = True  # the body stays unread
-            return Outcome(413, "request_too_large", "request exceeds the configured size limit")
-        if self.expects_continue:
-            keep_open, self.close_connection = not self.close_connection, True  # a refusal leaves the body unsent
-            request_boundary(self.headers.get("Content-Type"))
-        reservation = BodyReservation(self.app.bodies, limit if chunked else size, config.body_admission_wait_seconds)
-        if not reservation.grow():
-            self.close_connection = True
-            return self.app.refuse_while_draining() if self.app.closing else Outcome(503, "busy", "server saturated")
-        try:
-            if self.expects_continue:
-                self.send_response_only(100)
-                self.end_headers()
-                self.close_connection = not keep_open
-            body = self.read_chunked(limit, reservation) if chunked else self.read_body(size, reservation)
-            self.body_done = True
-            if body is None:
-                return Outcome(413, "request_too_large", "request exceeds the configured size limit")
-            return self.app.handle_execute(request_id, body, self.headers.get("Content-Type"))
-        finally:
-            reservation.release()
-
-    def read_body(self, size: int, reservation: BodyReservation | None = None) -> bytearray | mmap.mmap:
-        """Read `size` body bytes under the guard's rate rule (and the body budget) -> a new buffer."""
-        self.watch("body")
-        try:
-            return self.read_exact(size, reservation)
-        finally:
-            self.unwatch()
-
-    def read_exact(self, size: int, reservation: BodyReservation | None) -> bytearray | mmap.mmap:
-        body = large_buffer(size)
-        view = memoryview(body)
-        while view:
-            room = len(view) if reservation is None else self.budget_room(reservation)
-            n = self.rfile.readinto1(view[:room])  # one socket read at a time: the guard sees the progress
-            if not n:
-                if self.cut_reason:
-                    raise BodyCut(self.cut_reason)
-                raise ConnectionError("client closed the connection mid-body")
-            self.phase.received += n
-            if reservation is not None:
-                reservation.received += n
-            view = view[n:]
-        return body
-
-    def budget_room(self, reservation: BodyReservation) -> int:
-        """Bytes the body may read now; waits for the budget to grow its reservation first, unwatched
-        meanwhile (the body is not slow: the server is)."""
-        if reservation.room() > 0:
-            return reservation.room()
-        self.unwatch()
-        grown = reservation.grow()
-        self.watch("body")
-        if not grown:
-            raise BodyCut("shutdown" if self.app.closing else "budget")
-        return reservation.room()
-
-    def read_chunked(self, limit: int, reservation: BodyReservation) -> bytearray | None:
-        self.watch("body")
-        try:
-            return self.read_chunks(limit, reservation)
-        finally:
-            self.unwatch()
-
-    def read_chunks(self, limit: int, reservation: BodyReservation) -> bytearray | None:
-        body = bytearray()
-        while True:
-            line = self.rfile.readline(1024).split(b";")[0].strip()
-            if self.cut_reason:
-                raise BodyCut(self.cut_reason)
-            if not re.fullmatch(rb"[0-9A-Fa-f]+", line):  # int() would also take "-5", "+5", "0x5"
-                self.close_connection = True
-                raise ValidationError("malformed chunked request body")
-            size = int(line, 16)
-            if size == 0:
-                while self.rfile.readline(1024) not in (b"\r\n", b"\n", b""):
-                    pass
-                return body
-            if len(body) + size > limit:
-                self.close_connection = True
-                return None
-            body += self.read_exact(size, reservation)
-            self.rfile.readline(1024)
-
-    def respond(self, request_id: str, outcome: Outcome) -> int:
-        """Send an Outcome; -> bytes sent."""
-        if outcome.http_status != 200:
-            return self.send_error_body(outcome.http_status, request_id, outcome.kind, outcome.message,
-                                        {"Retry-After": "1"} if outcome.http_status == 503 else {})
-        if not outcome.parts:
-            encoded = json_bytes(outcome.body)
-            if len(encoded) > self.app.config.max_response_bytes:
-                return self.too_large(request_id)
-            return self.send_json(200, outcome.body, {"X-Request-ID": request_id}, encoded)
-        content_type, pieces = multipart_result(outcome.body, outcome.parts)
-        total = sum(len(p) for p in pieces)
-        if total > self.app.config.max_response_bytes:
-            return self.too_large(request_id)
-        self.send_response(200)
-        self.send_common_headers(content_type, total, {"X-Request-ID": request_id})
-        for piece in pieces:
-            self.send_all(piece)
-        return total
-
-    def send_all(self, data: Buffer) -> None:
-        """Write in slices, each under the send timeout: a client that stops reading is dropped."""
-        view = memoryview(data).cast("B")
-        for start in range(0, view.nbytes, SEND_SLICE):
-            self.wfile.write(view[start:start + SEND_SLICE])
-
-    def too_large(self, request_id: str) -> int:
-        return self.send_error_body(500, request_id, "response_too_large",
-                                    "results exceed the configured response-size limit")
-
-    def send_error_body(self, status: int, request_id: str, kind: str, message: str,
-                        headers: ExtraHeaders = ()) -> int:
-        body = {"status": "ERROR", "request_id": request_id, "error": {"kind": kind, "message": message}}
-        return self.send_json(status, body, {"X-Request-ID": request_id, **dict(headers)})
-
-    def send_json(self, status: int, body: Json, headers: ExtraHeaders = (), encoded: bytes | None = None) -> int:
-        encoded = encoded if encoded is not None else json_bytes(body)
-        self.send_response(status)
-        self.send_common_headers("application/json", len(encoded), dict(headers))
-        self.send_all(encoded)
-        return len(encoded)
-
-    def send_common_headers(self, content_type: str, length: int, headers: Mapping[str, str]) -> None:
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(length))
-        self.send_header("X-KCoral-Instance", self.app.instance_id)
-        for name, value in headers.items():
-            self.send_header(name, value)
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
+                empty_directory_at(fd)
+            finally:
+                os.close(fd)
+            os.rmdir(name, dir_fd=dir_fd)
 
 
-def request_fields(request_id: str, outcome: Outcome, started: float) -> dict[str, Any]:
-    """What every request event says about a request (request_finished, request_refused, a disconnect)."""
-    body = outcome.body or {}
-    return {"request_id": request_id, "http_status": outcome.http_status, "status": body.get("status", "ERROR"),
-            "error_kind": (body.get("error") or {}).get("kind") or outcome.kind or None,
-            "worker_id": outcome.worker_id or None, "queue_ms": body.get("queue_ms"),
-            "elapsed_ms": body.get("elapsed_ms"), "total_ms": (time.monotonic() - started) * 1e3}
+@dataclasses.dataclass
+class Emptying:
+    """A directory being emptied: its open fd, the kept ways below it, its name in its parent."""
+    fd: int
+    ways: dict[str, Any]
+    name: str
+    done: set[str] = dataclasses.field(default_factory=set)  # entries on a kept way, emptied
 
 
-def multipart_result(body: Json, parts: list[Buffer]) -> tuple[str, list[Buffer]]:
-    """docs/protocol.md §9.2: a result with binary parts -> (Content-Type, the response body as pieces to send)."""
-    boundary = "kcoral-" + secrets.token_hex(16)  # 128 random bits: no payload can contain it by chance
-    pieces = [b"--" + boundary.encode() + b'\r\nContent-Disposition: form-data; name="result"\r\n'
-              b"Content-Type: application/json\r\n\r\n" + json_bytes(body) + b"\r\n"]
-    for number, part in enumerate(parts):
-        pieces.append(f'--{boundary}\r\nContent-Disposition: form-data; name="return:{number}"\r\n'
-                      f"Content-Type: application/octet-stream\r\n\r\n".encode())
-        pieces.append(part)
-        pieces.append(b"\r\n")
-    pieces.append(f"--{boundary}--\r\n".encode())
-    return f"multipart/form-data; boundary={boundary}", pieces
+EMPTYING_DEPTH = 64  # open directories at most; deeper subtrees are moved up to the top first
 
 
-def json_bytes(value: Json) -> bytes:
+def empty_directory_at(top: int, keep: Iterable[str] = ()) -> None:
+    """Remove what the open directory `top` holds, except the directories on the way to each of
+    `keep` (relative paths: mount points inside a sandbox's /tmp), which are emptied instead,
+    and each of `keep` itself (a mount point may be a file).
+
+    Everything is opened relative to its parent without following a link, and each directory is
+    made ours (0700) before it is emptied, so nothing a program renamed, linked or chmod-ed can
+    steer the removal outside `top` or stop it; an entry on a kept way that is not a directory
+    raises OSError.  Iterative, with at most EMPTYING_DEPTH directories open: a program may nest
+    directories deeper than Python's recursion or the fd limit allows."""
+    ways: dict[str, Any] = {}
+    for path in keep:
+        node = ways
+        for part in path.split("/"):
+            node = node.setdefault(part, {})
+    stack = [Emptying(os.dup(top), ways, "")]
     try:
-        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate (e.g. from a "\ud800" escape) has no UTF-8 form
-        return json.dumps(value, separators=(",", ":"), allow_nan=False).encode("ascii")
+        while stack:
+            here = stack[-1]
+            os.fchmod(here.fd, 0o700)
+            below = next_directory_emptying(here)
+            if below is None:  # emptied: removed from its parent unless it lies on a kept way
+                stack.pop()
+                os.close(here.fd)
+                if stack and here.name in stack[-1].ways:
+                    stack[-1].done.add(here.name)
+                elif stack:
+                    os.rmdir(here.name, dir_fd=stack[-1].fd)
+            elif len(stack) >= EMPTYING_DEPTH and below not in here.ways:
+                os.rename(below, f".kcoral-deep-{secrets.token_hex(8)}", src_dir_fd=here.fd, dst_dir_fd=stack[0].fd)
+            else:
+                stack.append(Emptying(os.open(below, NOFOLLOW_DIR, dir_fd=here.fd), here.ways.get(below, {}), below))
+    finally:
+        for frame in stack:
+            os.close(frame.fd)
 
 
-def declared_length(value: str) -> int | None:
-    """A Content-Length value -> int, or None unless it is ASCII digits (between optional spaces
-    and tabs, which RFC 9110 §5.5 does not count as part of a field value).
+def next_directory_emptying(here: Emptying) -> str | None:
+    """Unlink `here`'s files and links up to its next directory still to empty -> that one's name."""
+    with os.scandir(here.fd) as entries:
+        for entry in entries:
+            if entry.name in here.done:
+                continue
+            is_dir = entry.is_dir(follow_symlinks=False)
+            if entry.name in here.ways and not is_dir:
+                if here.ways[entry.name]:  # the way goes on below something that is no directory
+                    raise NotADirectoryError(errno.ENOTDIR, "a kept mount point's way was replaced", entry.name)
+                here.done.add(entry.name)  # a file's mount point (bwrap made it for a read-only file)
+                continue
+            if is_dir:
+                return entry.name
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.name, dir_fd=here.fd)
+    return None
 
-    str.isdigit() also accepts "²", and int() refuses strings of more than
-    4300 digits, so huge values are capped instead of converted.
-    """
-    value = value.strip(" \t")
-    if not value.isascii() or not value.isdigit():
-        return None
-    digits = value.lstrip("0") or "0"
-    return int(digits) if len(digits) <= 30 else 1 << 100
 
+# --- 12. command line (docs/server.md §9.2) -------------------------------------------------------
 
-# --- 11. command line (docs/server.md §9.2) -------------------------------------------------------
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["haproxy-config"]:
+        return haproxy_config_main(argv[1:])
+    if argv[:1] == ["run"]:  # the client-side command line lives in client.py
+        sys.exit(load_client().run_command(argv[1:]))
+    if argv[:1] == ["server"]:  # the reference's `kcoral server ...` spelling
+        argv = argv[1:]
+    KCoralServer(parse_args(argv)).serve_forever()
+
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per ServerConfig field, named, defaulted and described by the field itself."""
+    types_of = typing.get_type_hints(ServerConfig)  # the annotations are strings (postponed evaluation)
     for field in dataclasses.fields(ServerConfig):
         meta = field.metadata
         default = field.default_factory() if field.default is dataclasses.MISSING else field.default
@@ -3839,26 +3913,26 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         env_note = f" [env {meta['env']}]" if meta["env"] else ""
         if meta["flag"]:
             parser.add_argument(meta["flag"], dest=field.name, action="append", default=[], help=meta["help"])
-        elif field.type is bool:  # every boolean setting defaults to on; the flag turns it off
+        elif types_of[field.name] is bool:  # every boolean setting defaults to on; the flag turns it off
             parser.add_argument("--no-" + flag[2:], dest=field.name, action="store_false",
                                 help=f"do not {meta['help']}")
         else:
             if isinstance(default, tuple):  # parsed from its string form like an env value
                 default = ",".join(map(str, default))
-            kind = field.type if field.type in (int, float) else str
+            kind = types_of[field.name] if types_of[field.name] in (int, float) else str
             parser.add_argument(flag, type=kind, default=default, choices=meta["choices"],
                                 help=meta["help"] + env_note + " (default: %(default)s)")
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    values = {}
+    values, types_of = {}, typing.get_type_hints(ServerConfig)
     for field in dataclasses.fields(ServerConfig):
         value = getattr(args, field.name)
         if field.metadata["parse"]:
             value = field.metadata["parse"](value)
         elif field.metadata["flag"]:
             value = tuple(value)
-        elif field.type == str | None and value == "":  # '' disables, as in the reference
+        elif types_of[field.name] == str | None and value == "":  # '' disables, as in the reference
             value = None
         values[field.name] = value
     return ServerConfig(**values)
@@ -3892,7 +3966,7 @@ def parse_args(argv: list[str]) -> ServerConfig:
     return config
 
 
-# --- 12. a cohort of nodes behind HAProxy (`python -m kcoral haproxy-config`, docs/scaling.md) ----
+# --- 13. a cohort of nodes behind HAProxy (`python -m kcoral haproxy-config`, docs/scaling.md) ----
 
 AFFINITY_HEADER = "X-KCoral-Affinity"  # client.py sets it to the sha256 of a request's largest blob
 HAPROXY_TEMPLATE = """\
@@ -4118,17 +4192,6 @@ def haproxy_config_main(argv: list[str]) -> None:
         print("kcoral haproxy-config: warning: no --token (or KCORAL_TOKEN): the proxy lets any client "
               "send programs to the nodes; start them with --token and pass it here", file=sys.stderr)
     sys.stdout.write(text)
-
-
-def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["haproxy-config"]:
-        return haproxy_config_main(argv[1:])
-    if argv[:1] == ["run"]:  # the client-side command line lives in client.py
-        sys.exit(load_client().run_command(argv[1:]))
-    if argv[:1] == ["server"]:  # the reference's `kcoral server ...` spelling
-        argv = argv[1:]
-    KCoralServer(parse_args(argv)).serve_forever()
 
 
 if __name__ == "__main__":

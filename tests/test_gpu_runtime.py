@@ -1103,7 +1103,7 @@ def test_waits_for_n_gpus_end_at_shutdown():
     thread = threading.Thread(target=lambda: outcomes.append(pool.run_multi_gpu(None, job, 2, 0.0)), daemon=True)
     thread.start()
     wait_until(lambda: queued(pool.arbiter) == 1)
-    pool.close()
+    pool.drain()
     thread.join(5)
     assert (outcomes[0].http_status, outcomes[0].kind) == (503, "busy")
     assert pool.arbiter.acquire("in-flight", [1])[0] == [1]  # a running request's own lease still works

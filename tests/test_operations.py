@@ -338,15 +338,15 @@ def test_each_embedded_server_writes_its_own_log(tmp_path):
         try:
             ids = {first_dir: [executed_id(first)], second_dir: [executed_id(second)]}
         finally:
-            second.close()
+            second.stop()
         unlogged = kcoral.create_app(embedded_config(None)).start()
         try:
             stray = executed_id(unlogged)
         finally:
-            unlogged.close()
+            unlogged.stop()
         ids[first_dir].append(executed_id(first))
     finally:
-        first.close()
+        first.stop()
     assert {d: logged_ids(d) for d in ids} == {d: set(i) for d, i in ids.items()}
     assert [[r["event"] for r in log_records(run)][-1] for d in ids for run in run_directories(d)] == \
         ["server_stopped", "server_stopped"]

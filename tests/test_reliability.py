@@ -1902,7 +1902,7 @@ def embedded_growth(requests):
         echo_requests(app.url, requests)
         objects_after, held_after = settled(app, workers, threads)
     finally:
-        app.close()
+        app.stop()
     grown = {name: objects_after[name] - objects_before[name] for name in objects_after
              if objects_after[name] - objects_before[name] > requests // 10}
     held = {path: (held_before.get(path, 0), size) for path, size in held_after.items()
