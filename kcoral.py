@@ -974,9 +974,8 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """What http.server rejects itself (bad request line, oversized headers) gets the
-        ERROR JSON body (docs/protocol.md §9.8) rather than an HTML page; an unknown method gets 404/405."""
-        if code == 501 and self.command:
-            return self.route_error()
+        ERROR JSON body (docs/protocol.md §9.8) rather than an HTML page.  (An unknown method never gets
+        here: handle_one_request routes it to 404/405.)"""
         self.close_connection = True
         short = self.responses.get(code, ("error",))[0]
         self.refuse(Outcome(code, "parse" if code < 500 else "engine", message or short), str(uuid.uuid4()))
@@ -995,8 +994,6 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
     @property
     def app(self) -> KCoralServer:
         return self.server.app
-
-    do_PUT = do_DELETE = do_PATCH = lambda self: self.route_error()
 
 
 def framing_problem(headers: email.message.Message) -> str | None:
@@ -2535,7 +2532,7 @@ class Pool:
         them again, and the pool begins shutting down (later requests: 503 busy)."""
         self.log.event("gpu_quarantined", "ERROR", gpu_ids=list(gpus), reason=reason)
         self.arbiter.quarantine(gpus)
-        self.close()
+        self.drain()
 
     def run_multi_gpu(self, slot: Slot, job: Job, count: int, queue_ms: float) -> Outcome:
         """docs/protocol.md §8.9: a dedicated worker that sees `count` GPUs, started under all their leases."""
@@ -3456,12 +3453,12 @@ class SandboxTemplate:
             template_pid = expect(self.conn, kcoral_worker.WorkerReady, time.monotonic() + timeout,
                                   f"the sandbox did not start within {timeout:.0f} s").pid
         except WorkerCrashed:
-            self.close()
+            self.kill()
             raise
         self.init_pid = next(iter(children_of(self.process.pid)), None)
         self.pid = next((p for p in children_of(self.init_pid) if inner_pid(p) == template_pid), None)
         if self.pid is None:
-            self.close()
+            self.kill()
             raise WorkerCrashed("the sandbox's template is gone")
 
     def alive(self) -> bool:
@@ -3493,7 +3490,7 @@ class SandboxTemplate:
             if host_pid is None:
                 raise WorkerCrashed("the sandbox's new worker is gone")
         except WorkerCrashed:
-            self.close()
+            self.kill()
             raise
         self.current = SandboxedProcess(self, host_pid)
         return self.current
