@@ -1,12 +1,21 @@
 #!/bin/sh
-# Wheels that bench/gpu_check.py installs on a lent GPU machine, whose own python3 (3.12, CUDA
-# torch) lacks them.  Run here, from the repository root; bench/wheels/ is git-ignored and travels
-# with the device tool's `carry` (see docs/gpu-check.md).
+# What bench/gpu_check.py installs or unpacks on a lent GPU machine, whose own python3 (3.12,
+# CUDA torch) lacks it and which reaches no network.  Run here, from the repository root, on a
+# Debian/Ubuntu host with apt; bench/wheels/ is git-ignored and travels with the device tool's
+# `carry` (see docs/gpu-check.md).
+#   apache-tvm-ffi: the version our own environment runs, so the device tests what we test here.
 #   cupti-python 13.0.x: the newest release for a CUDA 13.0 driver stack (13.1+ expects a newer CUPTI).
+#   bubblewrap and the libraries its bwrap links (libcap2, libselinux1, libpcre2-8-0): the device
+#   has no bwrap; gpu_check unpacks these with `dpkg -x` and uses the libraries only when the
+#   device lacks them.  Saved as <package>.deb (the epoch in apt's names is an odd `%3a`).
 set -e
 PY=${PYTHON:-.venv/bin/python}
+TVM_FFI=0.1.15.post2
 rm -rf bench/wheels && mkdir -p bench/wheels
 $PY -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 -d bench/wheels apache-tvm-ffi cupti-python==13.0.1 pyelftools
+    --platform manylinux2014_x86_64 -d bench/wheels apache-tvm-ffi==$TVM_FFI cupti-python==13.0.1
+for package in bubblewrap libcap2 libselinux1 libpcre2-8-0; do
+    (cd bench/wheels && apt-get download "$package" && mv "$package"_*.deb "$package.deb")
+done
 ls -l bench/wheels

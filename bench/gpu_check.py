@@ -1,30 +1,32 @@
 """One-shot check of the GPU runtime against real `python -m kcoral` servers.
 
     python3 -m bench.gpu_check --device gpu --wheels bench/wheels --out "$OUT"   # a lent GPU machine
+    python3 -m bench.gpu_check --device gpu --wheels bench/wheels --only main_server,sandboxed   # a rerun
     .venv/bin/python -m bench.gpu_check --device cpu                               # what CPU allows (CI)
 
 docs/gpu-check.md says how to run it on a lent device and what each phase proves.
-It runs in phases (PHASES below), each writing its figures into one JSON
-report (`gpu_check.json` under --out, rewritten after every phase, so a run cut
-short still reports) beside the servers' logs:
+It runs in phases (PHASES below), each within its own time budget, each writing
+its figures into one JSON report (`gpu_check.json` under --out, rewritten after
+every phase, so a run cut short still reports) beside the servers' logs:
 
-  preflight       no server: versions, import times, whether importing torch and
-                  tvm_ffi initialises CUDA (a fork of that state then fails), CUPTI
-                  smoke test -- environment problems show here, not as server bugs
-  default_server  default flags (one worker per GPU, fresh process per request):
-                  5 tiny requests, their queue/elapsed times and the slot downtime
-  cpu_mode        a --device cpu server on the CUDA host: its forked workers can
-                  still use CUDA (the template never called cuInit)
-  main_server     two reused workers on GPU 0: pinning, tensors (also transposed,
-                  expanded, side-stream) bit-exact, libraries, benchmark against
-                  the spec's warmup/repeat formula, lease timings, cpu_only and
-                  gpu_access, CUDA's last error read and cleared, memory released
-                  before the lease, a hang past timeout_seconds, device faults
+  preflight         versions (torch, cuda-bindings, CUPTI, tvm-ffi), persistence mode,
+                    which tools exist; on a GPU: whether importing torch and tvm_ffi
+                    initialises CUDA (a fork of that state then fails), what a forked
+                    CUDA context costs, a CUPTI smoke test
+  request_overhead  20 back-to-back trivial requests on fresh workers (the default;
+                    the next request's queue_ms is the slot downtime) and on reused ones
+  cpu_mode          a --device cpu server on the CUDA host: its forked workers can
+                    still use CUDA (the template never called cuInit)
+  main_server       two reused workers on GPU 0: the runtime's cases (GPU_CASES)
+  cli_tools         `kcoral run python / ncu / compute-sanitizer`, each bounded
+  sandboxed         cases again under --sandbox bubblewrap (bwrap from PATH or the
+                    carried .deb)
+  examples          examples/*.py marked `# requires: gpu`, with KCORAL_URL set
 
-Other checks plug in as further entries of PHASES (a sandboxed pass, `kcoral run
-ncu` / compute-sanitizer).  Every request carries a bounded timeout_seconds and
-the whole run keeps to --budget-s.  Prints PASS/FAIL lines as it goes and exits
-1 when anything failed.
+What a machine lacks (a GPU, bwrap, examples) is a SKIP with its reason, never a
+FAIL.  Every request carries a bounded timeout_seconds and the whole run keeps
+to --budget-s.  Prints PASS/FAIL/SKIP lines and each phase's wall time as it goes
+and exits 1 when anything failed.
 """
 
 import argparse
@@ -35,6 +37,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -399,30 +402,51 @@ def case_gpu_count(ctx):
     return "gpu_count 1 -> gpu_ids [0]; too many -> 400"
 
 
+POISON = """
+import os
+def pid():
+    import torch
+    torch.ones(2, device="cuda").sum().item()
+    return os.getpid()
+def fault():
+    import torch
+    print(os.getpid(), flush=True)
+    x = torch.zeros(4, device="cuda")
+    x[torch.tensor([1 << 20], device="cuda")] = 1.0  # device-side assert: the context is lost
+    torch.cuda.synchronize()
+"""
+
+
+def worker_pids(ctx):
+    """The pids that two requests in a row reach: the pool hands idle workers out in turn, so with
+    two reused workers these are both of them."""
+    return [out(*call(ctx.url, POISON, "pid")) for _ in range(2)]
+
+
+def on_both_workers(ctx, trigger, tries=4):
+    """Call trigger() -> (pid of the worker it reached, summary) until it has reached both of the
+    workers serving now (not just a replacement of the first) -> {pid: summary}."""
+    originals, reached = set(worker_pids(ctx)), {}
+    assert len(originals) == 2, f"two requests in a row reached one worker: {originals}"
+    for _ in range(tries):
+        pid, summary = trigger()
+        if pid in originals:
+            reached[pid] = summary
+        if len(reached) == 2:
+            return reached
+    raise AssertionError(f"reached workers {sorted(reached)} of {sorted(originals)} in {tries} tries")
+
+
 def case_poisoned_worker(ctx):
-    pid_src = """
-    import os
-    def pid():
-        import torch
-        torch.ones(2, device="cuda").sum().item()
-        return os.getpid()
-    def fault():
-        import torch
-        print(os.getpid(), flush=True)
-        x = torch.zeros(4, device="cuda")
-        x[torch.tensor([1 << 20], device="cuda")] = 1.0  # device-side assert: the context is lost
-        torch.cuda.synchronize()
-    """
-    before = {out(*call(ctx.url, pid_src, "pid")) for _ in range(4)}
-    status, body = call(ctx.url, pid_src, "fault")
-    assert status == 200 and body["status"] == "FAILED", (status, short(body))
-    poisoned = int(body["stdout"].split()[0])
-    assert poisoned in before, (poisoned, before)
-    time.sleep(1)
-    after = {out(*call(ctx.url, pid_src, "pid")) for _ in range(6)}
-    assert poisoned not in after, f"poisoned worker {poisoned} served again: {after}"
-    assert after - before, f"no replacement worker served: {before} -> {after}"
-    return f"worker {poisoned} retired ({body['error']['kind']}), replaced by {sorted(after - before)}"
+    def trigger():
+        status, body = call(ctx.url, POISON, "fault")
+        assert status == 200 and body["status"] == "FAILED", (status, short(body))
+        poisoned = int(body["stdout"].split()[0])
+        after = worker_pids(ctx)
+        assert poisoned not in after, f"poisoned worker {poisoned} served again: {after}"
+        return poisoned, body["error"]["kind"]
+    reached = on_both_workers(ctx, trigger)
+    return f"workers {sorted(reached)} retired ({sorted(set(reached.values()))}), both slots served again"
 
 
 # --- the device checks a desk review asked for ----------------------------------------
@@ -460,6 +484,7 @@ import ctypes, os
 def set_last_error():
     import torch
     torch.ones(1, device="cuda").sum().item()
+    print(os.getpid(), flush=True)
     paths = sorted({line.split()[-1] for line in open("/proc/self/maps") if "libcudart.so" in line})
     if not paths:
         return "no shared libcudart loaded"
@@ -471,40 +496,46 @@ def fine():
 
 
 def case_last_error(ctx):
-    status, body = call(ctx.url, LAST_ERROR, "set_last_error")
-    assert status == 200, (status, short(body))
-    if body["status"] == "COMPLETED":
-        raise AssertionError(f"a pending CUDA error went unnoticed: {short(body['results'])}")
-    error = body["error"]
-    assert error["kind"] == "runtime" and "cudaErrorInvalidDevice" in error["message"], error
-    assert error["instruction_index"] == 3, error  # the last instruction started: the return
-    after = [out(*call(ctx.url, LAST_ERROR, "fine")) for _ in range(4)]  # both reused workers, cleared
-    assert after == [2.0] * 4, after
-    return error["message"]
+    def trigger():
+        status, body = call(ctx.url, LAST_ERROR, "set_last_error")
+        assert status == 200, (status, short(body))
+        if body["status"] == "COMPLETED":
+            raise AssertionError(f"a pending CUDA error went unnoticed: {short(body['results'])}")
+        error = body["error"]
+        assert error["kind"] == "runtime" and "cudaErrorInvalidDevice" in error["message"], error
+        assert error["instruction_index"] == 3, error  # the last instruction started: the return
+        worker_pids(ctx)  # both workers complete CUDA work again: the error was cleared
+        return int(body["stdout"].split()[0]), error["message"]
+    reached = on_both_workers(ctx, trigger)
+    return f"on workers {sorted(reached)}: {next(iter(reached.values()))}; both served again"
 
 
 MEMORY = """
+import time
 import torch
 held = []
 def free_bytes():
     torch.ones(1, device="cuda").sum().item()
     return torch.cuda.mem_get_info()[0]
-def hog(gib):
+def hog(gib, seconds):
     held.append(torch.empty(int(gib * (1 << 30)), dtype=torch.uint8, device="cuda"))
     held.append(held)  # module scope, in a reference cycle: only a collection frees it
+    time.sleep(seconds)  # so that a request sent meanwhile lands on the other worker
     return torch.cuda.memory_reserved()
 """
 
 
 def case_memory_released(ctx):
+    """16 GiB held through a reference cycle; a request waiting on the other worker gets the lease
+    next and reads free memory at once: it must already be back (freed before the lease went)."""
     gib = 16
     before = out(*call(ctx.url, MEMORY, "free_bytes"))
-    reserved = out(*call(ctx.url, MEMORY, "hog", gib))
-    assert reserved >= gib << 30, reserved
-    after = [out(*call(ctx.url, MEMORY, "free_bytes")) for _ in range(2)]
-    lost = (before - min(after)) / (1 << 30)
-    assert lost < 1.0, f"{lost:.1f} GiB still held by an idle reused worker"
-    return f"{gib} GiB hogged; free memory afterwards within {lost:.2f} GiB of before"
+    hogged, after = in_parallel((0, lambda: call(ctx.url, MEMORY, "hog", gib, 1.0)),
+                                (0.3, lambda: call(ctx.url, MEMORY, "free_bytes")))
+    assert out(*hogged) >= gib << 30, short(hogged)
+    lost = (before - out(*after)) / (1 << 30)
+    assert lost < 1.0, f"{lost:.1f} GiB still held when the next request got the lease"
+    return f"{gib} GiB hogged; the next lease holder saw free memory within {lost:.2f} GiB of before"
 
 
 HANG = """
@@ -597,7 +628,7 @@ def case_benchmark_formula(ctx):
 # --- phases ---------------------------------------------------------------------------
 
 PROBE = r"""
-import json, os, sys, time
+import json, os, statistics, sys, time
 started = time.perf_counter()
 import torch
 torch_s = time.perf_counter() - started
@@ -608,14 +639,40 @@ report = {"python": sys.version.split()[0], "torch": torch.__version__, "torch_c
           "tvm_ffi": tvm_ffi.__version__, "torch_import_s": round(torch_s, 2), "tvm_ffi_import_s": round(tvm_ffi_s, 2),
           "dlpack_exchange_api": hasattr(torch.Tensor, "__dlpack_c_exchange_api__"),
           "torch_cuda_initialized_after_imports": torch.cuda.is_initialized()}
-pid = os.fork()  # what a template in this state hands its workers
-if pid == 0:
-    try:
-        torch.ones(1, device="cuda").sum().item()
-        os._exit(0)
-    except BaseException:
-        os._exit(3)
-report["fork_can_use_cuda"] = os.waitpid(pid, 0)[1] == 0
+
+
+def forked_context():
+    # what a fresh worker costs: a fork of this state, torch.cuda.init() and a tiny op (timed in
+    # the child), then its exit, which destroys the context (the rest of the parent's wait)
+    read, write = os.pipe()
+    forked = time.perf_counter()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            started = time.perf_counter()
+            torch.cuda.init()
+            torch.ones(1, device="cuda").sum().item()
+            os.write(write, repr(time.perf_counter() - started).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    created = os.read(read, 64)
+    os.close(read)
+    os.waitpid(pid, 0)
+    total = time.perf_counter() - forked
+    return (float(created), total) if created else None
+
+
+if torch.cuda.is_initialized():
+    report["fork_can_use_cuda"] = False
+else:
+    runs = [forked_context() for _ in range(5)]
+    report["fork_can_use_cuda"] = all(runs)
+    if all(runs):
+        report["forked_context_ms"] = {
+            "create_median": round(statistics.median(c for c, _ in runs) * 1e3, 1),
+            "fork_to_exit_median": round(statistics.median(t for _, t in runs) * 1e3, 1),
+            "exit_median": round(statistics.median(t - c for c, t in runs) * 1e3, 1)}
 started = time.perf_counter()
 torch.ones(1, device="cuda").sum().item()
 report["cuda_context_s"] = round(time.perf_counter() - started, 2)
@@ -627,8 +684,8 @@ print(json.dumps(report))
 
 CUPTI_PROBE = r"""
 import importlib.metadata, json
+import torch  # first, as in a worker: torch's own libcupti (nvidia-cuda-cupti) is the one loaded
 from cupti import cupti
-import torch
 x = torch.ones(1 << 20, device="cuda"); torch.cuda.synchronize()
 kinds = []
 cupti.activity_register_callbacks(lambda: (8 << 20, 0), lambda activities: kinds.extend(int(a.kind) for a in activities))
@@ -637,8 +694,14 @@ cupti.activity_enable(cupti.ActivityKind.CONCURRENT_KERNEL)
 cupti.activity_flush_all(1)
 cupti.activity_disable(cupti.ActivityKind.CONCURRENT_KERNEL)
 cupti.finalize()
-print(json.dumps({"cupti_python": importlib.metadata.version("cupti-python"), "kernel_records": len(kinds)}))
+print(json.dumps({"cupti_python": importlib.metadata.version("cupti-python"), "cupti_api": getattr(cupti, "get_version", lambda: None)(),
+                  "kernel_records": len(kinds)}))
 """
+
+# distributions whose versions explain a device's behaviour (absent ones are reported as such)
+DISTRIBUTIONS = ("torch", "cuda-bindings", "cuda-python", "nvidia-cuda-cupti", "nvidia-cuda-cupti-cu13",
+                 "nvidia-cuda-cupti-cu12", "cupti-python", "apache-tvm-ffi", "numpy", "ml_dtypes")
+TOOLS = ("nvidia-smi", "bwrap", "ncu", "compute-sanitizer", "nvcc", "dpkg")
 
 
 def probe(code, env=None, timeout=120):
@@ -652,50 +715,93 @@ def probe(code, env=None, timeout=120):
     return (json.loads(lines[-1]) if done.returncode == 0 and lines else None), done.stderr[-1500:]
 
 
-def phase_preflight(ctx):
-    """No server: the environment itself, so its failures are not mistaken for server bugs."""
+def distribution_versions():
+    """{distribution: version or None} as this interpreter (with the carried wheels) sees them."""
+    import importlib.metadata
+    versions = {}
+    for name in DISTRIBUTIONS:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def nvidia_smi():
+    """The GPUs' name, driver, memory and persistence mode (off: every first CUDA use pays the driver's init)."""
     smi = shutil.which("nvidia-smi")
-    if smi:
-        ctx.data["nvidia_smi"] = subprocess.run([smi, "--query-gpu=name,driver_version,memory.total",
-                                                 "--format=csv,noheader"], capture_output=True, text=True,
-                                                timeout=30, check=False).stdout.strip()
+    if not smi:
+        return None
+    return subprocess.run([smi, "--query-gpu=name,driver_version,memory.total,persistence_mode",
+                           "--format=csv,noheader"], capture_output=True, text=True, timeout=30,
+                          check=False).stdout.strip()
+
+
+def ensure_cupti(ctx):
+    """Whether CUPTI records kernels here, probed once (also for an --only run without preflight)."""
+    if ctx.cupti is None:
+        cupti_probe, error = probe(CUPTI_PROBE) if ctx.device == "gpu" else (None, "CPU mode")
+        ctx.cupti_report = cupti_probe or error
+        ctx.cupti = bool(cupti_probe and cupti_probe["kernel_records"] > 0)
+    return ctx.cupti
+
+
+def phase_preflight(ctx):
+    """The environment itself, so its failures are not mistaken for server bugs: versions, tools,
+    and (GPU) whether a fork after our imports can use CUDA, its context's cost, CUPTI."""
+    ctx.data["versions"] = distribution_versions()
+    ctx.data["tools"] = {tool: shutil.which(tool) for tool in TOOLS}
+    ctx.data["carried_debs"] = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ctx.wheels, "*.deb")))
+    ctx.data["nvidia_smi"] = nvidia_smi()
+    found = ", ".join(tool for tool, path in ctx.data["tools"].items() if path) or "none"
+    versions = ", ".join(f"{name} {version}" for name, version in ctx.data["versions"].items() if version)
+    if ctx.device == "cpu":
+        raise Skip(f"CUDA probes need a GPU; recorded {versions}; tools found: {found}")
     # as a user's script would import them; a cold tvm-ffi cache may build its torch add-on here (cached after)
-    plain_probe, error = probe(PROBE, timeout=240)
+    plain_probe, error = probe(PROBE, timeout=120)
     ctx.data["imports_plain"] = plain_probe or error
-    nvml_probe, error = probe(PROBE, {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"})  # as our templates do
+    nvml_probe, error = probe(PROBE, {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}, timeout=60)  # as our templates do
     ctx.data["imports_as_template"] = nvml_probe or error
     assert nvml_probe, f"torch/tvm_ffi probe failed: {error}"
     assert nvml_probe["fork_can_use_cuda"] and not nvml_probe["torch_cuda_initialized_after_imports"], nvml_probe
-    cupti_probe, error = probe(CUPTI_PROBE)
-    ctx.data["cupti"] = cupti_probe or error
-    ctx.cupti = bool(cupti_probe and cupti_probe["kernel_records"] > 0)
-    return (f"{nvml_probe['device']} torch {nvml_probe['torch']} (CUDA {nvml_probe['torch_cuda']}), "
-            f"imports {nvml_probe['torch_import_s']} + {nvml_probe['tvm_ffi_import_s']} s, "
-            f"fork after imports {'usable' if nvml_probe['fork_can_use_cuda'] else 'BROKEN'} "
-            f"(without NVML check: {plain_probe and plain_probe['fork_can_use_cuda']}), "
-            f"CUPTI {'ok' if ctx.cupti else 'UNUSABLE: ' + str(ctx.data['cupti'])[-200:]}")
+    ensure_cupti(ctx)
+    ctx.data["cupti"] = ctx.cupti_report
+    return (f"{nvml_probe['device']} ({ctx.data['nvidia_smi']}); {versions}; tools: {found}; "
+            f"imports {nvml_probe['torch_import_s']} + {nvml_probe['tvm_ffi_import_s']} s; "
+            f"forked context {nvml_probe['forked_context_ms']} ms "
+            f"(without NVML check a fork can use CUDA: {plain_probe and plain_probe['fork_can_use_cuda']}); "
+            f"CUPTI {'ok' if ctx.cupti else 'UNUSABLE: ' + str(ctx.cupti_report)[-200:]}")
 
 
-def phase_default_server(ctx):
-    """Default flags: a fresh worker per request.  Slot downtime = from an answer until the
-    replacement worker is ready again (/health capacity back to 1)."""
-    tiny = "def f():\n    import torch\n    return torch.ones(1, device='cuda').sum().item()\n"
+TINY = {"gpu": "def f():\n    import torch\n    return torch.ones(1, device='cuda').sum().item()\n",
+        "cpu": "def f():\n    return 1.0\n"}
+
+
+def back_to_back(ctx, name, *flags, count=20):
+    """`count` trivial requests, each sent as soon as the last one answered -> medians.  With a fresh
+    worker per request the slot is down while its replacement starts (off the answer's path), so
+    the next request's queue_ms is that slot downtime; the first request found its worker ready."""
     rows = []
-    with started_server(ctx, "default", device="gpu") as server:
-        for _ in range(5):
+    with started_server(ctx, name, *flags, device=ctx.device, workers=1) as server:  # one slot, as one GPU has
+        for _ in range(count):
             sent = time.monotonic()
-            status, body = call(server.url, tiny, "f")
-            answered = time.monotonic()
-            completed(status, body)
-            while server.health()["load"]["request_capacity"] < 1 and time.monotonic() - answered < 120:
-                time.sleep(0.02)
-            rows.append({"client_ms": round((answered - sent) * 1e3, 1), "queue_ms": round(body["queue_ms"], 1),
-                         "elapsed_ms": round(body["elapsed_ms"], 1), "lease_held_ms": round(body["lease_held_ms"], 1),
-                         "slot_downtime_ms": round((time.monotonic() - answered) * 1e3, 1)})
-    ctx.data["requests"] = rows
-    downtime = sorted(r["slot_downtime_ms"] for r in rows)
-    return (f"elapsed {[r['elapsed_ms'] for r in rows]} ms, slot downtime median {downtime[2]:.0f} ms "
-            f"(max {downtime[-1]:.0f})")
+            body = completed(*call(server.url, TINY[ctx.device], "f"))
+            rows.append({"client_ms": (time.monotonic() - sent) * 1e3, "queue_ms": body["queue_ms"],
+                         "elapsed_ms": body["elapsed_ms"], "lease_held_ms": body["lease_held_ms"]})
+    medians = {key: round(statistics.median(row[key] for row in rows[1:]), 1) for key in rows[0]}
+    medians["slot_downtime_ms_max"] = round(max(row["queue_ms"] for row in rows[1:]), 1)
+    ctx.data[name] = {"median_after_first": medians, "requests": rows}
+    return medians
+
+
+def phase_request_overhead(ctx):
+    """20 back-to-back trivial requests on fresh workers (the default) and on reused ones."""
+    fresh = back_to_back(ctx, "fresh_workers")
+    reused = back_to_back(ctx, "reused_workers", "--max-requests-per-worker", "0")
+    return (f"medians: fresh workers client {fresh['client_ms']} ms, elapsed {fresh['elapsed_ms']} ms, "
+            f"slot downtime (next queue_ms) {fresh['queue_ms']} ms (max {fresh['slot_downtime_ms_max']}); "
+            f"reused workers client {reused['client_ms']} ms, elapsed {reused['elapsed_ms']} ms, "
+            f"queue {reused['queue_ms']} ms")
 
 
 def phase_cpu_mode(ctx):
@@ -711,35 +817,43 @@ def phase_cpu_mode(ctx):
     return "a CPU worker forked from the template used CUDA"
 
 
+def build_library(ctx):
+    """The add_one TVM-FFI library for the server's target (CUDA: compiled by this machine's nvcc), once."""
+    if ctx.library is not None or ctx.library_error:
+        return
+    try:
+        ctx.library = build_add_one(ctx.device, ctx.health["target"].get("arch"))
+    except Exception as exc:
+        ctx.library = None
+        ctx.library_error = f"building the library failed: {type(exc).__name__}: {str(exc)[-400:]}"
+
+
 def phase_main_server(ctx):
     cases = GPU_CASES if ctx.device == "gpu" else CPU_CASES
     flags = ["--workers-per-gpu", "2", "--max-requests-per-worker", "0"] if ctx.device == "gpu" else []
+    ensure_cupti(ctx)
     # torchrun variables in the server's environment must not reach GPU workers
     with started_server(ctx, "main", *flags, device=ctx.device,
                         env={"RANK": "3", "WORLD_SIZE": "8", "MASTER_ADDR": "10.0.0.1"}) as server:
         ctx.url, ctx.health = server.url, server.health()
-        try:
-            ctx.library = build_add_one(ctx.device, ctx.health["target"].get("arch"))
-        except Exception as exc:
-            ctx.library = None
-            ctx.library_error = f"building the library failed: {type(exc).__name__}: {str(exc)[-400:]}"
-        failures = []
-        for case in cases:
-            if not run_case(ctx, case):
-                failures.append(case.__name__.removeprefix("case_"))
+        build_library(ctx)
+        failures = [case.__name__.removeprefix("case_") for case in cases if not run_case(ctx, case)]
     assert not failures, f"failed: {failures}"
     return f"{len(cases)} cases"
 
 
+CLI_COMMAND_TIMEOUT = 40  # seconds per `kcoral run` command: one stuck tool cannot take the run
+
+
 def phase_cli_tools(ctx):
     """`kcoral run python`, `ncu` and `compute-sanitizer` as a user types them (a tool missing on
-    this box must give its one-line answer instead)."""
+    this box must give its one-line answer instead), each bounded by CLI_COMMAND_TIMEOUT."""
     scratch = tempfile.mkdtemp(prefix="kcoral-cli-")
     with started_server(ctx, "cli", device=ctx.device) as server:
-        checks = cli_tool_checks(server.url, scratch)
+        checks = cli_tool_checks(server.url, scratch, timeout=CLI_COMMAND_TIMEOUT)
     for name, ok, detail in checks:
-        ctx.cases[name] = {"ok": ok, "detail": detail[:2000]}
-        print(f"{'PASS' if ok else 'FAIL'} {name}: {detail[:300]}", flush=True)
+        ctx.cases[name] = {"result": PASS if ok else FAIL, "detail": detail[:2000]}
+        print(f"{PASS if ok else FAIL} {name}: {detail[:300]}", flush=True)
     failed = [name for name, ok, _ in checks if not ok]
     assert not failed, f"failed: {failed}"
     return f"{len(checks)} kcoral run checks"
@@ -751,58 +865,167 @@ def nodes():
     return sorted(n for n in os.listdir("/dev") if n.startswith("nvidia"))
 """
 
+BWRAP_LIBRARIES = ("libcap2", "libselinux1", "libpcre2-8-0")  # what bwrap links beyond libc (see fetch_wheels.sh)
+
+
+def unpacked_bwrap(folder):
+    """bwrap from the carried bubblewrap.deb, unpacked with `dpkg -x` -> a bin folder holding `bwrap`.
+    When the machine lacks a library bwrap links, `bwrap` is instead a wrapper that starts the real
+    one through the dynamic loader with the carried libraries: only bwrap sees them, not the
+    programs it starts (LD_LIBRARY_PATH would reach those)."""
+    deb = os.path.join(folder, "bubblewrap.deb")
+    if not os.path.isfile(deb):
+        raise Skip(f"no bwrap on PATH and no {deb} (run bench/fetch_wheels.sh here, carry bench/wheels)")
+    if not shutil.which("dpkg"):
+        raise Skip(f"no bwrap on PATH, and no dpkg to unpack {deb}")
+    root = tempfile.mkdtemp(prefix="kcoral-bwrap-")
+    subprocess.run(["dpkg", "-x", deb, root], check=True, timeout=60)
+    binary = os.path.join(root, "usr", "bin", "bwrap")
+    missing = [line.split()[0] for line in linked(binary) if "not found" in line]
+    if not missing:
+        return os.path.dirname(binary)
+    for package in BWRAP_LIBRARIES:
+        library = os.path.join(folder, f"{package}.deb")
+        if os.path.isfile(library):
+            subprocess.run(["dpkg", "-x", library, root], check=True, timeout=60)
+    libraries = ":".join(os.path.join(root, d) for d in ("lib/x86_64-linux-gnu", "usr/lib/x86_64-linux-gnu"))
+    loader = "/lib64/ld-linux-x86-64.so.2"
+    wrapper_dir = os.path.join(root, "wrapped")
+    os.makedirs(wrapper_dir)
+    with open(os.path.join(wrapper_dir, "bwrap"), "w") as f:
+        f.write(f'#!/bin/sh\nexec {loader} --library-path {libraries} {binary} "$@"\n')
+    os.chmod(os.path.join(wrapper_dir, "bwrap"), 0o755)
+    return wrapper_dir
+
+
+def linked(binary):
+    """ldd's lines for `binary` (none when there is no ldd: then only trying it tells)."""
+    if not shutil.which("ldd"):
+        return []
+    return subprocess.run(["ldd", binary], capture_output=True, text=True, timeout=30, check=False).stdout.splitlines()
+
+
+def bwrap_folder(ctx):
+    """The folder whose `bwrap` the sandboxed server uses (--bwrap says where from), or Skip."""
+    if ctx.bwrap == "none":
+        raise Skip("no bwrap (--bwrap none)")
+    system = shutil.which("bwrap")
+    folder = os.path.dirname(system) if system and ctx.bwrap == "auto" else unpacked_bwrap(ctx.wheels)
+    ctx.data["bwrap"] = os.path.join(folder, "bwrap")
+    # the least any container needs; failing it is this machine's limit (user namespaces), not ours
+    tried = subprocess.run([ctx.data["bwrap"], "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/",
+                            "true"], capture_output=True, text=True, timeout=30, check=False)
+    if tried.returncode != 0:
+        raise Skip(f"{ctx.data['bwrap']} cannot create a container here: {tried.stderr.strip()[-300:]}")
+    return folder
+
 
 def phase_sandboxed(ctx):
     """The main program kinds again under `--sandbox bubblewrap` (docs/sandbox.md), and the device
     nodes a sandboxed worker sees: its own GPU's and the control nodes, nothing else."""
+    folder = bwrap_folder(ctx)
     cases = ([case_pinning] if ctx.device == "gpu" else []) + [case_tensors, case_library, case_benchmark,
                                                                 case_gpu_count]
-    with started_server(ctx, "sandboxed", "--sandbox", "bubblewrap", device=ctx.device) as server:
+    ensure_cupti(ctx)
+    path = folder + os.pathsep + os.environ.get("PATH", "")  # this server's only: others stay unsandboxed
+    with started_server(ctx, "sandboxed", "--sandbox", "bubblewrap", device=ctx.device, env={"PATH": path}) as server:
         ctx.url, ctx.health = server.url, server.health()
-        if not hasattr(ctx, "library"):  # when the main server's phase did not run
-            try:
-                ctx.library = build_add_one(ctx.device, ctx.health["target"].get("arch"))
-            except Exception as exc:
-                ctx.library = None
-                ctx.library_error = f"building the library failed: {type(exc).__name__}: {str(exc)[-400:]}"
+        build_library(ctx)
         failures = [case.__name__.removeprefix("case_") for case in cases if not run_case(ctx, case)]
         nodes = out(*call(server.url, SANDBOX_NODES, "nodes"))
     gpus = [n for n in nodes if re.fullmatch(r"nvidia\d+", n)]
     control = {"nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-caps"}
     assert len(gpus) == (1 if ctx.device == "gpu" else 0) and set(nodes) - set(gpus) <= control, nodes
     assert not failures, f"failed: {failures}"
-    return f"{len(cases)} cases; device nodes inside: {nodes}"
+    return f"bwrap {ctx.data['bwrap']}; {len(cases)} cases; device nodes inside: {nodes}"
+
+
+EXAMPLE_TIMEOUT = 60  # seconds per example script
+
+
+def gpu_examples():
+    """examples/*.py whose first comment line is `# requires: gpu`."""
+    chosen = []
+    for path in sorted(glob.glob(os.path.join(ROOT, "examples", "*.py"))):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            comments = [line.strip() for line in f if line.startswith("#") and not line.startswith("#!")]
+        if comments and comments[0] == "# requires: gpu":
+            chosen.append(path)
+    return chosen
+
+
+def phase_examples(ctx):
+    """Every GPU example run as a user would, against a default server named by KCORAL_URL."""
+    examples = gpu_examples()
+    if not examples:
+        raise Skip("no examples/*.py whose first comment line is `# requires: gpu`")
+    if ctx.device != "gpu":
+        raise Skip(f"{len(examples)} example(s) need a GPU")
+    with started_server(ctx, "examples", device=ctx.device) as server:
+        env = {**os.environ, "KCORAL_URL": server.url, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        for path in examples:
+            run_case(ctx, example_case(path, env))
+    failures = [name for name, case in ctx.cases.items() if case["result"] == FAIL]
+    assert not failures, f"failed: {failures}"
+    return f"{len(examples)} example(s)"
+
+
+def example_case(path, env):
+    """A case that runs one example script; its name is the file's."""
+    def case(ctx):
+        try:
+            done = subprocess.run([sys.executable, path], cwd=ROOT, env=env, capture_output=True, text=True,
+                                  timeout=EXAMPLE_TIMEOUT, check=False, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running after {EXAMPLE_TIMEOUT} s") from None
+        tail = (done.stdout + done.stderr).strip()[-300:]
+        assert done.returncode == 0, f"exit {done.returncode}: {tail}"
+        return tail.splitlines()[-1] if tail else "exit 0"
+    case.__name__ = "case_" + os.path.relpath(path, ROOT)
+    return case
 
 
 def run_case(ctx, case):
+    """Run one case unless the phase is out of time; its outcome goes to ctx.cases -> passed (or skipped)."""
     name = case.__name__.removeprefix("case_")
     started = time.monotonic()
-    if time.monotonic() > ctx.deadline:
-        ctx.cases[name] = {"ok": False, "detail": "skipped: out of time budget"}
-        print(f"SKIP {name}: out of time budget", flush=True)
-        return False
+    if started > ctx.deadline:
+        ctx.cases[name] = {"result": SKIP, "detail": "out of the phase's time budget"}
+        print(f"SKIP {name}: out of the phase's time budget", flush=True)
+        return True
+
     def work():
-        if ctx.library is None and name in ("library", "library_errors", "benchmark"):
+        if name in ("library", "library_errors", "benchmark") and ctx.library is None:
             raise AssertionError(ctx.library_error)
         return case(ctx)
 
-    detail, ok = attempt(name, work, traceback_limit=3)
-    ctx.cases[name] = {"ok": ok, "detail": str(detail)[:2000], "seconds": round(time.monotonic() - started, 1)}
-    return ok
+    detail, result = attempt(name, work, traceback_limit=3)
+    ctx.cases[name] = {"result": result, "detail": str(detail)[:2000], "seconds": round(time.monotonic() - started, 1)}
+    return result != FAIL
+
+
+PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
+
+
+class Skip(Exception):
+    """What this machine cannot check (no GPU, no bwrap, no examples): reported with its reason, never a failure."""
 
 
 def attempt(label, work, traceback_limit):
-    """Run one case or phase and print its PASS/FAIL line -> (detail, ok); a failed assertion
-    is a finding, any other exception also gets its traceback."""
+    """Run one case or phase and print its PASS/FAIL/SKIP line -> (detail, result); a failed
+    assertion is a finding, any other exception also gets its traceback."""
     try:
-        detail, ok = work(), True
-        print(f"PASS {label}: {detail}", flush=True)
+        detail = work()
+        print(f"{PASS} {label}: {detail}", flush=True)
+        return detail, PASS
+    except Skip as exc:
+        print(f"{SKIP} {label}: {exc}", flush=True)
+        return str(exc), SKIP
     except Exception as exc:
-        detail, ok = f"{type(exc).__name__}: {exc}", False
-        print(f"FAIL {label}: {detail}", flush=True)
+        print(f"{FAIL} {label}: {type(exc).__name__}: {exc}", flush=True)
         if not isinstance(exc, AssertionError):
             traceback.print_exc(limit=traceback_limit)
-    return detail, ok
+        return f"{type(exc).__name__}: {exc}", FAIL
 
 
 class started_server:
@@ -829,23 +1052,28 @@ GPU_CASES = [case_pinning, case_health, case_tensors, case_layouts, case_library
 CPU_CASES = [case_health, case_tensors, case_library, case_library_errors, case_benchmark, case_compile_tirx,
              case_lease_timings, case_cpu_only, case_gpu_count]
 
-# (name, function, devices it runs on)
+# (name, function, devices it runs on, seconds after which it starts no further case).  On an
+# H200 the budgets add up to the run's default --budget-s, so a full run ends within 6 minutes.
 PHASES = [
-    ("preflight", phase_preflight, ("gpu",)),
-    ("default_server", phase_default_server, ("gpu",)),
-    ("cpu_mode", phase_cpu_mode, ("gpu",)),
-    ("main_server", phase_main_server, ("gpu", "cpu")),
-    ("cli_tools", phase_cli_tools, ("gpu", "cpu")),
-    ("sandboxed", phase_sandboxed, ("gpu", "cpu")),
+    ("preflight", phase_preflight, ("gpu", "cpu"), 45),
+    ("request_overhead", phase_request_overhead, ("gpu", "cpu"), 50),
+    ("cpu_mode", phase_cpu_mode, ("gpu",), 20),
+    ("main_server", phase_main_server, ("gpu", "cpu"), 95),
+    ("cli_tools", phase_cli_tools, ("gpu", "cpu"), 40),
+    ("sandboxed", phase_sandboxed, ("gpu", "cpu"), 30),
+    ("examples", phase_examples, ("gpu", "cpu"), 20),
 ]
+PHASE_NAMES = [name for name, *_ in PHASES]
 
 
 class Context:
     """What phases share: the device, CUPTI's state, the current server, figures for the report."""
 
-    def __init__(self, device, out, deadline):
-        self.device, self.out, self.deadline = device, out, deadline
-        self.cupti = False
+    def __init__(self, device, out, wheels, bwrap):
+        self.device, self.out, self.wheels, self.bwrap = device, out, wheels, bwrap
+        self.deadline = float("inf")  # the running phase's: no case starts after it
+        self.cupti = None  # None until probed (preflight, or the first phase that needs to know)
+        self.library, self.library_error = None, None  # built once, by the first phase with a server
         self.arch_list_env = os.environ.get("TVM_FFI_CUDA_ARCH_LIST")
         self.data, self.cases = {}, {}
 
@@ -856,38 +1084,82 @@ def write_report(ctx, report):
             json.dump(report, f, indent=1, default=str)
 
 
+def chosen_phases(only):
+    """--only's comma-separated names, checked, in PHASES order (all phases without it)."""
+    if not only:
+        return PHASE_NAMES
+    names = only.split(",")
+    unknown = sorted(set(names) - set(PHASE_NAMES))
+    if unknown:
+        raise SystemExit(f"gpu_check: unknown phase(s) {unknown}; phases: {','.join(PHASE_NAMES)}")
+    return [name for name in PHASE_NAMES if name in names]
+
+
+def run_phase(ctx, name, phase, devices, budget, run_deadline):
+    """One phase within its budget (and the run's) -> its report entry; prints its wall time."""
+    started = time.monotonic()
+    ctx.data, ctx.cases = {}, {}
+    ctx.deadline = min(started + budget, run_deadline)
+    label = f"phase {name}"
+
+    def work():
+        if ctx.device not in devices:
+            raise Skip(f"needs a CUDA device (this is a --device {ctx.device} run)")
+        if started >= run_deadline:
+            raise Skip("out of the run's time budget (--budget-s)")
+        return phase(ctx)
+
+    detail, result = attempt(label, work, traceback_limit=5)
+    seconds = round(time.monotonic() - started, 1)
+    over = " -- OVER BUDGET" if seconds > budget else ""
+    print(f"  {label}: {seconds} s of its {budget} s budget{over}", flush=True)
+    return {"result": result, "detail": str(detail)[:2000], "data": ctx.data, "cases": ctx.cases,
+            "seconds": seconds, "budget_s": budget}
+
+
+def tally(report):
+    """Counts of PASS/FAIL/SKIP over cases, and over phases that have none (or failed outside them)."""
+    counts = {PASS: 0, FAIL: 0, SKIP: 0}
+    for phase in report["phases"].values():
+        results = [case["result"] for case in phase["cases"].values()]
+        if not results or phase["result"] == FAIL and FAIL not in results:
+            results.append(phase["result"])
+        for result in results:
+            counts[result] += 1
+    return counts
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
     parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_check.json and server logs")
-    parser.add_argument("--wheels", help="folder of wheels to install first (done before imports)")
-    parser.add_argument("--only", help="comma-separated phases to run")
-    parser.add_argument("--budget-s", type=float, default=330,
-                        help="start no case after this many seconds (the whole run stays within 7 minutes)")
+    parser.add_argument("--wheels", help="folder of wheels to install first (done before imports), and of the "
+                                         "bubblewrap .debs the sandboxed phase unpacks when bwrap is not on PATH")
+    parser.add_argument("--only", help=f"comma-separated phases to run, of {','.join(PHASE_NAMES)}")
+    parser.add_argument("--bwrap", choices=("auto", "carried", "none"), default="auto",
+                        help="the sandboxed phase's bwrap: PATH's, else the carried .deb (auto); only the .deb "
+                             "(carried); none, so that the phase skips (checks the skip)")
+    parser.add_argument("--budget-s", type=float, default=300,
+                        help="start no phase or case after this many seconds (the whole run stays within 6 minutes)")
     args = parser.parse_args(argv)
     started = time.monotonic()
+    phases = chosen_phases(args.only)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-    ctx = Context(args.device, args.out, started + args.budget_s)
+    ctx = Context(args.device, args.out, args.wheels or os.path.join(ROOT, "bench", "wheels"), args.bwrap)
     report = {"device": args.device, "phases": {}}
-    only = set(args.only.split(",")) if args.only else None
-    results = []
-    for name, phase, devices in PHASES:
-        if args.device not in devices or (only and name not in only):
-            continue
-        ctx.data, ctx.cases, phase_started = {}, {}, time.monotonic()
-        detail, ok = attempt(f"phase {name}", lambda: phase(ctx), traceback_limit=5)
-        results.extend([case["ok"] for case in ctx.cases.values()] or [ok])
-        report["phases"][name] = {"ok": ok, "detail": str(detail)[:2000], "data": ctx.data, "cases": ctx.cases,
-                                  "seconds": round(time.monotonic() - phase_started, 1)}
-        report["seconds"] = round(time.monotonic() - started, 1)
-        write_report(ctx, report)
-    passed = sum(results)  # cases, and phases that have none
-    report.update(passed=passed, failed=len(results) - passed)
+    for name, phase, devices, budget in PHASES:
+        if name in phases:
+            report["phases"][name] = run_phase(ctx, name, phase, devices, budget, started + args.budget_s)
+            report["seconds"] = round(time.monotonic() - started, 1)
+            write_report(ctx, report)
+    counts = tally(report)
+    report.update(passed=counts[PASS], failed=counts[FAIL], skipped=counts[SKIP])
     write_report(ctx, report)
+    print("per-phase wall time: " + ", ".join(f"{name} {entry['seconds']} s" for name, entry in report["phases"].items()))
     print(f"({args.device} mode, {time.monotonic() - started:.0f} s)")
-    print(f"{passed} passed, {len(results) - passed} failed")
-    return 0 if passed == len(results) else 1
+    print(f"{counts[PASS]} passed, {counts[FAIL]} failed, {counts[SKIP]} skipped")
+    return 1 if counts[FAIL] else 0
 
 
 if __name__ == "__main__":

@@ -693,11 +693,32 @@ def test_gpu_workers_pin_before_torch_is_imported():
 
 # --- bench/gpu_check.py --------------------------------------------------------------
 
-def test_gpu_check_cpu_mode():
-    out = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--device", "cpu"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+def gpu_check(*args, out_dir):
+    return subprocess.run([sys.executable, "-m", "bench.gpu_check", "--device", "cpu", "--out", str(out_dir), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_gpu_check_cpu_mode(tmp_path):
+    out = gpu_check(out_dir=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "0 failed" in out.stdout.splitlines()[-1], out.stdout
+    assert ", 0 failed, " in out.stdout.splitlines()[-1], out.stdout
+    phases = json.loads((tmp_path / "gpu_check.json").read_text())["phases"]
+    assert phases["cpu_mode"]["result"] == "SKIP" and "needs a CUDA device" in phases["cpu_mode"]["detail"]
+    assert all({"seconds", "budget_s"} <= set(phase) for phase in phases.values())  # soft budgets: timed, not enforced here
+    fresh = phases["request_overhead"]["data"]["fresh_workers"]
+    assert len(fresh["requests"]) == 20 and fresh["median_after_first"]["queue_ms"] >= 0
+
+
+def test_gpu_check_without_bwrap_skips_the_sandboxed_phase(tmp_path):
+    out = gpu_check("--only", "sandboxed", "--bwrap", "none", out_dir=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SKIP phase sandboxed: no bwrap (--bwrap none)" in out.stdout.splitlines()
+    assert out.stdout.splitlines()[-1] == "0 passed, 0 failed, 1 skipped"
+
+
+def test_gpu_check_refuses_an_unknown_phase(tmp_path):
+    out = gpu_check("--only", "main_server,nonesuch", out_dir=tmp_path)
+    assert out.returncode != 0 and "unknown phase(s) ['nonesuch']" in out.stderr
 
 
 # --- what a desk review predicted would break on a real GPU ----------------
