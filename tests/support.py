@@ -5,10 +5,12 @@ Import them as `from tests.support import ...` (the repository root is on sys.pa
 pytest runs, and for `python -m bench.<script>`).
 """
 
+import collections
 import contextlib
 import fcntl
 import hashlib
 import http.client
+import itertools
 import json
 import os
 import re
@@ -22,6 +24,8 @@ import threading
 import time
 
 import pytest
+
+from client import Client, KCoralError, Program, TransportError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = sys.executable
@@ -95,25 +99,62 @@ class ServerProcess:
 
 
 class HAProxyProcess:
-    """A real `haproxy` in front of KCoral nodes, configured by `python -m kcoral haproxy-config`."""
+    """A real `haproxy` in master-worker mode (as Debian's unit runs it) in front of KCoral nodes,
+    configured by `python -m kcoral haproxy-config`, its pidfile and admin socket in `workdir`."""
 
     def __init__(self, node_urls, workdir, token=None, flags=()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.config_path = os.path.join(str(workdir), f"haproxy-{self.port}.cfg")
-        token_flags = ["--token", token] if token else []
-        config = subprocess.run([PYTHON, "-m", "kcoral", "haproxy-config", "--listen", f"127.0.0.1:{self.port}",
-                                 *token_flags, *flags, *node_urls], cwd=ROOT, capture_output=True, text=True,
-                                check=True)
-        with open(self.config_path, "w") as f:
-            f.write(config.stdout)
+        self.pidfile = self.config_path + ".pid"
+        self.socket = self.config_path + ".sock"
+        self.token, self.flags = token, list(flags)
+        self.configure(node_urls)
         self.stderr = open(self.config_path + ".log", "ab")
-        self.proc = subprocess.Popen([HAPROXY, "-db", "-f", self.config_path],
+        self.proc = subprocess.Popen([HAPROXY, "-W", "-db", "-f", self.config_path],
                                      stdout=subprocess.DEVNULL, stderr=self.stderr)
         deadline = time.monotonic() + 30
-        while not self.accepting():
+        while not (self.accepting() and os.path.exists(self.socket)):
             assert self.proc.poll() is None and time.monotonic() < deadline, "haproxy did not start"
             time.sleep(0.05)
+
+    def configure(self, node_urls):
+        """(Re)write the configuration for these nodes, as an operator would: `haproxy-config -o`."""
+        token_flags = ["--token", self.token] if self.token else []
+        subprocess.run([PYTHON, "-m", "kcoral", "haproxy-config", "--listen", f"127.0.0.1:{self.port}",
+                        "--pidfile", self.pidfile, "--stats-socket", self.socket, "-o", self.config_path,
+                        *token_flags, *self.flags, *node_urls], cwd=ROOT, capture_output=True, text=True,
+                       check=True)
+
+    def admin(self, command):
+        """One command on the admin socket -> its answer."""
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.settimeout(10)
+            sock.connect(self.socket)
+            sock.sendall(command.encode() + b"\n")
+            with sock.makefile("rb") as answer:
+                return answer.read().decode()
+
+    def stats(self):
+        """`show stat` -> one dict per proxy and server (pxname, svname, scur, qcur, status...)."""
+        header, *rows = self.admin("show stat").lstrip("# ").splitlines()
+        names = header.split(",")
+        return [dict(zip(names, row.split(","), strict=False)) for row in rows if row]
+
+    def worker_pid(self):
+        """The pid of the worker answering the admin socket (None while a reload rebinds it)."""
+        try:
+            return int(re.search(r"^Pid: (\d+)$", self.admin("show info"), re.M).group(1))
+        except OSError:
+            return None
+
+    def reload(self):
+        """Reload the configuration as docs/operations.md says: SIGUSR2 to the master named by the
+        pidfile; returns once a new worker answers on the admin socket."""
+        old = self.worker_pid()
+        with open(self.pidfile) as f:
+            os.kill(int(f.read().split()[0]), signal.SIGUSR2)
+        assert wait_for(lambda: self.worker_pid() not in (None, old), 20), "haproxy did not reload"
 
     def log(self):
         """HAProxy's request log (one line per request: `kcoral/<NOSRV>` for those it answered itself)."""
@@ -211,6 +252,60 @@ class HostileServer:
             with contextlib.suppress(OSError):  # not connected any more
                 sock.shutdown(socket.SHUT_RDWR)
             sock.close()
+
+
+# Each execution appends its value to a ledger first, so a request run twice would show.
+ECHO_AFTER = ("import time\ndef f(x, seconds, ledger):\n    with open(ledger, 'a') as f:\n        f.write(f'{x}\\n')\n"
+              "    time.sleep(seconds)\n    return x\n")
+
+
+def echo_program(value, seconds, ledger):
+    program = Program()
+    fn = program.get_function(module=program.upload(kind="module", source=ECHO_AFTER), name="f")
+    program.return_(key="out", value=program.run(fn=fn, args=[value, seconds, ledger]))
+    return program
+
+
+def run_echo(client, value, seconds, outcomes, ledger):
+    """One request; records 'ok', 'wrong' or the error it failed with."""
+    try:
+        result = client.execute(echo_program(value, seconds, ledger))
+        outcomes[value] = "ok" if result.completed and result["out"] == value else f"wrong: {result}"
+    except (KCoralError, TransportError) as exc:
+        outcomes[value] = f"{type(exc).__name__}: {exc}"
+
+
+def ledger_runs(ledger, tag):
+    """How many times each request whose value starts with `tag` ran, from the echo ledger."""
+    with open(ledger) as f:
+        return collections.Counter(line.strip() for line in f if line.startswith(tag))
+
+
+class SteadyLoad:
+    """`clients` threads each sending echo requests of `seconds` through `url`, one after another,
+    until stop(); `outcomes` maps each request's value to what became of it."""
+
+    def __init__(self, url, ledger, headers=None, clients=6, seconds=0.3):
+        self.url, self.ledger, self.headers, self.seconds = url, ledger, headers or {}, seconds
+        self.tag = f"load-{time.monotonic_ns()}-"
+        self.outcomes = {}
+        self.numbers = itertools.count()
+        self.stopping = threading.Event()
+        self.threads = [threading.Thread(target=self.client_loop) for _ in range(clients)]
+        for thread in self.threads:
+            thread.start()
+
+    def client_loop(self):
+        with Client(self.url, headers=self.headers) as client:
+            while not self.stopping.is_set():
+                run_echo(client, f"{self.tag}{next(self.numbers)}", self.seconds, self.outcomes, self.ledger)
+
+    def stop(self):
+        """Let the requests under way finish -> how many times each request ran."""
+        self.stopping.set()
+        for thread in self.threads:
+            thread.join()
+        return ledger_runs(self.ledger, self.tag)
 
 
 HAPROXY = shutil.which("haproxy", path=os.environ.get("PATH", "") + os.pathsep + "/usr/sbin")

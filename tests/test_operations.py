@@ -10,6 +10,8 @@ import contextlib
 import http.client
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import stat
@@ -351,3 +353,48 @@ def test_each_embedded_server_writes_its_own_log(tmp_path):
     assert [[r["event"] for r in log_records(run)][-1] for d in ids for run in run_directories(d)] == \
         ["server_stopped", "server_stopped"]
     assert stray not in logged_ids(first_dir) | logged_ids(second_dir)
+
+
+UNIT = os.path.join(ROOT, "docs", "kcoral.service")
+UNIT_PYTHON = "/opt/kcoral/venv/bin/python"
+
+
+def unit_settings(text):
+    """The unit's `Key=value` lines (continuations joined) -> {key: [values]}."""
+    settings = {}
+    for line in text.replace("\\\n", " ").splitlines():
+        if re.fullmatch(r"[A-Za-z]+=.*", line):
+            key, _, value = line.partition("=")
+            settings.setdefault(key, []).append(value)
+    return settings
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_the_systemd_unit_verifies_and_uses_the_real_flags(tmp_path):
+    """docs/kcoral.service passes `systemd-analyze verify` without a remark (with this interpreter in
+    place of its ExecStart's), names only flags `python -m kcoral --help` knows, gives a stop the
+    time a drain can take, and keeps the user namespaces the sandbox needs."""
+    with open(UNIT) as f:
+        text = f.read()
+    assert UNIT_PYTHON in text
+    copy = tmp_path / "kcoral.service"
+    copy.write_text(text.replace(UNIT_PYTHON, PYTHON))
+    verified = subprocess.run(["systemd-analyze", "verify", str(copy)], capture_output=True, text=True, check=False)
+    assert verified.returncode == 0 and verified.stdout + verified.stderr == "", verified.stdout + verified.stderr
+    settings = unit_settings(text)
+    exec_start = settings["ExecStart"][0].split()
+    assert exec_start[:3] == [UNIT_PYTHON, "-m", "kcoral"]
+    cli = subprocess.run([PYTHON, "-m", "kcoral", "--help"], cwd=ROOT, capture_output=True, text=True, check=True)
+    known = set(re.findall(r"(?<![\w-])--[a-z][a-z-]+", cli.stdout))
+    used = {arg for arg in exec_start if arg.startswith("--")}
+    assert used and used <= known, used - known
+    credential = settings["LoadCredential"][0].split(":")[0]
+    assert exec_start[exec_start.index("--token-file") + 1] == f"%d/{credential}"
+    defaults = kcoral.ServerConfig()
+    drain = defaults.max_timeout_seconds + defaults.worker_termination_grace_seconds + 10 * defaults.drain_seconds
+    assert int(settings["TimeoutStopSec"][0]) >= drain
+    assert settings["KillMode"] == ["mixed"] and settings["Restart"] == ["on-failure"]
+    assert settings["User"] == ["kcoral"] and "RestartSec" in settings
+    for breaks_the_sandbox in ("RestrictNamespaces", "PrivateUsers", "SystemCallFilter", "ProtectKernelTunables",
+                               "ProcSubset", "ProtectProc"):
+        assert breaks_the_sandbox not in settings, breaks_the_sandbox
