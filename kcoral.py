@@ -607,7 +607,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         super().setup()
         self.cut_reason: str | None = None  # set by the ConnectionGuard when it cuts this connection
         self.body_done = True
-        self.head_started = time.monotonic()  # of the request being read; its events' total_ms counts from it
+        self.head_started, self.head_arrived = time.monotonic(), time.time()  # of the request being read; its events' total_ms counts from it
 
     def handle_one_request(self) -> None:
         """http.server's, with the request head read under a size cap and a total deadline,
@@ -622,7 +622,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             self.close_connection = True
             return
         self.watch("header")
-        self.head_started = time.monotonic()
+        self.head_started, self.head_arrived = time.monotonic(), time.time()
         head = self.read_head()
         self.unwatch()
         if head is None:
@@ -711,10 +711,14 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if not self.authorized(""):
             return
-        if self.path != "/health":
-            return self.route_error()
-        self.drain_body()
-        self.send_json(200, self.app.health())
+        if self.path == "/health":
+            self.drain_body()
+            self.send_json(200, self.app.health())
+        elif self.path == "/metrics":
+            self.drain_body()
+            self.send_metrics(self.app.metrics_text().encode())
+        else:
+            self.route_error()
 
     def do_POST(self) -> None:
         request_id = self.request_id()
@@ -722,12 +726,12 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             return
         if self.path != "/execute":
             return self.route_error()
-        started = time.monotonic()
+        started, self.request_bytes = time.monotonic(), 0
         with self.app.request_in_flight():  # a graceful shutdown waits until the answer is out
             outcome = self.outcome_of_post(request_id)
             outcome, size, lost = self.send_outcome(request_id, outcome)
         fields = {"client_request_id": self.canonical_uuid("X-KCoral-Client-Request-ID"),
-                  **request_fields(request_id, outcome, started)}
+                  "request_bytes": self.request_bytes, **request_fields(request_id, outcome, started)}
         if size is None:
             self.disconnected("response", error=lost, **fields)
         else:
@@ -798,7 +802,9 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             self.body_done = True
             if body is None:
                 return Outcome(413, "request_too_large", "request exceeds the configured size limit")
-            return self.app.handle_execute(request_id, body, self.headers.get("Content-Type"))
+            self.request_bytes = len(body)
+            return self.app.handle_execute(request_id, body, self.headers.get("Content-Type"),
+                                           proxy_queue_ms(self.headers.get("X-Request-Start"), self.head_arrived))
         finally:
             reservation.release()
 
@@ -930,6 +936,11 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         body = {"status": "ERROR", "request_id": request_id, "error": {"kind": kind, "message": message}}
         return self.send_json(status, body, {"X-Request-ID": request_id, **dict(headers)})
 
+    def send_metrics(self, text: bytes) -> None:
+        self.send_response(200)
+        self.send_common_headers("text/plain; version=0.0.4; charset=utf-8", len(text), {})
+        self.send_all(text)
+
     def send_common_headers(self, content_type: str, length: int, headers: Mapping[str, str]) -> None:
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(length))
@@ -942,8 +953,8 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
 
     def route_error(self) -> None:
         self.drain_body()
-        if self.path in ("/health", "/execute"):
-            allow = "GET" if self.path == "/health" else "POST"
+        if self.path in ("/health", "/metrics", "/execute"):
+            allow = "POST" if self.path == "/execute" else "GET"
             self.send_json(405, {"detail": "Method Not Allowed"}, {"Allow": allow})
         else:
             self.send_json(404, {"detail": "Not Found"})
@@ -1029,12 +1040,28 @@ def declared_length(value: str) -> int | None:
     return int(digits) if len(digits) <= 30 else 1 << 100
 
 
+PROXY_STAMP = re.compile(r"t=(\d{1,19})")
+
+
+def proxy_queue_ms(stamp: str | None, arrived: float) -> float:
+    """How long a request waited in the proxy in front of us, in ms: the HAProxy config that
+    haproxy-config writes stamps `X-Request-Start: t=<microseconds since the epoch>` once it has
+    read the request head.  0 without a stamp, or with one from the future or over an hour old
+    (unsynchronised clocks, or not a proxy's stamp at all)."""
+    match = PROXY_STAMP.fullmatch(stamp or "")
+    if match is None:
+        return 0.0
+    waited = arrived * 1e3 - int(match[1]) / 1e3
+    return waited if 0 <= waited <= 3.6e6 else 0.0
+
+
 def request_fields(request_id: str, outcome: Outcome, started: float) -> dict[str, Any]:
     """What every request event says about a request (request_finished, request_refused, a disconnect)."""
     body = outcome.body or {}
     return {"request_id": request_id, "http_status": outcome.http_status, "status": body.get("status", "ERROR"),
             "error_kind": (body.get("error") or {}).get("kind") or outcome.kind or None,
             "worker_id": outcome.worker_id or None, "queue_ms": body.get("queue_ms"),
+            "lease_wait_ms": body.get("lease_wait_ms"), "lease_held_ms": body.get("lease_held_ms"),
             "elapsed_ms": body.get("elapsed_ms"), "total_ms": (time.monotonic() - started) * 1e3}
 
 
@@ -1199,6 +1226,31 @@ class KCoralServer:
         matches = [hmac.compare_digest(given, accepted) for accepted in credentials]  # no early exit
         return not credentials or any(matches)
 
+    def metrics_text(self) -> str:
+        """GET /metrics: the event-fed counters plus the gauges read now (docs/operations.md)."""
+        load, blobs = self.pool.load(), self.blobs
+        gauges: list[tuple[str, Labels, float]] = [
+            ("kcoral_requests_in_progress", (), self.in_flight),
+            ("kcoral_requests_waiting", (), load["requests_waiting"]),
+            ("kcoral_capacity", (), load["request_capacity"]),
+            ("kcoral_info", (("version", __version__), ("device", self.device), ("sandbox", self.config.sandbox)), 1)]
+        caches: list[tuple[str, MemoryCache | DiskCache | None]] = [("memory", blobs.memory), ("disk", blobs.disk)]
+        for name, cache in caches:
+            if cache is None:
+                continue
+            labels = (("cache", name),)
+            with blobs.lock:
+                gauges += [("kcoral_cache_hits_total", labels, blobs.hits[name]),
+                           ("kcoral_cache_misses_total", labels, blobs.misses[name])]
+            size, entries = (cache.size, len(cache)) if isinstance(cache, MemoryCache) else (cache.total, cache.files)
+            gauges += [("kcoral_cache_evictions_total", labels, cache.evictions),
+                       ("kcoral_cache_bytes", labels, size), ("kcoral_cache_entries", labels, entries)]
+        if self.pool.arbiter is not None:
+            with self.pool.arbiter.cond:
+                busy = dict(self.pool.arbiter.busy_seconds)
+            gauges += [("kcoral_gpu_lease_busy_seconds_total", (("gpu", str(g)),), s) for g, s in busy.items()]
+        return self.log.metrics.render(gauges)
+
     def health(self) -> dict[str, Any]:
         return {"status": "ok", "instance_id": self.instance_id, "started_at": self.started_at,
                 "gpu_count": self.gpu_count, "load": self.pool.load(),
@@ -1217,7 +1269,8 @@ class KCoralServer:
                 self.in_flight -= 1
                 self.in_flight_cond.notify_all()
 
-    def handle_execute(self, request_id: str, body: Body, content_type: str | None) -> Outcome:
+    def handle_execute(self, request_id: str, body: Body, content_type: str | None,
+                       proxy_queue_ms: float = 0.0) -> Outcome:
         """A request body, read -> Outcome.  The checks run in protocol order (docs/protocol.md §4.7): the first
         that fails decides the answer."""
         try:
@@ -1233,7 +1286,7 @@ class KCoralServer:
                     return Outcome(body={"status": "CACHE_MISS", "request_id": request_id,
                                          "missing_blobs": missing})
                 self.check_gpu_count(program)
-                return self.run_program(request_id, data, program, blobs)
+                return self.run_program(request_id, data, program, blobs, proxy_queue_ms)
             finally:
                 if disk_writes is not None:
                     disk_writes.join()  # once answered, the client may count on its file blobs being cached
@@ -1247,7 +1300,8 @@ class KCoralServer:
         if gpu_count and gpu_count > self.gpu_count:
             raise ValidationError("gpu_count exceeds this GPU server's configured capacity")
 
-    def run_program(self, request_id: str, data: memoryview, program: ValidProgram, blobs: Blobs) -> Outcome:
+    def run_program(self, request_id: str, data: memoryview, program: ValidProgram, blobs: Blobs,
+                    proxy_queue_ms: float = 0.0) -> Outcome:
         """A valid program with all its blobs -> a worker's Outcome (or 503 busy: nothing ran)."""
         if self.closing:
             return self.refuse_while_draining()
@@ -1257,7 +1311,8 @@ class KCoralServer:
                   timeout=min(options.get("timeout_seconds", config.default_timeout_seconds),
                               config.max_timeout_seconds),
                   output_limit=min(options.get("output_limit_bytes", config.output_limit_bytes),
-                                   config.max_output_limit_bytes))
+                                   config.max_output_limit_bytes),
+                  proxy_queue_ms=proxy_queue_ms)
         with self.blobs.pinned(program):
             outcome = self.pool.run_job(job)
         return self.refuse_while_draining() if outcome.http_status == 503 and self.closing else outcome
@@ -1426,6 +1481,7 @@ class EventLog:
         self.run_fd: int | None = None  # the run directory, held open: its files are found from it
         self.fd: int | None = None  # events.jsonl
         self.programs: SavedPrograms | None = None
+        self.metrics = Metrics()  # fed by the events below, so the metrics and the log agree
 
     def open(self) -> str | None:
         """Create this start's run directory and open its log -> its path (None: no log file)."""
@@ -1450,6 +1506,7 @@ class EventLog:
         """One JSON line per event in the run's events.jsonl; request and lifecycle lines on stderr."""
         record = {"timestamp": utc_now().isoformat(timespec="milliseconds").replace("+00:00", "Z"),
                   "level": level, "event": event, **fields}
+        self.metrics.record(event, level, fields)
         with self.lock:
             if self.fd is not None:
                 self.append((json.dumps(record, default=str) + "\n").encode())
@@ -1512,6 +1569,122 @@ class EventLog:
             if self.programs is not None:
                 self.programs.close()
             self.fd = self.run_fd = self.programs = None
+
+
+# Prometheus text exposition format 0.0.4 (docs/operations.md, "Monitoring"): what GET /metrics serves
+METRIC_HELP = {
+    "kcoral_requests_total": ("counter", "Requests answered, by result status, HTTP code and error kind"),
+    "kcoral_request_queue_seconds": ("histogram", "Time a request waited for a worker (and, behind HAProxy, "
+                                                  "in the proxy's queue)"),
+    "kcoral_request_lease_wait_seconds": ("histogram", "Time a request's worker waited for the GPU lease"),
+    "kcoral_request_lease_held_seconds": ("histogram", "Time a request's worker held the GPU lease"),
+    "kcoral_request_duration_seconds": ("histogram", "Time from a request's first byte to its answer"),
+    "kcoral_request_body_bytes_total": ("counter", "Bytes of request bodies read"),
+    "kcoral_response_body_bytes_total": ("counter", "Bytes of response bodies sent"),
+    "kcoral_events_total": ("counter", "Event log records, by event and level"),
+    "kcoral_requests_in_progress": ("gauge", "POST requests being read, run or answered"),
+    "kcoral_requests_waiting": ("gauge", "Requests waiting for a free worker"),
+    "kcoral_capacity": ("gauge", "Requests this node runs at once (0 while draining)"),
+    "kcoral_worker_starts_total": ("counter", "Worker processes started"),
+    "kcoral_worker_crashes_total": ("counter", "Workers that died or broke the protocol during a request"),
+    "kcoral_worker_replacements_total": ("counter", "Workers replaced after serving"),
+    "kcoral_cache_hits_total": ("counter", "Blobs a request referenced without sending, found in the cache"),
+    "kcoral_cache_misses_total": ("counter", "Blobs a request referenced without sending, not in the cache"),
+    "kcoral_cache_evictions_total": ("counter", "Cache entries evicted to stay within the cache's budget"),
+    "kcoral_cache_bytes": ("gauge", "Bytes the cache holds (the disk cache: blocks its files occupy)"),
+    "kcoral_cache_entries": ("gauge", "Entries the cache holds"),
+    "kcoral_gpu_lease_busy_seconds_total": ("counter", "Seconds of released GPU leases, by GPU"),
+    "kcoral_info": ("gauge", "This node's version, device and sandbox mode (always 1)"),
+}
+DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0)
+KNOWN_KINDS = kcoral_worker.ERROR_KINDS | {"busy", "timeout", "request_too_large", "response_too_large",
+                                           "unauthorized"}
+Labels = tuple[tuple[str, str], ...]
+
+
+class Metrics:
+    """Counters and histograms of one node, fed by its event log's records (`record`), and the
+    text GET /metrics answers (`render`, given the gauges read at scrape time).
+
+    Label values come from closed sets (result statuses, HTTP codes our code answers, error
+    kinds, event names, GPU ids), never from what a client sends: the number of series stays
+    bounded whatever the traffic."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.counters: dict[tuple[str, Labels], float] = collections.defaultdict(float)
+        self.histograms: dict[str, list[float]] = {}  # name -> bucket counts, then sum and count
+
+    def add(self, name: str, value: float = 1.0) -> None:
+        with self.lock:
+            self.counters[name, ()] += value
+
+    def record(self, event: str, level: str, fields: dict[str, Any]) -> None:
+        with self.lock:
+            self.counters["kcoral_events_total", (("event", event), ("level", level))] += 1
+            self.count_request(event, fields)
+
+    def count_request(self, event: str, fields: dict[str, Any]) -> None:
+        """A request's answer (sent, refused, or lost with the client), from its event's fields.
+        Called with the lock held."""
+        answered = event in ("request_finished", "request_refused") or (
+            event == "client_disconnected" and fields.get("phase") == "response")
+        if not answered or fields.get("http_status") is None:
+            return
+        kind = fields.get("error_kind") or ""
+        labels = (("status", str(fields.get("status", "ERROR"))), ("code", str(fields["http_status"])),
+                  ("kind", kind if kind in KNOWN_KINDS or not kind else "other"))
+        self.counters["kcoral_requests_total", labels] += 1
+        self.counters["kcoral_request_body_bytes_total", ()] += fields.get("request_bytes") or 0
+        self.counters["kcoral_response_body_bytes_total", ()] += fields.get("response_bytes") or 0
+        for name, field in (("kcoral_request_queue_seconds", "queue_ms"),
+                            ("kcoral_request_lease_wait_seconds", "lease_wait_ms"),
+                            ("kcoral_request_lease_held_seconds", "lease_held_ms"),
+                            ("kcoral_request_duration_seconds", "total_ms")):
+            if isinstance(fields.get(field), (int, float)):
+                self.observe(name, fields[field] / 1e3)
+
+    def observe(self, name: str, seconds: float) -> None:
+        """Called with the lock held."""
+        histogram = self.histograms.setdefault(name, [0.0] * (len(DURATION_BUCKETS) + 2))
+        histogram[bucket_index(DURATION_BUCKETS, seconds)] += 1
+        histogram[-2] += seconds
+        histogram[-1] += 1
+
+    def render(self, gauges: list[tuple[str, Labels, float]]) -> str:
+        """The exposition text: this node's counters and histograms, then `gauges` (name,
+        labels, value: read from the pool, caches and lease just now)."""
+        with self.lock:
+            series = [(name, labels, value) for (name, labels), value in self.counters.items()]
+            histograms = {name: list(values) for name, values in self.histograms.items()}
+        series += gauges
+        lines = []
+        for name, (kind, text) in METRIC_HELP.items():
+            lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
+            if kind == "histogram":
+                lines += histogram_lines(name, histograms.get(name, [0.0] * (len(DURATION_BUCKETS) + 2)))
+            lines += [f"{name}{label_text(labels)} {value:g}" for n, labels, value in sorted(series) if n == name]
+        return "\n".join(lines) + "\n"
+
+
+def bucket_index(bounds: tuple[float, ...], value: float) -> int:
+    """The index of the first bucket whose upper bound holds `value` (len(bounds): +Inf only)."""
+    return next((i for i, bound in enumerate(bounds) if value <= bound), len(bounds))
+
+
+def histogram_lines(name: str, values: list[float]) -> list[str]:
+    lines, running = [], 0.0
+    for bound, count in zip(DURATION_BUCKETS + (math.inf,), values):
+        running += count
+        lines.append(f'{name}_bucket{{le="{"+Inf" if bound == math.inf else f"{bound:g}"}"}} {running:g}')
+    return lines + [f"{name}_sum {values[-2]:g}", f"{name}_count {values[-1]:g}"]
+
+
+def label_text(labels: Labels) -> str:
+    if not labels:
+        return ""
+    escaped = (value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") for _, value in labels)
+    return "{" + ",".join(f'{key}="{value}"' for (key, _), value in zip(labels, escaped)) + "}"
 
 
 # --- 4. wire rules: strict JSON and multipart (docs/protocol.md §4.3-4.6, 5.1) --------------------
@@ -2094,6 +2267,9 @@ class BlobStore:
         self.disk = (DiskCache(config.disk_cache_dir, config.disk_cache_capacity_mbytes << 20,
                                config.disk_cache_max_files)
                      if config.disk_cache_dir and config.disk_cache_capacity_mbytes > 0 else None)
+        self.hits = {"memory": 0, "disk": 0}  # lookups of blobs a request referenced but did not supply
+        self.misses = {"memory": 0, "disk": 0}
+        self.lock = threading.Lock()
 
     def keep_file_blobs(self, program: ValidProgram, supplied: dict[str, memoryview]) -> threading.Thread | None:
         """Start putting supplied file-upload blobs into the disk cache -> a thread to join, or None.
@@ -2120,14 +2296,20 @@ class BlobStore:
         for digest, kinds in program.blob_kinds.items():
             data = supplied.get(digest)
             if data is None and "file" in kinds and self.disk is not None:
-                data = self.disk.get(digest)
+                data = self.count_lookup("disk", self.disk.get(digest))
             if data is None and "memory" in kinds:
-                data = self.memory.get(digest)
+                data = self.count_lookup("memory", self.memory.get(digest))
             if data is None:
                 missing.append(digest)
             else:
                 blobs[digest] = data
         return blobs, missing
+
+    def count_lookup(self, cache: str, found: Buffer | None) -> Buffer | None:
+        """A referenced blob the request did not supply, looked up in `cache` -> `found`, counted."""
+        with self.lock:
+            (self.hits if found is not None else self.misses)[cache] += 1
+        return found
 
     @contextlib.contextmanager
     def pinned(self, program: ValidProgram) -> Iterator[None]:
@@ -2156,6 +2338,7 @@ class MemoryCache:
         self.held: dict[str, tuple[Buffer, int]] = {}  # pinned entries
         self.size = 0
         self.pins: collections.Counter[str] = collections.Counter()
+        self.evictions = 0
         self.lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -2188,6 +2371,7 @@ class MemoryCache:
         """Least recently used unpinned entries go while over the byte or entry budget (lock held)."""
         while self.entries and (self.size > self.capacity or len(self) > self.max_entries):
             self.size -= self.entries.popitem(last=False)[1][1]
+            self.evictions += 1
 
     def pin(self, digests: list[str]) -> None:
         with self.lock:
@@ -2228,6 +2412,7 @@ class DiskCache:
         self.max_files = max_files
         self.total = 0
         self.files = 0
+        self.evictions = 0
         self.lock = threading.Lock()
         try:
             os.makedirs(self.root, mode=0o700, exist_ok=True)
@@ -2321,6 +2506,7 @@ class DiskCache:
                     os.unlink(path)
                     self.total -= cost
                     self.files -= 1
+                    self.evictions += 1
                 except OSError:
                     pass
 
@@ -2354,6 +2540,7 @@ class Job:
     blobs: Blobs
     timeout: float
     output_limit: int
+    proxy_queue_ms: float = 0.0  # waited in HAProxy before reaching us: part of the queue_ms answered
 
 
 @dataclasses.dataclass
@@ -2441,7 +2628,7 @@ class Pool:
         slot = self.acquire(self.config.worker_wait_timeout_seconds)
         if slot is None:  # nothing ran: a cohort's HAProxy retries a 503 on another node
             return Outcome(503, "busy", "server saturated" if not self.closing else "server is shutting down")
-        queue_ms = (time.monotonic() - start) * 1e3
+        queue_ms = job.proxy_queue_ms + (time.monotonic() - start) * 1e3
         retire = True
         try:
             if slot.worker is not None and not slot.worker.process.is_alive():
@@ -2519,6 +2706,7 @@ class Pool:
         """Start the slot's next worker off the request's critical path."""
         try:
             slot.worker = self.start_slot_worker(slot)
+            self.log.metrics.add("kcoral_worker_replacements_total")
         except Exception as exc:
             slot.worker = None
             self.log.event("worker_replace_failed", "ERROR", worker_id=slot.name, error=str(exc))
@@ -2661,6 +2849,7 @@ class Execution:
                 return Outcome(500, "engine", "the timed-out worker could not be confirmed gone"), True
             return Outcome(504, "timeout", "execution timed out"), True
         except WorkerCrashed:
+            self.pool.log.metrics.add("kcoral_worker_crashes_total")
             if not self.kill_worker():
                 return Outcome(500, "engine", "the crashed worker could not be confirmed gone"), True
             if self.last_index is None:
@@ -3028,6 +3217,7 @@ class Worker:
         except WorkerCrashed:
             self.kill(0)
             raise
+        self.log.metrics.add("kcoral_worker_starts_total")
 
     def initialize(self, expected_uuid: str, phase_timeout: float = WORKER_PHASE_SECONDS) -> None:
         """GPU workers: create the CUDA context (the caller holds the lease) and check the pinning."""
@@ -3267,6 +3457,7 @@ class LeaseArbiter:
         self.history: dict[int, collections.deque[tuple[float, float | None, str]]] = {
             g: collections.deque(maxlen=256) for g in self.gpu_ids}  # (start, end or None while held, owner)
         self.quarantined: set[int] = set()
+        self.busy_seconds = {g: 0.0 for g in self.gpu_ids}  # leases held and released, for /metrics
         self.closing = False
         self.cond = threading.Condition()
 
@@ -3334,6 +3525,7 @@ class LeaseArbiter:
                     self.holder[g] = None
                     start, _, who = self.history[g].pop()
                     self.history[g].append((start, now, who))
+                    self.busy_seconds[g] += now - start
             self.cond.notify_all()
 
     def holder_at(self, gpus: Iterable[int], when: float) -> str | None:
