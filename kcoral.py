@@ -607,7 +607,8 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         super().setup()
         self.cut_reason: str | None = None  # set by the ConnectionGuard when it cuts this connection
         self.body_done = True
-        self.head_started, self.head_arrived = time.monotonic(), time.time()  # of the request being read; its events' total_ms counts from it
+        # of the request being read: its events' total_ms counts from the first, a proxy's wait up to the second
+        self.head_started, self.head_arrived = time.monotonic(), time.time()
 
     def handle_one_request(self) -> None:
         """http.server's, with the request head read under a size cap and a total deadline,
