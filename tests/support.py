@@ -295,6 +295,14 @@ def simple_program(source, name="f", args=(), options=None):
     return program
 
 
+def one_call(source, name="f"):
+    """A client Program that runs `name` of a module, returning nothing."""
+    from kcoral import Program
+    program = Program()
+    program.run(fn=program.get_function(module=program.upload(kind="module", source=source), name=name))
+    return program
+
+
 # --- the published kcoral 0.1.1: interop peer and benchmark baseline ----------------
 
 REFERENCE_VERSION = "0.1.1"
@@ -780,3 +788,17 @@ def python_blocks(markdown_path):
             start = None
     assert start is None, f"{markdown_path}: the block opened on line {start} is never closed"
     return blocks
+
+
+def documented_log_events(server_doc):
+    """docs/server.md §10's event table -> {event: (levels, fields, optional fields)}; a
+    parenthesis in a cell explains and names no field."""
+    with open(server_doc, encoding="utf-8") as f:
+        section = f.read().split("## 10. ", 1)[1].split("\n## ", 1)[0]
+    events = {}
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("`"):
+            names = [set(re.findall(r"`(\w+)`", re.sub(r"\([^)]*\)", "", cell))) for cell in cells]
+            events[cells[0].strip("`")] = (set(re.findall(r"[A-Z]+", cells[1])), names[2], names[3])
+    return events
