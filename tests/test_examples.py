@@ -103,3 +103,9 @@ def test_broken_kernel_fails_its_check_and_still_reports(run_example):
                                   r"out\[65535\] = 0\.0, expected [\d.]+", r"benchmark: skipped"])
     assert "benchmark: median" not in done.stdout
 
+
+
+def test_the_guide_links_every_example():
+    with open(os.path.join(EXAMPLES_DIR, os.pardir, "docs", "guide.md"), encoding="utf-8") as f:
+        linked = set(re.findall(r"\]\(\.\./examples/([\w.]+\.py)\)", f.read()))
+    assert {os.path.basename(path) for path in example_paths()} <= linked
