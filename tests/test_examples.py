@@ -1,6 +1,7 @@
 """examples/ run as a user runs them: each CPU example as `python examples/NAME.py` against a
 real server, its output checked against what its comments promise.  GPU-only examples carry
-`# requires: gpu` as their first line and are skipped here (bench/gpu_check.py territory).
+`# requires: gpu` as their first line and are skipped here.  The Python blocks of the agent
+skill (skills/kcoral-client/SKILL.md) run the same way, one script each, so neither can drift.
 """
 
 import os
@@ -8,9 +9,11 @@ import re
 
 import pytest
 
-from tests.support import EXAMPLES_DIR, ServerProcess, example_paths, requires_gpu, run_python
+from tests.support import EXAMPLES_DIR, ROOT, ServerProcess, example_paths, python_blocks, requires_gpu, run_python
 
 GPU_ONLY = {"kernel_loop_cuda.py", "multi_gpu.py"}
+SKILL = os.path.join(ROOT, "skills", "kcoral-client", "SKILL.md")
+SKILL_BLOCKS = python_blocks(SKILL)
 
 # What each CPU example's docstring promises to print: patterns found in its stdout, in order.
 PROMISES = {
@@ -109,3 +112,21 @@ def test_the_guide_links_every_example():
     with open(os.path.join(EXAMPLES_DIR, os.pardir, "docs", "guide.md"), encoding="utf-8") as f:
         linked = set(re.findall(r"\]\(\.\./examples/([\w.]+\.py)\)", f.read()))
     assert {os.path.basename(path) for path in example_paths()} <= linked
+
+
+def test_the_skill_has_front_matter_and_blocks_to_run():
+    front = read(SKILL).split("---\n")
+    assert front[0] == "" and re.search(r"^name: kcoral-client$", front[1], re.M)
+    assert re.search(r"^description: .{40,}$", front[1], re.M)
+    assert len(SKILL_BLOCKS) >= 8 and sum(requires_gpu(code) for _, code in SKILL_BLOCKS) == 2
+
+
+@pytest.mark.parametrize("line, code", SKILL_BLOCKS, ids=[f"line{line}" for line, _ in SKILL_BLOCKS])
+def test_skill_block(server, tmp_path, line, code):
+    """Each block is a complete script: its own asserts are the check, so it must exit 0."""
+    if requires_gpu(code):
+        pytest.skip(f"SKILL.md line {line}: # requires: gpu")
+    script = tmp_path / f"skill_block_{line}.py"
+    script.write_text(code)
+    done = run_python(server.url, str(script), cwd=str(tmp_path))
+    assert done.returncode == 0, f"SKILL.md block at line {line}:\n{done.stdout}{done.stderr}"
