@@ -1519,7 +1519,8 @@ def install_kcoral_modules() -> tuple[types.ModuleType, types.ModuleType]:
     builtins_mod = types.ModuleType("kcoral.builtins")
     builtins_mod.benchmark = benchmark
     builtins_mod.compile_tirx = compile_tirx
-    builtins_mod.__all__ = ["benchmark", "compile_tirx"]
+    builtins_mod.check_close = check_close
+    builtins_mod.__all__ = ["benchmark", "check_close", "compile_tirx"]
     sys.modules["kcoral.errors"] = errors
     sys.modules["kcoral.builtins"] = builtins_mod
     return errors, builtins_mod
@@ -1604,6 +1605,63 @@ def benchmark(mod: Callable[..., Any], *args: Any) -> dict[str, Any]:
     if timer.name:
         result["timer"] = timer.name
     return result
+
+
+def check_close(actual: Any, expected: Any, *, rtol: float = 1e-5, atol: float = 1e-8, equal_nan: bool = False,
+                raise_on_mismatch: bool = False, max_reported: int = 5) -> dict[str, Any]:
+    """Compare a kernel's output with a reference, element by element (docs/server.md §5.3).
+
+    `actual`, `expected`: torch tensors (any device) or NumPy arrays (anything numpy.asarray
+    takes).  An element is close when |actual - expected| <= atol + rtol * |expected|
+    (numpy.isclose; NaN equals NaN only with `equal_nan`); the shapes must be equal, the
+    dtypes may differ (both sides are compared as float64).  -> a report of JSON values only,
+    so a program can return it (a non-finite number is written as the string "nan", "inf"
+    or "-inf").  With `raise_on_mismatch`, a report that is not ok raises
+    ExecutionError("correctness", <its summary>) instead.
+    """
+    import numpy
+
+    def as_float64(value: Any) -> tuple[Any, str]:
+        if hasattr(value, "detach") and hasattr(value, "cpu"):  # torch: bfloat16 and float8 have no NumPy view
+            return value.detach().cpu().double().numpy(), str(value.dtype).removeprefix("torch.")
+        array = numpy.asarray(value)
+        return array.astype(numpy.float64), array.dtype.name
+
+    def number(x: Any) -> float | str:
+        x = float(x)
+        return x if numpy.isfinite(x) else repr(x)
+
+    a, actual_dtype = as_float64(actual)
+    e, expected_dtype = as_float64(expected)
+    report: dict[str, Any] = {"ok": False, "shape": list(a.shape), "expected_shape": list(e.shape),
+                              "dtype": actual_dtype, "expected_dtype": expected_dtype, "total": int(e.size),
+                              "mismatches": None, "max_abs_error": None, "max_rel_error": None,
+                              "rtol": rtol, "atol": atol, "first_mismatches": []}
+    if a.shape != e.shape:
+        report["summary"] = f"check_close: shape {list(a.shape)} differs from the expected {list(e.shape)}"
+    else:
+        with numpy.errstate(invalid="ignore", divide="ignore"):  # inf - inf, x / 0: judged below, not warned
+            close = numpy.isclose(a, e, rtol=rtol, atol=atol, equal_nan=equal_nan)
+            abs_error = numpy.abs(a - e)
+            rel_error = numpy.where(e != 0, abs_error / numpy.abs(e), 0.0)  # undefined where expected is 0
+            # close elements with a non-finite error (inf == inf; NaN == NaN with equal_nan) are exact
+            abs_error, rel_error = (numpy.where(close & ~numpy.isfinite(x), 0.0, x) for x in (abs_error, rel_error))
+        wrong = numpy.flatnonzero(~close)
+        report.update(ok=not wrong.size, mismatches=int(wrong.size),
+                      max_abs_error=number(abs_error.max(initial=0.0)),
+                      max_rel_error=number(rel_error.max(initial=0.0)))
+        for flat in wrong[:max_reported]:
+            index = numpy.unravel_index(flat, a.shape)
+            report["first_mismatches"].append({"index": [int(i) for i in index], "actual": number(a[index]),
+                                               "expected": number(e[index]), "abs_error": number(abs_error[index])})
+        shown = "; ".join(f"{m['index']}: {m['actual']} vs {m['expected']}" for m in report["first_mismatches"])
+        report["summary"] = (f"check_close: {wrong.size} of {e.size} elements differ (rtol={rtol:g}, atol={atol:g}); "
+                             f"max abs error {report['max_abs_error']}, max rel error {report['max_rel_error']}"
+                             + (f"; first: {shown}" if shown else ""))
+    if raise_on_mismatch and not report["ok"]:
+        raise ExecutionError("correctness", report["summary"])
+    return report
+
 
 
 def benchmark_counts(timer: HostTimer, mod: Callable[..., Any], args: Sequence[Any],

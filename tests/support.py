@@ -390,6 +390,14 @@ def simple_program(source, name="f", args=(), options=None):
     return program
 
 
+def one_call(source, name="f"):
+    """A client Program that runs `name` of a module, returning nothing."""
+    from kcoral import Program
+    program = Program()
+    program.run(fn=program.get_function(module=program.upload(kind="module", source=source), name=name))
+    return program
+
+
 # --- the published kcoral 0.1.1: interop peer and benchmark baseline ----------------
 
 REFERENCE_VERSION = "0.1.1"
@@ -836,3 +844,56 @@ def unread_bytes(server_port, client_port):
             if fields[1] == wanted_local and fields[2] == wanted_remote:
                 return int(fields[4].split(":")[1], 16)
     return None
+
+
+# --- examples/ and the skill's code blocks, run as a user runs them ---------------------------
+
+EXAMPLES_DIR = os.path.join(ROOT, "examples")
+GPU_MARKER = "# requires: gpu"
+
+
+def example_paths():
+    """Every runnable example (a leading `_` marks a module the examples import)."""
+    return sorted(os.path.join(EXAMPLES_DIR, name) for name in os.listdir(EXAMPLES_DIR)
+                  if name.endswith(".py") and not name.startswith("_"))
+
+
+def requires_gpu(source):
+    """Whether a program's text says it must run on a GPU server: its first line is the marker."""
+    return source.lstrip("\ufeff").split("\n", 1)[0].strip() == GPU_MARKER
+
+
+def run_python(url, *argv, timeout=300, cwd=ROOT):
+    """`python ARGV...` with KCORAL_URL set and this checkout importable -> CompletedProcess (text)."""
+    env = {**os.environ, "KCORAL_URL": url, "PYTHONPATH": ROOT}
+    env.pop("KCORAL_COMPILE_URL", None)
+    return subprocess.run([PYTHON, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def python_blocks(markdown_path):
+    """The ```python blocks of a Markdown file -> [(line number of the fence, code)]."""
+    with open(markdown_path, encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    blocks, start = [], None
+    for number, line in enumerate(lines, 1):
+        if start is None and line.strip() == "```python":
+            start = number
+        elif start is not None and line.strip() == "```":
+            blocks.append((start, "\n".join(lines[start:number - 1]) + "\n"))
+            start = None
+    assert start is None, f"{markdown_path}: the block opened on line {start} is never closed"
+    return blocks
+
+
+def documented_log_events(server_doc):
+    """docs/server.md §10's event table -> {event: (levels, fields, optional fields)}; a
+    parenthesis in a cell explains and names no field."""
+    with open(server_doc, encoding="utf-8") as f:
+        section = f.read().split("## 10. ", 1)[1].split("\n## ", 1)[0]
+    events = {}
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("`"):
+            names = [set(re.findall(r"`(\w+)`", re.sub(r"\([^)]*\)", "", cell))) for cell in cells]
+            events[cells[0].strip("`")] = (set(re.findall(r"[A-Z]+", cells[1])), names[2], names[3])
+    return events

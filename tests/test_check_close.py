@@ -1,0 +1,129 @@
+"""kcoral.builtins.check_close (docs/server.md §5.3): called directly, as a harness does when it
+is tried locally, and once inside a server program."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from kcoral.builtins import check_close
+from kcoral.errors import ExecutionError
+
+import kcoral
+from kcoral import Client, Program
+from tests.support import ServerProcess, run_python
+
+REPORT_KEYS = {"ok", "shape", "expected_shape", "dtype", "expected_dtype", "total", "mismatches", "max_abs_error",
+               "max_rel_error", "rtol", "atol", "first_mismatches", "summary"}
+
+
+def strict_json(report):
+    """The report survives JSON without NaN or Infinity: a program can return it."""
+    return json.loads(json.dumps(report, allow_nan=False))
+
+
+def test_equal_tensor_and_array_are_close():
+    report = check_close(torch.arange(6, dtype=torch.float32).reshape(2, 3), np.arange(6.0).reshape(2, 3))
+    assert set(report) == REPORT_KEYS
+    assert report["ok"] is True and report["mismatches"] == 0 and report["total"] == 6
+    assert report["shape"] == report["expected_shape"] == [2, 3]
+    assert (report["dtype"], report["expected_dtype"]) == ("float32", "float64")
+    assert report["max_abs_error"] == report["max_rel_error"] == 0.0 and report["first_mismatches"] == []
+    assert strict_json(report) == report
+
+
+def test_mismatches_are_counted_located_and_measured():
+    expected = np.arange(12.0).reshape(3, 4) + 1
+    actual = expected.copy()
+    actual[0, 1], actual[2, 3] = 4.0, 0.0  # 2 -> 4 (rel error 1.0), 12 -> 0 (abs error 12)
+    report = check_close(actual, expected)
+    assert report["ok"] is False and report["mismatches"] == 2 and report["total"] == 12
+    assert report["first_mismatches"] == [
+        {"index": [0, 1], "actual": 4.0, "expected": 2.0, "abs_error": 2.0},
+        {"index": [2, 3], "actual": 0.0, "expected": 12.0, "abs_error": 12.0}]
+    assert report["max_abs_error"] == 12.0 and report["max_rel_error"] == 1.0
+    assert report["summary"].startswith("check_close: 2 of 12 elements differ (rtol=1e-05, atol=1e-08)")
+    assert "[0, 1]: 4.0 vs 2.0; [2, 3]: 0.0 vs 12.0" in report["summary"]
+
+
+def test_tolerance_is_atol_plus_rtol_times_expected():
+    expected = np.array([1.0, 1.0])
+    assert check_close(np.array([1.75, 0.25]), expected, rtol=0.5, atol=0.25)["ok"]  # exactly at the bound
+    report = check_close(np.array([1.75, 0.24]), expected, rtol=0.5, atol=0.25)
+    assert report["mismatches"] == 1 and report["first_mismatches"][0]["index"] == [1]
+
+
+def test_only_the_first_mismatches_are_listed_but_all_are_counted():
+    report = check_close(np.zeros(100), np.ones(100), max_reported=3)
+    assert report["mismatches"] == 100
+    assert [m["index"] for m in report["first_mismatches"]] == [[0], [1], [2]]
+
+
+def test_shapes_must_be_equal_not_broadcast():
+    report = check_close(np.ones(1), np.ones(3))
+    assert report["ok"] is False and report["mismatches"] is None and report["max_abs_error"] is None
+    assert report["summary"] == "check_close: shape [1] differs from the expected [3]"
+
+
+def test_non_finite_values_are_judged_and_reported_as_strings():
+    nan, inf = math.nan, math.inf
+    report = strict_json(check_close(np.array([nan, inf, 1.0]), np.array([1.0, inf, 1.0])))
+    assert report["mismatches"] == 1 and report["max_abs_error"] == "nan"  # inf == inf is close
+    assert report["first_mismatches"] == [{"index": [0], "actual": "nan", "expected": 1.0, "abs_error": "nan"}]
+    assert check_close(np.array([nan]), np.array([nan]))["ok"] is False
+    both_nan = check_close(np.array([nan, 2.0]), np.array([nan, 2.0]), equal_nan=True)
+    assert both_nan["ok"] is True and both_nan["max_abs_error"] == both_nan["max_rel_error"] == 0.0
+
+
+def test_bfloat16_and_integer_inputs_are_compared_as_float64():
+    report = check_close(torch.tensor([1.0, 2.5], dtype=torch.bfloat16), np.array([1, 3], dtype=np.int32), atol=0.6)
+    assert report["ok"] is True and (report["dtype"], report["expected_dtype"]) == ("bfloat16", "int32")
+    assert report["max_abs_error"] == 0.5
+
+
+def test_raise_on_mismatch_fails_with_kind_correctness_and_the_summary():
+    with pytest.raises(ExecutionError) as caught:
+        check_close(np.array([1.0, 5.0]), np.array([1.0, 2.0]), raise_on_mismatch=True)
+    assert caught.value.kind == "correctness"
+    assert caught.value.message == check_close(np.array([1.0, 5.0]), np.array([1.0, 2.0]))["summary"]
+    assert check_close(np.ones(2), np.ones(2), raise_on_mismatch=True)["ok"] is True  # passing: the report
+
+
+def test_client_side_import_is_the_workers_function():
+    """`import kcoral` publishes kcoral.builtins in an ordinary process, with check_close in it."""
+    import kcoral_worker
+    assert kcoral.builtins.check_close is kcoral_worker.check_close is check_close
+    assert "check_close" in kcoral.builtins.__all__
+    done = run_python("http://unused", "-c", "from kcoral.builtins import check_close\n"
+                      "print(check_close([1.0], [1.0])['ok'])", cwd="/")
+    assert (done.returncode, done.stdout) == (0, "True\n"), done.stderr  # a fresh process, nothing imported first
+
+
+HARNESS = """
+from kcoral.builtins import check_close
+
+def report(actual, expected):
+    return check_close(actual, expected)
+
+def gate(actual, expected):
+    check_close(actual, expected, raise_on_mismatch=True)
+"""
+
+
+def test_in_a_server_program_the_report_returns_and_the_gate_fails(tmp_path):
+    actual, expected = np.array([[1.0, 2.0], [3.0, 9.0]], dtype=np.float32), np.arange(1.0, 5.0).reshape(2, 2)
+    program = Program()
+    module = program.upload(kind="module", source=HARNESS)
+    args = [program.upload(kind="tensor", value=actual), program.upload(kind="tensor", value=expected)]
+    program.return_(key="report", value=program.run(fn=program.get_function(module=module, name="report"), args=args))
+    program.run(id="gate", fn=program.get_function(module=module, name="gate"), args=args)
+    with ServerProcess(workers=1, tmp_path=tmp_path) as srv, Client(srv.url) as client:
+        result = client.execute(program)
+    assert result.status == "FAILED"
+    assert (result.error["kind"], result.error["instruction_id"]) == ("correctness", "gate")
+    local = check_close(actual, expected)
+    assert result["report"] == local  # uploaded tensors arrive as torch tensors: the same report
+    assert result["report"]["first_mismatches"] == [{"index": [1, 1], "actual": 9.0, "expected": 4.0,
+                                                     "abs_error": 5.0}]
+    assert result.error["message"] == local["summary"]

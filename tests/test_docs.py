@@ -1,0 +1,86 @@
+"""Statements of the reference docs checked against the code and a real server, so that they
+cannot drift: the event log's table (docs/server.md §10) and the references a `run` resolves
+(docs/client.md §3.8)."""
+
+import os
+import re
+import signal
+
+import pytest
+
+from kcoral import Client, KCoralError, Program
+from tests.support import (
+    ROOT,
+    ServerProcess,
+    documented_log_events,
+    log_records,
+    one_call,
+    request,
+    run_directories,
+    wait_for,
+)
+
+SERVER_DOC = os.path.join(ROOT, "docs", "server.md")
+RECORD_KEYS = {"timestamp", "level", "event"}
+
+
+def test_the_table_lists_every_event_the_server_logs():
+    with open(os.path.join(ROOT, "kcoral.py"), encoding="utf-8") as f:
+        logged = set(re.findall(r"\.event\(\s*\"(\w+)\"", f.read()))
+    assert len(logged) > 15
+    assert set(documented_log_events(SERVER_DOC)) == logged
+
+
+def test_a_real_log_has_exactly_the_documented_fields(tmp_path):
+    """ok, failed, invalid (400) and refused (401) requests, a SIGHUP and a shutdown: every
+    record written has its event's documented level and fields, all of them and no others."""
+    token_file = tmp_path / "tokens"
+    token_file.write_text("doc-token\n")
+    token_file.chmod(0o600)
+    auth = {"Authorization": "Bearer doc-token"}
+    log_dir = tmp_path / "logs"
+    srv = ServerProcess("--log-dir", str(log_dir), "--token-file", str(token_file), workers=1, tmp_path=tmp_path)
+    try:
+        with Client(srv.url, headers=auth) as client:
+            assert client.execute(one_call("def f():\n    return 1\n")).completed
+            assert client.execute(one_call("def f():\n    raise ValueError('no')\n")).error["kind"] == "engine"
+            with pytest.raises(KCoralError) as invalid:  # no instructions: answered 400, so request_finished
+                client.execute(Program())
+            assert invalid.value.status_code == 400
+        assert request("GET", srv.url + "/health")[0] == 401  # no token: refused
+        (run_dir,) = run_directories(log_dir)
+        srv.proc.send_signal(signal.SIGHUP)
+        assert wait_for(lambda: any(r["event"] == "tokens_reloaded" for r in log_records(run_dir)))
+    finally:
+        assert srv.stop() == 0
+    records = log_records(run_dir)
+    documented = documented_log_events(SERVER_DOC)
+    for record in records:
+        levels, fields, optional = documented[record["event"]]
+        assert record["level"] in levels, record
+        assert fields <= set(record) - RECORD_KEYS <= fields | optional, record
+    seen = {record["event"] for record in records}
+    assert {"server_started", "request_finished", "request_refused", "log_reopened", "tokens_reloaded",
+            "shutdown_started", "server_stopped"} <= seen
+    finished = [r for r in records if r["event"] == "request_finished"]
+    assert sorted((r["http_status"], r["status"]) for r in finished) == [(200, "COMPLETED"), (200, "FAILED"),
+                                                                       (400, "ERROR")]
+    assert any(r["request_id"] == "" and r["http_status"] == 401 for r in records if r["event"] == "request_refused")
+
+
+def test_only_top_level_references_are_resolved(tmp_path):
+    """A reference-shaped object nested in an argument is a literal, known id or not; a top-level
+    one naming no handle is a 400."""
+    nested = [[{"$ref": "m"}], {"a": {"$ref": "nowhere"}}]
+    with ServerProcess(workers=1, tmp_path=tmp_path) as srv, Client(srv.url) as client:
+        program = Program()
+        module = program.upload(id="m", kind="module", source="def f(*args):\n    return list(args)\n")
+        echo = program.get_function(module=module, name="f")
+        program.return_(key="out", value=program.run(fn=echo, args=nested))
+        assert client.execute(program)["out"] == nested
+        unknown = Program()
+        f = unknown.get_function(module=unknown.upload(kind="module", source="def f(x):\n    return x\n"), name="f")
+        unknown.run(fn=f, args=[{"$ref": "nowhere"}])
+        with pytest.raises(KCoralError) as refused:
+            client.execute(unknown)
+    assert refused.value.status_code == 400 and "nowhere" in refused.value.message
