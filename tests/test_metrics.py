@@ -16,6 +16,7 @@ import pytest
 
 import kcoral
 from tests.support import (
+    ROOT,
     ServerProcess,
     call_program,
     free_port,
@@ -200,3 +201,15 @@ def test_requests_in_progress_while_one_runs(node):
         thread.join(30)
     assert not thread.is_alive() and done == [200]
     assert value(scrape(node.url), "kcoral_requests_in_progress") == 0
+
+
+@needs_promtool
+def test_the_example_alert_rules_are_valid_and_name_real_metrics():
+    rules = os.path.join(ROOT, "docs", "kcoral-alerts.yml")
+    checked = subprocess.run(["promtool", "check", "rules", rules], capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    with open(rules) as f, open(os.path.join(ROOT, "docs", "operations.md")) as g:
+        named = set(re.findall(r"\bkcoral_[a-z_]+", f.read() + g.read()))
+    exposed = set(kcoral.METRIC_HELP) | {f"{n}_bucket" for n, (kind, _) in kcoral.METRIC_HELP.items()
+                                         if kind == "histogram"}
+    assert named - exposed <= {"kcoral_stats", "kcoral_affinity", "kcoral_spread"}, named - exposed  # HAProxy names
