@@ -3179,9 +3179,15 @@ def start_forkserver(context: multiprocessing.context.BaseContext) -> None:
     nothing else runs yet, so the process-wide chdir is seen by no one."""
     start = os.getcwd()
     os.chdir(PROJECT_DIR)
+    # it ignores SIGINT itself; SIGTERM too, inherited: a signal to the whole tree must not take it
+    # (and, through their parent-death signal, the workers forked from it) down mid-request
+    main_thread = threading.current_thread() is threading.main_thread()  # only it may set handlers
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN) if main_thread else None
     try:
         multiprocessing.forkserver.ensure_running()
     finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
         os.chdir(start)
 
 
@@ -3241,7 +3247,7 @@ class Worker:
         """-> whether the whole tree is confirmed gone (else its GPUs must be quarantined).
         In a sandbox, survivors end with their container, which the slot then replaces."""
         if self.template is not None:  # its container holds exactly what this worker started
-            gone = self.template.kill_requests(grace)
+            gone = self.template.kill_requests(grace, self.pid)
             if not gone:
                 self.log.event("sandbox_replaced", "WARNING", reason="processes outlived the request's kill sweeps")
                 self.template.kill()
@@ -3313,7 +3319,7 @@ def kill_group(pgid: int, grace: float, exclude: Collection[int] = (), orphans: 
         marked = [pid for pid in marked_processes(pgid) if pid not in exclude] if orphans else []
         return group_members(pgid, exclude) + [pid for pid in marked if is_live(pid)]
 
-    return kcoral_worker.terminate(remaining, grace, kill_wait, group=pgid)
+    return kcoral_worker.terminate(remaining, grace, kill_wait, group=pgid, at_once=(pgid,))
 
 
 # --- 9. GPUs and the lease (docs/server.md §1-2) --------------------------------------------------
@@ -3633,7 +3639,8 @@ class SandboxTemplate:
                 f"kcoral_worker.template_main({child.fileno()}, {preload!r}, {import_env!r})")
         # bwrap's own processes get the clean environment too: the container's PID 1 is one of them;
         # -I: no start directory, user site or PYTHON* variables on the import path
-        self.process = lasting_popen(bwrap_command(config, gpus, self.root) + [sys.executable, "-I", "-c", code],
+        self.process = lasting_popen(IGNORING_TREE_SIGNALS + bwrap_command(config, gpus, self.root)
+                                     + [sys.executable, "-I", "-c", code],
                                      env=sandbox_environment(), pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
         child.close()
         self.init_pid = self.pid = self.current = None
@@ -3688,14 +3695,14 @@ class SandboxTemplate:
         self.current = SandboxedProcess(self, host_pid)
         return self.current
 
-    def kill_requests(self, grace: float) -> bool:
+    def kill_requests(self, grace: float, worker_pid: int) -> bool:
         """SIGTERM everything in the container but its init and template, then SIGKILL what is
         left after `grace`, sweep after sweep: a fork chain that outruns one snapshot is caught
         by the next.  -> whether it is all gone; if not, the caller ends the container (the
         kernel then kills its whole PID namespace at once)."""
         spared = [os.getpgid(p) for p in (self.init_pid, self.pid) if p and is_live(p)]
         return kcoral_worker.terminate(lambda: [p for p in descendants(self.init_pid) if p != self.pid], grace,
-                                       KILL_SWEEP_SECONDS, keep_groups=spared)
+                                       KILL_SWEEP_SECONDS, keep_groups=spared, at_once=(worker_pid,))
 
     def clear(self) -> None:
         """Empty the three directories the container can write, through descriptors that follow
@@ -3907,6 +3914,11 @@ def inner_pid(pid: int) -> int | None:
 
 
 SPAWNS: dict[str, Any] = {"queue": None, "lock": threading.Lock()}
+
+
+# bwrap and its container's init cannot be told to ignore SIGTERM and SIGINT; an ignored signal
+# stays ignored across exec (the template inside then installs its own handlers)
+IGNORING_TREE_SIGNALS = ["/bin/sh", "-c", 'trap "" TERM INT; exec "$@"', "sh"]
 
 
 def lasting_popen(args: list[str], **options: Any) -> subprocess.Popen:

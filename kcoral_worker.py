@@ -454,6 +454,18 @@ class WorkerExited:
 WORKER_MARK = "KCORAL_WORKER_PID"
 
 
+def ignore_tree_signals() -> None:
+    """SIGTERM and SIGINT do nothing to this process (a worker, a sandbox's template).
+
+    systemd's default stop signals every process of the service at once, and a terminal's
+    Ctrl+C its whole foreground group; a worker that died of it would fail the request the
+    server is finishing for its graceful stop.  The front-end ends workers with SIGKILL
+    (`terminate(at_once=...)`).  A Python handler rather than SIG_IGN: exec resets handlers,
+    so the programs a request starts get the default dispositions back."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+
+
 def prctl(option: int, value: int) -> None:
     """Best effort: a libc without prctl (not Linux) leaves the process as it is."""
     with contextlib.suppress(OSError, AttributeError):
@@ -526,8 +538,9 @@ def terminate_escaped(grace: float) -> bool:
 
 
 def terminate(remaining: Callable[[], list[int]], grace: float, kill_for: float, group: int | None = None,
-              keep_groups: Collection[int] = ()) -> bool:
-    """SIGTERM each process `remaining()` lists, then, once `grace` has passed, freeze and kill
+              keep_groups: Collection[int] = (), at_once: Collection[int] = ()) -> bool:
+    """SIGTERM each process `remaining()` lists (SIGKILL those in `at_once`: workers, which
+    ignore SIGTERM, see ignore_tree_signals), then, once `grace` has passed, freeze and kill
     what is left, for up to `kill_for` seconds.  -> whether none is left.
 
     Killing pid after pid loses to a chain that forks and exits as fast as it can: a snapshot of
@@ -549,6 +562,9 @@ def terminate(remaining: Callable[[], list[int]], grace: float, kill_for: float,
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, sig)
 
+    for pid in at_once:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
     pids = remaining()
     signal_all(pids, signal.SIGTERM)
     deadline = time.monotonic() + grace
@@ -599,6 +615,7 @@ def worker_main(conn: Connection, device: str, visible_gpus: list[str]) -> None:
     a program started with one signal.
     """
     os.setsid()
+    ignore_tree_signals()
     die_with_parent()
     become_subreaper()
     os.environ[WORKER_MARK] = str(os.getpid())  # inherited: finds what escapes after a crash
@@ -648,6 +665,7 @@ def template_main(fd: int, preload: list[str], import_env: dict[str, str]) -> No
     gone, `WorkerExited`.
     """
     import importlib
+    ignore_tree_signals()
     set_dumpable(False)  # a request may not ptrace or read the process that forks the next one
     saved = {name: os.environ.get(name) for name in import_env}
     os.environ.update(import_env)

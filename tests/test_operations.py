@@ -16,6 +16,7 @@ import signal
 import socket
 import stat
 import subprocess
+import threading
 import uuid
 
 import pytest
@@ -398,3 +399,51 @@ def test_the_systemd_unit_verifies_and_uses_the_real_flags(tmp_path):
     for breaks_the_sandbox in ("RestrictNamespaces", "PrivateUsers", "SystemCallFilter", "ProtectKernelTunables",
                                "ProcSubset", "ProtectProc"):
         assert breaks_the_sandbox not in settings, breaks_the_sandbox
+
+
+# --- a stop signal to every process of the tree -----------------------------------------------------
+
+def tree_of(pid):
+    """`pid` and every process below it, from /proc (ppid links)."""
+    parents = {}
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                parents[int(name)] = int(f.read().rpartition(b")")[2].split()[1])
+        except OSError:
+            pass
+    tree, frontier = {pid}, {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - tree
+        tree |= frontier
+    return tree
+
+
+@pytest.mark.parametrize("sandbox", ["none", "bubblewrap"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_to_the_whole_tree_finishes_the_requests_in_flight(tmp_path, sandbox, sig):
+    """As systemd's default KillMode (every process of the service) and a terminal's Ctrl+C (its
+    foreground group) deliver it: the server drains, the requests in flight complete, exit 0."""
+    if sandbox == "bubblewrap" and shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap missing")
+    srv = ServerProcess("--sandbox", sandbox, "--drain-seconds", "0.5", workers=2, tmp_path=tmp_path)
+    slow = simple_program("import time\ndef f(x):\n    time.sleep(2)\n    return x\n", args=[41])
+    answers, threads = [], []
+    for _ in range(2):
+        thread = threading.Thread(target=lambda: answers.append(post(srv.url, slow)))
+        thread.start()
+        threads.append(thread)
+    assert wait_for(lambda: srv.health()["load"]["requests_in_progress"] == 2, timeout=20)
+    tree = tree_of(srv.proc.pid)
+    assert len(tree) >= 4, tree  # the server, its template and two workers at least
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+    for thread in threads:
+        thread.join(30)
+    assert not any(t.is_alive() for t in threads)
+    assert [(status, body["status"], body["results"]["out"]["value"]) for status, _, body in answers] == \
+        [(200, "COMPLETED", 41)] * 2, answers
+    assert srv.proc.wait(60) == 0, srv.log()
+    srv.stderr.close()
+    assert wait_for(lambda: not (tree & tree_of(1)), timeout=10), "processes of the tree outlived the server"
