@@ -32,6 +32,7 @@ from tests.support import (
     SteadyLoad,
     echo_program,
     free_port,
+    post,
     request,
     wait_for,
 )
@@ -390,3 +391,26 @@ def test_rotating_the_token_accepts_both_then_refuses_the_old(tmp_path):
     assert all(o == "ok" for done in outcomes for o in done.values()), outcomes
     assert outcomes[0] and outcomes[1]
     assert refused == [401, 401, 401] and accepted == 200
+
+
+def test_the_wait_in_the_proxys_queue_counts_in_queue_ms(nodes, proxy_for):
+    """Four 1 s requests for two 1-slot nodes: two wait about 1 s in HAProxy's queue (each node
+    holds no more than its slots), and their queue_ms says so, though no node queued them."""
+    proxy = proxy_for()
+    slow = {"instructions": [
+        {"op": "upload", "id": "m", "kind": "module", "source": "import time\ndef f():\n    time.sleep(1)\n"},
+        {"op": "get_function", "id": "f", "module": {"$ref": "m"}, "name": "f"},
+        {"op": "run", "id": "r", "fn": {"$ref": "f"}}]}
+    answers = []
+    threads = [threading.Thread(target=lambda: answers.append(post(proxy.url, slow, headers=AUTH)))
+               for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(t.is_alive() for t in threads) and len(answers) == 4
+    assert all(status == 200 and body["status"] == "COMPLETED" for status, _, body in answers), answers
+    queued = sorted(body["queue_ms"] for _, _, body in answers)
+    print(f"\nqueue_ms through the proxy: {[round(q) for q in queued]}")
+    assert queued[0] < 500 and queued[1] < 500, queued  # served at once
+    assert 800 <= queued[2] and 800 <= queued[3], queued  # waited in HAProxy for a slot
