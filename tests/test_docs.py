@@ -84,3 +84,28 @@ def test_only_top_level_references_are_resolved(tmp_path):
         with pytest.raises(KCoralError) as refused:
             client.execute(unknown)
     assert refused.value.status_code == 400 and "nowhere" in refused.value.message
+
+
+def cited_names(path):
+    """The code names a document cites in backticks: `Name`, `Class.method`, `call()`;
+    flags, paths, literals and prose in backticks are not names."""
+    with open(path, encoding="utf-8") as f:
+        quoted = re.findall(r"`([^`\n]+)`", f.read())
+    names = set()
+    for text in quoted:
+        text = text.removesuffix("()")
+        if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", text) and (
+                "_" in text or "." in text or re.search(r"[a-z][A-Z]", text)):
+            names.update(text.split("."))
+    return names
+
+
+def test_the_design_note_cites_only_names_the_code_has():
+    sources = ""
+    for name in ("kcoral.py", "kcoral_worker.py", "client.py"):
+        with open(os.path.join(ROOT, name), encoding="utf-8") as f:
+            sources += f.read()
+    cited = cited_names(os.path.join(ROOT, "docs", "design.md"))
+    assert len(cited) > 40, cited
+    missing = sorted(n for n in cited if not re.search(rf"\b{re.escape(n)}\b", sources))
+    assert not missing, f"docs/design.md cites names the code does not have: {missing}"
