@@ -1107,6 +1107,7 @@ def collect_folder(root_fd: int, path: str, budget: int) -> tuple[dict[str, byte
 # --- output capture ---------------------------------------------------------
 
 LINE_BUDGET = 256  # line-ending writes per instruction that reach the pipe as they are printed
+FLUSH_HOOKS_INSTALLED = False  # in this process (install_flush_hooks)
 
 
 class Capture:
@@ -1200,18 +1201,19 @@ def flush_output() -> None:
 def install_flush_hooks() -> None:
     """Once per process: flush_output() before every fork, exec, spawn and system(), and before
     os._exit() and os.abort(), which skip the flush at interpreter exit."""
+    global FLUSH_HOOKS_INSTALLED
+    if FLUSH_HOOKS_INSTALLED:
+        return
+    FLUSH_HOOKS_INSTALLED = True
     import _posixsubprocess
     import functools
     import subprocess
-    if getattr(os.system, "flushes_output", False):
-        return
 
     def flushing_first(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             flush_output()
             return fn(*args, **kwargs)
-        wrapper.flushes_output = True  # type: ignore[attr-defined]
         return wrapper
 
     os.register_at_fork(before=flush_output)  # os.fork, os.forkpty, multiprocessing's fork
