@@ -864,6 +864,7 @@ class ProgramRun:
     def run(self) -> ErrorObject | None:
         for index, ins in enumerate(self.request.instructions):
             self.last_index = index
+            instruction_boundary()
             send_message(self.conn, InstructionStarted(index))
             try:
                 self.lease.before(ins, self.cpu_only)
@@ -974,10 +975,25 @@ def traceback_text(exc: BaseException) -> str:
     return "".join(traceback.format_exception(exc))[-TRACEBACK_CHARS:]
 
 
+LINE_BUDGET = 256  # line-ending writes per instruction that reach the pipe as they are printed
+FLUSH_HOOKS_INSTALLED = False  # in this process (install_flush_hooks)
+
+
 class Capture:
-    """Points fds 1 and 2 (and sys.stdout/err) at the front-end's pipes for one request."""
+    """Points fds 1 and 2 (and sys.stdout/err) at the front-end's pipes for one request.
+
+    stderr is line-buffered, as CPython makes it.  stdout is line-buffered for an instruction's
+    first LINE_BUDGET lines, so that what a program prints before a native crash reaches the
+    pipe, then block-buffered: a write syscall per line costs several microseconds, a whole
+    request's worth for a program printing 65 536 lines.  Buffered output is flushed at every
+    instruction boundary and before another process can write to fds 1 and 2 or this one ends
+    (install_flush_hooks), which keeps it in order with what child processes write.
+    """
+
+    active: Capture | None = None
 
     def __init__(self, out_fd: int, err_fd: int) -> None:
+        install_flush_hooks()
         for stream in (sys.stdout, sys.stderr):
             flush_quietly(stream)
         self.saved = (os.dup(1), os.dup(2), sys.stdout, sys.stderr)
@@ -985,13 +1001,24 @@ class Capture:
         os.dup2(err_fd, 2)
         os.close(out_fd)
         os.close(err_fd)
-        sys.stdout = text_stream(1)
-        sys.stderr = text_stream(2)
+        self.stdout_buffer = BudgetedBuffer(1)
+        self.stdout = sys.stdout = self.stdout_buffer.text
+        self.stderr = sys.stderr = text_stream(open(2, "wb", closefd=False))
+        Capture.active = self
+
+    def flush(self) -> None:
+        # the program may have replaced sys.stdout (contextlib.redirect_stdout): ours still hold output
+        for stream in (sys.stdout, sys.stderr, self.stdout, self.stderr):
+            flush_quietly(stream)
+
+    def next_instruction(self) -> None:
+        self.flush()
+        self.stdout_buffer.rearm()
 
     def restore(self) -> None:
+        Capture.active = None
         saved_out, saved_err, sys_out, sys_err = self.saved
-        for stream in (sys.stdout, sys.stderr):
-            flush_quietly(stream)
+        self.flush()
         os.dup2(saved_out, 1)
         os.dup2(saved_err, 2)
         os.close(saved_out)
@@ -999,10 +1026,73 @@ class Capture:
         sys.stdout, sys.stderr = sys_out, sys_err
 
 
-def text_stream(fd: int) -> io.TextIOWrapper:
-    # line-buffered like a terminal: printed lines reach the pipe before a native crash can lose them
-    return io.TextIOWrapper(open(fd, "wb", closefd=False), encoding="utf-8", errors="replace",
-                            line_buffering=True)
+class BudgetedBuffer(io.BufferedWriter):
+    """The captured stdout's byte buffer: while its line-buffered text stream calls flush() once
+    per printed line, it counts them and, at LINE_BUDGET, turns the text stream block-buffered."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__(open(fd, "wb", buffering=0, closefd=False))
+        self.lines = 0
+        self.text = text_stream(self)
+
+    def flush(self) -> None:
+        super().flush()
+        self.lines += 1
+        if self.lines == LINE_BUDGET:  # reconfigure() flushes again: lines goes past the budget
+            with contextlib.suppress(ValueError):  # closed by the program
+                self.text.reconfigure(line_buffering=False)
+
+    def rearm(self) -> None:
+        with contextlib.suppress(ValueError):
+            self.text.reconfigure(line_buffering=True)
+        self.lines = 0  # after reconfigure(), whose flush counts
+
+
+def text_stream(buffer: io.BufferedWriter) -> io.TextIOWrapper:
+    return io.TextIOWrapper(buffer, encoding="utf-8", errors="replace", line_buffering=True)
+
+
+def instruction_boundary() -> None:
+    """Before each instruction: the previous one's output reaches the pipes, the line budget restarts."""
+    if Capture.active is not None:
+        Capture.active.next_instruction()
+
+
+def flush_output() -> None:
+    """Before another process may write to fds 1 and 2, or this one ends: Python's buffers first."""
+    if Capture.active is not None:
+        Capture.active.flush()
+    else:
+        for stream in (sys.stdout, sys.stderr):
+            flush_quietly(stream)
+
+
+def install_flush_hooks() -> None:
+    """Once per process: flush_output() before every fork, exec, spawn and system(), and before
+    os._exit() and os.abort(), which skip the flush at interpreter exit."""
+    global FLUSH_HOOKS_INSTALLED
+    if FLUSH_HOOKS_INSTALLED:
+        return
+    FLUSH_HOOKS_INSTALLED = True
+    import _posixsubprocess
+    import functools
+    import subprocess
+
+    def flushing_first(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            flush_output()
+            return fn(*args, **kwargs)
+        return wrapper
+
+    os.register_at_fork(before=flush_output)  # os.fork, os.forkpty, multiprocessing's fork
+    # subprocess (both its fork_exec and posix_spawn paths), multiprocessing's spawn and forkserver,
+    # and the exec family (os.execl ... os.execvpe end in os.execv or os.execve)
+    for owner, name in ((subprocess.Popen, "_execute_child"), (_posixsubprocess, "fork_exec"),
+                        (os, "posix_spawn"), (os, "posix_spawnp"), (os, "execv"), (os, "execve"),
+                        (os, "_exit"), (os, "abort"), (os, "system")):
+        setattr(owner, name, flushing_first(getattr(owner, name)))
+
 
 
 def flush_quietly(stream: IO[str]) -> None:

@@ -1,21 +1,26 @@
 """Side-by-side benchmark: our server against the published kcoral 0.1.1, same client.
 
-    .venv/bin/python -m bench.bench_servers            # 1.5 to 3 minutes on 2 cores
+    .venv/bin/python -m bench.bench_servers            # 4 to 6 minutes on 2 cores
+    .venv/bin/python -m bench.bench_servers --client ours --scenarios trivial,stdout_lines --samples 3
 
-Starts both servers on CPU with the same worker count (2) and the same flags,
-drives both with our client (client.py), alternating published/ours request by
-request so that machine drift hits both alike, and reports per scenario the
-median and p90 of each server and the ratio ours/published (of the medians).
-Writes bench/results.json, bench/results.png and bench/RESULTS.md (the README
-section) and prints the Markdown table.
+Starts both servers on CPU with the same worker count (2) and the same flags, drives both
+with one client at a time, alternating published/ours request by request so that machine
+drift hits both alike, and reports per scenario the median and p90 of each server, the
+ratio ours/published (of the medians) and a 95% bootstrap interval of that ratio.  With
+`--client both` (the default) the timed scenarios run twice: driven by our client
+(client.py), then by the published client (bench/published_client_driver.py, run by the
+published package's own virtualenv), one table each; the memory and sandbox rows, which
+measure the servers alone, are taken with our client.  A complete run (every scenario, both
+clients, the default sample counts) writes bench/results.json, bench/results.png and
+bench/RESULTS.md (the README section); every run prints the Markdown tables.
 
 Fairness notes:
 - Only `Client.execute` is timed; building the program (hashing its blobs) and
   checking the answer happen outside the clock, identically for both servers.
 - Every 64 MiB round trip uploads a fresh random payload, so both servers first
-  answer CACHE_MISS and then receive the 64 MiB (our client asks first for big
-  blobs, like the published one).  The cache-hit scenario re-sends the same
-  program: both servers answer from their memory cache on the first attempt.
+  answer CACHE_MISS and then receive the 64 MiB (both clients ask first for big
+  blobs).  The cache-hit scenario re-sends the same program: both servers answer
+  from their memory cache on the first attempt.
 - The folder scenario uses fresh file contents in every round, so both servers
   really receive 500 files each time.
 - Both servers get `--max-request-bytes 512 MiB` so that a 256 MiB payload plus
@@ -34,6 +39,7 @@ import datetime
 import json
 import os
 import platform
+import random
 import shutil
 import signal
 import socket
@@ -45,30 +51,41 @@ import threading
 import time
 import urllib.request
 
-from client import Client, Program  # our client, for both servers
-from tests.support import reference_popen_options, reference_server_argv
+from bench.scenarios import (
+    MIB,
+    STDOUT_LINES,
+    WORKERS,
+    check,
+    completed,
+    run_timed_scenarios,
+    scenario_burst,
+    scenario_trivial,
+    wait_idle,
+)
+from client import Client, Program  # our client
+from tests.support import reference_popen_options, reference_python, reference_server_argv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-WORKERS = 2
-MIB = 1 << 20
 COMMON_FLAGS = ["--num-workers", str(WORKERS), "--no-log-console", "--max-request-bytes", str(512 * MIB)]
-TRIVIAL_SOURCE = "def f():\n    return 42\n"
-STDOUT_BYTES = 4 * MIB
-STDOUT_SOURCE = f"import sys\n\ndef f():\n    sys.stdout.write('x' * {STDOUT_BYTES})\n    return 1\n"
-FOLDER_FILES = 500
 RSS_PAYLOAD = 256 * MIB
 RSS_TARGET_TIMES_PAYLOAD = 3.0
 SANDBOX_COST_TARGET = 1.5  # ours sandboxed / ours unsandboxed
+CLIENTS = ("ours", "published")
+TIMED = ("trivial", "burst", "bytes64", "folder", "stdout4", "stdout_lines")  # both clients run these
+STEPS = (*TIMED, "memory", "sandbox")  # what --scenarios selects from (bytes64 brings cachehit64)
+DEFAULT_COUNTS = {"trivial": 30, "burst": 3, "rounds": 5}
+BOOTSTRAP_RESAMPLES = 2000
 
 # (key, title, unit, target ratio ours/published or None)
 SCENARIOS = [
     ("trivial", "trivial request latency (sequential)", "ms", 0.15),
     ("burst", "burst: 4 clients x 10 trivial, total wall time", "ms", 0.10),
-    ("bytes64", "64 MiB bytes round trip (fresh payload)", "ms", 0.35),
-    ("cachehit64", "64 MiB cache hit (same blob again)", "ms", 0.25),
-    ("folder", f"{FOLDER_FILES}-file folder upload + return", "ms", 0.40),
-    ("stdout4", "4 MiB of stdout captured", "ms", 0.60),
+    ("bytes64", "64 MiB bytes round trip (fresh payload)", "ms", 0.30),
+    ("cachehit64", "64 MiB cache hit (same blob again)", "ms", 0.20),
+    ("folder", "500-file folder upload + return", "ms", 0.40),
+    ("stdout4", "4 MiB of stdout captured (one write)", "ms", 0.60),
+    ("stdout_lines", f"4 MiB of stdout as {STDOUT_LINES} print() lines", "ms", 0.50),
     ("trivial_sandboxed", "trivial request latency, both `--sandbox bubblewrap`", "ms", None),
     ("rss256", "256 MiB upload: peak tree RSS increase", "MiB", None),
     ("pss256", "256 MiB upload: peak tree PSS increase", "MiB", None),
@@ -118,14 +135,8 @@ class Server:
                 time.sleep(0.1)
         raise RuntimeError(f"{self.name} server did not start:\n{self.log_tail()}")
 
-    def wait_idle(self, timeout=30):
-        """Until every worker slot is ready again (replacements run after each request)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            load = self.health()["load"]
-            if load["request_capacity"] == WORKERS and load["requests_in_progress"] == 0:
-                return
-            time.sleep(0.02)
+    def wait_idle(self):
+        wait_idle(self.url)
 
     def log_tail(self):
         with open(self.log_path, "rb") as f:
@@ -182,7 +193,8 @@ class CountingClient(Client):
     """Our client, counting what each execute() puts on the wire: the POSTs and blob bytes.
 
     The benchmark checks with it that a fresh 64 MiB payload really travels to both
-    servers (CACHE_MISS, then the upload) and that a cache hit sends nothing.
+    servers (CACHE_MISS, then the upload) and that a cache hit sends nothing
+    (bench/published_client_driver.py counts the same for the published client).
     """
 
     def execute(self, program, **options):
@@ -289,21 +301,7 @@ class TreeSampler:
                 return
 
 
-# --- programs ----------------------------------------------------------------
-
-def trivial_program():
-    program = Program()
-    module = program.upload(kind="module", source=TRIVIAL_SOURCE)
-    fn = program.get_function(module=module, name="f")
-    program.return_(key="out", value=program.run(fn=fn))
-    return program
-
-
-def echo_bytes_program(payload):
-    program = Program()
-    program.return_(key="out", value=program.upload(kind="bytes", value=payload))
-    return program
-
+# --- the scenarios only our client drives ---------------------------------
 
 def length_program(payload):
     program = Program()
@@ -314,118 +312,14 @@ def length_program(payload):
     return program
 
 
-def stdout_program():
-    program = Program()
-    module = program.upload(kind="module", source=STDOUT_SOURCE)
-    fn = program.get_function(module=module, name="f")
-    program.return_(key="out", value=program.run(fn=fn))
-    return program
-
-
-def make_folder(directory, round_number):
-    """FOLDER_FILES small files with fresh contents, spread over 10 sub-directories."""
-    files = {}
-    for i in range(FOLDER_FILES):
-        rel = f"d{i % 10}/f{i:03d}.txt"
-        data = f"round {round_number} file {i} ".encode() + os.urandom(256 + 8 * (i % 64))
-        os.makedirs(os.path.join(directory, os.path.dirname(rel)), exist_ok=True)
-        with open(os.path.join(directory, rel), "wb") as f:
-            f.write(data)
-        files[rel] = data
-    return files
-
-
-def folder_program(directory):
-    program = Program()
-    program.upload_folder(directory, path="in")
-    program.return_folder(key="out", path="in")
-    return program
-
-
-def check(condition, what):
-    if not condition:
-        raise AssertionError(f"benchmark answer check failed: {what}")
-
-
-def completed(result):
-    check(result.completed, f"program did not complete: {result.error}")
-    return result
-
-
-# --- scenarios ---------------------------------------------------------------
-
-def timed(fn):
-    start = time.perf_counter()
-    value = fn()
-    return (time.perf_counter() - start) * 1e3, value
-
-
-def alternate(servers, rounds, once):
-    """Run `once(server)` -> sample for published, ours, published, ours, ... -> {name: [samples]}."""
-    samples = {server.name: [] for server in servers}
-    for _ in range(rounds):
-        for server in servers:
-            samples[server.name].append(once(server))
-    return samples
-
-
-def scenario_trivial(servers, clients, rounds):
-    program = trivial_program()
-    for server in servers:  # warm-up: connection, first-request paths
-        completed(clients[server.name].execute(program))
-
-    def once(server):
-        ms, result = timed(lambda: clients[server.name].execute(program))
-        check(completed(result)["out"] == 42, "trivial result")
-        return ms
-    return alternate(servers, rounds, once)
-
-
-def scenario_burst(servers, rounds, concurrency=4, per_client=10):
-    program = trivial_program()
-    pools = {server.name: [Client(server.url) for _ in range(concurrency)] for server in servers}
-
-    def once(server):
-        server.wait_idle()
-        barrier = threading.Barrier(concurrency + 1)
-        errors = []
-
-        def drive(client):
-            barrier.wait()
-            try:
-                for _ in range(per_client):
-                    check(completed(client.execute(program))["out"] == 42, "burst result")
-            except Exception as exc:  # reported after the round
-                errors.append(exc)
-
-        threads = [threading.Thread(target=drive, args=(c,)) for c in pools[server.name]]
-        for thread in threads:
-            thread.start()
-        barrier.wait()
-        start = time.perf_counter()
-        for thread in threads:
-            thread.join()
-        ms = (time.perf_counter() - start) * 1e3
-        if errors:
-            raise errors[0]
-        return ms
-
-    try:
-        return alternate(servers, rounds, once)
-    finally:
-        for pool in pools.values():
-            for client in pool:
-                client.close()
-
-
 def scenario_sandbox(ours, scratch, trivial_rounds, burst_rounds):
     """Trivial latency of both servers sandboxed, and what the sandbox costs ours: trivial and
     burst with and without it, all alternating -> (trivial_sandboxed, sandbox_cost) raw samples."""
     sandboxed = start_sandboxed_servers(scratch)
     try:
         clients = {server.name: Client(server.url) for server in (*sandboxed, ours)}
-        trivial = scenario_trivial((*sandboxed, ours), clients, trivial_rounds)
-        burst = scenario_burst((ours, sandboxed[1]), burst_rounds)
+        trivial = scenario_trivial((*sandboxed, ours), clients, trivial_rounds, Program)
+        burst = scenario_burst((ours, sandboxed[1]), Client, burst_rounds, Program)
         for client in clients.values():
             client.close()
     finally:
@@ -449,55 +343,6 @@ def sandbox_cost_table(cost):
                      f"{fmt(boxed['median'], 'ms')} / {fmt(boxed['p90'], 'ms')} | {ratio:.2f} | "
                      f"≤ {SANDBOX_COST_TARGET:g} | {met} |")
     return "\n".join(lines)
-
-
-def scenario_bytes64(servers, clients, rounds):
-    """-> (round trip samples, cache hit samples): each round's fresh payload is then re-sent."""
-    trips = {server.name: [] for server in servers}
-    hits = {server.name: [] for server in servers}
-    for _ in range(rounds):
-        payload = os.urandom(64 * MIB)
-        program = echo_bytes_program(payload)
-        for samples, posts, uploaded in ((trips, 2, 64 * MIB), (hits, 1, 0)):
-            for server in servers:
-                client = clients[server.name]
-                ms, result = timed(lambda: client.execute(program))
-                check(completed(result)["out"] == payload, "64 MiB payload returned intact")
-                check((client.posts, client.blob_bytes) == (posts, uploaded),
-                      f"{server.name}: {client.posts} POSTs with {client.blob_bytes} blob bytes, "
-                      f"expected {posts} with {uploaded}")
-                samples[server.name].append(ms)
-                del result
-    return trips, hits
-
-
-def scenario_folder(servers, clients, rounds, scratch):
-    def once_for_round(round_number):
-        directory = os.path.join(scratch, f"folder-{round_number}")
-        files = make_folder(directory, round_number)
-        program = folder_program(directory)
-        shutil.rmtree(directory)
-        return files, program
-
-    samples = {server.name: [] for server in servers}
-    for round_number in range(rounds):
-        files, program = once_for_round(round_number)
-        for server in servers:
-            ms, result = timed(lambda: clients[server.name].execute(program))
-            returned = completed(result)["out"]
-            check({rel: f.read_bytes() for rel, f in returned.files.items()} == files, "folder returned intact")
-            samples[server.name].append(ms)
-    return samples
-
-
-def scenario_stdout(servers, clients, rounds):
-    program = stdout_program()
-
-    def once(server):
-        ms, result = timed(lambda: clients[server.name].execute(program, output_limit_bytes=2 * STDOUT_BYTES))
-        check(len(completed(result).stdout) == STDOUT_BYTES and not result.stdout_truncated, "4 MiB stdout")
-        return ms
-    return alternate(servers, rounds, once)
 
 
 def scenario_memory(servers, clients, rounds):
@@ -560,16 +405,26 @@ def machine():
             "kernel": platform.release(), "python": platform.python_version()}
 
 
+def ratio_interval(published, ours, seed=0):
+    """95% bootstrap interval of median(ours) / median(published): both sample sets resampled."""
+    rng = random.Random(seed)
+    ratios = sorted(statistics.median(rng.choices(ours, k=len(ours))) /
+                    statistics.median(rng.choices(published, k=len(published)))
+                    for _ in range(BOOTSTRAP_RESAMPLES))
+    return ratios[int(0.025 * len(ratios))], ratios[int(0.975 * len(ratios)) - 1]
+
+
 def evaluate(raw):
-    """{scenario: {name: samples}} -> rows with medians, p90s, ratio and verdict."""
+    """{scenario: {name: samples}} -> rows with medians, p90s, ratio, its interval and verdict."""
     rows = []
     for key, title, unit, target in SCENARIOS:
         if key not in raw:
             continue
         published, ours = summary(raw[key]["published"]), summary(raw[key]["ours"])
-        ratio = ours["median"] / published["median"] if published["median"] else None
+        ratio = ours["median"] / published["median"]
         row = {"key": key, "scenario": title, "unit": unit, "published": published, "ours": ours,
-               "ratio": ratio, "target": target, "met": None if target is None else ratio <= target}
+               "ratio": ratio, "ratio_95": ratio_interval(published["samples"], ours["samples"]),
+               "target": target, "met": None if target is None else ratio <= target}
         if key in ("rss256", "pss256"):
             times_payload = ours["median"] * MIB / RSS_PAYLOAD
             row["ours_times_payload"] = times_payload
@@ -587,7 +442,7 @@ def fmt(value, unit):
 
 
 def markdown_table(rows):
-    lines = ["| scenario | published median / p90 | ours median / p90 | ours/published | target | met? |",
+    lines = ["| scenario | published median / p90 | ours median / p90 | ours/published (95% interval) | target | met? |",
              "|---|---|---|---|---|---|"]
     for row in rows:
         unit = row["unit"]
@@ -597,33 +452,54 @@ def markdown_table(rows):
         if "ours_times_payload" in row:
             target += f" (ours: {row['ours_times_payload']:.2f}×)"
         met = {True: "yes", False: "**no**", None: "—"}[row["met"]]
+        low, high = row["ratio_95"]
         lines.append(f"| {row['scenario']} | {fmt(row['published']['median'], unit)} / "
                      f"{fmt(row['published']['p90'], unit)} | {fmt(row['ours']['median'], unit)} / "
-                     f"{fmt(row['ours']['p90'], unit)} | {row['ratio']:.2f} | {target} | {met} |")
+                     f"{fmt(row['ours']['p90'], unit)} | {row['ratio']:.2f} ({low:.2f}–{high:.2f}) | "
+                     f"{target} | {met} |")
     return "\n".join(lines)
 
 
-def draw_chart(rows, path, when):
+def client_tables(rows_by_client):
+    """One Markdown table per client that drove the servers."""
+    titles = {"ours": "Driven by our client (client.py)",
+              "published": "Driven by the published client (kcoral 0.1.1, its own virtualenv)"}
+    return "\n\n".join(f"{titles[client]}:\n\n{markdown_table(rows)}" for client, rows in rows_by_client.items())
+
+
+def draw_chart(rows_by_client, path, when):
+    """Ratios per scenario, one bar per client, the targets dashed."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(10, 5.2))
-    names = [row["key"] for row in rows]
-    ratios = [row["ratio"] for row in rows]
-    colors = ["#2a9d8f" if row["met"] is not False else "#e76f51" for row in rows]
-    bars = ax.bar(names, ratios, color=colors)
-    for i, row in enumerate(rows):
+    fig, ax = plt.subplots(figsize=(11, 5.4))
+    keys = [row["key"] for row in rows_by_client["ours"]]
+    width = 0.8 / len(rows_by_client)
+    shades = {"ours": ("#2a9d8f", "#e76f51"), "published": ("#8ecae6", "#f4a261")}
+    for n, (client, rows) in enumerate(rows_by_client.items()):
+        by_key = {row["key"]: row for row in rows}
+        for i, key in enumerate(keys):
+            if key not in by_key:
+                continue
+            row = by_key[key]
+            met_color, missed_color = shades[client]
+            x = i - 0.4 + width * (n + 0.5)
+            low, high = row["ratio_95"]
+            ax.bar(x, row["ratio"], width, color=missed_color if row["met"] is False else met_color,
+                   yerr=[[row["ratio"] - low], [high - row["ratio"]]], capsize=2,
+                   label=f"{client} client" if i == 0 else None)
+            label = f"{row['ratio']:.2f}"
+            if "ours_times_payload" in row:
+                label += f"\n({row['ours_times_payload']:.1f}× payload)"
+            ax.annotate(label, (x, high), ha="center", va="bottom", fontsize=7)
+    for i, row in enumerate(rows_by_client["ours"]):
         if row["target"] is not None:
             ax.hlines(row["target"], i - 0.45, i + 0.45, colors="black", linestyles="--", linewidth=1.5,
                       label="target" if i == 0 else None)
-        label = f"{row['ratio']:.2f}"
-        if "ours_times_payload" in row:
-            label += f"\n({row['ours_times_payload']:.1f}× payload)"
-        ax.annotate(label, (bars[i].get_x() + bars[i].get_width() / 2, bars[i].get_height()),
-                    ha="center", va="bottom", fontsize=8)
     ax.axhline(1.0, color="grey", linewidth=0.8)
-    ax.set_ylabel("ours / published (median; lower is better)")
+    ax.set_xticks(range(len(keys)), keys)
+    ax.set_ylabel("ours / published (median, 95% bootstrap interval; lower is better)")
     ax.set_title(f"KCoral: ours vs published 0.1.1, {WORKERS} CPU workers each ({when})")
     ax.legend(loc="upper left")
     plt.setp(ax.get_xticklabels(), rotation=20)
@@ -632,13 +508,15 @@ def draw_chart(rows, path, when):
     plt.close(fig)
 
 
-def results_markdown(rows, info):
+def results_markdown(rows_by_client, info):
     m = info["machine"]
     return f"""## Performance against the published server
 
-Same client (ours), same worker count ({WORKERS} CPU workers), requests alternating
-published/ours so that machine drift affects both alike; ratios are ours/published of the
-medians (lower is better); only `Client.execute` is timed.  The 256 MiB memory rows are
+Same worker count ({WORKERS} CPU workers), requests alternating published/ours so that machine
+drift affects both alike; ratios are ours/published of the medians (lower is better), with a
+95% bootstrap interval; only `Client.execute` is timed.  The timed scenarios ran twice, driven
+by our client and by the published one; the memory and sandbox rows, which measure the servers,
+with our client.  The 256 MiB memory rows are
 the increase of the server's whole process tree (front-end, workers and helpers) over its
 idle tree measured just before, sampled from /proc every {info['sample_interval_ms']['rss']:.0f} ms (RSS) and
 {info['sample_interval_ms']['pss']:.0f} ms (PSS, from smaps_rollup); **the target is judged on that increase of tree
@@ -648,7 +526,7 @@ request's blobs as one file for its worker.  Both servers keep their workspaces 
 and disk caches under `{info['scratch_parent']}`, where creating a small file took
 {info['file_create_ms']:.2f} ms at the end of the run: the folder scenario's main cost for both servers.
 
-{markdown_table(rows)}
+{client_tables(rows_by_client)}
 
 ![](bench/results.png)
 
@@ -660,73 +538,120 @@ Machine: {m['nproc']} CPUs ({m['cpu']}), {m['ram_gib']} GiB RAM, Linux {m['kerne
 Python {m['python']}; {info['date']}; full run {info['wall_seconds']:.0f} s.
 
 Reproduce: `.venv/bin/python -m bench.bench_servers` (needs `pip install matplotlib`, the `bench`
-extra; the published server installs itself into a cached virtualenv on first use).
+extra; the published server and client install themselves into a cached virtualenv on first use).
 """
 
 
 # --- main --------------------------------------------------------------------
 
-def main():
+def progress(line):
+    print(line, file=sys.stderr, flush=True)
+
+
+def published_client_scenarios(names, servers, counts, scratch):
+    """The timed scenarios driven by the published client, in a process of its virtualenv."""
+    spec_path, out_path = os.path.join(scratch, "published-client-spec.json"), os.path.join(scratch, "published.json")
+    with open(spec_path, "w") as f:
+        json.dump({"servers": [[server.name, server.url] for server in servers], "scenarios": list(names),
+                   "counts": counts, "scratch": scratch}, f)
+    subprocess.run([reference_python(), os.path.join(ROOT, "bench", "published_client_driver.py"), spec_path,
+                    out_path], check=True, **reference_popen_options())
+    with open(out_path) as f:
+        return json.load(f)
+
+
+def our_client_steps(names, servers, counts, scratch):
+    """The timed scenarios with our client, then the memory and sandbox rows -> raw samples."""
+    clients = {server.name: CountingClient(server.url) for server in servers}
+    raw = run_timed_scenarios(names, servers, clients, Client, counts, scratch, Program, progress)
+    extra = [("memory", ("rss256", "pss256", "rss_detail"), lambda: scenario_memory(servers, clients, 2)),
+             ("sandbox", ("trivial_sandboxed", "sandbox_cost"),
+              lambda: scenario_sandbox(servers[1], scratch, counts["trivial"], counts["burst"]))]
+    for name, keys, step in extra:
+        if name in names:
+            started = time.monotonic()
+            raw.update(zip(keys, step()))
+            progress(f"{'/'.join(keys)}: {time.monotonic() - started:.1f} s")
+    for client in clients.values():
+        client.close()
+    return raw
+
+
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=5, help="samples per server for the heavy scenarios")
-    parser.add_argument("--burst-rounds", type=int, default=3, help="bursts per server (the published one "
-                        "takes ~15 s each)")
-    parser.add_argument("--trivial", type=int, default=30, help="sequential trivial requests per server")
+    parser.add_argument("--client", choices=("ours", "published", "both"), default="both",
+                        help="which client drives both servers (default: both, one table each)")
+    parser.add_argument("--scenarios", default=",".join(STEPS),
+                        help=f"comma-separated subset of {','.join(STEPS)} (default: all)")
+    parser.add_argument("--samples", type=int, help="samples per server for every scenario (a quick run); "
+                        "overrides --rounds, --burst-rounds and --trivial")
+    parser.add_argument("--rounds", type=int, default=DEFAULT_COUNTS["rounds"],
+                        help="samples per server for the heavy scenarios")
+    parser.add_argument("--burst-rounds", type=int, default=DEFAULT_COUNTS["burst"],
+                        help="bursts per server (the published one takes ~15 s each)")
+    parser.add_argument("--trivial", type=int, default=DEFAULT_COUNTS["trivial"],
+                        help="sequential trivial requests per server")
     parser.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)), help="output directory")
     parser.add_argument("--scratch-parent", help="where the servers' TMPDIR and disk caches go "
                         "(default: the system temp dir)")
     parser.add_argument("--sandbox-only", action="store_true", help="only the sandbox rows, printed")
     args = parser.parse_args()
+    args.names = [name for name in args.scenarios.split(",") if name]
+    unknown = set(args.names) - set(STEPS)
+    if unknown:
+        parser.error(f"unknown scenarios: {', '.join(sorted(unknown))}")
+    args.counts = ({key: args.samples for key in DEFAULT_COUNTS} if args.samples else
+                   {"trivial": args.trivial, "burst": args.burst_rounds, "rounds": args.rounds})
+    args.clients = CLIENTS if args.client == "both" else (args.client,)
+    # only a run of everything at the default counts replaces the committed results
+    args.complete = set(args.names) == set(STEPS) and args.clients == CLIENTS and args.counts == DEFAULT_COUNTS
+    return args
+
+
+def main():
+    args = parse_args()
     if args.sandbox_only:
         return print_sandbox_rows(args)
     begun = time.monotonic()
     scratch = tempfile.mkdtemp(prefix="kcoral-bench-", dir=args.scratch_parent)
     servers = ()
+    raw_by_client = {}
     try:
         servers = start_servers(scratch)
-        print(f"servers ready in {time.monotonic() - begun:.1f} s", file=sys.stderr)
-        clients = {server.name: CountingClient(server.url) for server in servers}
-        raw = {}
-        steps = [
-            ("trivial", lambda: scenario_trivial(servers, clients, args.trivial)),
-            (("rss256", "pss256", "rss_detail"), lambda: scenario_memory(servers, clients, 2)),
-            ("burst", lambda: scenario_burst(servers, args.burst_rounds)),
-            (("bytes64", "cachehit64"), lambda: scenario_bytes64(servers, clients, args.rounds)),
-            ("folder", lambda: scenario_folder(servers, clients, args.rounds, scratch)),
-            ("stdout4", lambda: scenario_stdout(servers, clients, args.rounds)),
-            (("trivial_sandboxed", "sandbox_cost"),
-             lambda: scenario_sandbox(servers[1], scratch, args.trivial, args.burst_rounds)),
-        ]
-        for keys, step in steps:
-            started = time.monotonic()
-            values = step()
-            if isinstance(keys, str):
-                keys, values = (keys,), (values,)
-            raw.update(zip(keys, values))
-            print(f"{'/'.join(keys)}: {time.monotonic() - started:.1f} s", file=sys.stderr)
-        for client in clients.values():
-            client.close()
+        progress(f"servers ready in {time.monotonic() - begun:.1f} s")
+        for client in args.clients:
+            if client == "ours" or set(args.names) & set(TIMED):
+                progress(f"--- driven by {'our' if client == 'ours' else 'the published'} client")
+                raw_by_client[client] = (our_client_steps(args.names, servers, args.counts, scratch)
+                                         if client == "ours" else
+                                         published_client_scenarios([n for n in args.names if n in TIMED], servers,
+                                                                    args.counts, scratch))
     finally:
         for server in servers:
             server.stop()
         shutil.rmtree(scratch, ignore_errors=True)
 
+    rows_by_client = {client: evaluate(raw) for client, raw in raw_by_client.items()}
+    print(client_tables(rows_by_client))
+    ours_raw = raw_by_client.get("ours", {})
+    if "sandbox_cost" in ours_raw:
+        print("\n" + sandbox_cost_table(ours_raw["sandbox_cost"]))
+    if not args.complete:
+        progress("a partial run: bench/RESULTS.md, results.json and results.png are left as they are")
+        return
     info = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": machine(), "workers": WORKERS, "wall_seconds": time.monotonic() - begun,
             "command": ".venv/bin/python -m bench.bench_servers", "flags_both": COMMON_FLAGS,
             "scratch_parent": args.scratch_parent or tempfile.gettempdir(),
-            "file_create_ms": file_create_ms(args.scratch_parent), "sandbox_cost": raw["sandbox_cost"]}
-    intervals = [run["mean_sample_interval_ms"] for runs in raw["rss_detail"].values() for run in runs]
+            "file_create_ms": file_create_ms(args.scratch_parent), "sandbox_cost": ours_raw["sandbox_cost"]}
+    intervals = [run["mean_sample_interval_ms"] for runs in ours_raw["rss_detail"].values() for run in runs]
     info["sample_interval_ms"] = {kind: statistics.mean(i[kind] for i in intervals) for kind in ("rss", "pss")}
-    rows = evaluate(raw)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({**info, "rows": rows, "memory_detail": raw.get("rss_detail")}, f, indent=2)
-    draw_chart(rows, os.path.join(args.out, "results.png"), info["date"])
-    text = results_markdown(rows, info)
+        json.dump({**info, "clients": rows_by_client, "memory_detail": ours_raw["rss_detail"]}, f, indent=2)
+    draw_chart(rows_by_client, os.path.join(args.out, "results.png"), info["date"])
     with open(os.path.join(args.out, "RESULTS.md"), "w") as f:
-        f.write(text)
-    print(text)
+        f.write(results_markdown(rows_by_client, info))
 
 
 def print_sandbox_rows(args):
@@ -738,7 +663,7 @@ def print_sandbox_rows(args):
                                         *COMMON_FLAGS], scratch)
     try:
         ours.wait_ready()
-        trivial, cost = scenario_sandbox(ours, scratch, args.trivial, args.burst_rounds)
+        trivial, cost = scenario_sandbox(ours, scratch, args.counts["trivial"], args.counts["burst"])
     finally:
         ours.stop()
         shutil.rmtree(scratch, ignore_errors=True)

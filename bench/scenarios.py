@@ -1,0 +1,225 @@
+"""The timed scenarios of bench/bench_servers.py, written against the client API that our client
+and the published one share (`Client(url).execute(program, ...)`, `Program().upload(...)` ...).
+
+Standard library only and nothing from this repository: bench/published_client_driver.py runs
+the same scenarios under the published client's own virtualenv, where `kcoral` is the published
+package.  Each scenario alternates request by request between the servers (published, ours,
+published, ours ...) so that machine drift hits both alike, and returns {server name: samples}.
+A server is anything with `name` and `url`; a client counts what each execute() put on the wire
+in `posts` and `blob_bytes`.
+"""
+
+import json
+import os
+import shutil
+import threading
+import time
+import urllib.request
+
+WORKERS = 2
+MIB = 1 << 20
+TRIVIAL_SOURCE = "def f():\n    return 42\n"
+STDOUT_BYTES = 4 * MIB
+STDOUT_SOURCE = f"import sys\n\ndef f():\n    sys.stdout.write('x' * {STDOUT_BYTES})\n    return 1\n"
+STDOUT_LINES = 65536  # of 64 bytes with the newline: STDOUT_BYTES again, one print() each
+STDOUT_LINES_SOURCE = (f"def f():\n    line = 'y' * {STDOUT_BYTES // STDOUT_LINES - 1}\n"
+                       f"    for _ in range({STDOUT_LINES}):\n        print(line)\n    return 1\n")
+FOLDER_FILES = 500
+
+
+# --- programs ----------------------------------------------------------------
+
+def function_program(program_class, source):
+    """upload module -> get_function f -> run -> return "out"."""
+    program = program_class()
+    module = program.upload(kind="module", source=source)
+    fn = program.get_function(module=module, name="f")
+    program.return_(key="out", value=program.run(fn=fn))
+    return program
+
+
+def echo_bytes_program(program_class, payload):
+    program = program_class()
+    program.return_(key="out", value=program.upload(kind="bytes", value=payload))
+    return program
+
+
+def make_folder(directory, round_number):
+    """FOLDER_FILES small files with fresh contents, spread over 10 sub-directories."""
+    files = {}
+    for i in range(FOLDER_FILES):
+        rel = f"d{i % 10}/f{i:03d}.txt"
+        data = f"round {round_number} file {i} ".encode() + os.urandom(256 + 8 * (i % 64))
+        os.makedirs(os.path.join(directory, os.path.dirname(rel)), exist_ok=True)
+        with open(os.path.join(directory, rel), "wb") as f:
+            f.write(data)
+        files[rel] = data
+    return files
+
+
+def folder_program(program_class, directory):
+    program = program_class()
+    program.upload_folder(directory, path="in")
+    program.return_folder(key="out", path="in")
+    return program
+
+
+def check(condition, what):
+    if not condition:
+        raise AssertionError(f"benchmark answer check failed: {what}")
+
+
+def completed(result):
+    check(result.completed, f"program did not complete: {result.error}")
+    return result
+
+
+def wait_idle(url, timeout=30):
+    """Until every worker slot is ready again (replacements run after each request)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(url + "/health", timeout=10) as response:
+            load = json.load(response)["load"]
+        if load["request_capacity"] == WORKERS and load["requests_in_progress"] == 0:
+            return
+        time.sleep(0.02)
+
+
+# --- scenarios ---------------------------------------------------------------
+
+def timed(fn):
+    start = time.perf_counter()
+    value = fn()
+    return (time.perf_counter() - start) * 1e3, value
+
+
+def alternate(servers, rounds, once):
+    """Run `once(server)` -> sample for published, ours, published, ours, ... -> {name: [samples]}."""
+    samples = {server.name: [] for server in servers}
+    for _ in range(rounds):
+        for server in servers:
+            samples[server.name].append(once(server))
+    return samples
+
+
+def scenario_trivial(servers, clients, rounds, program_class):
+    program = function_program(program_class, TRIVIAL_SOURCE)
+    for server in servers:  # warm-up: connection, first-request paths
+        completed(clients[server.name].execute(program))
+
+    def once(server):
+        ms, result = timed(lambda: clients[server.name].execute(program))
+        check(completed(result)["out"] == 42, "trivial result")
+        return ms
+    return alternate(servers, rounds, once)
+
+
+def scenario_burst(servers, make_client, rounds, program_class, concurrency=4, per_client=10):
+    program = function_program(program_class, TRIVIAL_SOURCE)
+    pools = {server.name: [make_client(server.url) for _ in range(concurrency)] for server in servers}
+
+    def once(server):
+        wait_idle(server.url)
+        barrier = threading.Barrier(concurrency + 1)
+        errors = []
+
+        def drive(client):
+            barrier.wait()
+            try:
+                for _ in range(per_client):
+                    check(completed(client.execute(program))["out"] == 42, "burst result")
+            except Exception as exc:  # reported after the round
+                errors.append(exc)
+
+        threads = [threading.Thread(target=drive, args=(c,)) for c in pools[server.name]]
+        for thread in threads:
+            thread.start()
+        barrier.wait()
+        start = time.perf_counter()
+        for thread in threads:
+            thread.join()
+        ms = (time.perf_counter() - start) * 1e3
+        if errors:
+            raise errors[0]
+        return ms
+
+    try:
+        return alternate(servers, rounds, once)
+    finally:
+        for pool in pools.values():
+            for client in pool:
+                client.close()
+
+
+def scenario_bytes64(servers, clients, rounds, program_class):
+    """-> (round trip samples, cache hit samples): each round's fresh payload is then re-sent.
+
+    The round trip must be 2 POSTs carrying the 64 MiB (CACHE_MISS, then the upload), the cache
+    hit 1 POST without it."""
+    trips = {server.name: [] for server in servers}
+    hits = {server.name: [] for server in servers}
+    for _ in range(rounds):
+        payload = os.urandom(64 * MIB)
+        program = echo_bytes_program(program_class, payload)
+        for samples, posts, uploads in ((trips, 2, True), (hits, 1, False)):
+            for server in servers:
+                client = clients[server.name]
+                ms, result = timed(lambda: client.execute(program))
+                check(completed(result)["out"] == payload, "64 MiB payload returned intact")
+                check((client.posts, client.blob_bytes >= 64 * MIB) == (posts, uploads),
+                      f"{server.name}: {client.posts} POSTs with {client.blob_bytes} blob bytes, "
+                      f"expected {posts} {'with' if uploads else 'without'} the 64 MiB")
+                samples[server.name].append(ms)
+                del result
+    return trips, hits
+
+
+def scenario_folder(servers, clients, rounds, scratch, program_class):
+    samples = {server.name: [] for server in servers}
+    for round_number in range(rounds):
+        directory = os.path.join(scratch, f"folder-{round_number}")
+        files = make_folder(directory, round_number)
+        program = folder_program(program_class, directory)  # reads the files: the directory can go
+        shutil.rmtree(directory)
+        for server in servers:
+            ms, result = timed(lambda: clients[server.name].execute(program))
+            returned = completed(result)["out"]
+            check({rel: f.read_bytes() for rel, f in returned.files.items()} == files, "folder returned intact")
+            samples[server.name].append(ms)
+    return samples
+
+
+def scenario_stdout(servers, clients, rounds, program_class, source=STDOUT_SOURCE):
+    """4 MiB of stdout, by default in one write; with STDOUT_LINES_SOURCE as 65 536 print() lines."""
+    program = function_program(program_class, source)
+
+    def once(server):
+        ms, result = timed(lambda: clients[server.name].execute(program, output_limit_bytes=2 * STDOUT_BYTES))
+        check(len(completed(result).stdout) == STDOUT_BYTES and not result.stdout_truncated, "4 MiB stdout")
+        return ms
+    return alternate(servers, rounds, once)
+
+
+def run_timed_scenarios(names, servers, clients, make_client, counts, scratch, program_class, progress):
+    """The timed scenarios among `names`, in the benchmark's order -> {scenario key: {server: samples}}.
+
+    `counts`: samples per server, {"trivial": n, "burst": n, "rounds": n (the heavy ones)}."""
+    steps = [
+        ("trivial", lambda: scenario_trivial(servers, clients, counts["trivial"], program_class)),
+        ("burst", lambda: scenario_burst(servers, make_client, counts["burst"], program_class)),
+        (("bytes64", "cachehit64"), lambda: scenario_bytes64(servers, clients, counts["rounds"], program_class)),
+        ("folder", lambda: scenario_folder(servers, clients, counts["rounds"], scratch, program_class)),
+        ("stdout4", lambda: scenario_stdout(servers, clients, counts["rounds"], program_class)),
+        ("stdout_lines", lambda: scenario_stdout(servers, clients, counts["rounds"], program_class,
+                                                 STDOUT_LINES_SOURCE)),
+    ]
+    raw = {}
+    for keys, step in steps:
+        keys = (keys,) if isinstance(keys, str) else keys
+        if keys[0] not in names:
+            continue
+        started = time.monotonic()
+        values = step()
+        raw.update(zip(keys, values if len(keys) > 1 else (values,)))
+        progress(f"{'/'.join(keys)}: {time.monotonic() - started:.1f} s")
+    return raw
