@@ -267,9 +267,14 @@ class UnexpectedMessage(RuntimeError):
     """The peer sent a message the protocol does not allow at this point."""
 
 
-def message(cls: type) -> type:
-    """Declare a message class: a frozen dataclass the codec knows by name."""
-    cls = dataclasses.dataclass(frozen=True)(cls)
+_Message = typing.TypeVar("_Message", bound=type)
+
+
+def message(cls: _Message) -> _Message:
+    """Declare a message class: a frozen dataclass (declared as one beneath, so type checkers see
+    its fields) the codec knows by name."""
+    if not getattr(getattr(cls, "__dataclass_params__", None), "frozen", False):
+        raise TypeError(f"@message {cls.__name__} is not a @dataclasses.dataclass(frozen=True)")
     MESSAGE_TYPES[cls.__name__] = cls
     return cls
 
@@ -342,6 +347,7 @@ def fits(value: object, hint: Any) -> bool:
 
 
 @message
+@dataclasses.dataclass(frozen=True)
 class WorkerReady:
     """Worker -> front-end, once after the fork: pinned to its GPU(s) and imported, no CUDA context yet.
     The sandbox template sends it too, once it has imported what its workers preload."""
@@ -349,18 +355,21 @@ class WorkerReady:
 
 
 @message
+@dataclasses.dataclass(frozen=True)
 class WorkerFailed:
     """Worker -> front-end, instead of WorkerReady: this fork cannot serve (the template initialised CUDA)."""
     reason: str
 
 
 @message
+@dataclasses.dataclass(frozen=True)
 class InitGpu:
     """Front-end -> GPU worker, once after WorkerReady, while the front-end holds the lease: create the
     CUDA context.  Answered by GpuInitialized."""
 
 
 @message
+@dataclasses.dataclass(frozen=True)
 class GpuInitialized:
     """Worker -> front-end, the answer to InitGpu: what device 0 is, to check the pinning."""
     arch: str  # like "sm_90a"
@@ -369,6 +378,7 @@ class GpuInitialized:
 
 
 @message
+@dataclasses.dataclass(frozen=True)
 class JobRequest:
     """Front-end -> worker, once per request.  The blobs wait in the staging file `blob_file`
     (`blob_index`: hash -> (offset, size)); with `capture`, the write ends of the stdout and
@@ -385,17 +395,20 @@ class JobRequest:
 
 
 @message
+@dataclasses.dataclass(frozen=True)
 class StopWorker:
     """Front-end -> idle worker: exit now."""
 
 
 @message
+@dataclasses.dataclass(frozen=True)
 class InstructionStarted:
     """Worker -> front-end, before each instruction: a crash from here on is attributed to it."""
     index: int
 
 
 @message
+@dataclasses.dataclass(frozen=True)
 class ReturnValue:
     """Worker -> front-end, as each `return` instruction completes (so a later crash cannot lose it).
 
@@ -407,22 +420,26 @@ class ReturnValue:
 
 
 @message
+@dataclasses.dataclass(frozen=True)
 class AcquireLease:
     """GPU worker -> front-end, before an instruction that may touch the GPU; answered by LeaseGranted."""
 
 
 @message
+@dataclasses.dataclass(frozen=True)
 class LeaseGranted:
     """Front-end -> GPU worker, the answer to AcquireLease: the worker's GPU(s) are its own now."""
 
 
 @message
+@dataclasses.dataclass(frozen=True)
 class ReleaseLease:
     """GPU worker -> front-end, before host-only work (file uploads and returns, cpu_only runs),
     after giving its cached GPU memory back.  Not answered."""
 
 
 @message
+@dataclasses.dataclass(frozen=True)
 class RequestDone:
     """Worker -> front-end, the last message of a request."""
     error: dict | None  # the FAILED result's error object
@@ -430,6 +447,7 @@ class RequestDone:
 
 
 @message
+@dataclasses.dataclass(frozen=True)
 class ForkWorker:
     """Front-end -> sandbox template: fork one worker; the worker's pipe follows as a passed file
     descriptor.  Answered by WorkerForked, then WorkerExited once that worker is gone."""
@@ -438,12 +456,14 @@ class ForkWorker:
 
 
 @message
+@dataclasses.dataclass(frozen=True)
 class WorkerForked:
     """Sandbox template -> front-end: the new worker's pid inside the sandbox."""
     pid: int
 
 
 @message
+@dataclasses.dataclass(frozen=True)
 class WorkerExited:
     """Sandbox template -> front-end: the worker it forked last is gone, with this exit code."""
     exit_code: int
