@@ -204,7 +204,7 @@ class StagedBlobs:
     def __init__(self, path: str | None, index: dict[str, tuple[int, int]]) -> None:
         self.path = path
         self.index = index  # hash -> (offset, size) in the file
-        self.handed_out = {}  # id -> (bytes object, hash) for what read() returned
+        self.handed_out: dict[int, tuple[bytes, str]] = {}  # id -> (bytes object, hash) for what read() returned
 
     def digest_of(self, value: object) -> str | None:
         """The hash of `value` if it is a bytes object read() returned, else None.
@@ -216,6 +216,7 @@ class StagedBlobs:
 
     def read(self, digest: str) -> bytes:
         offset, size = self.index[digest]
+        assert self.path is not None  # no staging file comes with an empty index: the lookup raised KeyError
         chunks = []
         with open(self.path, "rb", buffering=0) as f:
             while size:  # one read stops short of 2 GiB
@@ -230,6 +231,7 @@ class StagedBlobs:
 
     def read_writable(self, digest: str) -> bytearray:
         offset, size = self.index[digest]
+        assert self.path is not None  # as in read()
         data = bytearray(size)
         view = memoryview(data)
         with open(self.path, "rb", buffering=0) as f:
@@ -242,6 +244,7 @@ class StagedBlobs:
 
     def copy_to(self, digest: str, out_fd: int) -> None:
         offset, size = self.index[digest]
+        assert self.path is not None  # as in read()
         with open(self.path, "rb", buffering=0) as f:
             while size:
                 n = os.sendfile(out_fd, f.fileno(), offset, size)
@@ -281,7 +284,9 @@ def message(cls: _Message) -> _Message:
 
 def encode_message(msg: object) -> bytes:
     """The frame of one message.  RecursionError or ValueError for a value JSON cannot carry."""
-    fields = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}  # type: ignore[arg-type]
+    if not dataclasses.is_dataclass(msg):  # what dataclasses.fields() raises, with the type named
+        raise TypeError(f"{type(msg).__name__} is not a message")
+    fields = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
     payload = json.dumps({"type": type(msg).__name__, **fields}, separators=(",", ":"),
                          allow_nan=False).encode()
     return MESSAGE_HEADER.pack(len(payload)) + payload
@@ -313,7 +318,7 @@ def decode_message(payload: bytes | bytearray) -> object:
         data = json.loads(payload)
     except (ValueError, RecursionError):
         raise UnexpectedMessage("a message that is not JSON") from None
-    cls = MESSAGE_TYPES.get(data.get("type")) if isinstance(data, dict) and isinstance(data.get("type"), str) else None
+    cls = MESSAGE_TYPES.get(data["type"]) if isinstance(data, dict) and isinstance(data.get("type"), str) else None
     if cls is None:
         raise UnexpectedMessage("a message of no known type")
     hints = MESSAGE_HINTS.get(cls) or MESSAGE_HINTS.setdefault(cls, typing.get_type_hints(cls))
@@ -521,7 +526,8 @@ def escaped_descendants() -> list[int]:
     for pid, state, ppid, pgrp in process_table():
         if state != b"Z":
             parents[pid], groups[pid] = ppid, pgrp
-    tree, frontier = set(), {me}
+    tree: set[int] = set()
+    frontier = {me}
     while frontier:
         frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - tree
         tree |= frontier
@@ -575,7 +581,7 @@ def terminate(remaining: Callable[[], list[int]], grace: float, kill_for: float,
     while pids and time.monotonic() < deadline:
         time.sleep(0.01)
         pids = remaining()
-    deadline, seen = time.monotonic() + kill_for, set()
+    deadline, seen = time.monotonic() + kill_for, set[int]()
     while pids:
         signal_all(pids, signal.SIGSTOP)
         if set(pids) <= seen:  # nothing new since the last sweep: all stopped
@@ -838,7 +844,7 @@ def load_module(source: str) -> UploadedModule:
         code = compile(source, filename, "exec", dont_inherit=True)
     except (SyntaxError, ValueError) as exc:
         raise ExecutionError("parse", f"syntax error: {exc}") from exc
-    namespace = {}
+    namespace: dict[str, Any] = {}
     try:
         exec(code, namespace)
     except Exception as exc:
@@ -891,6 +897,7 @@ class ProgramRun:
 
     def op_upload(self, ins: Instruction) -> None:
         kind = ins["kind"]
+        value: Any
         if kind == "module":
             value = load_module(ins["source"])
         elif kind == "bytes":
@@ -1450,6 +1457,8 @@ class CudaCallGuard:
     so, like the reference, the run is answered `unavailable`.
     """
 
+    first: tuple[str, list[traceback.FrameSummary], float] | None  # the first API entered: name, stack, time
+
     def __enter__(self) -> CudaCallGuard:
         try:
             from cupti import cupti
@@ -1534,12 +1543,12 @@ def install_kcoral_modules() -> tuple[types.ModuleType, types.ModuleType]:
     if "kcoral.errors" in sys.modules and "kcoral.builtins" in sys.modules:
         return sys.modules["kcoral.errors"], sys.modules["kcoral.builtins"]
     errors = types.ModuleType("kcoral.errors")
-    errors.ExecutionError = ExecutionError
-    errors.ValidationError = ValidationError
+    vars(errors)["ExecutionError"] = ExecutionError
+    vars(errors)["ValidationError"] = ValidationError
     builtins_mod = types.ModuleType("kcoral.builtins")
-    builtins_mod.benchmark = benchmark
-    builtins_mod.compile_tirx = compile_tirx
-    builtins_mod.__all__ = ["benchmark", "compile_tirx"]
+    vars(builtins_mod)["benchmark"] = benchmark
+    vars(builtins_mod)["compile_tirx"] = compile_tirx
+    vars(builtins_mod)["__all__"] = ["benchmark", "compile_tirx"]
     sys.modules["kcoral.errors"] = errors
     sys.modules["kcoral.builtins"] = builtins_mod
     return errors, builtins_mod
@@ -1659,7 +1668,8 @@ def make_timer(flush_l2: bool) -> HostTimer:
 
 class HostTimer:
     """Wall-clock timing for CPU workers; the L2 flush overwrites a buffer larger than the last-level cache."""
-    name = "host"
+    name: str | None = "host"
+    scratch: Any  # the L2 flush buffer, or None: a ctypes array here, a CUDA tensor in CuptiTimer
 
     def __init__(self, flush_l2: bool) -> None:
         self.scratch = (ctypes.c_char * (64 << 20))() if flush_l2 else None
@@ -1731,7 +1741,8 @@ class CuptiTimer(HostTimer):
         return start.elapsed_time(end) / 5
 
     def measure(self, mod: Callable[..., Any], args: Sequence[Any], repeat: int) -> tuple[list[float], bool]:
-        cupti, sync, records, windows = self.cupti, self.torch.cuda.synchronize, [], []
+        records: list[Activity] = []
+        cupti, sync, windows = self.cupti, self.torch.cuda.synchronize, []
         with cupti_unavailable("cannot start CUPTI activity tracing"):
             # records are copied out at once: their buffer is reused when the callback returns
             cupti.activity_register_callbacks(lambda: (8 << 20, 0),
@@ -1797,7 +1808,7 @@ def activity_spans(records: list[Activity], windows: list[tuple[int, int]],
         i = bisect.bisect_right(starts, start) - 1
         if kind in api_kinds and i >= 0 and start <= windows[i][1]:
             owner[correlation] = i
-    spans = [[None, None, collections.Counter()] for _ in windows]
+    spans: list[list[Any]] = [[None, None, collections.Counter()] for _ in windows]  # first start, last end, identities
     for kind, start, end, correlation, identity in records:
         if kind not in api_kinds and correlation in owner:
             span = spans[owner[correlation]]
