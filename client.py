@@ -45,7 +45,7 @@ import types
 import urllib.parse
 import uuid
 from collections.abc import Callable, Mapping
-from typing import Any, Generic, ParamSpec, TypeVar
+from typing import Any, Generic, ParamSpec, TypeGuard, TypeVar
 
 import numpy as np
 
@@ -146,7 +146,7 @@ def _normalize_path(path: object) -> str:
     return normalized
 
 
-def _strict_json(data: bytes | bytearray | memoryview) -> Any:
+def _strict_json(data: bytes | bytearray | memoryview | mmap.mmap) -> Any:
     """Decode JSON the way the protocol demands (docs/protocol.md §5.1): UTF-8, no BOM, no duplicate
     keys, no NaN/Infinity, no trailing data. Raises ValueError."""
     if bytes(data[:3]) == b"\xef\xbb\xbf":
@@ -534,16 +534,17 @@ class ReturnedFile:
                 raise FileExistsError(errno.EEXIST, "destination exists", os.fspath(destination))
             if st is not None and not stat.S_ISREG(st.st_mode):
                 raise ValueError("overwrite requires a regular file destination")
-            staging = _write_new_file(parent_fd, f".kcoral-{secrets.token_hex(16)}", self._data)
+            staged = _write_new_file(parent_fd, f".kcoral-{secrets.token_hex(16)}", self._data)
+            staging: str | None = staged  # None once renamed into place
             try:
                 if overwrite:
                     # rename replaces whatever is at the name now, even a symlink swapped in
                     # after the check, and never follows it.
-                    os.rename(staging, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
+                    os.rename(staged, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
                     staging = None
                 else:
                     # link fails if the name appeared after the check: no silent overwrite.
-                    os.link(staging, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd,
+                    os.link(staged, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd,
                             follow_symlinks=False)
             finally:
                 if staging is not None:
@@ -850,9 +851,9 @@ class _PartReader:
         if expected_type is not None:
             if type(value) is not expected_type:  # exact: a bool is not an integer
                 raise _malformed(f"a {kind} value has a {type(value).__name__} payload")
-            if kind == "array":
+            if isinstance(value, list):  # kind "array"
                 return [self.decode(item) for item in value]
-            if kind == "object":
+            if isinstance(value, dict):  # kind "object"
                 return {key: self.decode(item) for key, item in value.items()}
             return value
         if kind == "bytes":
@@ -957,7 +958,7 @@ def _parse_header_value(value: str) -> tuple[str, list[tuple[str, str]]]:
     match = _HEADER_VALUE.match(value)
     if not match:
         raise ValueError(f"malformed header value {value!r}")
-    params = []
+    params: list[tuple[str, str]] = []
     position = match.end()
     while position < len(value):
         param = _HEADER_PARAM.match(value, position)
@@ -981,7 +982,10 @@ def _multipart_boundary(content_type: str) -> str:
     return boundaries[0]
 
 
-def _parse_multipart(body: bytes | bytearray, boundary: str) -> list[tuple[str, str, memoryview]]:
+_Body = bytes | bytearray | mmap.mmap  # a response body as received: _read_body maps big ones
+
+
+def _parse_multipart(body: _Body, boundary: str) -> list[tuple[str, str, memoryview]]:
     """Split a multipart/form-data body into (name, media type, payload view) parts.
     Raises ValueError on any framing or part-header violation."""
     delimiter = b"--" + boundary.encode("utf-8")
@@ -1007,7 +1011,7 @@ def _parse_multipart(body: bytes | bytearray, boundary: str) -> list[tuple[str, 
         start = found[1]
 
 
-def _next_delimiter(body: bytes | bytearray, delimiter: bytes, start: int) -> tuple[int, int, bool] | None:
+def _next_delimiter(body: _Body, delimiter: bytes, start: int) -> tuple[int, int, bool] | None:
     """(position, end of its line, is closing) of the next delimiter line at or after start.
     A delimiter counts only at the body start or after LF, followed by optional spaces/tabs
     and a line break (or, for the closing one, the end of the body)."""
@@ -1029,7 +1033,7 @@ def _next_delimiter(body: bytes | bytearray, delimiter: bytes, start: int) -> tu
     return None
 
 
-def _parse_part(body: bytes | bytearray, view: memoryview, start: int, end: int) -> tuple[str, str, memoryview]:
+def _parse_part(body: _Body, view: memoryview, start: int, end: int) -> tuple[str, str, memoryview]:
     headers: list[list[str]] = []
     cursor = start
     while True:
@@ -1066,7 +1070,7 @@ def _parse_part(body: bytes | bytearray, view: memoryview, start: int, end: int)
     return names[0], media_type, view[cursor:end]
 
 
-def _response_body(content_type: str, body: bytes | bytearray) -> tuple[dict[str, Any], dict[str, memoryview]]:
+def _response_body(content_type: str, body: _Body) -> tuple[dict[str, Any], dict[str, memoryview]]:
     """(JSON object, binary parts by name) of a 200 /execute response (docs/client.md §5.2)."""
     media_type = content_type.partition(";")[0].strip().lower()
     try:
@@ -1172,11 +1176,12 @@ class _DeadlineConnection:
         return _DeadlineResponse(sock, self.deadline, *args, **kwargs)
 
 
-class _HTTPConnection(_DeadlineConnection, http.client.HTTPConnection):
+# http.client only calls response_class(sock, method=...); typeshed declares it a type[HTTPResponse]
+class _HTTPConnection(_DeadlineConnection, http.client.HTTPConnection):  # type: ignore[misc]
     pass
 
 
-class _HTTPSConnection(_DeadlineConnection, http.client.HTTPSConnection):
+class _HTTPSConnection(_DeadlineConnection, http.client.HTTPSConnection):  # type: ignore[misc]  # as above
     pass
 
 
@@ -1186,7 +1191,7 @@ class _Response:
     content_type: str
     instance: str | None  # X-KCoral-Instance: which server process answered
     node: str | None      # X-KCoral-Node: router affinity to echo on the next attempt
-    body: bytes | bytearray
+    body: _Body
 
 
 class _BlobMemory:
@@ -1213,7 +1218,7 @@ class _BlobMemory:
         with self._lock:
             if self._current is None:
                 return None
-            held = self._held.get(self._current, {})
+            held: collections.abc.Mapping[tuple[str, str], None] = self._held.get(self._current, {})
             return {h for h, caches in needs.items() if any((h, c) not in held for c in caches)}
 
     def confirm(self, instance: str | None, needs: dict[str, set[str]], hashes: collections.abc.Iterable[str]) -> None:
@@ -1233,7 +1238,7 @@ class _BlobMemory:
 
     def forget(self, instance: str | None, needs: dict[str, set[str]], hashes: collections.abc.Iterable[str]) -> None:
         with self._lock:
-            held = self._held.get(instance)  # type: ignore[arg-type]
+            held = self._held.get(instance) if instance is not None else None
             if held is None:
                 return
             for digest in hashes:
@@ -1352,7 +1357,7 @@ class Client:
         unknown = self._memory.not_held(needs)
         eager = (unknown is not None and self._eager_upload_bytes > 0
                  and sum(len(blobs[h]) for h in unknown) <= self._eager_upload_bytes)
-        send = [h for h in blobs if h in unknown] if eager else []  # type: ignore[operator]
+        send = [h for h in blobs if h in unknown] if eager and unknown is not None else []
         node = None
         affinity = _affinity_key(blobs)
         client_request_id = str(uuid.uuid4())
@@ -1447,7 +1452,7 @@ def _merge_headers(user: dict[str, str], ours: dict[str, str]) -> dict[str, str]
 
 def _exchange(conn: http.client.HTTPConnection, method: str, url: str, headers: dict[str, str],
               chunks: list[bytes | memoryview], deadline: _Deadline,
-              limit: int) -> tuple[http.client.HTTPResponse, bytes | bytearray, bool]:
+              limit: int) -> tuple[http.client.HTTPResponse, _Body, bool]:
     """Send one request and read the whole response, at most ``limit`` body bytes, all before
     ``deadline``: (response, body, connection reusable)."""
     conn.deadline = deadline  # type: ignore[attr-defined]
@@ -1483,7 +1488,7 @@ def _receive_buffer(size: int) -> bytearray | mmap.mmap:
     return buffer
 
 
-def _read_body(response: http.client.HTTPResponse, limit: int) -> bytes | bytearray | mmap.mmap:
+def _read_body(response: http.client.HTTPResponse, limit: int) -> _Body:
     """The whole body, read into one preallocated buffer when its length is known, so
     that binary parts can be views of it rather than copies. A body above ``limit`` bytes is
     refused: before any of it is read when its length is declared, at ``limit`` + 1 otherwise."""
@@ -1580,15 +1585,15 @@ def _missing_blobs(payload: dict[str, Any], parts: dict[str, memoryview],
     return set(missing)
 
 
-def _is_real(value: object) -> bool:
+def _is_real(value: object) -> TypeGuard[float]:  # an int or a float, not a bool
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _execution_seconds(timeout_seconds: object) -> float:
     """How long the server may execute the request: its timeout_seconds, or the server's default
     when it sets none (or sets one the server will refuse at once)."""
-    if _is_real(timeout_seconds) and timeout_seconds > 0:  # type: ignore[operator]
-        return float(min(timeout_seconds, _LONGEST_SOCKET_WAIT_SECONDS))  # type: ignore[type-var]
+    if _is_real(timeout_seconds) and timeout_seconds > 0:
+        return float(min(timeout_seconds, _LONGEST_SOCKET_WAIT_SECONDS))
     return _DEFAULT_EXECUTION_SECONDS
 
 

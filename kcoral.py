@@ -163,6 +163,7 @@ def load_client() -> types.ModuleType:
         installed = os.path.join(here, CLIENT_MODULE + ".py")
         path = installed if os.path.exists(installed) else os.path.join(here, "client.py")
         spec = importlib.util.spec_from_file_location(CLIENT_MODULE, path)
+        assert spec is not None and spec.loader is not None  # a .py path always gets a source loader
         module = importlib.util.module_from_spec(spec)
         sys.modules[CLIENT_MODULE] = module  # before running it: its dataclasses look themselves up there
         try:
@@ -534,6 +535,7 @@ class HTTPServer(http.server.ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
     request_queue_size = 128
+    server_address: tuple[str, int]  # once bound, getsockname() of an AF_INET socket
 
     def __init__(self, address: tuple[str, int], handler: type[RequestHandler], app: KCoralServer) -> None:
         self.app = app
@@ -603,7 +605,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         # per socket operation: bounds each send slice, and backs up the guard for reads
-        self.timeout = self.server.app.config.send_timeout_seconds
+        self.timeout = self.server.app.config.send_timeout_seconds  # type: ignore[misc]  # typeshed: a ClassVar
         super().setup()
         self.cut_reason: str | None = None  # set by the ConnectionGuard when it cuts this connection
         self.body_done = True
@@ -615,7 +617,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         and the wait for a keep-alive connection's next request bounded."""
         self.watch("idle")
         try:
-            waiting = self.rfile.peek(1)
+            waiting = self.rfile.peek(1)  # type: ignore[attr-defined]  # a BufferedReader; typeshed: BufferedIOBase
         except OSError:  # reset, or the backstop timeout, while idle: nothing to say
             waiting = b""
         if not waiting or self.cut_reason:
@@ -664,8 +666,9 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
                 lines.append(line)
                 if line in (b"\r\n", b"\n"):
                     return lines[0], b"".join(lines[1:])
-                if len(lines) > http.client._MAXHEADERS + 1:  # http.server's own limit, without waiting for the end
-                    self.refuse_head(431, f"more than {http.client._MAXHEADERS} request headers")
+                # http.server's own limit, without waiting for the end (private: typeshed does not know it)
+                if len(lines) > http.client._MAXHEADERS + 1:  # type: ignore[attr-defined]
+                    self.refuse_head(431, f"more than {http.client._MAXHEADERS} request headers")  # type: ignore[attr-defined]
                     return None
         except OSError as exc:
             self.disconnected("header", error=type(exc).__name__)
@@ -680,7 +683,8 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
 
     def refuse_head(self, status: int, message: str) -> None:
         """Answer a request whose head could not be read, then close."""
-        self.command, self.requestline, self.request_version = None, "", "HTTP/1.1"
+        # command None, as http.server's parse_request resets it before parsing (typeshed: str)
+        self.command, self.requestline, self.request_version = None, "", "HTTP/1.1"  # type: ignore[assignment]
         try:
             self.send_error(status, message)
         except OSError:
@@ -784,6 +788,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         limit = config.max_request_bytes
         chunked = "Transfer-Encoding" in self.headers  # framing_problem let only exactly `chunked` through
         size = declared_length(self.headers.get("Content-Length", "0"))
+        assert size is not None  # parse_request (framing_problem) refused any other Content-Length
         if size > limit:
             self.close_connection = True  # the body stays unread
             return Outcome(413, "request_too_large", "request exceeds the configured size limit")
@@ -967,6 +972,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             return
         self.body_done = True
         size = declared_length(self.headers.get("Content-Length", "0"))
+        assert size is not None  # a body is pending only once parse_request (framing_problem) accepted the head
         if self.headers.get("Transfer-Encoding") or self.expects_continue or size > DRAIN_LIMIT:
             self.close_connection = True
             return
@@ -1069,7 +1075,7 @@ def request_fields(request_id: str, outcome: Outcome, started: float) -> dict[st
 def multipart_result(body: Json, parts: list[Buffer]) -> tuple[str, list[Buffer]]:
     """docs/protocol.md §9.2: a result with binary parts -> (Content-Type, the response body as pieces to send)."""
     boundary = "kcoral-" + secrets.token_hex(16)  # 128 random bits: no payload can contain it by chance
-    pieces = [b"--" + boundary.encode() + b'\r\nContent-Disposition: form-data; name="result"\r\n'
+    pieces: list[Buffer] = [b"--" + boundary.encode() + b'\r\nContent-Disposition: form-data; name="result"\r\n'
               b"Content-Type: application/json\r\n\r\n" + json_bytes(body) + b"\r\n"]
     for number, part in enumerate(parts):
         pieces.append(f'--{boundary}\r\nContent-Disposition: form-data; name="return:{number}"\r\n'
@@ -1162,8 +1168,8 @@ class KCoralServer:
         self.last_post = -math.inf  # time.monotonic() of the latest POST, for the drain's quiet period
         self.drain_started = math.inf
         self.closing = False
-        self.pool = None
-        self.httpd = None
+        self.pool: Pool  # from start() on
+        self.httpd: HTTPServer  # from start() on
 
     def start(self) -> KCoralServer:
         """Start workers and listen; returns once requests are accepted."""
@@ -1277,6 +1283,7 @@ class KCoralServer:
         try:
             parts = split_request(body, content_type, self.config)       # envelope and parts
             data, supplied = parts.program_json, parts.blobs
+            assert data is not None  # split_request refused a request without a program part
             program = parts.program()                                    # strict JSON, then the program
             check_no_unreferenced_blobs(program, supplied)
             disk_writes = self.blobs.keep_file_blobs(program, supplied)  # cached even if refused below
@@ -1521,6 +1528,7 @@ class EventLog:
         """Write one record, rotating first when it would take the file past the cap (the size is
         the file's own, so a logrotate `copytruncate` is seen).  Called with the lock held."""
         limit = self.config.log_max_bytes
+        assert self.fd is not None  # event() checked, under the lock; rotate() leaves one open or raises
         try:
             size = os.fstat(self.fd).st_size
             if limit and size and size + len(line) > limit:
@@ -1532,6 +1540,7 @@ class EventLog:
     def rotate(self) -> None:
         """events.jsonl -> events.jsonl.1 -> .2 ... up to `log_backups` (the oldest goes), then a new
         events.jsonl.  Called with the lock held."""
+        assert self.fd is not None  # append() checked
         os.close(self.fd)
         self.fd = None
         names = [EVENTS_NAME] + [f"{EVENTS_NAME}.{n}" for n in range(1, self.config.log_backups + 1)]
@@ -1754,6 +1763,7 @@ class RequestParts:
     def program(self) -> ValidProgram:
         """The program part decoded (§5.1) and validated (§5, 6); its error, raised again if asked twice."""
         if self.checked is None:
+            assert self.program_json is not None  # asked for once the program part is in (split_request)
             try:
                 self.checked = parse_program(decode_program(self.program_json, self.limits), self.limits)
             except ValidationError as exc:
@@ -1826,7 +1836,9 @@ def header_pieces(value: str) -> list[str]:
     request has two such headers."""
     pieces, pos = [], 0
     while True:
-        end = HEADER_PIECE.match(value, pos).end()
+        piece = HEADER_PIECE.match(value, pos)
+        assert piece is not None  # the pattern matches the empty string too
+        end = piece.end()
         if end < len(value) and value[end] == '"':
             raise ValidationError("unterminated quoted string in header")
         pieces.append(value[pos:end])
@@ -1952,7 +1964,8 @@ def parse_part_headers(body: Body, start: int, end: int, limits: ServerConfig) -
     lines = bytes(body[start:blank.start()]).decode("utf-8", "surrogateescape").split("\n")
     if len(lines) > limits.max_part_header_lines:
         raise ValidationError(f"multipart part has more than {limits.max_part_header_lines} header lines")
-    headers, last = {}, None
+    headers: PartHeaders = {}
+    last = None
     for line in lines:
         line = line.rstrip("\r")
         if line[0] in " \t" and last is not None:
@@ -2031,7 +2044,7 @@ def parse_program(body: Json, limits: ServerConfig = DEFAULT_LIMITS) -> ValidPro
         raise RequestTooLarge(f"program has more than {limits.max_program_instructions} instructions")
     options = check_options(body.get("options", {}))
     program = ValidProgram(instructions, options, {}, [])
-    ids, keys, paths = set(), set(), {}
+    ids, keys, paths = set[str](), set[str](), dict[str, str]()
     for index, ins in enumerate(instructions):
         where = f"instruction {index}"
         if not isinstance(ins, dict):
@@ -2288,14 +2301,15 @@ class BlobStore:
     def resolve(self, program: ValidProgram, supplied: dict[str, memoryview]) -> tuple[Blobs, list[str]]:
         """docs/protocol.md §7.1: supplied parts go into the memory cache (the disk cache: keep_file_blobs),
         then every referenced blob is looked up, supplied parts first -> (blobs, missing)."""
-        for digest, data in supplied.items():
+        for digest, part in supplied.items():
             if "memory" in program.blob_kinds[digest]:
                 # a small blob must not keep a large request body alive in the cache
-                keep = data if len(data) * 2 >= len(data.obj) else bytes(data)
+                keep = part if len(part) * 2 >= len(typing.cast(Body, part.obj)) else bytes(part)  # a view of the body
                 self.memory.put(digest, keep)
-        blobs, missing = {}, []
+        blobs: Blobs = {}
+        missing: list[str] = []
         for digest, kinds in program.blob_kinds.items():
-            data = supplied.get(digest)
+            data: Buffer | None = supplied.get(digest)
             if data is None and "file" in kinds and self.disk is not None:
                 data = self.count_lookup("disk", self.disk.get(digest))
             if data is None and "memory" in kinds:
@@ -2576,7 +2590,7 @@ class Pool:
         self.context.set_forkserver_preload(preload)
         start_forkserver(self.context)
         if device == "cuda":
-            self.arbiter = LeaseArbiter(gpu_ids)
+            self.arbiter: LeaseArbiter | None = LeaseArbiter(gpu_ids)
             self.slots = [Slot(f"gpu{g}/w{i}", [g]) for g in gpu_ids
                           for i in range(config.workers_per_gpu)]
         else:
@@ -2720,11 +2734,13 @@ class Pool:
         """docs/server.md §2.1: a tree whose exit is unconfirmed may still use its GPUs.  Nobody gets
         them again, and the pool begins shutting down (later requests: 503 busy)."""
         self.log.event("gpu_quarantined", "ERROR", gpu_ids=list(gpus), reason=reason)
+        assert self.arbiter is not None  # only GPU pools quarantine (dispose)
         self.arbiter.quarantine(gpus)
         self.drain()
 
     def run_multi_gpu(self, slot: Slot, job: Job, count: int, queue_ms: float) -> Outcome:
         """docs/protocol.md §8.9: a dedicated worker that sees `count` GPUs, started under all their leases."""
+        assert self.arbiter is not None  # a CPU server has no GPUs to count: check_gpu_count refused gpu_count
         try:
             gpus, wait_ms = self.arbiter.acquire(job.request_id, count=count)
         except LeaseRefused as exc:
@@ -2739,6 +2755,7 @@ class Pool:
 
     def run_dedicated_worker(self, job: Job, gpus: list[int], wait_ms: float, queue_ms: float,
                              template: SandboxTemplate | None) -> Outcome:
+        assert self.arbiter is not None  # as in run_multi_gpu
         started = time.monotonic()
         phase_timeout = min(WORKER_PHASE_SECONDS, job.timeout)  # start-up is part of the request's timeout
         try:
@@ -2802,6 +2819,8 @@ class Execution:
     sends the JobRequest (`send_job`), follows the worker's messages (`converse`), turns a
     timeout, crash or oversized answer into its error, and removes the workspace."""
     lease_since: float | None  # time.monotonic() when the GPU lease was granted; None while not held
+    retiring: bool  # the worker exits after this request (JobRequest.retire, or it reported a poisoned context)
+    drain: OutputDrain | None  # reads the program's stdout and stderr, when captured
     last_index: int | None  # the instruction the worker last reported starting
     results: dict[str, Json]  # return key -> encoded value
     parts: list[Buffer]  # the raw parts those values refer to
@@ -2936,7 +2955,7 @@ class Execution:
         not held, sizes within the response budget): anything else is WorkerCrashed."""
         conn = self.worker.conn
         while True:
-            room, sizes = self.config.max_response_bytes - self.response_bytes, []
+            room, sizes = self.config.max_response_bytes - self.response_bytes, list[int]()
             try:
                 message = expect(conn, WORKER_MESSAGES, self.deadline, "", CONTROL_MESSAGE_BYTES + max(room, 0), sizes)
             except WorkerStartTimeout:
@@ -2998,6 +3017,7 @@ class Execution:
         """Wait for the lease, until `deadline` (default: the request's last moment).  Lease waits
         do not consume the timeout, up to one timeout's worth in all: a request waiting behind
         others still ends by twice its timeout (docs/server.md §2.3)."""
+        assert self.pool.arbiter is not None  # callers checked: only GPU workers ask for the lease
         asked_at = time.monotonic()
         _, wait_ms = self.pool.arbiter.acquire(self.job.request_id, self.gpus, deadline=deadline or self.last_moment)
         self.lease_wait_ms += wait_ms
@@ -3006,6 +3026,7 @@ class Execution:
 
     def release_lease(self) -> None:
         if self.lease_since is not None:
+            assert self.pool.arbiter is not None  # held: hold_lease checked
             self.pool.arbiter.release(self.job.request_id, self.gpus)
             self.lease_held_ms += (time.monotonic() - self.lease_since) * 1e3
             self.lease_since = None
@@ -3015,9 +3036,10 @@ class Execution:
         (docs/protocol.md §9.7): it goes into the response and the log."""
         if error is None:
             return None
-        shape = {"kind": str, "message": str, "instruction_index": int, "instruction_op": str,
-                 "instruction_id": (str, type(None)), "traceback": str}
-        extra = {"cuda_call": str, "location": str, "lease_time": (int, float)}
+        shape: dict[str, type | tuple[type, ...]] = {
+            "kind": str, "message": str, "instruction_index": int, "instruction_op": str,
+            "instruction_id": (str, type(None)), "traceback": str}
+        extra: dict[str, type | tuple[type, ...]] = {"cuda_call": str, "location": str, "lease_time": (int, float)}
         instructions = self.job.program.instructions
         if (not set(shape) <= set(error) <= set(shape) | set(extra)
                 or not all(isinstance(error[k], t) and type(error[k]) is not bool
@@ -3193,6 +3215,7 @@ def start_forkserver(context: multiprocessing.context.BaseContext) -> None:
 
 class Worker:
     """One worker process forked from the template (a slot's sandbox template, if any), with its pipe."""
+    process: SandboxedProcess | multiprocessing.process.BaseProcess
 
     def __init__(self, pool: Pool, gpus: list[int], phase_timeout: float = WORKER_PHASE_SECONDS,
                  template: SandboxTemplate | None = None) -> None:
@@ -3212,8 +3235,9 @@ class Worker:
             self.process.start()
             # Process.start() on another thread polls every child multiprocessing tracks; two threads
             # reading one forkserver exit status make join() report 255 for a clean exit.  We track ours.
-            multiprocessing.process._children.discard(self.process)
+            multiprocessing.process._children.discard(self.process)  # type: ignore[attr-defined]  # private
             child.close()
+        assert self.process.pid is not None  # started
         self.pid = self.process.pid
         self.served = 0
         try:
@@ -3353,7 +3377,7 @@ def describe_runtime(device: str, pool: Pool) -> tuple[dict[str, str], dict[str,
     if device == "cpu":
         tvm_ffi = version("apache-tvm-ffi")
         return {}, ({"tvm_ffi": tvm_ffi} if tvm_ffi else {})
-    workers = [slot.worker for slot in pool.slots]
+    workers = [slot.worker for slot in pool.slots if slot.worker is not None]  # all of them: Pool() started each
     versions = {"torch": version("torch"), "cuda": workers[0].cuda, "tvm": version("apache-tvm") or version("tvm"),
                 "tvm_ffi": version("apache-tvm-ffi"), "triton": version("triton"),
                 "cutlass": version("nvidia-cutlass-dsl"), "flashinfer": version("flashinfer-python")}
@@ -3424,6 +3448,7 @@ def prepare_template_imports(timeout: float, warm: str = WARM_TVM_FFI, log: Even
 def torch_has_dlpack_exchange_api() -> bool:
     """Whether the installed torch exports the DLPack exchange API itself (read, not imported)."""
     spec = importlib.util.find_spec("torch")
+    assert spec is not None  # the caller checked that torch is installed
     for location in spec.submodule_search_locations or ():
         try:
             with open(os.path.join(location, "_tensor.py"), encoding="utf-8") as f:
@@ -3514,15 +3539,17 @@ class LeaseArbiter:
             self.cond.notify_all()
 
     def grantable(self, ticket: LeaseTicket) -> list[int] | None:
-        blocked = set()
+        blocked: set[int] = set()
         for waiter in self.queue:
             _, gpus, count = waiter
+            gpus = gpus or []  # None comes with a count: any `count` GPUs
             free = [g for g in self.gpu_ids if self.holder[g] is None and g not in blocked | self.quarantined]
             wanted = free[:count] if count else [g for g in gpus if g in free]
             enough = len(wanted) == (count or len(gpus))
             if waiter is ticket:
                 return wanted if enough else None
             blocked.update(self.gpu_ids if count else gpus)
+        return None  # not reached: acquire() queued the ticket
 
     def release(self, owner: str, gpus: Iterable[int]) -> None:
         with self.cond:
@@ -3744,7 +3771,7 @@ class SandboxTemplate:
 class SandboxedProcess:
     """The parts of multiprocessing.Process the pool uses, for a worker its template forked."""
 
-    def __init__(self, template: SandboxTemplate, pid: int | None) -> None:
+    def __init__(self, template: SandboxTemplate, pid: int) -> None:
         self.template = template
         self.pid = pid
         self.exitcode: int | None = None
@@ -3885,7 +3912,7 @@ def gpu_device_node(gpu_id: int) -> str:
 def children_of(pid: int | None) -> list[int]:
     """Live children of a process, from the kernel's per-thread child lists: a few small reads
     instead of a scan of every process on the machine (this runs on every request)."""
-    found = []
+    found: list[int] = []
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
@@ -3897,10 +3924,11 @@ def children_of(pid: int | None) -> list[int]:
 
 
 def descendants(pid: int | None) -> list[int]:
-    found, frontier = [], [pid]
+    found: list[int] = []
+    frontier = children_of(pid)
     while frontier:
-        frontier = [child for parent in frontier for child in children_of(parent)]
         found += frontier
+        frontier = [child for parent in frontier for child in children_of(parent)]
     return found
 
 
@@ -3932,7 +3960,7 @@ def lasting_popen(args: list[str], **options: Any) -> subprocess.Popen:
             SPAWNS["queue"] = queue.SimpleQueue()
             threading.Thread(target=serve_spawns, args=(SPAWNS["queue"],), name="kcoral-spawner",
                              daemon=True).start()
-    reply = queue.SimpleQueue()
+    reply: queue.SimpleQueue[subprocess.Popen | Exception] = queue.SimpleQueue()
     SPAWNS["queue"].put((args, options, reply))
     outcome = reply.get()
     if isinstance(outcome, Exception):
@@ -4107,7 +4135,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     types_of = typing.get_type_hints(ServerConfig)  # the annotations are strings (postponed evaluation)
     for field in dataclasses.fields(ServerConfig):
         meta = field.metadata
-        default = field.default_factory() if field.default is dataclasses.MISSING else field.default
+        default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
         default = meta["cli_default"] if meta["cli_default"] is not None else default
         if meta["env"] and meta["env"] in os.environ:
             default = os.environ[meta["env"]]
@@ -4416,7 +4444,7 @@ def haproxy_config(listen: str, nodes: list[CohortNode], tokens: list[str], queu
     if user_group:
         user_group = "    # HAProxy starts as root (ports, certificate, this file), then runs as:\n" + user_group
     return HAPROXY_TEMPLATE.format(
-        version=__version__, total=sum(n.slots for n in nodes), node_list=node_list, listen=listen,
+        version=__version__, total=sum(typing.cast(int, n.slots) for n in nodes), node_list=node_list, listen=listen,
         servers=servers, header=AFFINITY_HEADER, queue_timeout=haproxy_time(queue_timeout),
         server_timeout=haproxy_time(server_timeout), header_timeout=haproxy_time(limits.header_timeout),
         keepalive_timeout=haproxy_time(ServerConfig.keepalive_timeout_seconds),

@@ -204,7 +204,7 @@ class StagedBlobs:
     def __init__(self, path: str | None, index: dict[str, tuple[int, int]]) -> None:
         self.path = path
         self.index = index  # hash -> (offset, size) in the file
-        self.handed_out = {}  # id -> (bytes object, hash) for what read() returned
+        self.handed_out: dict[int, tuple[bytes, str]] = {}  # id -> (bytes object, hash) for what read() returned
 
     def digest_of(self, value: object) -> str | None:
         """The hash of `value` if it is a bytes object read() returned, else None.
@@ -216,6 +216,7 @@ class StagedBlobs:
 
     def read(self, digest: str) -> bytes:
         offset, size = self.index[digest]
+        assert self.path is not None  # no staging file comes with an empty index: the lookup raised KeyError
         chunks = []
         with open(self.path, "rb", buffering=0) as f:
             while size:  # one read stops short of 2 GiB
@@ -230,6 +231,7 @@ class StagedBlobs:
 
     def read_writable(self, digest: str) -> bytearray:
         offset, size = self.index[digest]
+        assert self.path is not None  # as in read()
         data = bytearray(size)
         view = memoryview(data)
         with open(self.path, "rb", buffering=0) as f:
@@ -242,6 +244,7 @@ class StagedBlobs:
 
     def copy_to(self, digest: str, out_fd: int) -> None:
         offset, size = self.index[digest]
+        assert self.path is not None  # as in read()
         with open(self.path, "rb", buffering=0) as f:
             while size:
                 n = os.sendfile(out_fd, f.fileno(), offset, size)
@@ -267,16 +270,23 @@ class UnexpectedMessage(RuntimeError):
     """The peer sent a message the protocol does not allow at this point."""
 
 
-def message(cls: type) -> type:
-    """Declare a message class: a frozen dataclass the codec knows by name."""
-    cls = dataclasses.dataclass(frozen=True)(cls)
+_Message = typing.TypeVar("_Message", bound=type)
+
+
+def message(cls: _Message) -> _Message:
+    """Declare a message class: a frozen dataclass (declared as one beneath, so type checkers see
+    its fields) the codec knows by name."""
+    if not getattr(getattr(cls, "__dataclass_params__", None), "frozen", False):
+        raise TypeError(f"@message {cls.__name__} is not a @dataclasses.dataclass(frozen=True)")
     MESSAGE_TYPES[cls.__name__] = cls
     return cls
 
 
 def encode_message(msg: object) -> bytes:
     """The frame of one message.  RecursionError or ValueError for a value JSON cannot carry."""
-    fields = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}  # type: ignore[arg-type]
+    if not dataclasses.is_dataclass(msg):  # what dataclasses.fields() raises, with the type named
+        raise TypeError(f"{type(msg).__name__} is not a message")
+    fields = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
     payload = json.dumps({"type": type(msg).__name__, **fields}, separators=(",", ":"),
                          allow_nan=False).encode()
     return MESSAGE_HEADER.pack(len(payload)) + payload
@@ -308,7 +318,7 @@ def decode_message(payload: bytes | bytearray) -> object:
         data = json.loads(payload)
     except (ValueError, RecursionError):
         raise UnexpectedMessage("a message that is not JSON") from None
-    cls = MESSAGE_TYPES.get(data.get("type")) if isinstance(data, dict) and isinstance(data.get("type"), str) else None
+    cls = MESSAGE_TYPES.get(data["type"]) if isinstance(data, dict) and isinstance(data.get("type"), str) else None
     if cls is None:
         raise UnexpectedMessage("a message of no known type")
     hints = MESSAGE_HINTS.get(cls) or MESSAGE_HINTS.setdefault(cls, typing.get_type_hints(cls))
@@ -342,6 +352,7 @@ def fits(value: object, hint: Any) -> bool:
 
 
 @message
+@dataclasses.dataclass(frozen=True)
 class WorkerReady:
     """Worker -> front-end, once after the fork: pinned to its GPU(s) and imported, no CUDA context yet.
     The sandbox template sends it too, once it has imported what its workers preload."""
@@ -349,18 +360,21 @@ class WorkerReady:
 
 
 @message
+@dataclasses.dataclass(frozen=True)
 class WorkerFailed:
     """Worker -> front-end, instead of WorkerReady: this fork cannot serve (the template initialised CUDA)."""
     reason: str
 
 
 @message
+@dataclasses.dataclass(frozen=True)
 class InitGpu:
     """Front-end -> GPU worker, once after WorkerReady, while the front-end holds the lease: create the
     CUDA context.  Answered by GpuInitialized."""
 
 
 @message
+@dataclasses.dataclass(frozen=True)
 class GpuInitialized:
     """Worker -> front-end, the answer to InitGpu: what device 0 is, to check the pinning."""
     arch: str  # like "sm_90a"
@@ -369,6 +383,7 @@ class GpuInitialized:
 
 
 @message
+@dataclasses.dataclass(frozen=True)
 class JobRequest:
     """Front-end -> worker, once per request.  The blobs wait in the staging file `blob_file`
     (`blob_index`: hash -> (offset, size)); with `capture`, the write ends of the stdout and
@@ -385,17 +400,20 @@ class JobRequest:
 
 
 @message
+@dataclasses.dataclass(frozen=True)
 class StopWorker:
     """Front-end -> idle worker: exit now."""
 
 
 @message
+@dataclasses.dataclass(frozen=True)
 class InstructionStarted:
     """Worker -> front-end, before each instruction: a crash from here on is attributed to it."""
     index: int
 
 
 @message
+@dataclasses.dataclass(frozen=True)
 class ReturnValue:
     """Worker -> front-end, as each `return` instruction completes (so a later crash cannot lose it).
 
@@ -407,22 +425,26 @@ class ReturnValue:
 
 
 @message
+@dataclasses.dataclass(frozen=True)
 class AcquireLease:
     """GPU worker -> front-end, before an instruction that may touch the GPU; answered by LeaseGranted."""
 
 
 @message
+@dataclasses.dataclass(frozen=True)
 class LeaseGranted:
     """Front-end -> GPU worker, the answer to AcquireLease: the worker's GPU(s) are its own now."""
 
 
 @message
+@dataclasses.dataclass(frozen=True)
 class ReleaseLease:
     """GPU worker -> front-end, before host-only work (file uploads and returns, cpu_only runs),
     after giving its cached GPU memory back.  Not answered."""
 
 
 @message
+@dataclasses.dataclass(frozen=True)
 class RequestDone:
     """Worker -> front-end, the last message of a request."""
     error: dict | None  # the FAILED result's error object
@@ -430,6 +452,7 @@ class RequestDone:
 
 
 @message
+@dataclasses.dataclass(frozen=True)
 class ForkWorker:
     """Front-end -> sandbox template: fork one worker; the worker's pipe follows as a passed file
     descriptor.  Answered by WorkerForked, then WorkerExited once that worker is gone."""
@@ -438,12 +461,14 @@ class ForkWorker:
 
 
 @message
+@dataclasses.dataclass(frozen=True)
 class WorkerForked:
     """Sandbox template -> front-end: the new worker's pid inside the sandbox."""
     pid: int
 
 
 @message
+@dataclasses.dataclass(frozen=True)
 class WorkerExited:
     """Sandbox template -> front-end: the worker it forked last is gone, with this exit code."""
     exit_code: int
@@ -513,7 +538,8 @@ def escaped_descendants() -> list[int]:
     for pid, state, ppid, pgrp in process_table():
         if state != b"Z":
             parents[pid], groups[pid] = ppid, pgrp
-    tree, frontier = set(), {me}
+    tree: set[int] = set()
+    frontier = {me}
     while frontier:
         frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - tree
         tree |= frontier
@@ -571,7 +597,7 @@ def terminate(remaining: Callable[[], list[int]], grace: float, kill_for: float,
     while pids and time.monotonic() < deadline:
         time.sleep(0.01)
         pids = remaining()
-    deadline, seen = time.monotonic() + kill_for, set()
+    deadline, seen = time.monotonic() + kill_for, set[int]()
     while pids:
         signal_all(pids, signal.SIGSTOP)
         if set(pids) <= seen:  # nothing new since the last sweep: all stopped
@@ -836,7 +862,7 @@ def load_module(source: str) -> UploadedModule:
         code = compile(source, filename, "exec", dont_inherit=True)
     except (SyntaxError, ValueError) as exc:
         raise ExecutionError("parse", f"syntax error: {exc}") from exc
-    namespace = {}
+    namespace: dict[str, Any] = {}
     try:
         exec(code, namespace)
     except Exception as exc:
@@ -890,6 +916,7 @@ class ProgramRun:
 
     def op_upload(self, ins: Instruction) -> None:
         kind = ins["kind"]
+        value: Any
         if kind == "module":
             value = load_module(ins["source"])
         elif kind == "bytes":
@@ -1538,6 +1565,8 @@ class CudaCallGuard:
     so, like the reference, the run is answered `unavailable`.
     """
 
+    first: tuple[str, list[traceback.FrameSummary], float] | None  # the first API entered: name, stack, time
+
     def __enter__(self) -> CudaCallGuard:
         try:
             from cupti import cupti
@@ -1622,13 +1651,10 @@ def install_kcoral_modules() -> tuple[types.ModuleType, types.ModuleType]:
     if "kcoral.errors" in sys.modules and "kcoral.builtins" in sys.modules:
         return sys.modules["kcoral.errors"], sys.modules["kcoral.builtins"]
     errors = types.ModuleType("kcoral.errors")
-    errors.ExecutionError = ExecutionError
-    errors.ValidationError = ValidationError
+    vars(errors).update(ExecutionError=ExecutionError, ValidationError=ValidationError)
     builtins_mod = types.ModuleType("kcoral.builtins")
-    builtins_mod.benchmark = benchmark
-    builtins_mod.compile_tirx = compile_tirx
-    builtins_mod.check_close = check_close
-    builtins_mod.__all__ = ["benchmark", "check_close", "compile_tirx"]
+    vars(builtins_mod).update(benchmark=benchmark, check_close=check_close, compile_tirx=compile_tirx,
+                              __all__=["benchmark", "check_close", "compile_tirx"])
     sys.modules["kcoral.errors"] = errors
     sys.modules["kcoral.builtins"] = builtins_mod
     return errors, builtins_mod
@@ -1805,7 +1831,8 @@ def make_timer(flush_l2: bool) -> HostTimer:
 
 class HostTimer:
     """Wall-clock timing for CPU workers; the L2 flush overwrites a buffer larger than the last-level cache."""
-    name = "host"
+    name: str | None = "host"
+    scratch: Any  # the L2 flush buffer, or None: a ctypes array here, a CUDA tensor in CuptiTimer
 
     def __init__(self, flush_l2: bool) -> None:
         self.scratch = (ctypes.c_char * (64 << 20))() if flush_l2 else None
@@ -1877,7 +1904,8 @@ class CuptiTimer(HostTimer):
         return start.elapsed_time(end) / 5
 
     def measure(self, mod: Callable[..., Any], args: Sequence[Any], repeat: int) -> tuple[list[float], bool]:
-        cupti, sync, records, windows = self.cupti, self.torch.cuda.synchronize, [], []
+        records: list[Activity] = []
+        cupti, sync, windows = self.cupti, self.torch.cuda.synchronize, []
         with cupti_unavailable("cannot start CUPTI activity tracing"):
             # records are copied out at once: their buffer is reused when the callback returns
             cupti.activity_register_callbacks(lambda: (8 << 20, 0),
@@ -1943,7 +1971,7 @@ def activity_spans(records: list[Activity], windows: list[tuple[int, int]],
         i = bisect.bisect_right(starts, start) - 1
         if kind in api_kinds and i >= 0 and start <= windows[i][1]:
             owner[correlation] = i
-    spans = [[None, None, collections.Counter()] for _ in windows]
+    spans: list[list[Any]] = [[None, None, collections.Counter()] for _ in windows]  # first start, last end, identities
     for kind, start, end, correlation, identity in records:
         if kind not in api_kinds and correlation in owner:
             span = spans[owner[correlation]]

@@ -146,6 +146,12 @@ def test_ruff_finds_nothing():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_mypy_finds_nothing():
+    """The type checker's configuration (pyproject.toml [tool.mypy]) holds for the product files."""
+    result = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0 and "Success" in result.stdout, result.stdout + result.stderr
+
+
 def test_no_tracked_file_points_outside_the_repository():
     """The repository stands alone: documents and tools it cites are its own."""
     found = subprocess.run(["git", "grep", "-nE", r"\.\./shared|shared/(spec|tools|seed)"], cwd=ROOT,
