@@ -7,11 +7,13 @@ pytest runs, and for `python -m bench.<script>`).
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import http.client
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -20,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 
 import pytest
 
@@ -365,16 +368,27 @@ def reference_router_argv(port: int, *flags: str) -> list:
 
 @pytest.fixture(scope="module", params=["none", "bubblewrap"], ids=["unsandboxed", "sandboxed"])
 def server(request, tmp_path_factory):
-    """The shared default server, once without and once with the sandbox; its TMPDIR is private
-    so workspace leaks are visible."""
+    """The shared default server for tests that run programs, once without and once with the
+    sandbox (where a worker runs the code, the sandbox can change the outcome)."""
+    yield from shared_server(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def front_end_server(tmp_path_factory):
+    """One unsandboxed server for tests whose requests never reach a worker (envelope, JSON and
+    program validation, CACHE_MISS): the sandbox cannot change what they check, so they run once."""
+    yield from shared_server("none", tmp_path_factory, workers=1)
+
+
+def shared_server(sandbox, tmp_path_factory, workers=2):
+    """A module's server with a private TMPDIR, so that workspace leaks are visible."""
     base = tmp_path_factory.mktemp("server")
     tmpdir = base / "tmp"
     tmpdir.mkdir()
-    with ServerProcess("--sandbox", request.param, tmp_path=base, env={"TMPDIR": str(tmpdir)}) as srv:
+    with ServerProcess("--sandbox", sandbox, workers=workers, tmp_path=base, env={"TMPDIR": str(tmpdir)}) as srv:
         srv.tmpdir = str(tmpdir)
-        srv.sandbox = request.param
+        srv.sandbox = sandbox
         yield srv
-
 
 
 UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
@@ -573,6 +587,52 @@ def files_left(srv):
     return sorted(set(found))
 
 
+def join_threads(threads, timeout=60.0):
+    """Join every thread within one shared deadline: a thread still alive (a hung client, say) fails
+    the test instead of letting it go on, or pass, without that thread's outcome."""
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    hung = [thread.name for thread in threads if thread.is_alive()]
+    assert not hung, f"still running after {timeout} s: {hung}"
+
+
+def in_own_session(test, timeout=60.0):
+    """Decorate a test to run it in a forked child that leads a session of its own.
+
+    A worker's serve_request ends by sweeping its escaped descendants (those outside its process
+    group).  Called in the test process, it would find the workers of any server another test
+    still runs, and kill them; in the child, it sees only what the test's program started.  The
+    child inherits the test's fixtures and monkeypatches; its failure fails the test."""
+    @functools.wraps(test)
+    def run_in_child(*args, **kwargs):
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report "passed" or the traceback, and never return into pytest
+            os.close(read_end)
+            os.setsid()
+            outcome = "passed"
+            try:
+                test(*args, **kwargs)
+            except BaseException:
+                outcome = traceback.format_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os.write(write_end, outcome.encode())
+                os._exit(0)
+        os.close(write_end)
+        with os.fdopen(read_end, "rb") as report:
+            answered = select.select([report], [], [], timeout)[0]
+            if not answered:
+                os.kill(pid, signal.SIGKILL)
+            outcome = report.read().decode(errors="replace") if answered else ""
+        _, status = os.waitpid(pid, 0)
+        assert answered, f"the test did not end within {timeout} s in its own session"
+        assert outcome == "passed", f"in its own session (wait status {status}):\n{outcome}"
+    return run_in_child
+
+
 def wait_for(predicate, timeout=10.0, interval=0.02):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -717,7 +777,7 @@ class Sampler:
 
     def __exit__(self, *exc):
         self.stop.set()
-        self.thread.join()
+        join_threads([self.thread], 30)
         self.values.append(self.probe())
 
 
