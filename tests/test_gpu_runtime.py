@@ -30,7 +30,7 @@ import pytest
 
 import kcoral
 import kcoral_worker
-from tests.support import ServerProcess, build_add_one, plain, post, sha256
+from tests.support import ServerProcess, build_add_one, in_own_session, join_threads, plain, post, sha256, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -155,27 +155,19 @@ def queued(arbiter):
         return len(arbiter.queue)
 
 
-def wait_until(predicate, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.005)
-
-
 def test_lease_waiters_are_served_in_arrival_order():
     arbiter, order = kcoral.LeaseArbiter([0, 1]), []
     arbiter.acquire("a", [0])
     threads = []
     for n, owner in enumerate(["b", "c", "d"]):
         threads.append(acquire_in_thread(arbiter, owner, order, gpus=[0]))
-        wait_until(lambda: queued(arbiter) == n + 1)
+        assert wait_for(lambda: queued(arbiter) == n + 1, 5)
     arbiter.acquire("other-gpu", [1])  # a different GPU is not held up by GPU 0's queue
     for owner in ["a", "b", "c"]:
         arbiter.release(owner, [0])
-        wait_until(lambda: arbiter.holder[0] not in (None, owner))
+        assert wait_for(lambda: arbiter.holder[0] not in (None, owner), 5)
     arbiter.release("d", [0])
-    for thread in threads:
-        thread.join(5)
+    join_threads(threads, 5)
     assert [owner for owner, _ in order] == ["b", "c", "d"]
 
 
@@ -183,32 +175,31 @@ def test_identical_waiters_do_not_lose_their_tickets():
     arbiter, order = kcoral.LeaseArbiter([0]), []
     arbiter.acquire(kcoral.STARTUP_OWNER, [0])
     threads = [acquire_in_thread(arbiter, kcoral.STARTUP_OWNER, order, gpus=[0])]
-    wait_until(lambda: queued(arbiter) == 1)
+    assert wait_for(lambda: queued(arbiter) == 1, 5)
     threads.append(acquire_in_thread(arbiter, kcoral.STARTUP_OWNER, order, gpus=[0]))
-    wait_until(lambda: queued(arbiter) == 2)
-    for _ in range(3):
+    assert wait_for(lambda: queued(arbiter) == 2, 5)
+    for served in (1, 2):  # each release hands the lease to the next ticket, never to nobody
         arbiter.release(kcoral.STARTUP_OWNER, [0])
-        time.sleep(0.05)
-    for thread in threads:
-        thread.join(5)
-        assert not thread.is_alive()
-    assert len(order) == 2
+        assert wait_for(lambda served=served: len(order) == served, 5), f"waiter {served} was never served"
+    arbiter.release(kcoral.STARTUP_OWNER, [0])
+    join_threads(threads, 5)
+    assert len(order) == 2 and arbiter.holder[0] is None
 
 
 def test_any_n_gpus_blocks_later_waiters_until_it_is_served():
     arbiter, order = kcoral.LeaseArbiter([0, 1, 2]), []
     arbiter.acquire("busy", [0])
     big = acquire_in_thread(arbiter, "big", order, count=3)
-    wait_until(lambda: queued(arbiter) == 1)
+    assert wait_for(lambda: queued(arbiter) == 1, 5)
     small = acquire_in_thread(arbiter, "small", order, gpus=[2])  # GPU 2 is free, but "big" came first
-    wait_until(lambda: queued(arbiter) == 2)
-    time.sleep(0.1)
+    assert wait_for(lambda: queued(arbiter) == 2, 5)
+    time.sleep(0.1)  # not a synchronisation: the time a wrong grant to "small" would have to show
     assert order == [] and arbiter.holder[2] is None
     arbiter.release("busy", [0])
-    big.join(5)
+    join_threads([big], 5)
     assert order == [("big", [0, 1, 2])]
     arbiter.release("big", [0, 1, 2])
-    small.join(5)
+    join_threads([small], 5)
     assert order[-1] == ("small", [2])
 
 
@@ -293,7 +284,7 @@ def execution(pool, script, timeout=10.0, request_id="req-1", gpus=(0,), gone=Tr
     thread = threading.Thread(target=play, daemon=True)
     thread.start()
     outcome, retire = kcoral.Execution(pool, worker, list(gpus), job, 0.0).run()
-    thread.join(5)
+    join_threads([thread], 5)
     theirs.close()
     return outcome, retire, worker
 
@@ -840,7 +831,8 @@ class FakeCudart:
 
 
 def serve(tmp_path, source, retire=False, cpu_only=False):
-    """serve_request on a scripted pipe: upload a module, run f, return its result -> (done message, sent)."""
+    """serve_request on a scripted pipe: upload a module, run f, return its result -> (done message, sent).
+    Only in a test decorated @in_own_session: its sweep of escaped descendants would find other tests' workers."""
     conn = FakeConn()
     request = job_request([
         {"op": "upload", "id": "m", "kind": "module", "source": source},
@@ -855,6 +847,7 @@ def serve(tmp_path, source, retire=False, cpu_only=False):
     return conn.sent[-1], conn.sent
 
 
+@in_own_session
 def test_pending_cuda_error_fails_a_completed_request_and_is_cleared(cuda_worker, monkeypatch, tmp_path):
     """Risk 3: docs/server.md §3.4 step 3, read and cleared through libcudart."""
     cudarts = [FakeCudart(), FakeCudart(pending=9)]
@@ -869,6 +862,7 @@ def test_pending_cuda_error_fails_a_completed_request_and_is_cleared(cuda_worker
     assert done.error is None
 
 
+@in_own_session
 def test_pending_cuda_error_is_appended_to_a_gpu_access_error(cuda_worker, monkeypatch, tmp_path, fake_cupti):
     monkeypatch.setattr(kcoral_worker, "loaded_cudarts", lambda: [FakeCudart(pending=9)])
     kcoral_worker.FAKE_CUPTI = fake_cupti
@@ -893,6 +887,7 @@ def test_cudart_paths_come_from_the_memory_map():
     assert kcoral_worker.loaded_cudarts() == []  # this test process has no CUDA runtime
 
 
+@in_own_session
 def test_reused_worker_frees_gpu_memory_before_the_lease_goes(cuda_worker, monkeypatch, tmp_path):
     """Risk 4 (and 10's multi-GPU empty_cache): handles dropped, garbage collected, every device
     synchronized and its cache emptied, all before RequestDone lets the front-end release the lease."""
@@ -915,6 +910,7 @@ def test_reused_worker_frees_gpu_memory_before_the_lease_goes(cuda_worker, monke
     assert isinstance(sent[-1], kcoral_worker.RequestDone)
 
 
+@in_own_session
 def test_retiring_worker_leaves_memory_to_the_exit(cuda_worker, monkeypatch, tmp_path):
     monkeypatch.setattr(kcoral_worker, "loaded_cudarts", list)
     serve(tmp_path, "def f():\n    return 1\n", retire=True)
@@ -1086,10 +1082,9 @@ def test_quarantine_refuses_waiters_already_queued():
     threads = [threading.Thread(target=wait, kwargs=k, daemon=True) for k in ({"gpus": [0]}, {"count": 2})]
     for n, thread in enumerate(threads):
         thread.start()
-        wait_until(lambda n=n: queued(arbiter) == n + 1)
+        assert wait_for(lambda n=n: queued(arbiter) == n + 1, 5)
     arbiter.quarantine([0])
-    for thread in threads:
-        thread.join(5)
+    join_threads(threads, 5)
     assert len(refused) == 2 and queued(arbiter) == 0
     assert arbiter.acquire("other", [1])[0] == [1]  # the healthy GPU still serves
 
@@ -1102,9 +1097,9 @@ def test_waits_for_n_gpus_end_at_shutdown():
     outcomes = []
     thread = threading.Thread(target=lambda: outcomes.append(pool.run_multi_gpu(None, job, 2, 0.0)), daemon=True)
     thread.start()
-    wait_until(lambda: queued(pool.arbiter) == 1)
+    assert wait_for(lambda: queued(pool.arbiter) == 1, 5)
     pool.close()
-    thread.join(5)
+    join_threads([thread], 5)
     assert (outcomes[0].http_status, outcomes[0].kind) == (503, "busy")
     assert pool.arbiter.acquire("in-flight", [1])[0] == [1]  # a running request's own lease still works
 
