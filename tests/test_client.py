@@ -53,6 +53,7 @@ from client import (
 from tests.support import (
     HostileServer,
     ServerProcess,
+    join_threads,
     program_parts,
     reference_popen_options,
     reference_server_argv,
@@ -97,11 +98,13 @@ class Stub:
     """Answers each request with the next queued response (a (status, headers, body)
     tuple, plus "close" to drop the connection afterwards or "early" to answer without
     reading the body and then close; a callable taking the Recorded request; or raw bytes
-    written to the socket before closing it) and records every request."""
+    written to the socket before closing it) and records every request, and how many
+    connections it has closed."""
 
     def __init__(self) -> None:
         self.requests: list[Recorded] = []
         self.responses: collections.deque = collections.deque()
+        self.connections_closed = 0
         stub = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -116,7 +119,12 @@ class Stub:
             def log_message(self, *args: object) -> None:
                 pass
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(http.server.ThreadingHTTPServer):
+            def shutdown_request(self, request: socket.socket) -> None:  # type: ignore[override]
+                super().shutdown_request(request)
+                stub.connections_closed += 1  # the socket is closed: the client can see its end
+
+        self.server = Server(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, args=(0.01,), daemon=True).start()
 
@@ -972,7 +980,7 @@ def test_a_connection_closed_by_the_server_is_not_reused(stub, cli):
 def test_an_idle_connection_dropped_by_the_server_is_replaced(stub, cli):
     stub.queue(completed() + ("close",), completed())  # the server drops the connection later
     cli.execute(Program())
-    time.sleep(0.05)
+    assert wait_for(lambda: stub.connections_closed == 1, 10), "the stub never dropped the connection"
     assert cli.execute(Program()).completed
     assert len({r.client_port for r in stub.requests}) == 2
 
@@ -983,8 +991,7 @@ def test_concurrent_use_from_threads(stub, cli):
     threads = [threading.Thread(target=lambda: results.append(cli.health()["n"])) for _ in range(16)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    join_threads(threads, 60)
     assert sorted(results) == list(range(16))
     assert len(cli._idle) <= client._MAX_IDLE_CONNECTIONS
 
@@ -1902,6 +1909,5 @@ def test_interop_large_blob_and_concurrency(live):
     threads = [threading.Thread(target=lambda: outcomes.append(live.execute(p)["h"])) for _ in range(3)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    join_threads(threads, 240)
     assert outcomes == [sha(big)] * 3
