@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from tests.support import multipart, program_parts, request, sha256, simple_program
+from tests.support import join_threads, multipart, program_parts, request, sha256, simple_program
 from tests.test_reliability import Server, descendants
 
 
@@ -267,11 +267,10 @@ def uploads_item(scale, workdir):
         threads = [threading.Thread(target=upload, args=(i,)) for i in range(scale.uploads)]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join()
+        join_threads(threads, 600)  # the uploads' own request timeout
         seconds = time.monotonic() - started
         stop.set()
-        sampler.join()
+        join_threads([sampler], 30)
         time.sleep(1.0)
         after = tree_pss_kib(server)
         size = (scale.upload_mib << 20) // 32 * 32
@@ -314,9 +313,11 @@ def big_headers_item(scale, workdir):
         started = time.monotonic()
         for t in threads:
             t.start()
-        while any(t.is_alive() for t in threads):
+        deadline = started + 120
+        while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
             peak[0] = max(peak[0], tree_pss_kib(server))
-            time.sleep(0.05)
+            time.sleep(0.05)  # the sampling rate, not a synchronisation
+        join_threads(threads, 10)
         seconds = time.monotonic() - started
         statuses = collections.Counter(status_of(r) for r in results)
         assert statuses[431] >= len(threads) * 0.9, statuses  # a reset may eat the odd answer
@@ -526,7 +527,7 @@ def shutdown_item(scale, workdir):
         server.proc.send_signal(signal.SIGTERM)
         code = server.proc.wait(60)
         exit_s = time.monotonic() - started
-        runner.join()
+        join_threads([runner], 60)
         slow_answer = read_response(slow, timeout=5)
         slow.close()
         assert code == 0, code
@@ -571,7 +572,8 @@ def workspaces_item(scale, workdir):
     tmpdir = server.tmpdir
     body, content_type = multipart(program_parts(simple_program(
         "import time\ndef f():\n    time.sleep(30)\n")))
-    threading.Thread(target=lambda: _quiet_request(server.url, body, content_type), daemon=True).start()
+    sleeper = threading.Thread(target=lambda: _quiet_request(server.url, body, content_type), daemon=True)
+    sleeper.start()
     deadline = time.monotonic() + 30
     while not server.workspaces():
         assert time.monotonic() < deadline, "no workspace appeared"
@@ -584,6 +586,7 @@ def workspaces_item(scale, workdir):
             pass
     server.proc.wait()
     server.stderr.close()
+    join_threads([sleeper], 30)  # its connection died with the server
     dead = os.listdir(tmpdir)
     assert [n for n in dead if n.startswith("kcoral-program-")], dead
     with open(f"/proc/{os.getpid()}/stat", "rb") as f:
