@@ -25,6 +25,7 @@ import json
 import os
 import random
 import re
+import select
 import shutil
 import signal
 import socket
@@ -44,12 +45,14 @@ from kcoral_worker import ValidationError
 from tests.support import (
     ServerProcess,
     decode_response,
+    join_threads,
     multipart,
     post,
     program_parts,
     request,
     sha256,
     simple_program,
+    wait_for,
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -1512,7 +1515,7 @@ def cache_pinning(workdir, counts, pressure=24):
         assert status == 200 and completed(body, "pinned blob")["out"]["value"] == size, body
         with open(release, "w"):
             pass
-        thread.join()
+        join_threads([thread], 120)
         status, _, body = slow["answer"]
         assert status == 200 and completed(body, "slow request")["out"]["value"] == size, body
         with ThreadPoolExecutor(4) as pool:  # unpinned now: more pressure evicts it
@@ -1671,6 +1674,15 @@ def capture(fn, *args):
 SLEEPY = "import time\ndef f(x):\n    time.sleep(2)\n    return x\n"
 
 
+def shutting_down(url):
+    """Whether a server has begun its shutdown: /health says it takes no more, or nobody listens."""
+    try:
+        status, _, data = request("GET", url + "/health", timeout=30)
+    except (ConnectionError, http.client.RemoteDisconnected):
+        return True
+    return status == 200 and json.loads(data)["load"]["request_capacity"] == 0
+
+
 def shutdown_round(workdir, counts):
     server = Server(workdir)
     answers = {}
@@ -1693,7 +1705,7 @@ def shutdown_round(workdir, counts):
             assert time.monotonic() < deadline, "in-flight requests never started"
             time.sleep(0.02)
         server.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
+        assert wait_for(lambda: shutting_down(server.url), 30), "the server never began its shutdown"
         late = collections.Counter()
         body, content_type = multipart(program_parts(simple_program(ECHO, args=["late"])))
         try:  # a request on a connection opened before SIGTERM
@@ -1721,8 +1733,7 @@ def shutdown_round(workdir, counts):
             except (ConnectionError, http.client.RemoteDisconnected):
                 late["refused"] += 1
             time.sleep(0.1)
-        for t in threads:
-            t.join()
+        join_threads(threads, 60)
         for nonce, (status, _, body) in answers.items():
             assert status == 200 and completed(body, nonce)["out"]["value"] == nonce, body
         code = server.proc.wait(60)
@@ -1781,7 +1792,8 @@ def disconnect_item(scale, workdir):
             counts["response never read (closed at once)"] += 1
             s = socket.create_connection(("127.0.0.1", server.port))
             s.sendall(head(slow_body) + slow_body)
-            time.sleep(0.5)  # the program runs and the answer is written into the socket, then RST
+            answered = select.select([s], [], [], 60)[0]  # the program ran and its answer reached the socket: then RST
+            assert answered, "the answer to the unread request never came"
             s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")
             s.close()
             counts["response never read (reset after it ran)"] += 1
