@@ -150,7 +150,7 @@ class HostileServer:
     * "trickle-head": a status line, then one header byte every 50 ms, forever;
     * "trickle-body": a 200 declaring 1 MB, then one body byte every 50 ms.
 
-    `bytes_sent` counts what it got out; close() hangs up on every client."""
+    `bytes_sent` counts what it got out; close() hangs up on every client and joins its threads."""
 
     HEADS = {"endless": b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n",
              "huge": b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000000000000\r\n\r\n",
@@ -165,7 +165,8 @@ class HostileServer:
         self.bytes_sent = 0
         self.connections = []
         self.closed = False
-        threading.Thread(target=self.accept, daemon=True).start()
+        self.threads = [threading.Thread(target=self.accept, daemon=True)]
+        self.threads[0].start()
 
     def __enter__(self):
         return self
@@ -180,7 +181,8 @@ class HostileServer:
             except OSError:
                 return
             self.connections.append(conn)
-            threading.Thread(target=self.play, args=(conn,), daemon=True).start()
+            self.threads.append(threading.Thread(target=self.play, args=(conn,), daemon=True))
+            self.threads[-1].start()
 
     def play(self, conn):
         try:
@@ -210,10 +212,17 @@ class HostileServer:
 
     def close(self):
         self.closed = True
-        for sock in [self.listener, *self.connections]:
-            with contextlib.suppress(OSError):  # not connected any more
-                sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
+        self.hang_up(self.listener)
+        join_threads(self.threads[:1], 10)  # accept() has returned: no connection comes after this
+        for conn in self.connections:
+            self.hang_up(conn)
+        join_threads(self.threads, 10)
+
+    @staticmethod
+    def hang_up(sock):
+        with contextlib.suppress(OSError):  # not connected any more
+            sock.shutdown(socket.SHUT_RDWR)
+        sock.close()
 
 
 HAPROXY = shutil.which("haproxy", path=os.environ.get("PATH", "") + os.pathsep + "/usr/sbin")
