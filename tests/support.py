@@ -481,7 +481,9 @@ EMPTY_MODULE_JSON = json.dumps(EMPTY_MODULE).encode()
 
 
 def assert_error_body(status, headers, body, http_status, kind, *fragments):
-    """The exact ERROR shape of docs/protocol.md §9.8, its headers, and message fragments (case-insensitive)."""
+    """The exact ERROR shape of docs/protocol.md §9.8, its headers, and message fragments (case-insensitive);
+    `body` decoded or its bytes.  -> the body dict."""
+    body = json.loads(body) if isinstance(body, (bytes, bytearray)) else body
     assert status == http_status, body
     assert headers["content-type"] == "application/json"
     assert set(body) == {"status", "request_id", "error"}, body
@@ -495,6 +497,7 @@ def assert_error_body(status, headers, body, http_status, kind, *fragments):
     message = body["error"]["message"].lower()
     for fragment in fragments:
         assert fragment.lower() in message, (fragment, body["error"]["message"])
+    return body
 
 
 def assert_proxy_error_body(status, headers, body, http_status, kind, *fragments):

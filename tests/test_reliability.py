@@ -24,7 +24,6 @@ import http.client
 import json
 import os
 import random
-import re
 import select
 import shutil
 import signal
@@ -44,6 +43,7 @@ import kcoral
 from kcoral_worker import ValidationError
 from tests.support import (
     ServerProcess,
+    assert_error_body,
     decode_response,
     join_threads,
     multipart,
@@ -78,8 +78,6 @@ CI = Scale("ci", fuzz=5000, valid_every=250, fault_rounds=1, fill_bytes=64 << 20
            load=1000, concurrency=8, disconnects=8, shutdowns=1, examples=200, growth=300)
 LONG = Scale("long", fuzz=20000, valid_every=50, fault_rounds=4, fill_bytes=1 << 30, flood_bytes=50 << 20,
              load=10000, concurrency=16, disconnects=40, shutdowns=3, examples=2000, growth=20000)
-
-UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
 # --- the server under test, seen from outside -------------------------------------
@@ -217,27 +215,14 @@ def new_tag():
 
 # --- answers ------------------------------------------------------------------------
 
-def check_error(status, headers, body, expected=None, kind=None):
-    """docs/protocol.md §9.8: an ERROR answer is application/json with exactly these fields; -> the body dict."""
-    where = f"HTTP {status}: {str(body)[:400]}"
-    if expected is not None:
-        assert status == expected, where
-    assert headers.get("content-type", "").startswith("application/json"), where
-    if isinstance(body, (bytes, bytearray)):
-        body = json.loads(body)
-    assert set(body) == {"status", "request_id", "error"} and body["status"] == "ERROR", where
-    assert isinstance(body["request_id"], str) and UUID.fullmatch(body["request_id"]), where
-    assert headers.get("x-request-id") == body["request_id"], where
-    error = body["error"]
-    assert set(error) == {"kind", "message"} and isinstance(error["message"], str), where
-    want = kind or {413: "request_too_large", 503: "busy", 504: "timeout"}.get(status, "parse")
-    assert error["kind"] == want, where
-    return body
+ERROR_KIND_BY_STATUS = {413: "request_too_large", 503: "busy", 504: "timeout"}  # any other 4xx: parse
 
 
 def check_4xx(status, headers, data, expected):
+    """A 4xx ERROR answer (docs/protocol.md §9.8): the `expected` status, or with None any 4xx, of
+    the kind its status implies."""
     assert 400 <= status < 500, f"HTTP {status}: {data[:400]!r}"
-    return check_error(status, headers, data, expected)
+    return assert_error_body(status, headers, data, expected or status, ERROR_KIND_BY_STATUS.get(status, "parse"))
 
 
 def completed(body, where=""):
@@ -1130,7 +1115,7 @@ def crashed(index=2, op="run"):
 
 
 def timed_out(status, headers, body, tag):
-    check_error(status, headers, body, 504, "timeout")
+    assert_error_body(status, headers, body, 504, "timeout")
 
 
 def left_background(status, headers, body, tag):
@@ -1174,7 +1159,7 @@ def surrogate_id(status, headers, body, tag):
 
 
 def too_large(status, headers, body, tag):
-    check_error(status, headers, body, 500, "response_too_large")  # docs/protocol.md §9.8
+    assert_error_body(status, headers, body, 500, "response_too_large")  # docs/protocol.md §9.8
 
 
 def nested_400(status, headers, body, tag):
@@ -1712,7 +1697,7 @@ def shutdown_round(workdir, counts):
             keep_alive.request("POST", "/execute", body, {"Content-Type": content_type})
             response = keep_alive.getresponse()
             data = response.read()
-            check_error(response.status, {k.lower(): v for k, v in response.getheaders()}, data, 503, "busy")
+            assert_error_body(response.status, {k.lower(): v for k, v in response.getheaders()}, data, 503, "busy")
             assert response.getheader("Retry-After") == "1"
             late["503 on an open connection"] += 1
         except (ConnectionError, http.client.RemoteDisconnected):
@@ -1723,7 +1708,7 @@ def shutdown_round(workdir, counts):
             try:
                 status, headers, data = request("POST", server.url + "/execute", body,
                                                 {"Content-Type": content_type}, timeout=30)
-                check_error(status, headers, data, 503, "busy")
+                assert_error_body(status, headers, data, 503, "busy")
                 assert headers.get("retry-after") == "1"
                 late["503"] += 1
                 status, headers, data = request("GET", server.url + "/health", timeout=30)
