@@ -51,6 +51,7 @@ from tests.support import (
     front_end_server,  # noqa: F401  (the shared server for requests no worker sees, a fixture)
     get_fn,
     join_threads,
+    marked_pids,
     multipart,
     ok_run,
     plain,
@@ -1517,20 +1518,6 @@ def f(marker, new_session):
     while True:
         time.sleep(0.05)
 """
-
-
-def marked_pids(marker):
-    """Host pids of the processes whose command line carries `marker` (a sandboxed program
-    cannot tell us its children's pids: it sees its own PID namespace)."""
-    found = []
-    for name in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                if marker.encode() in f.read():
-                    found.append(int(name))
-        except OSError:
-            pass
-    return found
 
 
 @pytest.mark.parametrize("new_session", [False, True], ids=["same-group", "new-session"])

@@ -55,8 +55,6 @@ from tests.support import (
     wait_for,
 )
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 @dataclasses.dataclass(frozen=True)
 class Scale:

@@ -25,6 +25,7 @@ from tests.support import (
     execute_ok,
     free_port,
     join_threads,
+    marked_pids,
     post,
     prog,
     ret_path,
@@ -325,19 +326,7 @@ def f():
 """
     status, _, body = post(sandboxed.url, call_program(source, "f", options={"timeout_seconds": 3}))
     assert status == 504, body
-
-    def survivors():
-        found = []
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if marker.encode() in f.read():
-                        found.append(pid)
-            except OSError:
-                pass
-        return found
-
-    assert survivors() == []
+    assert marked_pids(marker) == []
     assert value(execute_ok(sandboxed.url, call_program("def f():\n    return 5\n", "f"))) == 5
     assert workspaces(sandboxed) == []
 
