@@ -30,9 +30,17 @@ import pytest
 
 import kcoral
 import kcoral_worker
-from tests.support import ServerProcess, build_add_one, in_own_session, join_threads, plain, post, sha256, wait_for
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.support import (
+    ROOT,
+    ServerProcess,
+    build_add_one,
+    in_own_session,
+    join_threads,
+    plain,
+    post,
+    sha256,
+    wait_for,
+)
 
 # --- over HTTP: libraries, benchmark, compile_tirx -------------------------------
 
@@ -769,7 +777,7 @@ def cuda_worker(monkeypatch):
 
 
 def test_count_estimate_times_the_flush_with_the_call(cuda_worker):
-    """Risk 1: 5 x (flush + call) inside one pair of CUDA events; the budgets bound flushes too."""
+    """The count estimate times 5 x (flush + call) inside one pair of CUDA events; the budgets bound flushes too."""
     clock = cuda_worker.clock
 
     def kernel():
@@ -790,7 +798,7 @@ def test_count_estimate_times_the_flush_with_the_call(cuda_worker):
 
 
 def test_benchmark_without_cupti_is_unavailable(cuda_worker, monkeypatch):
-    """Risk 9: unusable cupti-python degrades as the spec says (docs/server.md §5.2)."""
+    """Unusable cupti-python degrades as the spec says (docs/server.md §5.2)."""
     monkeypatch.setitem(sys.modules, "cupti", None)
     with pytest.raises(kcoral_worker.ExecutionError) as info:
         kcoral_worker.benchmark(lambda: None, {"warmup": 1, "repeat": 1})
@@ -798,7 +806,7 @@ def test_benchmark_without_cupti_is_unavailable(cuda_worker, monkeypatch):
 
 
 def test_flush_buffer_out_of_memory_is_runtime(monkeypatch):
-    """Risk 10: an OOM allocating the flush buffer is a torch RuntimeError: kind runtime, not engine."""
+    """An OOM allocating the flush buffer is a torch RuntimeError: kind runtime, not engine."""
     torch, _ = fake_torch([], oom=True)
     monkeypatch.setitem(sys.modules, "torch", torch)
     monkeypatch.setattr(kcoral_worker, "RUNTIME", kcoral_worker.Runtime("cuda"))
@@ -849,7 +857,7 @@ def serve(tmp_path, source, retire=False, cpu_only=False):
 
 @in_own_session
 def test_pending_cuda_error_fails_a_completed_request_and_is_cleared(cuda_worker, monkeypatch, tmp_path):
-    """Risk 3: docs/server.md §3.4 step 3, read and cleared through libcudart."""
+    """A pending CUDA error (docs/server.md §3.4 step 3) is read and cleared through libcudart."""
     cudarts = [FakeCudart(), FakeCudart(pending=9)]
     monkeypatch.setattr(kcoral_worker, "loaded_cudarts", lambda: cudarts)
     done, _ = serve(tmp_path, "def f():\n    return 1\n")
@@ -889,8 +897,8 @@ def test_cudart_paths_come_from_the_memory_map():
 
 @in_own_session
 def test_reused_worker_frees_gpu_memory_before_the_lease_goes(cuda_worker, monkeypatch, tmp_path):
-    """Risk 4 (and 10's multi-GPU empty_cache): handles dropped, garbage collected, every device
-    synchronized and its cache emptied, all before RequestDone lets the front-end release the lease."""
+    """A reused worker gives GPU memory back: handles dropped, garbage collected, every device
+    synchronized and each one's cache emptied, all before RequestDone lets the front-end release the lease."""
     monkeypatch.setattr(kcoral_worker, "loaded_cudarts", list)
     log = cuda_worker.log
     kcoral_worker.EVENTS = log
@@ -942,7 +950,7 @@ def test_cpu_only_guard_disables_its_domains_and_cupti_is_finalized(fake_cupti):
 
 
 def test_tensor_export_synchronizes_first(monkeypatch):
-    """Risk 10: a side-stream kernel may still be writing the tensor when it is copied out."""
+    """A side-stream kernel may still be writing the tensor when it is copied out."""
     import torch
 
     class OnDevice(torch.Tensor):
@@ -957,14 +965,14 @@ def test_tensor_export_synchronizes_first(monkeypatch):
 
 
 def test_numpy_arrays_encode_as_tensors_on_gpu_workers_too(monkeypatch):
-    """Risk 10, decided: our extension 1 (numpy arrays are tensors on any server) holds on GPU servers."""
+    """Our extension 1 (numpy arrays are tensors on any server) holds on GPU servers too."""
     monkeypatch.setattr(kcoral_worker, "RUNTIME", kcoral_worker.Runtime("cuda"))
     encoded = kcoral_worker.Encoder(0, 1 << 20).value(numpy.arange(3, dtype="<f4"))
     assert (encoded["type"], encoded["dtype"], encoded["shape"]) == ("tensor", "float32", [3])
 
 
 def test_cute_dsl_runtime_is_preloaded_once_before_libraries(monkeypatch):
-    """Risk 5: docs/server.md §4.2, guarded: absent CuTe DSL is a no-op."""
+    """docs/server.md §4.2, guarded: an absent CuTe DSL is a no-op."""
     loaded, asked = [], []
 
     def find_runtime_libraries(enable_tvm_ffi):
@@ -999,7 +1007,7 @@ def test_cute_dsl_preload_comes_before_the_first_gpu_library_load(monkeypatch, a
 
 
 def test_template_with_cuda_state_is_refused(monkeypatch):
-    """Risk 6: a worker forked from a template that initialised CUDA must not start."""
+    """A worker forked from a template that initialised CUDA must not start."""
     log = []
     torch, _ = fake_torch(log)
     monkeypatch.setitem(sys.modules, "torch", torch)
@@ -1024,7 +1032,7 @@ def test_workers_come_from_a_template_with_torch_loaded_and_cuda_untouched(serve
 
 
 def test_tvm_ffi_preparation_is_bounded_and_disables_the_slow_path(monkeypatch):
-    """Risk 2: the add-on build runs once before the pool with its own timeout; past it, disabled."""
+    """The add-on build runs once before the pool with its own timeout; past it, disabled."""
     monkeypatch.delenv("TVM_FFI_DISABLE_TORCH_C_DLPACK", raising=False)
     monkeypatch.setattr(kcoral, "torch_has_dlpack_exchange_api", lambda: False)
     started = time.monotonic()
@@ -1056,7 +1064,7 @@ def test_kill_group_reports_a_tree_it_cannot_confirm_gone(monkeypatch):
 
 
 def test_unconfirmed_kill_quarantines_the_gpu():
-    """Risk 8: docs/server.md §2.1, the GPU is never lent again (the request: 500 engine)."""
+    """docs/server.md §2.1: after a kill it cannot confirm, the GPU is never lent again (the request: 500 engine)."""
     pool = fake_pool()
 
     def script(conn):
