@@ -742,6 +742,7 @@ def test_the_server_log_links_the_attempts_of_one_execute(tmp_path):
         program = module_program("def f():\n    return 1\n", os.urandom(1000))
         assert c.execute(program).completed
         lines = wait_for(lambda: len(finished_lines(server)) == 2 and finished_lines(server))
+        assert lines, finished_lines(server)
         assert [line["status"] for line in lines] == ["CACHE_MISS", "COMPLETED"]
         assert lines[0]["client_request_id"] == lines[1]["client_request_id"]
         assert lines[0]["request_id"] != lines[1]["request_id"]
@@ -751,6 +752,7 @@ def test_the_server_log_links_the_attempts_of_one_execute(tmp_path):
             status, _, _ = post_multipart(server.url, {"instructions": []}, headers)
             assert status == 400  # the empty program: the header changed nothing
         logged = wait_for(lambda: len(finished_lines(server)) == 7 and finished_lines(server))
+        assert logged, finished_lines(server)
         assert all("client_request_id" not in line for line in logged[2:]), logged[2:]
 
 
