@@ -378,23 +378,28 @@ def reference_router_argv(port: int, *flags: str) -> list:
 @pytest.fixture(scope="module", params=["none", "bubblewrap"], ids=["unsandboxed", "sandboxed"])
 def server(request, tmp_path_factory):
     """The shared default server for tests that run programs, once without and once with the
-    sandbox (where a worker runs the code, the sandbox can change the outcome)."""
-    yield from shared_server(request.param, tmp_path_factory)
+    sandbox (where a worker runs the code, the sandbox can change the outcome).  Unsandboxed,
+    it is the module's front_end_server: one server process fewer to start."""
+    if request.param == "none":
+        yield request.getfixturevalue("front_end_server")
+    else:
+        yield from shared_server(request.param, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def front_end_server(tmp_path_factory):
-    """One unsandboxed server for tests whose requests never reach a worker (envelope, JSON and
-    program validation, CACHE_MISS): the sandbox cannot change what they check, so they run once."""
-    yield from shared_server("none", tmp_path_factory, workers=1)
+    """The module's unsandboxed server, alone for tests whose requests never reach a worker
+    (envelope, JSON and program validation, CACHE_MISS): the sandbox cannot change what they
+    check, so they run once."""
+    yield from shared_server("none", tmp_path_factory)
 
 
-def shared_server(sandbox, tmp_path_factory, workers=2):
+def shared_server(sandbox, tmp_path_factory):
     """A module's server with a private TMPDIR, so that workspace leaks are visible."""
     base = tmp_path_factory.mktemp("server")
     tmpdir = base / "tmp"
     tmpdir.mkdir()
-    with ServerProcess("--sandbox", sandbox, workers=workers, tmp_path=base, env={"TMPDIR": str(tmpdir)}) as srv:
+    with ServerProcess("--sandbox", sandbox, tmp_path=base, env={"TMPDIR": str(tmpdir)}) as srv:
         srv.tmpdir = str(tmpdir)
         srv.sandbox = sandbox
         yield srv
