@@ -10,8 +10,9 @@ program validation (docs/protocol.md §5-6, table-driven), tensor byte length an
 value/file/folder encoding (docs/protocol.md §9), our extensions (tensors on CPU, instance header,
 tokens), FAILED kinds (docs/protocol.md §9.7), crashes/teardown/timeouts (docs/protocol.md §10), output capture
 (docs/protocol.md §8.7), /health and load, and the servers started with other flags (limits, token,
-worker reuse, CLI, graceful shutdown and restart).  One module-scoped `server` serves
-every test that needs no special flag.
+worker reuse, CLI, graceful shutdown and restart).  Every test that needs no special flag shares a
+module-scoped server: `server` (unsandboxed, then sandboxed) where a worker runs the program, and
+`front_end_server` (unsandboxed, once) where the request is answered before any worker sees it.
 """
 
 import hashlib
@@ -47,7 +48,10 @@ from tests.support import (
     call_program,
     execute_ok,
     free_port,
+    front_end_server,  # noqa: F401  (the shared server for requests no worker sees, a fixture)
     get_fn,
+    join_threads,
+    marked_pids,
     multipart,
     ok_run,
     plain,
@@ -84,10 +88,10 @@ def test_trivial_program_completes(server):
 
 # --- docs/protocol.md §4.1 size limit and transfer encoding --------------------------------------
 
-def test_413_from_content_length_before_reading_the_body(server):
+def test_413_from_content_length_before_reading_the_body(front_end_server):
     """The declared length alone decides: no body byte is ever sent here."""
     for content_type in (CT, "text/plain"):  # docs/protocol.md §4.7: 413 wins over a bad envelope
-        conn = http.client.HTTPConnection(f"127.0.0.1:{server.port}", timeout=10)
+        conn = http.client.HTTPConnection(f"127.0.0.1:{front_end_server.port}", timeout=10)
         try:
             conn.putrequest("POST", "/execute")
             conn.putheader("Content-Type", content_type)
@@ -118,7 +122,7 @@ def test_chunked_request_body_is_accepted(server):
 
 # --- docs/protocol.md §4.2 request ids -----------------------------------------------------------
 
-@pytest.mark.parametrize("given,kept", [
+REQUEST_IDS = [
     ("123e4567-e89b-12d3-a456-426614174000", True),
     ("00000000-0000-0000-0000-000000000000", True),       # nil UUID
     ("6ba7b810-9dad-11d1-80b4-00c04fd430c8", True),       # version 1
@@ -130,11 +134,23 @@ def test_chunked_request_body_is_accepted(server):
     ("", False),
     ("123e4567-e89b-12d3-a456-42661417400", False),       # one digit short
     ("123e4567-e89b-12d3-a456-4266141740000", False),     # one digit long
-], ids=["canonical", "nil", "v1", "uppercase", "braces", "no-hyphens", "urn", "garbage", "empty", "short", "long"])
-@pytest.mark.parametrize("outcome", ["completed", "parse-error"])
-def test_request_id_rules(server, given, kept, outcome):
-    program = simple_program("def f():\n    return 1\n") if outcome == "completed" else {"instructions": []}
-    conn = http.client.HTTPConnection(f"127.0.0.1:{server.port}", timeout=60)
+]
+REQUEST_ID_NAMES = ["canonical", "nil", "v1", "uppercase", "braces", "no-hyphens", "urn", "garbage", "empty", "short",
+                    "long"]
+
+
+@pytest.mark.parametrize("given,kept", REQUEST_IDS, ids=REQUEST_ID_NAMES)
+def test_request_id_rules_on_a_completed_request(server, given, kept):
+    check_request_id_rule(server, simple_program("def f():\n    return 1\n"), 200, given, kept)
+
+
+@pytest.mark.parametrize("given,kept", REQUEST_IDS, ids=REQUEST_ID_NAMES)
+def test_request_id_rules_on_a_rejected_request(front_end_server, given, kept):
+    check_request_id_rule(front_end_server, {"instructions": []}, 400, given, kept)
+
+
+def check_request_id_rule(srv, program, http_status, given, kept):
+    conn = http.client.HTTPConnection(f"127.0.0.1:{srv.port}", timeout=60)
     try:
         body, content_type = multipart(program_parts(program))
         conn.putrequest("POST", "/execute")
@@ -148,7 +164,7 @@ def test_request_id_rules(server, given, kept, outcome):
         header = response.getheader("X-Request-ID")
     finally:
         conn.close()
-    assert response.status == (200 if outcome == "completed" else 400)
+    assert response.status == http_status
     assert header == result["request_id"]
     if kept:
         assert result["request_id"] == given
@@ -299,8 +315,8 @@ ENVELOPE_CASES = [
 
 @pytest.mark.parametrize("body,content_type,fragments", [c[1:] for c in ENVELOPE_CASES],
                          ids=[c[0] for c in ENVELOPE_CASES])
-def test_envelope_rejected(server, body, content_type, fragments):
-    assert_parse_error(post_raw(server.url, body, content_type), *fragments)
+def test_envelope_rejected(front_end_server, body, content_type, fragments):
+    assert_parse_error(post_raw(front_end_server.url, body, content_type), *fragments)
 
 
 def test_request_boundary_with_cr_or_lf_is_rejected():
@@ -416,8 +432,8 @@ STRICT_JSON_CASES = [
 
 
 @pytest.mark.parametrize("data,fragments", [c[1:] for c in STRICT_JSON_CASES], ids=[c[0] for c in STRICT_JSON_CASES])
-def test_strict_json_rejected(server, data, fragments):
-    assert_parse_error(post(server.url, data), *fragments)
+def test_strict_json_rejected(front_end_server, data, fragments):
+    assert_parse_error(post(front_end_server.url, data), *fragments)
 
 
 def test_strict_json_accepts_whitespace_unicode_and_big_integers(server):
@@ -629,15 +645,15 @@ PROGRAM_CASES = [
 
 
 @pytest.mark.parametrize("program,fragments", [c[1:] for c in PROGRAM_CASES], ids=[c[0] for c in PROGRAM_CASES])
-def test_program_rejected(server, program, fragments):
-    assert_parse_error(post(server.url, json.dumps(program).encode()), *fragments)
+def test_program_rejected(front_end_server, program, fragments):
+    assert_parse_error(post(front_end_server.url, json.dumps(program).encode()), *fragments)
 
 
-def test_invalid_blob_hash_is_reported_before_anything_runs(server):
+def test_invalid_blob_hash_is_reported_before_anything_runs(front_end_server):
     """A rejected program never starts: no instruction of it has side effects (nothing in results)."""
     marker = f"/tmp/kcoral-never-{uuid.uuid4().hex}"
     program = prog(up_module("m", f"open({marker!r}, 'w').close()\n"), upl("bytes", blob="Z" * 64))
-    assert_parse_error(post(server.url, program), "instruction 1")
+    assert_parse_error(post(front_end_server.url, program), "instruction 1")
     assert not os.path.exists(marker)
 
 
@@ -731,16 +747,16 @@ def test_spec_worked_example(server):
 
 # --- docs/protocol.md §6.3, 4.7 step 8 tensor byte length ---------------------------------------------------
 
-def test_tensor_byte_length_mismatch(server):
+def test_tensor_byte_length_mismatch(front_end_server):
     data = os.urandom(12)
     program = prog(up_blob("t", "tensor", data, dtype="float32", shape=[2, 2]), ret("k", "t"))
-    assert_parse_error(post(server.url, program, [data]), "'t'", "16", "12")
+    assert_parse_error(post(front_end_server.url, program, [data]), "'t'", "16", "12")
 
 
-def test_tensor_byte_length_checked_even_when_other_blobs_are_missing(server):
+def test_tensor_byte_length_checked_even_when_other_blobs_are_missing(front_end_server):
     data, missing = os.urandom(3), os.urandom(5)
     program = prog(up_blob("b", "bytes", missing), up_blob("t", "tensor", data, dtype="int16", shape=[2]))
-    assert_parse_error(post(server.url, program, [data]), "'t'", "4", "3")
+    assert_parse_error(post(front_end_server.url, program, [data]), "'t'", "4", "3")
 
 
 def test_tensor_byte_length_checked_against_a_cached_blob(server):
@@ -752,21 +768,21 @@ def test_tensor_byte_length_checked_against_a_cached_blob(server):
     assert assert_completed(execute_ok(server.url, ok))["k"]["shape"] == [3]
 
 
-def test_tensor_byte_length_not_checked_while_missing(server):
+def test_tensor_byte_length_not_checked_while_missing(front_end_server):
     program = prog(up_blob("t", "tensor", os.urandom(7), dtype="float64", shape=[3]))
-    status, _, body = post(server.url, program)
+    status, _, body = post(front_end_server.url, program)
     assert status == 200 and body["status"] == "CACHE_MISS"
 
 
 # --- docs/protocol.md §7 CACHE_MISS semantics --------------------------------------------------------------
 
-def test_cache_miss_lists_blobs_in_first_reference_order_without_duplicates(server):
+def test_cache_miss_lists_blobs_in_first_reference_order_without_duplicates(front_end_server):
     b1, b2, b3, b4 = (os.urandom(16) for _ in range(4))
     program = prog(up_blob("x1", "bytes", b1), up_blob("x2", "file", b2, path="in/two"),
                    up_blob("x3", "tensor", b1, dtype="uint8", shape=[16]), up_blob("x4", "library", b3),
                    up_blob("x5", "file", b1, path="in/one"), up_blob("x6", "bytes", b4),
                    up_blob("x7", "bytes", b3))
-    status, headers, body = post(server.url, program)
+    status, headers, body = post(front_end_server.url, program)
     assert status == 200
     assert headers["content-type"] == "application/json"
     assert set(body) == {"status", "request_id", "missing_blobs"}
@@ -807,10 +823,10 @@ def test_supplied_blobs_cached_even_when_the_request_is_rejected(server):
     assert body["_parts"] == {"return:0": kept2}
 
 
-def test_unreferenced_blob_is_rejected_and_not_cached(server):
+def test_unreferenced_blob_is_rejected_and_not_cached(front_end_server):
     stray = os.urandom(9)
-    assert_parse_error(post(server.url, EMPTY_MODULE, [stray]), "unreferenced", sha256(stray))
-    status, _, body = post(server.url, prog(up_blob("b", "bytes", stray)))
+    assert_parse_error(post(front_end_server.url, EMPTY_MODULE, [stray]), "unreferenced", sha256(stray))
+    status, _, body = post(front_end_server.url, prog(up_blob("b", "bytes", stray)))
     assert body["status"] == "CACHE_MISS"
 
 
@@ -1506,20 +1522,6 @@ def f(marker, new_session):
 """
 
 
-def marked_pids(marker):
-    """Host pids of the processes whose command line carries `marker` (a sandboxed program
-    cannot tell us its children's pids: it sees its own PID namespace)."""
-    found = []
-    for name in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                if marker.encode() in f.read():
-                    found.append(int(name))
-        except OSError:
-            pass
-    return found
-
-
 @pytest.mark.parametrize("new_session", [False, True], ids=["same-group", "new-session"])
 def test_timeout_kills_the_whole_tree(server, new_session):
     marker = f"kcoral-grandchild-{uuid.uuid4().hex}"
@@ -1529,7 +1531,7 @@ def test_timeout_kills_the_whole_tree(server, new_session):
     watcher.start()
     started = time.monotonic()
     status, headers, body = post(server.url, program)
-    watcher.join()
+    join_threads([watcher], 60)
     assert_error_body(status, headers, body, 504, "timeout")
     assert time.monotonic() - started < 30
     assert seen, "the grandchild never ran"
@@ -1632,7 +1634,7 @@ def test_health_fields_and_types(server):
 
 def test_load_moves_with_in_flight_and_waiting_requests(server):
     source = "import time\ndef f(i):\n    time.sleep(1.2)\n    return i\n"
-    wait_for(lambda: server.health()["load"]["request_capacity"] == 2)
+    assert wait_for(lambda: server.health()["load"]["request_capacity"] == 2), server.health()
     answers = {}
 
     def client(i):
@@ -1641,12 +1643,11 @@ def test_load_moves_with_in_flight_and_waiting_requests(server):
     threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
     for t in threads:
         t.start()
-    seen = []
-    while any(t.is_alive() for t in threads):
+    seen, deadline = [], time.monotonic() + 60
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
         seen.append(server.health()["load"])
-        time.sleep(0.03)
-    for t in threads:
-        t.join()
+        time.sleep(0.03)  # the sampling rate, not a synchronisation
+    join_threads(threads, 5)
     assert max(s["requests_in_progress"] for s in seen) == 2, seen
     assert max(s["requests_waiting"] for s in seen) >= 1, seen
     assert all(s["requests_in_progress"] <= 2 for s in seen)
@@ -1676,8 +1677,7 @@ def test_concurrent_clients_each_get_their_own_answer(server):
     threads = [threading.Thread(target=client, args=(c,)) for c in range(8)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join(240)
+    join_threads(threads, 240)
     assert not failures, failures
     assert workspaces(server) == []
 
@@ -1965,7 +1965,7 @@ def test_graceful_shutdown_then_restart_keeps_disk_cache(tmp_path):
             else:
                 assert status == 200  # accepted before the signal was handled
                 time.sleep(0.05)
-        slow_thread.join(60)
+        join_threads([slow_thread], 60)
         assert refused, "no request was refused during the shutdown"
         status, _, body = outcome["slow"]
         assert status == 200 and assert_completed(body)["out"]["value"] == "finished"

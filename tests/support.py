@@ -8,12 +8,14 @@ pytest runs, and for `python -m bench.<script>`).
 import collections
 import contextlib
 import fcntl
+import functools
 import hashlib
 import http.client
 import itertools
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -22,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 
 import pytest
 
@@ -188,7 +191,7 @@ class HostileServer:
     * "trickle-head": a status line, then one header byte every 50 ms, forever;
     * "trickle-body": a 200 declaring 1 MB, then one body byte every 50 ms.
 
-    `bytes_sent` counts what it got out; close() hangs up on every client."""
+    `bytes_sent` counts what it got out; close() hangs up on every client and joins its threads."""
 
     HEADS = {"endless": b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n",
              "huge": b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000000000000\r\n\r\n",
@@ -203,7 +206,8 @@ class HostileServer:
         self.bytes_sent = 0
         self.connections = []
         self.closed = False
-        threading.Thread(target=self.accept, daemon=True).start()
+        self.threads = [threading.Thread(target=self.accept, daemon=True)]
+        self.threads[0].start()
 
     def __enter__(self):
         return self
@@ -218,7 +222,8 @@ class HostileServer:
             except OSError:
                 return
             self.connections.append(conn)
-            threading.Thread(target=self.play, args=(conn,), daemon=True).start()
+            self.threads.append(threading.Thread(target=self.play, args=(conn,), daemon=True))
+            self.threads[-1].start()
 
     def play(self, conn):
         try:
@@ -248,10 +253,17 @@ class HostileServer:
 
     def close(self):
         self.closed = True
-        for sock in [self.listener, *self.connections]:
-            with contextlib.suppress(OSError):  # not connected any more
-                sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
+        self.hang_up(self.listener)
+        join_threads(self.threads[:1], 10)  # accept() has returned: no connection comes after this
+        for conn in self.connections:
+            self.hang_up(conn)
+        join_threads(self.threads, 10)
+
+    @staticmethod
+    def hang_up(sock):
+        with contextlib.suppress(OSError):  # not connected any more
+            sock.shutdown(socket.SHUT_RDWR)
+        sock.close()
 
 
 # Each execution appends its value to a ledger first, so a request run twice would show.
@@ -468,16 +480,32 @@ def reference_router_argv(port: int, *flags: str) -> list:
 
 @pytest.fixture(scope="module", params=["none", "bubblewrap"], ids=["unsandboxed", "sandboxed"])
 def server(request, tmp_path_factory):
-    """The shared default server, once without and once with the sandbox; its TMPDIR is private
-    so workspace leaks are visible."""
+    """The shared default server for tests that run programs, once without and once with the
+    sandbox (where a worker runs the code, the sandbox can change the outcome).  Unsandboxed,
+    it is the module's front_end_server: one server process fewer to start."""
+    if request.param == "none":
+        yield request.getfixturevalue("front_end_server")
+    else:
+        yield from shared_server(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def front_end_server(tmp_path_factory):
+    """The module's unsandboxed server, alone for tests whose requests never reach a worker
+    (envelope, JSON and program validation, CACHE_MISS): the sandbox cannot change what they
+    check, so they run once."""
+    yield from shared_server("none", tmp_path_factory)
+
+
+def shared_server(sandbox, tmp_path_factory):
+    """A module's server with a private TMPDIR, so that workspace leaks are visible."""
     base = tmp_path_factory.mktemp("server")
     tmpdir = base / "tmp"
     tmpdir.mkdir()
-    with ServerProcess("--sandbox", request.param, tmp_path=base, env={"TMPDIR": str(tmpdir)}) as srv:
+    with ServerProcess("--sandbox", sandbox, tmp_path=base, env={"TMPDIR": str(tmpdir)}) as srv:
         srv.tmpdir = str(tmpdir)
-        srv.sandbox = request.param
+        srv.sandbox = sandbox
         yield srv
-
 
 
 UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
@@ -561,7 +589,9 @@ EMPTY_MODULE_JSON = json.dumps(EMPTY_MODULE).encode()
 
 
 def assert_error_body(status, headers, body, http_status, kind, *fragments):
-    """The exact ERROR shape of docs/protocol.md §9.8, its headers, and message fragments (case-insensitive)."""
+    """The exact ERROR shape of docs/protocol.md §9.8, its headers, and message fragments (case-insensitive);
+    `body` decoded or its bytes.  -> the body dict."""
+    body = json.loads(body) if isinstance(body, (bytes, bytearray)) else body
     assert status == http_status, body
     assert headers["content-type"] == "application/json"
     assert set(body) == {"status", "request_id", "error"}, body
@@ -575,6 +605,7 @@ def assert_error_body(status, headers, body, http_status, kind, *fragments):
     message = body["error"]["message"].lower()
     for fragment in fragments:
         assert fragment.lower() in message, (fragment, body["error"]["message"])
+    return body
 
 
 def assert_proxy_error_body(status, headers, body, http_status, kind, *fragments):
@@ -676,6 +707,52 @@ def files_left(srv):
     return sorted(set(found))
 
 
+def join_threads(threads, timeout=60.0):
+    """Join every thread within one shared deadline: a thread still alive (a hung client, say) fails
+    the test instead of letting it go on, or pass, without that thread's outcome."""
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    hung = [thread.name for thread in threads if thread.is_alive()]
+    assert not hung, f"still running after {timeout} s: {hung}"
+
+
+def in_own_session(test, timeout=60.0):
+    """Decorate a test to run it in a forked child that leads a session of its own.
+
+    A worker's serve_request ends by sweeping its escaped descendants (those outside its process
+    group).  Called in the test process, it would find the workers of any server another test
+    still runs, and kill them; in the child, it sees only what the test's program started.  The
+    child inherits the test's fixtures and monkeypatches; its failure fails the test."""
+    @functools.wraps(test)
+    def run_in_child(*args, **kwargs):
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report "passed" or the traceback, and never return into pytest
+            os.close(read_end)
+            os.setsid()
+            outcome = "passed"
+            try:
+                test(*args, **kwargs)
+            except BaseException:
+                outcome = traceback.format_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os.write(write_end, outcome.encode())
+                os._exit(0)
+        os.close(write_end)
+        with os.fdopen(read_end, "rb") as report:
+            answered = select.select([report], [], [], timeout)[0]
+            if not answered:
+                os.kill(pid, signal.SIGKILL)
+            outcome = report.read().decode(errors="replace") if answered else ""
+        _, status = os.waitpid(pid, 0)
+        assert answered, f"the test did not end within {timeout} s in its own session"
+        assert outcome == "passed", f"in its own session (wait status {status}):\n{outcome}"
+    return run_in_child
+
+
 def wait_for(predicate, timeout=10.0, interval=0.02):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -701,6 +778,20 @@ def log_records(path):
             return [json.loads(line) for line in f.read().splitlines()]
     except FileNotFoundError:
         return []
+
+
+def marked_pids(marker):
+    """Host pids of the processes whose command line carries `marker` (a sandboxed program
+    cannot tell us its children's pids: it sees its own PID namespace)."""
+    found = []
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(name))
+        except OSError:
+            pass
+    return found
 
 
 def process_gone(pid):
@@ -820,7 +911,7 @@ class Sampler:
 
     def __exit__(self, *exc):
         self.stop.set()
-        self.thread.join()
+        join_threads([self.thread], 30)
         self.values.append(self.probe())
 
 

@@ -27,6 +27,7 @@ from tests.support import (
     cpu_seconds,
     get_fn,
     health_latency,
+    join_threads,
     multipart,
     post_raw,
     prog,
@@ -39,6 +40,7 @@ from tests.support import (
     unread_bytes,
     up_blob,
     up_module,
+    wait_for,
 )
 from tests.test_hostile import connect, flags
 from tests.test_reliability import Server
@@ -354,10 +356,9 @@ def tricklers_item(scale, workdir):
             sock.sendall(head + b"p" * piece)
             tricklers.append(sock)
         for sock in tricklers:  # the server reads them: admitted, holding what they declared or what they sent
-            deadline = time.monotonic() + 10
-            while unread_bytes(server.port, sock.getsockname()[1]) != 0:
-                assert time.monotonic() < deadline, "a trickler's body was never read"
-                time.sleep(0.01)
+            client_port = sock.getsockname()[1]
+            assert wait_for(lambda: unread_bytes(server.port, client_port) == 0, 10, 0.01), \
+                "a trickler's body was never read"
 
         def trickle():
             while not stop.wait(window * 0.4):
@@ -376,7 +377,7 @@ def tricklers_item(scale, workdir):
         seconds = time.monotonic() - started
         still_held = [not select.select([sock], [], [], 0)[0] for sock in tricklers]  # no answer, not closed
         stop.set()
-        trickling.join()
+        join_threads([trickling], 60)
         assert status == 200 and json.loads(data)["results"]["out"]["value"] == len(blob), data[:300]
         assert seconds <= scale.admission_wait / 2, seconds
         assert all(still_held), "a trickler was cut: the fourth upload proves nothing"
@@ -413,7 +414,7 @@ def test_a_body_read_halfway_waits_for_room_then_proceeds():
     thread.join(0.2)
     assert thread.is_alive(), "the second body grew while the first was beyond the budget"
     first.release()
-    thread.join(5)
+    join_threads([thread], 5)
     assert waited == [True] and second.held > 512 << 10
     second.release()
     assert budget.in_use == 0

@@ -26,6 +26,7 @@ from tests.support import (
     ROOT,
     ServerProcess,
     free_port,
+    join_threads,
     reference_popen_options,
     reference_server_argv,
     request,
@@ -431,6 +432,7 @@ def test_send_refuses_a_fifo_swapped_in_after_the_check_without_hanging(tmp_path
     took = time.monotonic() - started
     if reader.is_alive():  # blocked in open: a writer releases it, so the failure is reported
         os.close(os.open(victim, os.O_WRONLY | os.O_NONBLOCK))
+    join_threads([reader], 10)
     assert outcome == [f"--send: {victim} is not a regular file or directory"], outcome
     assert took < 2
 

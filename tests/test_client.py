@@ -9,7 +9,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import hashlib
 import http.client
 import http.server
 import json
@@ -53,9 +52,11 @@ from client import (
 from tests.support import (
     HostileServer,
     ServerProcess,
+    join_threads,
     program_parts,
     reference_popen_options,
     reference_server_argv,
+    sha256,
     wait_for,
 )
 from tests.support import multipart as support_multipart
@@ -63,10 +64,6 @@ from tests.support import multipart as support_multipart
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 RID = "4aaf9d21-5934-405f-8a46-d46270796569"
-
-
-def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 # ---------------------------------------------------------------------------
@@ -97,11 +94,13 @@ class Stub:
     """Answers each request with the next queued response (a (status, headers, body)
     tuple, plus "close" to drop the connection afterwards or "early" to answer without
     reading the body and then close; a callable taking the Recorded request; or raw bytes
-    written to the socket before closing it) and records every request."""
+    written to the socket before closing it) and records every request, and how many
+    connections it has closed."""
 
     def __init__(self) -> None:
         self.requests: list[Recorded] = []
         self.responses: collections.deque = collections.deque()
+        self.connections_closed = 0
         stub = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -116,7 +115,12 @@ class Stub:
             def log_message(self, *args: object) -> None:
                 pass
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(http.server.ThreadingHTTPServer):
+            def shutdown_request(self, request: socket.socket) -> None:  # type: ignore[override]
+                super().shutdown_request(request)
+                stub.connections_closed += 1  # the socket is closed: the client can see its end
+
+        self.server = Server(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, args=(0.01,), daemon=True).start()
 
@@ -202,7 +206,7 @@ def raw_multipart(body: bytes, content_type: str = "multipart/form-data; boundar
 
 
 def binary(kind: str, index: int, data: bytes, **fields: object) -> dict:
-    return {"type": kind, "part": f"return:{index}", "sha256": sha(data), **fields}
+    return {"type": kind, "part": f"return:{index}", "sha256": sha256(data), **fields}
 
 
 def module_program(source: str = "def f():\n    return 1\n", *blobs: bytes) -> Program:
@@ -284,7 +288,7 @@ def test_failed_upload_records_nothing():
                  lambda: p.upload(kind="tensor", value=np.zeros(2, np.float32), id="x")):
         with pytest.raises(ValueError, match="duplicate"):
             call()
-    assert list(p._blobs) == [sha(b"a")] and len(p.instructions) == 1
+    assert list(p._blobs) == [sha256(b"a")] and len(p.instructions) == 1
     p.upload(kind="bytes", value=b"b")
     assert ids(p) == ["x", "upload_0"]  # failed calls did not advance the counter
 
@@ -321,11 +325,11 @@ def test_upload_wire_instructions():
     p.upload(kind="bytes", value=b"\x01\x02")  # same content: one blob
     assert p.instructions == [
         {"op": "upload", "id": "upload_0", "kind": "module", "source": "x = 1"},
-        {"op": "upload", "id": "upload_1", "kind": "bytes", "blob": sha(b"\x01\x02")},
-        {"op": "upload", "id": "upload_2", "kind": "library", "blob": sha(b"lib")},
-        {"op": "upload", "id": "upload_3", "kind": "bytes", "blob": sha(b"\x01\x02")},
+        {"op": "upload", "id": "upload_1", "kind": "bytes", "blob": sha256(b"\x01\x02")},
+        {"op": "upload", "id": "upload_2", "kind": "library", "blob": sha256(b"lib")},
+        {"op": "upload", "id": "upload_3", "kind": "bytes", "blob": sha256(b"\x01\x02")},
     ]
-    assert p._blobs == {sha(b"\x01\x02"): b"\x01\x02", sha(b"lib"): b"lib"}
+    assert p._blobs == {sha256(b"\x01\x02"): b"\x01\x02", sha256(b"lib"): b"lib"}
 
 
 def test_upload_copies_mutable_bytes():
@@ -366,7 +370,7 @@ def tensor_upload(value, **kwargs) -> tuple[dict, bytes]:
 def test_numpy_tensor_upload():
     a = np.arange(6, dtype=np.float32).reshape(2, 3)
     instruction, data = tensor_upload(a)
-    assert instruction == {"op": "upload", "id": "upload_0", "kind": "tensor", "blob": sha(a.tobytes()),
+    assert instruction == {"op": "upload", "id": "upload_0", "kind": "tensor", "blob": sha256(a.tobytes()),
                            "dtype": "float32", "shape": [2, 3]}
     assert data == a.tobytes()
     assert tensor_upload(a.T)[1] == np.ascontiguousarray(a.T).tobytes()  # C order
@@ -479,7 +483,7 @@ def test_invalid_paths(raw):
 def test_upload_file_rules():
     p = Program()
     assert p.upload_file(blob=b"x", path="a/b", id="f") == Register("f")
-    assert p.instructions[0] == {"op": "upload", "id": "f", "kind": "file", "blob": sha(b"x"), "path": "a/b"}
+    assert p.instructions[0] == {"op": "upload", "id": "f", "kind": "file", "blob": sha256(b"x"), "path": "a/b"}
     with pytest.raises(TypeError, match="bytes-like 'blob'"):
         p.upload_file(blob="text", path="c")
     for conflict in ["./a//b", "a", "a/b/c"]:
@@ -509,7 +513,7 @@ def test_upload_folder_snapshot(tmp_path):
     p.upload_folder(assets, path="./inputs//")
     assert [(i["id"], i["path"]) for i in p.instructions[1:]] == [
         ("upload_1", "inputs/.hidden"), ("upload_2", "inputs/a.bin"), ("upload_3", "inputs/sub/x")]
-    assert list(p._blobs) == [sha(b"H"), sha(b"A")]  # identical contents share a blob
+    assert list(p._blobs) == [sha256(b"H"), sha256(b"A")]  # identical contents share a blob
     (assets / "a.bin").write_bytes(b"changed later")
     assert p._blobs[p.instructions[2]["blob"]] == b"A"
     empty = Program()
@@ -694,7 +698,7 @@ def test_headers_and_base_url(stub):
 
 def two_blob_program() -> tuple[Program, str, str]:
     p = module_program("def f():\n    return 1\n", b"first", b"second")
-    return p, sha(b"first"), sha(b"second")
+    return p, sha256(b"first"), sha256(b"second")
 
 
 def test_cache_miss_three_attempts_then_protocol_error(stub, cli):
@@ -738,6 +742,7 @@ def test_the_server_log_links_the_attempts_of_one_execute(tmp_path):
         program = module_program("def f():\n    return 1\n", os.urandom(1000))
         assert c.execute(program).completed
         lines = wait_for(lambda: len(finished_lines(server)) == 2 and finished_lines(server))
+        assert lines, finished_lines(server)
         assert [line["status"] for line in lines] == ["CACHE_MISS", "COMPLETED"]
         assert lines[0]["client_request_id"] == lines[1]["client_request_id"]
         assert lines[0]["request_id"] != lines[1]["request_id"]
@@ -747,6 +752,7 @@ def test_the_server_log_links_the_attempts_of_one_execute(tmp_path):
             status, _, _ = post_multipart(server.url, {"instructions": []}, headers)
             assert status == 400  # the empty program: the header changed nothing
         logged = wait_for(lambda: len(finished_lines(server)) == 7 and finished_lines(server))
+        assert logged, finished_lines(server)
         assert all("client_request_id" not in line for line in logged[2:]), logged[2:]
 
 
@@ -765,7 +771,7 @@ def post_multipart(url: str, program: dict, headers: list[tuple[str, str]]) -> t
         conn.close()
 
 
-@pytest.mark.parametrize("missing", [[], ["A" * 64], ["ab"], [sha(b"first")] * 2, [sha(b"unknown")], "x"])
+@pytest.mark.parametrize("missing", [[], ["A" * 64], ["ab"], [sha256(b"first")] * 2, [sha256(b"unknown")], "x"])
 def test_invalid_cache_miss_is_protocol_error(stub, cli, missing):
     stub.queue(json_response({"status": "CACHE_MISS", "request_id": RID, "missing_blobs": missing}))
     with pytest.raises(ProtocolError):
@@ -774,7 +780,7 @@ def test_invalid_cache_miss_is_protocol_error(stub, cli, missing):
 
 
 def test_cache_miss_with_binary_parts_is_protocol_error(stub, cli):
-    stub.queue(multipart({"status": "CACHE_MISS", "request_id": RID, "missing_blobs": [sha(b"first")]},
+    stub.queue(multipart({"status": "CACHE_MISS", "request_id": RID, "missing_blobs": [sha256(b"first")]},
                          [b"x"]))
     with pytest.raises(ProtocolError):
         cli.execute(two_blob_program()[0])
@@ -807,7 +813,7 @@ def test_known_instance_gets_small_unknown_blobs_with_the_first_attempt(stub, cl
     stub.queue(completed(headers=instance("i1")))
     p2 = module_program("def f():\n    return 2\n", b"first", b"fresh")
     cli.execute(p2)  # one round trip, sending only what i1 is not known to hold
-    assert [r.blob_names() for r in stub.requests[2:]] == [[f"blob:{sha(b'fresh')}"]]
+    assert [r.blob_names() for r in stub.requests[2:]] == [[f"blob:{sha256(b'fresh')}"]]
     stub.queue(completed(headers=instance("i1")))
     cli.execute(p2)
     assert stub.requests[3].blob_names() == []
@@ -824,7 +830,7 @@ def test_confirmed_blobs_are_per_cache(stub, cli):
     as_bytes.upload(kind="bytes", value=b"shared")
     cli.execute(as_bytes)  # the server's memory cache may lack what its file cache holds
     cli.execute(as_file)
-    assert [r.blob_names() for r in stub.requests[1:]] == [[f"blob:{sha(b'shared')}"]] * 2 + [[]]
+    assert [r.blob_names() for r in stub.requests[1:]] == [[f"blob:{sha256(b'shared')}"]] * 2 + [[]]
 
 
 def test_large_unknown_blobs_still_ask_first(stub):
@@ -833,15 +839,15 @@ def test_large_unknown_blobs_still_ask_first(stub):
         c.health()
         stub.queue(completed(headers=instance("i1")))
         c.execute(module_program("", b"small"))
-        stub.queue(cache_miss(sha(b"x" * 11), headers=instance("i1")), completed(headers=instance("i1")))
+        stub.queue(cache_miss(sha256(b"x" * 11), headers=instance("i1")), completed(headers=instance("i1")))
         c.execute(module_program("", b"x" * 11))
     assert [r.blob_names() for r in stub.requests[1:]] == [
-        [f"blob:{sha(b'small')}"], [], [f"blob:{sha(b'x' * 11)}"]]
+        [f"blob:{sha256(b'small')}"], [], [f"blob:{sha256(b'x' * 11)}"]]
 
 
 def test_restart_resets_what_the_server_is_known_to_hold(stub, cli):
     p = module_program("", b"blob")
-    blob = [f"blob:{sha(b'blob')}"]
+    blob = [f"blob:{sha256(b'blob')}"]
     stub.queue(json_response({"status": "ok"}, headers=instance("i1")),
                completed(headers=instance("i1")), completed(headers=instance("i1")),
                json_response({"status": "ok"}, headers=instance("i2")), completed(headers=instance("i2")))
@@ -855,9 +861,9 @@ def test_restart_resets_what_the_server_is_known_to_hold(stub, cli):
 
 def test_restart_noticed_by_a_cache_miss(stub, cli):
     p = module_program("", b"blob")
-    blob = [f"blob:{sha(b'blob')}"]
+    blob = [f"blob:{sha256(b'blob')}"]
     stub.queue(json_response({"status": "ok"}, headers=instance("i1")), completed(headers=instance("i1")),
-               cache_miss(sha(b"blob"), headers=instance("i2")), completed(headers=instance("i2")),
+               cache_miss(sha256(b"blob"), headers=instance("i2")), completed(headers=instance("i2")),
                completed(headers=instance("i2")))
     cli.health()
     cli.execute(p)
@@ -872,13 +878,13 @@ def test_eviction_falls_back_to_the_negotiation(stub, cli):
     cli.health()
     cli.execute(p)
     # the server evicted the blob; the client believed it held: the reference steps follow
-    stub.queue(cache_miss(sha(b"blob"), headers=instance("i1")), cache_miss(sha(b"blob"), headers=instance("i1")),
+    stub.queue(cache_miss(sha256(b"blob"), headers=instance("i1")), cache_miss(sha256(b"blob"), headers=instance("i1")),
                completed(headers=instance("i1")))
     cli.execute(p)
-    assert [r.blob_names() for r in stub.requests[2:]] == [[], [f"blob:{sha(b'blob')}"]] + [[f"blob:{sha(b'blob')}"]]
+    assert [r.blob_names() for r in stub.requests[2:]] == [[], [f"blob:{sha256(b'blob')}"]] + [[f"blob:{sha256(b'blob')}"]]
     stub.queue(completed(headers=instance("i1")))
     cli.execute(module_program("", b"blob", b"new"))
-    assert stub.requests[-1].blob_names() == [f"blob:{sha(b'new')}"]
+    assert stub.requests[-1].blob_names() == [f"blob:{sha256(b'new')}"]
 
 
 def test_blob_memory_is_bounded():
@@ -972,7 +978,7 @@ def test_a_connection_closed_by_the_server_is_not_reused(stub, cli):
 def test_an_idle_connection_dropped_by_the_server_is_replaced(stub, cli):
     stub.queue(completed() + ("close",), completed())  # the server drops the connection later
     cli.execute(Program())
-    time.sleep(0.05)
+    assert wait_for(lambda: stub.connections_closed == 1, 10), "the stub never dropped the connection"
     assert cli.execute(Program()).completed
     assert len({r.client_port for r in stub.requests}) == 2
 
@@ -983,8 +989,7 @@ def test_concurrent_use_from_threads(stub, cli):
     threads = [threading.Thread(target=lambda: results.append(cli.health()["n"])) for _ in range(16)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    join_threads(threads, 60)
     assert sorted(results) == list(range(16))
     assert len(cli._idle) <= client._MAX_IDLE_CONNECTIONS
 
@@ -1184,7 +1189,7 @@ def test_value_decoding(stub, cli):
         "big": {"type": "integer", "value": 10**30}, "f": {"type": "number", "value": 1},
         "s": {"type": "string", "value": "é"},
         "nested": {"type": "object", "value": {"list": {"type": "array", "value": [
-            {"type": "bytes", "part": "return:0", "sha256": sha(b"\x01\x02")},
+            {"type": "bytes", "part": "return:0", "sha256": sha256(b"\x01\x02")},
             {"type": "number", "value": 2.5e-08}]}}},
         "file": binary("file", 1, b"HELLO\n", size=6),
         "empty": binary("bytes", 2, b""),
@@ -1286,14 +1291,14 @@ def malformed_bodies() -> list:
     }.items():
         cases[f"value {name}"] = body_fields(results={"v": value})
     responses = [(name, json_response(payload)) for name, payload in cases.items()]
-    x, x_hash = b"x", sha(b"x")
+    x, x_hash = b"x", sha256(b"x")
     for name, (value, parts) in {
         "leading zero part": ({"type": "bytes", "part": "return:00", "sha256": x_hash}, [x]),
         "part out of order": ({"type": "array", "value": [binary("bytes", 1, x), binary("bytes", 0, x)]}, [x, x]),
         "reused part": ({"type": "array", "value": [binary("bytes", 0, x), binary("bytes", 0, x)]}, [x]),
         "bad part name": ({"type": "bytes", "part": "blob:0", "sha256": x_hash}, [x]),
         "uppercase sha": ({"type": "bytes", "part": "return:0", "sha256": x_hash.upper()}, [x]),
-        "wrong sha": ({"type": "bytes", "part": "return:0", "sha256": sha(b"y")}, [x]),
+        "wrong sha": ({"type": "bytes", "part": "return:0", "sha256": sha256(b"y")}, [x]),
         "file size mismatch": (binary("file", 0, x, size=2), [x]),
         "file negative size": (binary("file", 0, x, size=-1), [x]),
         "file bool size": (binary("file", 0, x, size=True), [x]),
@@ -1902,6 +1907,5 @@ def test_interop_large_blob_and_concurrency(live):
     threads = [threading.Thread(target=lambda: outcomes.append(live.execute(p)["h"])) for _ in range(3)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
-    assert outcomes == [sha(big)] * 3
+    join_threads(threads, 240)
+    assert outcomes == [sha256(big)] * 3

@@ -30,6 +30,7 @@ from tests.support import (
     assert_proxy_error_body,
     echo_program,
     free_port,
+    join_threads,
     ledger_runs,
     multipart,
     prog,
@@ -52,7 +53,7 @@ class Cohort:
         self.ledger = str(workdir / "ledger")
         self.nodes = [self.start_node(free_port()) for _ in range(NODES)]
         self.proxy = HAProxyProcess([n.url for n in self.nodes], workdir, token=TOKEN)
-        wait_until(lambda: self.all_up(), 20, "the proxy never saw every node up")
+        assert wait_for(self.all_up, 20, 0.1), "the proxy never saw every node up"
 
     def start_node(self, port):
         return ServerProcess("--token", TOKEN, workers=1, tmp_path=self.workdir / f"node-{port}", port=port)
@@ -75,8 +76,7 @@ class Cohort:
                        for k in range(2 * NODES)]
             for t in threads:
                 t.start()
-            for t in threads:
-                t.join()
+            join_threads(threads, 60)
         return all(after > b for after, b in zip(self.posts(), before, strict=True))
 
     def close(self):
@@ -85,11 +85,6 @@ class Cohort:
             node.stop()
 
 
-def wait_until(predicate, timeout, message):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, message
-        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -121,10 +116,12 @@ def load(cohort, clients, requests, seconds, during=None):
     threads = [threading.Thread(target=client_loop) for _ in range(clients)]
     for t in threads:
         t.start()
-    while any(t.is_alive() for t in threads):
+    deadline = started + 300
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
         if during:
             during(time.monotonic() - started)
-        time.sleep(0.05)
+        time.sleep(0.05)  # the pace of `during`'s chaos and sampling, not a synchronisation
+    join_threads(threads, 10)
     wall = time.monotonic() - started
     return outcomes, wall, ledger_runs(cohort.ledger, tag)
 
@@ -180,8 +177,8 @@ def test_killed_node_fails_only_its_running_request_and_rejoins(cohort):
 
     outcomes, wall, runs = load(cohort, clients=6, requests=60, seconds=0.25, during=chaos)
     # The load may be over before HAProxy sees the node up again: send the bursts that show it.
-    wait_until(lambda: cohort.all_up() and cohort.posts()[victim] > events["posts at restart"], 10,
-               "the restarted node never served")
+    assert wait_for(lambda: cohort.all_up() and cohort.posts()[victim] > events["posts at restart"], 10, 0.1), \
+        "the restarted node never served"
     rejoined = time.monotonic() - events["restarted"]
     counts = collections.Counter("ok" if v == "ok" else v.split(":")[0] for v in outcomes.values())
     failures = [f"{v} (ran {runs[k]}x)" for k, v in outcomes.items() if v != "ok"]
@@ -222,7 +219,7 @@ def test_drained_node_finishes_its_work_and_nothing_fails(cohort):
     assert set(runs.values()) == {1} and len(runs) == 48, "a request ran twice, or not at all"
     assert code == 0
     cohort.restart(victim)
-    wait_until(cohort.all_up, 15, "the drained node did not rejoin")
+    assert wait_for(cohort.all_up, 15, 0.1), "the drained node did not rejoin"
 
 
 def test_repeated_blobs_land_where_they_are_cached(cohort):
@@ -275,7 +272,8 @@ def test_unauthenticated_requests_are_refused_at_the_proxy(cohort):
     for status, headers, body in answers:
         assert_proxy_error_body(status, headers, body, 401, "unauthorized", "bearer token")
         assert headers["www-authenticate"] == "Bearer"
-    wait_until(lambda: cohort.proxy.log().count("kcoral/<NOSRV>") >= proxied_before + 4, 5, "HAProxy logged no refusal")
+    assert wait_for(lambda: cohort.proxy.log().count("kcoral/<NOSRV>") >= proxied_before + 4, 5, 0.1), \
+        "HAProxy logged no refusal"
     assert cohort.posts() == before
     node_status, node_headers, _ = request("POST", cohort.nodes[0].url + "/execute", program,
                                            {"Content-Type": content_type})
@@ -304,7 +302,7 @@ def test_a_connection_flood_from_one_address_is_cut_at_its_limit_and_others_are_
         return flood - len(sockets) + len(closed_by_peer(sockets))
 
     try:
-        wait_for(lambda: refused() >= flood - limit, 10)
+        assert wait_for(lambda: refused() >= flood - limit, 10), f"{refused()} of {flood} connections closed on arrival"
         assert refused() == flood - limit, f"{refused()} of {flood} connections closed on arrival"
         kept = [sock for sock in sockets if sock not in closed_by_peer(sockets)]
         normal = timed_echo(cohort, "meanwhile")
@@ -370,8 +368,8 @@ def strict_proxy(cohort):
     """A second HAProxy in front of the same nodes with small limits, to reach them quickly."""
     proxy = HAProxyProcess([n.url for n in cohort.nodes], cohort.workdir, token=TOKEN,
                            flags=["--max-requests-per-source", "20", "--header-timeout", "1"])
-    wait_until(lambda: request("GET", proxy.url + "/health", headers=AUTH, timeout=5)[0] == 200, 20,
-               "the strict proxy never saw a node up")
+    assert wait_for(lambda: request("GET", proxy.url + "/health", headers=AUTH, timeout=5)[0] == 200, 20, 0.1), \
+        "the strict proxy never saw a node up"
     try:
         yield proxy
     finally:

@@ -30,9 +30,17 @@ import pytest
 
 import kcoral
 import kcoral_worker
-from tests.support import ServerProcess, build_add_one, plain, post, sha256
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.support import (
+    ROOT,
+    ServerProcess,
+    build_add_one,
+    in_own_session,
+    join_threads,
+    plain,
+    post,
+    sha256,
+    wait_for,
+)
 
 # --- over HTTP: libraries, benchmark, compile_tirx -------------------------------
 
@@ -155,27 +163,19 @@ def queued(arbiter):
         return len(arbiter.queue)
 
 
-def wait_until(predicate, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.005)
-
-
 def test_lease_waiters_are_served_in_arrival_order():
     arbiter, order = kcoral.LeaseArbiter([0, 1]), []
     arbiter.acquire("a", [0])
     threads = []
     for n, owner in enumerate(["b", "c", "d"]):
         threads.append(acquire_in_thread(arbiter, owner, order, gpus=[0]))
-        wait_until(lambda: queued(arbiter) == n + 1)
+        assert wait_for(lambda: queued(arbiter) == n + 1, 5)
     arbiter.acquire("other-gpu", [1])  # a different GPU is not held up by GPU 0's queue
     for owner in ["a", "b", "c"]:
         arbiter.release(owner, [0])
-        wait_until(lambda: arbiter.holder[0] not in (None, owner))
+        assert wait_for(lambda: arbiter.holder[0] not in (None, owner), 5)
     arbiter.release("d", [0])
-    for thread in threads:
-        thread.join(5)
+    join_threads(threads, 5)
     assert [owner for owner, _ in order] == ["b", "c", "d"]
 
 
@@ -183,32 +183,31 @@ def test_identical_waiters_do_not_lose_their_tickets():
     arbiter, order = kcoral.LeaseArbiter([0]), []
     arbiter.acquire(kcoral.STARTUP_OWNER, [0])
     threads = [acquire_in_thread(arbiter, kcoral.STARTUP_OWNER, order, gpus=[0])]
-    wait_until(lambda: queued(arbiter) == 1)
+    assert wait_for(lambda: queued(arbiter) == 1, 5)
     threads.append(acquire_in_thread(arbiter, kcoral.STARTUP_OWNER, order, gpus=[0]))
-    wait_until(lambda: queued(arbiter) == 2)
-    for _ in range(3):
+    assert wait_for(lambda: queued(arbiter) == 2, 5)
+    for served in (1, 2):  # each release hands the lease to the next ticket, never to nobody
         arbiter.release(kcoral.STARTUP_OWNER, [0])
-        time.sleep(0.05)
-    for thread in threads:
-        thread.join(5)
-        assert not thread.is_alive()
-    assert len(order) == 2
+        assert wait_for(lambda served=served: len(order) == served, 5), f"waiter {served} was never served"
+    arbiter.release(kcoral.STARTUP_OWNER, [0])
+    join_threads(threads, 5)
+    assert len(order) == 2 and arbiter.holder[0] is None
 
 
 def test_any_n_gpus_blocks_later_waiters_until_it_is_served():
     arbiter, order = kcoral.LeaseArbiter([0, 1, 2]), []
     arbiter.acquire("busy", [0])
     big = acquire_in_thread(arbiter, "big", order, count=3)
-    wait_until(lambda: queued(arbiter) == 1)
+    assert wait_for(lambda: queued(arbiter) == 1, 5)
     small = acquire_in_thread(arbiter, "small", order, gpus=[2])  # GPU 2 is free, but "big" came first
-    wait_until(lambda: queued(arbiter) == 2)
-    time.sleep(0.1)
+    assert wait_for(lambda: queued(arbiter) == 2, 5)
+    time.sleep(0.1)  # not a synchronisation: the time a wrong grant to "small" would have to show
     assert order == [] and arbiter.holder[2] is None
     arbiter.release("busy", [0])
-    big.join(5)
+    join_threads([big], 5)
     assert order == [("big", [0, 1, 2])]
     arbiter.release("big", [0, 1, 2])
-    small.join(5)
+    join_threads([small], 5)
     assert order[-1] == ("small", [2])
 
 
@@ -293,7 +292,7 @@ def execution(pool, script, timeout=10.0, request_id="req-1", gpus=(0,), gone=Tr
     thread = threading.Thread(target=play, daemon=True)
     thread.start()
     outcome, retire = kcoral.Execution(pool, worker, list(gpus), job, 0.0).run()
-    thread.join(5)
+    join_threads([thread], 5)
     theirs.close()
     return outcome, retire, worker
 
@@ -801,7 +800,7 @@ FAKE_ACTIVITY_API = types.SimpleNamespace(ActivityKind=types.SimpleNamespace(
 
 
 def test_count_estimate_times_the_flush_with_the_call(cuda_worker):
-    """Risk 1: 5 x (flush + call) inside one pair of CUDA events; the budgets bound flushes too."""
+    """The count estimate times 5 x (flush + call) inside one pair of CUDA events; the budgets bound flushes too."""
     clock = cuda_worker.clock
 
     def kernel():
@@ -822,7 +821,7 @@ def test_count_estimate_times_the_flush_with_the_call(cuda_worker):
 
 
 def test_benchmark_without_cupti_is_unavailable(cuda_worker, monkeypatch):
-    """Risk 9: unusable cupti-python degrades as the spec says (docs/server.md §5.2)."""
+    """Unusable cupti-python degrades as the spec says (docs/server.md §5.2)."""
     monkeypatch.setitem(sys.modules, "cupti", None)
     with pytest.raises(kcoral_worker.ExecutionError) as info:
         kcoral_worker.benchmark(lambda: None, {"warmup": 1, "repeat": 1})
@@ -830,7 +829,7 @@ def test_benchmark_without_cupti_is_unavailable(cuda_worker, monkeypatch):
 
 
 def test_flush_buffer_out_of_memory_is_runtime(monkeypatch):
-    """Risk 10: an OOM allocating the flush buffer is a torch RuntimeError: kind runtime, not engine."""
+    """An OOM allocating the flush buffer is a torch RuntimeError: kind runtime, not engine."""
     torch, _ = fake_torch([], oom=True)
     torch.cuda.is_initialized = lambda: True
     monkeypatch.setitem(sys.modules, "torch", torch)
@@ -863,7 +862,9 @@ class FakeCudart:
 
 
 def serve(tmp_path, source, retire=False, cpu_only=False):
-    """serve_request on a scripted pipe, as a GPU worker: upload a module, run f, return its result -> (done message, sent)."""
+    """serve_request on a scripted pipe, as a GPU worker: upload a module, run f, return its result -> (done
+    message, sent).  Only in a test decorated @in_own_session: its sweep of escaped descendants would find
+    other tests' workers."""
     conn = FakeConn()
     request = job_request([
         {"op": "upload", "id": "m", "kind": "module", "source": source},
@@ -878,8 +879,9 @@ def serve(tmp_path, source, retire=False, cpu_only=False):
     return conn.sent[-1], conn.sent
 
 
+@in_own_session
 def test_pending_cuda_error_fails_a_completed_request_and_is_cleared(cuda_worker, monkeypatch, tmp_path):
-    """Risk 3: docs/server.md §3.4 step 3, read and cleared through libcudart."""
+    """A pending CUDA error (docs/server.md §3.4 step 3) is read and cleared through libcudart."""
     cudarts = [FakeCudart(), FakeCudart(pending=9)]
     monkeypatch.setattr(kcoral_worker, "loaded_cudarts", lambda: cudarts)
     done, _ = serve(tmp_path, "def f():\n    return 1\n")
@@ -892,6 +894,7 @@ def test_pending_cuda_error_fails_a_completed_request_and_is_cleared(cuda_worker
     assert done.error is None
 
 
+@in_own_session
 def test_pending_cuda_error_is_appended_to_a_gpu_access_error(cuda_worker, monkeypatch, tmp_path, fake_cupti):
     monkeypatch.setattr(kcoral_worker, "loaded_cudarts", lambda: [FakeCudart(pending=9)])
     kcoral_worker.FAKE_CUPTI = fake_cupti
@@ -916,9 +919,10 @@ def test_cudart_paths_come_from_the_memory_map():
     assert kcoral_worker.loaded_cudarts() == []  # this test process has no CUDA runtime
 
 
+@in_own_session
 def test_reused_worker_frees_gpu_memory_before_the_lease_goes(cuda_worker, monkeypatch, tmp_path):
-    """Risk 4 (and 10's multi-GPU empty_cache): handles dropped, garbage collected, every device
-    synchronized and its cache emptied, all before RequestDone lets the front-end release the lease."""
+    """A reused worker gives GPU memory back: handles dropped, garbage collected, every device
+    synchronized and each one's cache emptied, all before RequestDone lets the front-end release the lease."""
     monkeypatch.setattr(kcoral_worker, "loaded_cudarts", list)
     log = cuda_worker.log
     kcoral_worker.EVENTS = log
@@ -938,6 +942,7 @@ def test_reused_worker_frees_gpu_memory_before_the_lease_goes(cuda_worker, monke
     assert isinstance(sent[-1], kcoral_worker.RequestDone)
 
 
+@in_own_session
 def test_retiring_worker_leaves_memory_to_the_exit(cuda_worker, monkeypatch, tmp_path):
     monkeypatch.setattr(kcoral_worker, "loaded_cudarts", list)
     serve(tmp_path, "def f():\n    return 1\n", retire=True)
@@ -968,7 +973,7 @@ def test_cpu_only_guard_disables_its_domains_and_cupti_is_finalized(fake_cupti):
 
 
 def test_tensor_export_synchronizes_first(monkeypatch):
-    """Risk 10: a side-stream kernel may still be writing the tensor when it is copied out."""
+    """A side-stream kernel may still be writing the tensor when it is copied out."""
     import torch
 
     class OnDevice(torch.Tensor):
@@ -983,13 +988,13 @@ def test_tensor_export_synchronizes_first(monkeypatch):
 
 
 def test_numpy_arrays_encode_as_tensors_on_gpu_workers_too(monkeypatch):
-    """Risk 10, decided: our extension 1 (numpy arrays are tensors on any server) holds on GPU servers."""
+    """Our extension 1 (numpy arrays are tensors on any server) holds on GPU servers too."""
     encoded = kcoral_worker.Encoder(0, 1 << 20).value(numpy.arange(3, dtype="<f4"))
     assert (encoded["type"], encoded["dtype"], encoded["shape"]) == ("tensor", "float32", [3])
 
 
 def test_cute_dsl_runtime_is_preloaded_once_before_libraries(monkeypatch):
-    """Risk 5: docs/server.md §4.2, guarded: absent CuTe DSL is a no-op."""
+    """docs/server.md §4.2, guarded: an absent CuTe DSL is a no-op."""
     loaded, asked = [], []
 
     def find_runtime_libraries(enable_tvm_ffi):
@@ -1024,7 +1029,7 @@ def test_cute_dsl_preload_comes_before_the_first_gpu_library_load(monkeypatch, a
 
 
 def test_template_with_cuda_state_is_refused(monkeypatch):
-    """Risk 6: a worker forked from a template that initialised CUDA must not start."""
+    """A worker forked from a template that initialised CUDA must not start."""
     log = []
     torch, _ = fake_torch(log)
     monkeypatch.setitem(sys.modules, "torch", torch)
@@ -1049,7 +1054,7 @@ def test_workers_come_from_a_template_with_torch_loaded_and_cuda_untouched(serve
 
 
 def test_tvm_ffi_preparation_is_bounded_and_disables_the_slow_path(monkeypatch):
-    """Risk 2: the add-on build runs once before the pool with its own timeout; past it, disabled."""
+    """The add-on build runs once before the pool with its own timeout; past it, disabled."""
     monkeypatch.delenv("TVM_FFI_DISABLE_TORCH_C_DLPACK", raising=False)
     monkeypatch.setattr(kcoral, "torch_has_dlpack_exchange_api", lambda: False)
     started = time.monotonic()
@@ -1081,7 +1086,7 @@ def test_kill_group_reports_a_tree_it_cannot_confirm_gone(monkeypatch):
 
 
 def test_unconfirmed_kill_quarantines_the_gpu():
-    """Risk 8: docs/server.md §2.1, the GPU is never lent again (the request: 500 engine)."""
+    """docs/server.md §2.1: after a kill it cannot confirm, the GPU is never lent again (the request: 500 engine)."""
     pool = fake_pool()
 
     def script(conn):
@@ -1107,10 +1112,9 @@ def test_quarantine_refuses_waiters_already_queued():
     threads = [threading.Thread(target=wait, kwargs=k, daemon=True) for k in ({"gpus": [0]}, {"count": 2})]
     for n, thread in enumerate(threads):
         thread.start()
-        wait_until(lambda n=n: queued(arbiter) == n + 1)
+        assert wait_for(lambda n=n: queued(arbiter) == n + 1, 5)
     arbiter.quarantine([0])
-    for thread in threads:
-        thread.join(5)
+    join_threads(threads, 5)
     assert len(refused) == 2 and queued(arbiter) == 0
     assert arbiter.acquire("other", [1])[0] == [1]  # the healthy GPU still serves
 
@@ -1123,9 +1127,9 @@ def test_waits_for_n_gpus_end_at_shutdown():
     outcomes = []
     thread = threading.Thread(target=lambda: outcomes.append(pool.run_multi_gpu(None, job, 2, 0.0)), daemon=True)
     thread.start()
-    wait_until(lambda: queued(pool.arbiter) == 1)
+    assert wait_for(lambda: queued(pool.arbiter) == 1, 5)
     pool.drain()
-    thread.join(5)
+    join_threads([thread], 5)
     assert (outcomes[0].http_status, outcomes[0].kind) == (503, "busy")
     assert pool.arbiter.acquire("in-flight", [1])[0] == [1]  # a running request's own lease still works
 

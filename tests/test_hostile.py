@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from tests.support import multipart, program_parts, request, sha256, simple_program
+from tests.support import join_threads, multipart, program_parts, request, sha256, simple_program, wait_for
 from tests.test_reliability import Server, descendants
 
 
@@ -207,7 +207,7 @@ def fd_limit_item(scale, workdir):
             s.setblocking(False)
             s.connect_ex(("127.0.0.1", server.port))
             socks.append(s)
-        time.sleep(1.0)
+        time.sleep(1.0)  # the accept burst settles (the server sheds what it cannot hold): no state shows its end
         cpu0, t0 = cpu_seconds(server.pid), time.monotonic()
         health_s = health_seconds(server)
         execute_s = ok_execute(server)
@@ -237,7 +237,7 @@ def uploads_item(scale, workdir):
                     *flags(max_body_bytes_in_flight=budget))
     source = "def f(data):\n    return len(data)\n"
     try:
-        time.sleep(0.5)
+        server.wait_idle()  # every worker started: the baseline holds them all
         before = tree_pss_kib(server)
         peak, stop = [before], threading.Event()
 
@@ -267,12 +267,11 @@ def uploads_item(scale, workdir):
         threads = [threading.Thread(target=upload, args=(i,)) for i in range(scale.uploads)]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join()
+        join_threads(threads, 600)  # the uploads' own request timeout
         seconds = time.monotonic() - started
         stop.set()
-        sampler.join()
-        time.sleep(1.0)
+        join_threads([sampler], 30)
+        server.wait_idle()  # the replaced workers are back
         after = tree_pss_kib(server)
         size = (scale.upload_mib << 20) // 32 * 32
         assert [a for a in answers if a != (200, {"out": {"type": "integer", "value": size}})] == [], answers
@@ -314,9 +313,11 @@ def big_headers_item(scale, workdir):
         started = time.monotonic()
         for t in threads:
             t.start()
-        while any(t.is_alive() for t in threads):
+        deadline = started + 120
+        while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
             peak[0] = max(peak[0], tree_pss_kib(server))
-            time.sleep(0.05)
+            time.sleep(0.05)  # the sampling rate, not a synchronisation
+        join_threads(threads, 10)
         seconds = time.monotonic() - started
         statuses = collections.Counter(status_of(r) for r in results)
         assert statuses[431] >= len(threads) * 0.9, statuses  # a reset may eat the odd answer
@@ -410,9 +411,8 @@ def unread_response_item(scale, workdir):
         assert lines and "phase=response" in lines[0] and "http_status=200" in lines[0], server.log()[-2000:]
         assert not [line for line in log_lines(server, "request_finished") if "http_status=200" in line]
         assert dropped_s <= 2 * timeout + 15, dropped_s
-        deadline = time.monotonic() + 10
-        while server.threads() > base_threads + 1 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        assert wait_for(lambda: server.threads() <= base_threads + 1, 10, 0.1), \
+            f"the dropped connection's thread stayed: {base_threads} threads before, {server.threads()} after"
         figures = {"response MiB": scale.response_mib, "dropped after s (incl. execution)": round(dropped_s, 1),
                    "log": lines[0].split(" ", 3)[2], "threads before/after": f"{base_threads}/{server.threads()}"}
     finally:
@@ -526,7 +526,7 @@ def shutdown_item(scale, workdir):
         server.proc.send_signal(signal.SIGTERM)
         code = server.proc.wait(60)
         exit_s = time.monotonic() - started
-        runner.join()
+        join_threads([runner], 60)
         slow_answer = read_response(slow, timeout=5)
         slow.close()
         assert code == 0, code
@@ -552,7 +552,7 @@ def mid_header_item(scale, workdir):
                 if i % 2:
                     s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")  # reset
         health_seconds(server)
-        time.sleep(0.5)
+        time.sleep(0.5)  # not a synchronisation: the time a late line or traceback would have to show
         lines = server.log().splitlines()[before:]
         assert not [line for line in lines if "Traceback" in line], lines[:20]
         assert len(lines) <= scale.mid_header_closes, len(lines)
@@ -571,7 +571,8 @@ def workspaces_item(scale, workdir):
     tmpdir = server.tmpdir
     body, content_type = multipart(program_parts(simple_program(
         "import time\ndef f():\n    time.sleep(30)\n")))
-    threading.Thread(target=lambda: _quiet_request(server.url, body, content_type), daemon=True).start()
+    sleeper = threading.Thread(target=lambda: _quiet_request(server.url, body, content_type), daemon=True)
+    sleeper.start()
     deadline = time.monotonic() + 30
     while not server.workspaces():
         assert time.monotonic() < deadline, "no workspace appeared"
@@ -584,6 +585,7 @@ def workspaces_item(scale, workdir):
             pass
     server.proc.wait()
     server.stderr.close()
+    join_threads([sleeper], 30)  # its connection died with the server
     dead = os.listdir(tmpdir)
     assert [n for n in dead if n.startswith("kcoral-program-")], dead
     with open(f"/proc/{os.getpid()}/stat", "rb") as f:

@@ -24,7 +24,7 @@ import http.client
 import json
 import os
 import random
-import re
+import select
 import shutil
 import signal
 import socket
@@ -43,16 +43,17 @@ import kcoral
 from kcoral_worker import ValidationError
 from tests.support import (
     ServerProcess,
+    assert_error_body,
     decode_response,
+    join_threads,
     multipart,
     post,
     program_parts,
     request,
     sha256,
     simple_program,
+    wait_for,
 )
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,8 +76,6 @@ CI = Scale("ci", fuzz=5000, valid_every=250, fault_rounds=1, fill_bytes=64 << 20
            load=1000, concurrency=8, disconnects=8, shutdowns=1, examples=200, growth=300)
 LONG = Scale("long", fuzz=20000, valid_every=50, fault_rounds=4, fill_bytes=1 << 30, flood_bytes=50 << 20,
              load=10000, concurrency=16, disconnects=40, shutdowns=3, examples=2000, growth=20000)
-
-UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
 # --- the server under test, seen from outside -------------------------------------
@@ -214,27 +213,14 @@ def new_tag():
 
 # --- answers ------------------------------------------------------------------------
 
-def check_error(status, headers, body, expected=None, kind=None):
-    """docs/protocol.md §9.8: an ERROR answer is application/json with exactly these fields; -> the body dict."""
-    where = f"HTTP {status}: {str(body)[:400]}"
-    if expected is not None:
-        assert status == expected, where
-    assert headers.get("content-type", "").startswith("application/json"), where
-    if isinstance(body, (bytes, bytearray)):
-        body = json.loads(body)
-    assert set(body) == {"status", "request_id", "error"} and body["status"] == "ERROR", where
-    assert isinstance(body["request_id"], str) and UUID.fullmatch(body["request_id"]), where
-    assert headers.get("x-request-id") == body["request_id"], where
-    error = body["error"]
-    assert set(error) == {"kind", "message"} and isinstance(error["message"], str), where
-    want = kind or {413: "request_too_large", 503: "busy", 504: "timeout"}.get(status, "parse")
-    assert error["kind"] == want, where
-    return body
+ERROR_KIND_BY_STATUS = {413: "request_too_large", 503: "busy", 504: "timeout"}  # any other 4xx: parse
 
 
 def check_4xx(status, headers, data, expected):
+    """A 4xx ERROR answer (docs/protocol.md §9.8): the `expected` status, or with None any 4xx, of
+    the kind its status implies."""
     assert 400 <= status < 500, f"HTTP {status}: {data[:400]!r}"
-    return check_error(status, headers, data, expected)
+    return assert_error_body(status, headers, data, expected or status, ERROR_KIND_BY_STATUS.get(status, "parse"))
 
 
 def completed(body, where=""):
@@ -1127,7 +1113,7 @@ def crashed(index=2, op="run"):
 
 
 def timed_out(status, headers, body, tag):
-    check_error(status, headers, body, 504, "timeout")
+    assert_error_body(status, headers, body, 504, "timeout")
 
 
 def left_background(status, headers, body, tag):
@@ -1171,7 +1157,7 @@ def surrogate_id(status, headers, body, tag):
 
 
 def too_large(status, headers, body, tag):
-    check_error(status, headers, body, 500, "response_too_large")  # docs/protocol.md §9.8
+    assert_error_body(status, headers, body, 500, "response_too_large")  # docs/protocol.md §9.8
 
 
 def nested_400(status, headers, body, tag):
@@ -1512,7 +1498,7 @@ def cache_pinning(workdir, counts, pressure=24):
         assert status == 200 and completed(body, "pinned blob")["out"]["value"] == size, body
         with open(release, "w"):
             pass
-        thread.join()
+        join_threads([thread], 120)
         status, _, body = slow["answer"]
         assert status == 200 and completed(body, "slow request")["out"]["value"] == size, body
         with ThreadPoolExecutor(4) as pool:  # unpinned now: more pressure evicts it
@@ -1671,6 +1657,15 @@ def capture(fn, *args):
 SLEEPY = "import time\ndef f(x):\n    time.sleep(2)\n    return x\n"
 
 
+def shutting_down(url):
+    """Whether a server has begun its shutdown: /health says it takes no more, or nobody listens."""
+    try:
+        status, _, data = request("GET", url + "/health", timeout=30)
+    except (ConnectionError, http.client.RemoteDisconnected):
+        return True
+    return status == 200 and json.loads(data)["load"]["request_capacity"] == 0
+
+
 def shutdown_round(workdir, counts):
     server = Server(workdir)
     answers = {}
@@ -1693,14 +1688,14 @@ def shutdown_round(workdir, counts):
             assert time.monotonic() < deadline, "in-flight requests never started"
             time.sleep(0.02)
         server.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
+        assert wait_for(lambda: shutting_down(server.url), 30), "the server never began its shutdown"
         late = collections.Counter()
         body, content_type = multipart(program_parts(simple_program(ECHO, args=["late"])))
         try:  # a request on a connection opened before SIGTERM
             keep_alive.request("POST", "/execute", body, {"Content-Type": content_type})
             response = keep_alive.getresponse()
             data = response.read()
-            check_error(response.status, {k.lower(): v for k, v in response.getheaders()}, data, 503, "busy")
+            assert_error_body(response.status, {k.lower(): v for k, v in response.getheaders()}, data, 503, "busy")
             assert response.getheader("Retry-After") == "1"
             late["503 on an open connection"] += 1
         except (ConnectionError, http.client.RemoteDisconnected):
@@ -1711,7 +1706,7 @@ def shutdown_round(workdir, counts):
             try:
                 status, headers, data = request("POST", server.url + "/execute", body,
                                                 {"Content-Type": content_type}, timeout=30)
-                check_error(status, headers, data, 503, "busy")
+                assert_error_body(status, headers, data, 503, "busy")
                 assert headers.get("retry-after") == "1"
                 late["503"] += 1
                 status, headers, data = request("GET", server.url + "/health", timeout=30)
@@ -1721,8 +1716,7 @@ def shutdown_round(workdir, counts):
             except (ConnectionError, http.client.RemoteDisconnected):
                 late["refused"] += 1
             time.sleep(0.1)
-        for t in threads:
-            t.join()
+        join_threads(threads, 60)
         for nonce, (status, _, body) in answers.items():
             assert status == 200 and completed(body, nonce)["out"]["value"] == nonce, body
         code = server.proc.wait(60)
@@ -1781,7 +1775,8 @@ def disconnect_item(scale, workdir):
             counts["response never read (closed at once)"] += 1
             s = socket.create_connection(("127.0.0.1", server.port))
             s.sendall(head(slow_body) + slow_body)
-            time.sleep(0.5)  # the program runs and the answer is written into the socket, then RST
+            answered = select.select([s], [], [], 60)[0]  # the program ran and its answer reached the socket: then RST
+            assert answered, "the answer to the unread request never came"
             s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")
             s.close()
             counts["response never read (reset after it ran)"] += 1

@@ -5,6 +5,7 @@ unsandboxed server too, where it must succeed: that shows the probe really reach
 claims to, so "blocked" under the sandbox means the sandbox blocked it.
 """
 
+import glob
 import json
 import os
 import subprocess
@@ -23,11 +24,14 @@ from tests.support import (
     call_program,
     execute_ok,
     free_port,
+    join_threads,
+    marked_pids,
     post,
     prog,
     ret_path,
     sha256,
     up_blob,
+    wait_for,
     workspaces,
 )
 
@@ -189,9 +193,6 @@ def test_probe_read_a_concurrent_requests_uploaded_files(probed):
     slow = prog(up_blob("f", "file", data, path=name),
                 *call_program("import time\ndef probe():\n    time.sleep(4)\n    return '\"done\"'\n",
                               "probe")["instructions"])
-    first = threading.Thread(target=post, args=(probed.url, slow, [data]), kwargs={"headers": AUTH})
-    first.start()
-    time.sleep(1.5)
     source = """import glob, json, os
 def probe(name, tmpdir):
     found = []
@@ -203,10 +204,14 @@ def probe(name, tmpdir):
             found += [os.path.join(folder, name)] if name in names else []
     return json.dumps(found)
 """
-    try:
+    on_the_host = os.path.join(glob.escape(probed.tmpdir), "**", "work", name)
+    first = threading.Thread(target=post, args=(probed.url, slow, [data]), kwargs={"headers": AUTH})
+    first.start()
+    try:  # the premise: the first request runs, its file in its workspace (which the host sees)
+        assert wait_for(lambda: glob.glob(on_the_host, recursive=True), 30), "the first request's file never appeared"
         seen = probe(probed, source, name, probed.tmpdir)
     finally:
-        first.join()
+        join_threads([first], 60)
     expect(probed, bool(seen), seen)
 
 
@@ -321,19 +326,7 @@ def f():
 """
     status, _, body = post(sandboxed.url, call_program(source, "f", options={"timeout_seconds": 3}))
     assert status == 504, body
-
-    def survivors():
-        found = []
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if marker.encode() in f.read():
-                        found.append(pid)
-            except OSError:
-                pass
-        return found
-
-    assert survivors() == []
+    assert marked_pids(marker) == []
     assert value(execute_ok(sandboxed.url, call_program("def f():\n    return 5\n", "f"))) == 5
     assert workspaces(sandboxed) == []
 
@@ -379,7 +372,7 @@ def f():
         assert status in (200, 500), body
         for _ in range(3):  # the new container (its starting thread is gone by now), workers forked in it
             assert value(execute_ok(srv.url, call_program("def f():\n    return 9\n", "f"))) == 9
-            time.sleep(1)
+            time.sleep(1)  # not a synchronisation: time for a pool thread to end, and a container tied to it to die
 
 
 def test_a_program_that_stops_its_slots_template_costs_only_itself(tmp_path):
