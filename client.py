@@ -61,15 +61,27 @@ __all__ = [
 
 
 class KCoralError(Exception):
-    """The server answered with an HTTP status other than 200."""
+    """The server answered with an HTTP status other than 200.
+
+    A 504 from our server also says where the program was and what it had printed
+    (docs/client.md §8): ``instruction_index``/``_op``/``_id`` (None when unknown) and
+    ``stdout``/``stderr`` with their ``*_truncated`` flags ("" and False when not sent)."""
 
     def __init__(self, status_code: int, message: str, *, kind: str | None = None,
-                 request_id: str | None = None) -> None:
+                 request_id: str | None = None, details: Mapping[str, Any] | None = None) -> None:
         super().__init__(f"HTTP {status_code}: {message}")
         self.status_code = status_code
         self.message = message
         self.kind = kind
         self.request_id = request_id
+        details = details or {}
+        self.instruction_index: int | None = details.get("instruction_index")
+        self.instruction_op: str | None = details.get("instruction_op")
+        self.instruction_id: str | None = details.get("instruction_id")
+        self.stdout: str = details.get("stdout", "")
+        self.stderr: str = details.get("stderr", "")
+        self.stdout_truncated: bool = details.get("stdout_truncated", False)
+        self.stderr_truncated: bool = details.get("stderr_truncated", False)
 
 
 class TransportError(Exception):
@@ -1605,7 +1617,25 @@ def _http_error(response: _Response) -> KCoralError:
         message, kind = str(error.get("message", "server error")), error.get("kind")
     else:
         message, kind = (str(error) if error else f"HTTP {response.status}"), None
-    return KCoralError(response.status, message, kind=kind, request_id=body.get("request_id"))
+    return KCoralError(response.status, message, kind=kind, request_id=body.get("request_id"),
+                       details=_error_details(body, error if isinstance(error, dict) else {}))
+
+
+# What an ERROR body may add (our server's 504, docs/protocol.md §9.8): field -> (where, accepted types).
+_ERROR_DETAILS = {"instruction_index": ("error", int), "instruction_op": ("error", str),
+                  "instruction_id": ("error", str), "stdout": ("body", str), "stderr": ("body", str),
+                  "stdout_truncated": ("body", bool), "stderr_truncated": ("body", bool)}
+
+
+def _error_details(body: dict[str, Any], error: dict[str, Any]) -> dict[str, Any]:
+    """The extra fields of an ERROR body that have the right type; anything else is ignored, as
+    a published client ignores them all."""
+    details = {}
+    for name, (where, kind) in _ERROR_DETAILS.items():
+        value = (error if where == "error" else body).get(name)
+        if type(value) is kind:
+            details[name] = value
+    return details
 
 
 # ---------------------------------------------------------------------------

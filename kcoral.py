@@ -899,7 +899,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         """Send an Outcome; -> bytes sent."""
         if outcome.http_status != 200:
             return self.send_error_body(outcome.http_status, request_id, outcome.kind, outcome.message,
-                                        {"Retry-After": "1"} if outcome.http_status == 503 else {})
+                                        {"Retry-After": "1"} if outcome.http_status == 503 else {}, outcome)
         if not outcome.parts:
             encoded = json_bytes(outcome.body)
             if len(encoded) > self.app.config.max_response_bytes:
@@ -933,8 +933,8 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         return len(encoded)
 
     def send_error_body(self, status: int, request_id: str, kind: str, message: str,
-                        headers: ExtraHeaders = ()) -> int:
-        body = {"status": "ERROR", "request_id": request_id, "error": {"kind": kind, "message": message}}
+                        headers: ExtraHeaders = (), outcome: Outcome | None = None) -> int:
+        body = error_body(request_id, kind, message, outcome)
         return self.send_json(status, body, {"X-Request-ID": request_id, **dict(headers)})
 
     def send_metrics(self, text: bytes) -> None:
@@ -1078,6 +1078,13 @@ def multipart_result(body: Json, parts: list[Buffer]) -> tuple[str, list[Buffer]
         pieces.append(b"\r\n")
     pieces.append(f"--{boundary}--\r\n".encode())
     return f"multipart/form-data; boundary={boundary}", pieces
+
+
+def error_body(request_id: str, kind: str, message: str, outcome: Outcome | None = None) -> dict[str, Json]:
+    """docs/protocol.md §9.8's ERROR body, with an outcome's extra fields (a 504's), which a 0.1.1 client ignores."""
+    extra = outcome or Outcome()
+    return {"status": "ERROR", "request_id": request_id, **extra.body_fields,
+            "error": {"kind": kind, "message": message, **extra.error_fields}}
 
 
 def json_bytes(value: Json) -> bytes:
@@ -2552,6 +2559,9 @@ class Outcome:
     body: dict[str, Json] | None = None  # COMPLETED/FAILED JSON
     parts: list[Buffer] = dataclasses.field(default_factory=list)
     worker_id: str = ""
+    # a 504's extra fields (docs/protocol.md §9.8): the instruction running, inside "error"; the output, beside it
+    error_fields: dict[str, Json] = dataclasses.field(default_factory=dict)
+    body_fields: dict[str, Json] = dataclasses.field(default_factory=dict)
 
 
 class Pool:
@@ -2836,10 +2846,11 @@ class Execution:
         started = time.monotonic()
         self.deadline = started + self.job.timeout
         self.last_moment = started + 2 * self.job.timeout
-        self.drain = None
+        self.drain, self.output, self.program_done = None, None, False
         try:
             self.send_job()
             error, retire = self.converse(), False
+            self.program_done = True
             self.worker.served += 1
             if self.retiring:
                 error, retire = self.retire_worker(error), True
@@ -2848,7 +2859,7 @@ class Execution:
         except TimeoutError:
             if not self.kill_worker():
                 return Outcome(500, "engine", "the timed-out worker could not be confirmed gone"), True
-            return Outcome(504, "timeout", "execution timed out"), True
+            return self.timeout_outcome(), True
         except WorkerCrashed:
             self.pool.log.metrics.add("kcoral_worker_crashes_total")
             if not self.kill_worker():
@@ -2865,7 +2876,7 @@ class Execution:
             return Outcome(503, "busy", str(exc)), True
         finally:
             self.release_lease()
-            output = self.drain.result(wait=2.0) if self.drain else ("", "", False, False)
+            output = self.captured_output()
             self.remove_workspace()
         body = {"status": "FAILED" if error else "COMPLETED", "request_id": self.job.request_id,
                 "queue_ms": self.queue_ms, "elapsed_ms": (time.monotonic() - started) * 1e3,
@@ -2876,6 +2887,25 @@ class Execution:
         if error:
             body["error"] = error
         return Outcome(body=body, parts=self.parts), retire
+
+    def captured_output(self) -> tuple[str, str, bool, bool]:
+        """(stdout, stderr, stdout_truncated, stderr_truncated), collected once the worker is gone."""
+        if self.output is None:
+            self.output = self.drain.result(wait=2.0) if self.drain else ("", "", False, False)
+        return self.output
+
+    def timeout_outcome(self) -> Outcome:
+        """504 naming the limit and the instruction that was running (or the teardown after it), with
+        the output captured until the kill: what a user needs to tell a hang from a slow loop."""
+        output = dict(zip(("stdout", "stderr", "stdout_truncated", "stderr_truncated"), self.captured_output()))
+        message = f"execution timed out after {self.job.timeout:g} s"
+        if self.last_index is None:
+            return Outcome(504, "timeout", f"{message} before the first instruction started", body_fields=output)
+        ins = self.job.program.instructions[self.last_index]
+        label = f"instruction {self.last_index} ({ins['op']} {ins.get('id', ins.get('key'))!r:.80})"
+        where = f"in the worker's teardown after {label}" if self.program_done else f"in {label}"
+        fields = {"instruction_index": self.last_index, "instruction_op": ins["op"], "instruction_id": ins.get("id")}
+        return Outcome(504, "timeout", f"{message} {where}", error_fields=fields, body_fields=output)
 
     def send_job(self) -> None:
         program = self.job.program

@@ -8,7 +8,7 @@ its own frames, not the worker's (§9.7); a timeout names the instruction and ke
 import pytest
 
 from client import Client, KCoralError, Program
-from tests.support import ServerProcess
+from tests.support import ServerProcess, post, simple_program
 
 
 @pytest.fixture(scope="module")
@@ -99,3 +99,40 @@ def test_a_value_nested_too_deeply_names_the_first_and_last_steps(client):
                                    "f"))
     assert error["message"] == ('return "out": value[0][0][0][0][0][0][...][0][0][0][0][0][0] is nested more '
                                 "than 400 levels deep"), error["message"]
+
+
+SLOW = "import os, sys, time\ndef f():\n    print('started')\n    os.write(2, b'warming up\\n')\n    time.sleep(60)\n"
+
+
+def test_a_timeout_names_the_instruction_and_the_limit_and_keeps_the_output(client):
+    with pytest.raises(KCoralError) as info:
+        client.execute(calling(SLOW, "f"), timeout_seconds=2)
+    error = info.value
+    assert (error.status_code, error.kind) == (504, "timeout")
+    assert error.message == "execution timed out after 2 s in instruction 2 (run 'r')"
+    assert (error.instruction_index, error.instruction_op, error.instruction_id) == (2, "run", "r")
+    assert (error.stdout, error.stderr, error.stdout_truncated, error.stderr_truncated) == \
+        ("started\n", "warming up\n", False, False)
+
+
+def test_the_timeout_body_keeps_the_published_shape_and_adds_fields_beside_it(client):
+    status, headers, body = post(client.base_url, simple_program(SLOW, options={"timeout_seconds": 1.5}))
+    assert (status, headers["content-type"]) == (504, "application/json")
+    assert body == {"status": "ERROR", "request_id": headers["x-request-id"],
+                    "stdout": "started\n", "stderr": "warming up\n", "stdout_truncated": False,
+                    "stderr_truncated": False,
+                    "error": {"kind": "timeout", "message": "execution timed out after 1.5 s in instruction 2 "
+                                                            "(run 'r')",
+                              "instruction_index": 2, "instruction_op": "run", "instruction_id": "r"}}
+
+
+def test_a_timeout_in_a_return_names_its_key(client):
+    program = Program()
+    source = "import time\nclass Slow(dict):\n    def items(self):\n        time.sleep(60)\n" \
+             "def f():\n    return Slow()\n"  # the encoder reads a dict's items
+    fn = program.get_function(module=program.upload(kind="module", source=source), name="f")
+    program.return_(key="late", value=program.run(fn=fn))
+    with pytest.raises(KCoralError) as info:
+        client.execute(program, timeout_seconds=1)
+    assert info.value.message == "execution timed out after 1 s in instruction 3 (return 'late')"
+    assert (info.value.instruction_op, info.value.instruction_id) == ("return", None)

@@ -1127,7 +1127,15 @@ def crashed(index=2, op="run"):
 
 
 def timed_out(status, headers, body, tag):
-    check_error(status, headers, body, 504, "timeout")
+    """A 504 carries our extension's fields too (docs/protocol.md §9.8); without them, the exact ERROR shape."""
+    if isinstance(body, (bytes, bytearray)):
+        body = json.loads(body)
+    assert set(body) - {"stdout", "stderr", "stdout_truncated", "stderr_truncated"} == {"status", "request_id", "error"}
+    error = body["error"]
+    assert set(error) - {"instruction_index", "instruction_op", "instruction_id"} == {"kind", "message"}, error
+    assert error["message"].startswith("execution timed out after "), error
+    check_error(status, headers, {"status": body["status"], "request_id": body["request_id"],
+                                  "error": {"kind": error["kind"], "message": error["message"]}}, 504, "timeout")
 
 
 def left_background(status, headers, body, tag):
