@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import codecs
 import collections
 import dataclasses
 import errno
@@ -61,15 +62,27 @@ __all__ = [
 
 
 class KCoralError(Exception):
-    """The server answered with an HTTP status other than 200."""
+    """The server answered with an HTTP status other than 200.
+
+    A 504 from our server also says where the program was and what it had printed
+    (docs/client.md §8): ``instruction_index``/``_op``/``_id`` (None when unknown) and
+    ``stdout``/``stderr`` with their ``*_truncated`` flags ("" and False when not sent)."""
 
     def __init__(self, status_code: int, message: str, *, kind: str | None = None,
-                 request_id: str | None = None) -> None:
+                 request_id: str | None = None, details: Mapping[str, Any] | None = None) -> None:
         super().__init__(f"HTTP {status_code}: {message}")
         self.status_code = status_code
         self.message = message
         self.kind = kind
         self.request_id = request_id
+        details = details or {}
+        self.instruction_index: int | None = details.get("instruction_index")
+        self.instruction_op: str | None = details.get("instruction_op")
+        self.instruction_id: str | None = details.get("instruction_id")
+        self.stdout: str = details.get("stdout", "")
+        self.stderr: str = details.get("stderr", "")
+        self.stdout_truncated: bool = details.get("stdout_truncated", False)
+        self.stderr_truncated: bool = details.get("stderr_truncated", False)
 
 
 class TransportError(Exception):
@@ -1106,6 +1119,8 @@ def _split_result_parts(parts: list[tuple[str, str, memoryview]]) -> tuple[Any, 
 # HTTP client (docs/client.md §4)
 
 _MAX_IDLE_CONNECTIONS = 8
+_STREAM_HEADER = "X-KCoral-Stream"  # our server's streamed answer, asked for with "output" (docs/protocol.md §13)
+_STREAM_FRAME_HEAD_BYTES = 4096  # a frame's head line: a name, a length, a status and a content type
 _HUGE_BUFFER_BYTES = 1 << 20  # response bodies this big are received into huge pages
 _PARALLEL_HASH_BYTES = 1 << 20  # response parts this big are hashed while they are copied
 _REMEMBERED_BLOBS_PER_INSTANCE = 4096
@@ -1336,10 +1351,15 @@ class Client:
         return decorate
 
     def execute(self, program: Program, *, timeout_seconds: float | None = None,
-                gpu_count: int | None = None, output_limit_bytes: int | None = None) -> ProgramResult:
+                gpu_count: int | None = None, output_limit_bytes: int | None = None,
+                on_output: Callable[[str, bytes], None] | None = None) -> ProgramResult:
         """Run ``program``; returns its COMPLETED or FAILED result. Blobs the server lacks
         are negotiated with at most three attempts (docs/client.md §4.2), all of them sent under
-        one client request id so that the server's log links them."""
+        one client request id so that the server's log links them.
+
+        ``on_output("stdout" | "stderr", data)``, if given, receives the captured output while the
+        program runs, from a server that streams it (ours, docs/protocol.md §13); the result still
+        holds all of it. A server that does not stream calls it never."""
         if not isinstance(program, Program):
             raise TypeError("execute expects a Program")
         if gpu_count is not None and (type(gpu_count) is not int or not 1 <= gpu_count <= 8):
@@ -1365,7 +1385,7 @@ class Client:
         for attempt in (1, 2, 3):
             deadline = _Deadline(seconds, "the request's timeout plus response_margin_seconds")
             response = self._post_execute(program_json, [(h, blobs[h]) for h in send], node, affinity,
-                                          client_request_id, deadline)
+                                          client_request_id, deadline, on_output)
             if response.status != 200:
                 raise _http_error(response)
             payload, parts = _response_body(response.content_type, response.body)
@@ -1387,7 +1407,8 @@ class Client:
     # -- HTTP plumbing
 
     def _post_execute(self, program_json: bytes, blobs: list[tuple[str, bytes]], node: str | None,
-                      affinity: str | None, client_request_id: str, deadline: _Deadline) -> _Response:
+                      affinity: str | None, client_request_id: str, deadline: _Deadline,
+                      on_output: Callable[[str, bytes], None] | None = None) -> _Response:
         boundary = f"kcoral-{secrets.token_hex(16)}"
         chunks = _multipart_chunks(boundary, program_json, blobs)
         headers = {"Content-Type": f"multipart/form-data; boundary={boundary}",
@@ -1397,15 +1418,18 @@ class Client:
             headers["X-KCoral-Node"] = node
         if affinity is not None:
             headers["X-KCoral-Affinity"] = affinity
-        return self._request("POST", "/execute", headers, chunks, deadline=deadline)
+        if on_output is not None:
+            headers[_STREAM_HEADER] = "output"
+        return self._request("POST", "/execute", headers, chunks, deadline=deadline, on_output=on_output)
 
     def _request(self, method: str, path: str, headers: dict[str, str] | None = None,
-                 chunks: list[bytes | memoryview] | None = None, *, deadline: _Deadline) -> _Response:
+                 chunks: list[bytes | memoryview] | None = None, *, deadline: _Deadline,
+                 on_output: Callable[[str, bytes], None] | None = None) -> _Response:
         conn = self._checkout()
         try:
-            response, body, reusable = _exchange(conn, method, self._path + path,
-                                                 _merge_headers(self._headers, headers or {}), chunks or [],
-                                                 deadline, self._max_response_bytes)
+            response, (status, content_type, body), reusable = _exchange(
+                conn, method, self._path + path, _merge_headers(self._headers, headers or {}), chunks or [],
+                deadline, self._max_response_bytes, on_output)
         except (OSError, http.client.HTTPException) as exc:
             conn.close()
             raise TransportError(str(exc) or type(exc).__name__) from exc
@@ -1416,8 +1440,7 @@ class Client:
         instance = (response.getheader("X-KCoral-Instance") or "").strip() or None
         self._memory.observe(instance)
         node = response.getheader("X-KCoral-Node")
-        return _Response(response.status, response.getheader("Content-Type") or "", instance,
-                         node if node and len(node) <= 512 else None, body)
+        return _Response(status, content_type, instance, node if node and len(node) <= 512 else None, body)
 
     def _checkout(self) -> http.client.HTTPConnection:
         with self._lock:
@@ -1451,10 +1474,10 @@ def _merge_headers(user: dict[str, str], ours: dict[str, str]) -> dict[str, str]
 
 
 def _exchange(conn: http.client.HTTPConnection, method: str, url: str, headers: dict[str, str],
-              chunks: list[bytes | memoryview], deadline: _Deadline,
-              limit: int) -> tuple[http.client.HTTPResponse, _Body, bool]:
+              chunks: list[bytes | memoryview], deadline: _Deadline, limit: int,
+              on_output: Callable[[str, bytes], None] | None = None) -> tuple[http.client.HTTPResponse, _Answer, bool]:
     """Send one request and read the whole response, at most ``limit`` body bytes, all before
-    ``deadline``: (response, body, connection reusable)."""
+    ``deadline``: (response, its answer, connection reusable)."""
     conn.deadline = deadline  # type: ignore[attr-defined]
     conn.putrequest(method, url, skip_host="host" in {k.lower() for k in headers},
                     skip_accept_encoding=True)
@@ -1469,11 +1492,48 @@ def _exchange(conn: http.client.HTTPConnection, method: str, url: str, headers: 
         # answer explains more than the broken pipe does.
         try:
             response = conn.getresponse()
-            return response, _read_body(response, limit), False
+            return response, _read_answer(response, limit, on_output), False
         except (OSError, http.client.HTTPException):
             raise send_error from None
     response = conn.getresponse()
-    return response, _read_body(response, limit), not response.will_close
+    return response, _read_answer(response, limit, on_output), not response.will_close
+
+
+_Answer = tuple[int, str, "bytes | bytearray | mmap.mmap"]  # (HTTP status, Content-Type, body)
+
+
+def _read_answer(response: http.client.HTTPResponse, limit: int,
+                 on_output: Callable[[str, bytes], None] | None) -> _Answer:
+    """The answer a response carries: itself, or the last frame of a streamed one (only when asked for)."""
+    if on_output is not None and response.getheader(_STREAM_HEADER) == "output":
+        return _read_stream(response, limit, on_output)
+    return response.status, response.getheader("Content-Type") or "", _read_body(response, limit)
+
+
+def _read_stream(response: http.client.HTTPResponse, limit: int, on_output: Callable[[str, bytes], None]) -> _Answer:
+    """docs/protocol.md §13: `stdout`/`stderr` frames go to ``on_output`` as they arrive; the
+    `result` frame, which must be the last, is the answer. ``limit`` bounds all frames together."""
+    received = 0
+    while True:
+        head = response.readline(_STREAM_FRAME_HEAD_BYTES)
+        fields = head[:-1].decode("ascii", "replace").split(" ", 3) if head.endswith(b"\n") else []
+        if len(fields) < 2 or not fields[1].isdigit() or not fields[1].isascii():
+            raise ProtocolError(f"malformed output stream frame: {bytes(head[:80])!r}")
+        length = int(fields[1])
+        received += length
+        if received > limit:
+            raise _too_large("the server's streamed response runs past", limit)
+        payload = response.read(length)
+        if len(payload) != length:
+            raise http.client.IncompleteRead(payload, length - len(payload))
+        if fields[0] in ("stdout", "stderr") and len(fields) == 2:
+            on_output(fields[0], payload)
+        elif fields[0] == "result" and len(fields) == 4 and fields[2].isdigit() and fields[2].isascii():
+            if response.read(1):
+                raise ProtocolError("data after the last frame of an output stream")
+            return int(fields[2]), fields[3], payload
+        else:
+            raise ProtocolError(f"malformed output stream frame: {bytes(head[:80])!r}")
 
 
 def _receive_buffer(size: int) -> bytearray | mmap.mmap:
@@ -1610,7 +1670,25 @@ def _http_error(response: _Response) -> KCoralError:
         message, kind = str(error.get("message", "server error")), error.get("kind")
     else:
         message, kind = (str(error) if error else f"HTTP {response.status}"), None
-    return KCoralError(response.status, message, kind=kind, request_id=body.get("request_id"))
+    return KCoralError(response.status, message, kind=kind, request_id=body.get("request_id"),
+                       details=_error_details(body, error if isinstance(error, dict) else {}))
+
+
+# What an ERROR body may add (our server's 504, docs/protocol.md §9.8): field -> (where, accepted types).
+_ERROR_DETAILS = {"instruction_index": ("error", int), "instruction_op": ("error", str),
+                  "instruction_id": ("error", str), "stdout": ("body", str), "stderr": ("body", str),
+                  "stdout_truncated": ("body", bool), "stderr_truncated": ("body", bool)}
+
+
+def _error_details(body: dict[str, Any], error: dict[str, Any]) -> dict[str, Any]:
+    """The extra fields of an ERROR body that have the right type; anything else is ignored, as
+    a published client ignores them all."""
+    details = {}
+    for name, (where, kind) in _ERROR_DETAILS.items():
+        value = (error if where == "error" else body).get(name)
+        if type(value) is kind:
+            details[name] = value
+    return details
 
 
 # ---------------------------------------------------------------------------
@@ -1845,6 +1923,7 @@ def run(tool, arguments, overrides, executables, directories, fetch, expected):
         (workdir / name).chmod(0o700)
     env = {**os.environ, **overrides, "KCORAL_DIR": str(workdir), "KCORAL_OUTPUT_DIR": str(reports)}
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    env.setdefault("PYTHONUNBUFFERED", "1")  # a Python tool's prints reach the (streamed) output as they happen
     if tool == "ncu":
         env.setdefault("NCU_PROFILE", "1")
     command = _command(tool, arguments, reports)
@@ -2065,9 +2144,15 @@ def _run_remote(args: Any, tool_args: list[str]) -> int:
     except ValidationError as exc:  # a file name the protocol cannot carry (a backslash, say)
         raise _CommandError(f"--send: {exc}") from None
     headers = {"Authorization": f"Bearer {args.token}"} if args.token else None
+    output = _LiveOutput()
     with _ProgressClient(args.url, headers=headers) as client:
-        result = client.execute(program, timeout_seconds=args.timeout, output_limit_bytes=args.output_limit_bytes)
-    _replay_output(result)
+        try:
+            result = client.execute(program, timeout_seconds=args.timeout, output_limit_bytes=args.output_limit_bytes,
+                                    on_output=output.show)
+        except KCoralError as exc:  # a timeout keeps what the tool printed until it was killed
+            output.finish(exc.stdout, exc.stderr, exc.stdout_truncated or exc.stderr_truncated)
+            raise
+    output.finish(result.stdout, result.stderr, result.stdout_truncated or result.stderr_truncated)
     if not result.completed:
         error = result.error or {}
         message = (str(error.get("message") or "").strip().splitlines() or ["the program failed"])[0]
@@ -2075,14 +2160,16 @@ def _run_remote(args: Any, tool_args: list[str]) -> int:
     outcome = result["outcome"]
     if outcome["absent"]:
         raise _CommandError(f"{outcome['absent']} is not installed on the server (or is not executable there)")
-    if out is not None:
+    artifacts = result["artifacts"] if out is not None else None
+    if artifacts is not None and (artifacts.files or artifacts.directories):  # nothing fetched: no empty --out
         try:
-            result["artifacts"].save(out)
+            artifacts.save(out)
         except OSError as exc:
             raise _CommandError(f"cannot save the artifacts in {out}: {exc.strerror or exc}") from None
         print(f"kcoral: saved artifacts to {out}", file=sys.stderr)
-    if outcome["missing"]:
-        _complain(f"kcoral: missing artifacts: {', '.join(outcome['missing'])}")
+    for name in outcome["missing"]:
+        what = f"--fetch {name}" if name in args.fetch else f"the {args.tool} report {name}"
+        _complain(f"kcoral run {args.tool}: {what}: no such file or directory in the remote working directory")
     code = outcome["returncode"]
     if code < 0:
         return 128 - code  # killed by signal N: the shell's 128+N
@@ -2169,12 +2256,30 @@ def _for_terminal(stream: Any, text: str) -> str:
     return _TERMINAL_CONTROLS.sub(lambda match: f"\\x{ord(match.group()):02x}", text)
 
 
-def _replay_output(result: ProgramResult) -> None:
-    for stream, text in ((sys.stdout, result.stdout), (sys.stderr, result.stderr)):
+class _LiveOutput:
+    """The remote output on the local stdout/stderr: each chunk as our server streams it
+    (docs/protocol.md §13), then what the answer holds beyond what was shown (all of it, from a
+    server that does not stream). The streamed bytes are the answer's captured bytes, so the
+    text decoded from them is a prefix of the answer's text."""
+
+    def __init__(self) -> None:
+        self.decoders = {name: codecs.getincrementaldecoder("utf-8")("replace") for name in ("stdout", "stderr")}
+        self.shown = {"stdout": 0, "stderr": 0}  # characters written
+
+    def show(self, name: str, data: bytes) -> None:
+        self.write(name, self.decoders[name].decode(data))
+
+    def write(self, name: str, text: str) -> None:
+        stream = sys.stdout if name == "stdout" else sys.stderr
         stream.write(_for_terminal(stream, text))
         stream.flush()
-    if result.stdout_truncated or result.stderr_truncated:
-        print("kcoral: remote output was truncated (see --output-limit-bytes)", file=sys.stderr)
+        self.shown[name] += len(text)
+
+    def finish(self, stdout: str, stderr: str, truncated: bool) -> None:
+        for name, text in (("stdout", stdout), ("stderr", stderr)):
+            self.write(name, text[self.shown[name]:])
+        if truncated:
+            print("kcoral: remote output was truncated (see --output-limit-bytes)", file=sys.stderr)
 
 
 class _ProgressClient(Client):

@@ -586,6 +586,8 @@ class HTTPServer(http.server.ThreadingHTTPServer):
 
 CONTROL_CHARS = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 DRAIN_LIMIT = 1 << 16  # unread bodies up to this size are skipped to keep the connection
+STREAM_HEADER = "X-KCoral-Stream"  # our client's opt-in to the streamed answer (docs/protocol.md §13)
+STREAM_MEDIA_TYPE = "application/x-kcoral-stream"
 SEND_SLICE = 1 << 20  # the send timeout applies to each slice: a slow reader is fine, a stalled one is not
 
 
@@ -608,6 +610,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         self.timeout = self.server.app.config.send_timeout_seconds  # type: ignore[misc]  # typeshed: a ClassVar
         super().setup()
         self.cut_reason: str | None = None  # set by the ConnectionGuard when it cuts this connection
+        self.stream: OutputStream | None = None  # the answer of a POST that asked for streamed output
         self.body_done = True
         # of the request being read: its events' total_ms counts from the first, a proxy's wait up to the second
         self.head_started, self.head_arrived = time.monotonic(), time.time()
@@ -732,6 +735,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         if self.path != "/execute":
             return self.route_error()
         started, self.request_bytes = time.monotonic(), 0
+        self.stream = OutputStream(self, request_id) if self.wants_stream() else None
         with self.app.request_in_flight():  # a graceful shutdown waits until the answer is out
             outcome = self.outcome_of_post(request_id)
             outcome, size, lost = self.send_outcome(request_id, outcome)
@@ -741,6 +745,10 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             self.disconnected("response", error=lost, **fields)
         else:
             self.app.log.event("request_finished", response_bytes=size, **fields)
+
+    def wants_stream(self) -> bool:
+        """docs/protocol.md §13: exactly one `X-KCoral-Stream: output` on an HTTP/1.1 request (chunked needs 1.1)."""
+        return self.headers.get_all(STREAM_HEADER) == ["output"] and self.request_version >= "HTTP/1.1"
 
     def request_id(self) -> str:
         """docs/protocol.md §4.2: the client's X-Request-ID if it is exactly one canonical UUID."""
@@ -810,7 +818,8 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
                 return Outcome(413, "request_too_large", "request exceeds the configured size limit")
             self.request_bytes = len(body)
             return self.app.handle_execute(request_id, body, self.headers.get("Content-Type"),
-                                           proxy_queue_ms(self.headers.get("X-Request-Start"), self.head_arrived))
+                                           proxy_queue_ms(self.headers.get("X-Request-Start"), self.head_arrived),
+                                           self.stream.feed if self.stream else None)
         finally:
             reservation.release()
 
@@ -902,9 +911,11 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
 
     def respond(self, request_id: str, outcome: Outcome) -> int:
         """Send an Outcome; -> bytes sent."""
+        if self.stream is not None and self.stream.close():  # output went out already: the answer is its last frame
+            return self.stream.finish(*self.answer_pieces(request_id, outcome))
         if outcome.http_status != 200:
             return self.send_error_body(outcome.http_status, request_id, outcome.kind, outcome.message,
-                                        {"Retry-After": "1"} if outcome.http_status == 503 else {})
+                                        {"Retry-After": "1"} if outcome.http_status == 503 else {}, outcome)
         if not outcome.parts:
             encoded = json_bytes(outcome.body)
             if len(encoded) > self.app.config.max_response_bytes:
@@ -919,6 +930,18 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         for piece in pieces:
             self.send_all(piece)
         return total
+
+    def answer_pieces(self, request_id: str, outcome: Outcome) -> tuple[int, str, list[Buffer]]:
+        """What `respond` would send, as (status, content type, body pieces): a stream's last frame."""
+        if outcome.http_status == 200:
+            json_body: list[Buffer] = [json_bytes(outcome.body)]
+            content_type, pieces = (multipart_result(outcome.body, outcome.parts) if outcome.parts
+                                    else ("application/json", json_body))
+            if sum(len(p) for p in pieces) <= self.app.config.max_response_bytes:
+                return 200, content_type, pieces
+            outcome = Outcome(500, "response_too_large", "results exceed the configured response-size limit")
+        body = error_body(request_id, outcome.kind, outcome.message, outcome)
+        return outcome.http_status, "application/json", [json_bytes(body)]
 
     def send_all(self, data: Buffer) -> None:
         """Write in slices, each under the send timeout: a client that stops reading is dropped."""
@@ -938,8 +961,8 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         return len(encoded)
 
     def send_error_body(self, status: int, request_id: str, kind: str, message: str,
-                        headers: ExtraHeaders = ()) -> int:
-        body = {"status": "ERROR", "request_id": request_id, "error": {"kind": kind, "message": message}}
+                        headers: ExtraHeaders = (), outcome: Outcome | None = None) -> int:
+        body = error_body(request_id, kind, message, outcome)
         return self.send_json(status, body, {"X-Request-ID": request_id, **dict(headers)})
 
     def send_metrics(self, text: bytes) -> None:
@@ -1014,6 +1037,93 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         return self.server.app
 
 
+class OutputStream:
+    """Our extension (docs/protocol.md §13): the answer to a request with `X-KCoral-Stream: output`,
+    once the program has printed something, is a chunked body of frames: each output chunk as the
+    drain reads it, then the answer itself (its status, content type and body) as the last frame.
+    A program that prints nothing gets the plain answer.
+
+    The drain thread calls `feed`, which only queues: a client slow to read must not stall the drain,
+    or the worker would block on its pipe and the captured output would lose its tail.  A sender
+    thread, started with the first output, writes the frames; the handler thread then `close`s
+    (waits for the queue to empty) and `finish`es with the answer."""
+
+    def __init__(self, handler: RequestHandler, request_id: str) -> None:
+        self.handler = handler
+        self.request_id = request_id
+        self.frames: queue.SimpleQueue[tuple[str, bytes] | None] = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.open = True
+        self.sender: threading.Thread | None = None
+        self.sent = 0  # bytes of body written
+        self.failure: OSError | None = None  # the client stopped reading or went away
+
+    def feed(self, stream: str, data: bytes) -> None:
+        with self.lock:
+            if not self.open:  # the answer is being sent: later output (an escaped process's) is dropped
+                return
+            if self.sender is None:
+                self.sender = threading.Thread(target=self.send_frames, daemon=True)
+                self.sender.start()
+            self.frames.put((stream, data))
+
+    def send_frames(self) -> None:
+        self.write_head()
+        while (frame := self.frames.get()) is not None:
+            self.write_frame(frame[0].encode(), [frame[1]])
+
+    def close(self) -> bool:
+        """No more output frames; -> whether the stream began (then `finish` must end it)."""
+        with self.lock:
+            self.open = False
+            sender = self.sender
+        if sender is None:
+            return False
+        self.frames.put(None)
+        sender.join()
+        return True
+
+    def finish(self, status: int, content_type: str, pieces: list[Buffer]) -> int:
+        """The last frame, `result <length> <status> <content type>`, and the body's end -> bytes sent."""
+        self.write_frame(b"result", pieces, f" {status} {content_type}".encode())
+        self.write(b"0\r\n\r\n")
+        if self.failure is not None:
+            raise self.failure
+        return self.sent
+
+    def write_head(self) -> None:
+        handler = self.handler
+        try:
+            handler.send_response(200)
+            for name, value in (("Content-Type", STREAM_MEDIA_TYPE), ("Transfer-Encoding", "chunked"),
+                                (STREAM_HEADER, "output"), ("X-KCoral-Instance", handler.app.instance_id),
+                                ("X-Request-ID", self.request_id)):
+                handler.send_header(name, value)
+            if handler.close_connection:
+                handler.send_header("Connection", "close")
+            handler.end_headers()
+        except OSError as exc:
+            self.failure = exc
+
+    def write_frame(self, name: bytes, pieces: list[Buffer], rest: bytes = b"") -> None:
+        """One frame, `<name> <length><rest>` LF payload, as one HTTP chunk."""
+        length = sum(memoryview(p).nbytes for p in pieces)
+        head = name + b" %d" % length + rest + b"\n"
+        self.write(b"%x\r\n" % (len(head) + length) + head)
+        for piece in pieces:
+            self.write(piece)
+        self.write(b"\r\n")
+
+    def write(self, data: Buffer) -> None:
+        if self.failure is not None:
+            return
+        try:
+            self.handler.send_all(data)
+            self.sent += memoryview(data).nbytes
+        except OSError as exc:  # the send timeout or a reset: the program runs on, its answer is lost
+            self.failure = exc
+
+
 def framing_problem(headers: email.message.Message) -> str | None:
     """RFC 9112 §6 checks http.server leaves out: a request whose length two parsers (a proxy
     in front, and us) could read differently is refused, so no request hides in another's body."""
@@ -1084,6 +1194,13 @@ def multipart_result(body: Json, parts: list[Buffer]) -> tuple[str, list[Buffer]
         pieces.append(b"\r\n")
     pieces.append(f"--{boundary}--\r\n".encode())
     return f"multipart/form-data; boundary={boundary}", pieces
+
+
+def error_body(request_id: str, kind: str, message: str, outcome: Outcome | None = None) -> dict[str, Json]:
+    """docs/protocol.md §9.8's ERROR body, with an outcome's extra fields (a 504's), which a 0.1.1 client ignores."""
+    extra = outcome or Outcome()
+    return {"status": "ERROR", "request_id": request_id, **extra.body_fields,
+            "error": {"kind": kind, "message": message, **extra.error_fields}}
 
 
 def json_bytes(value: Json) -> bytes:
@@ -1277,7 +1394,7 @@ class KCoralServer:
                 self.in_flight_cond.notify_all()
 
     def handle_execute(self, request_id: str, body: Body, content_type: str | None,
-                       proxy_queue_ms: float = 0.0) -> Outcome:
+                       proxy_queue_ms: float = 0.0, on_output: Callable[[str, bytes], None] | None = None) -> Outcome:
         """A request body, read -> Outcome.  The checks run in protocol order (docs/protocol.md §4.7): the first
         that fails decides the answer."""
         try:
@@ -1294,7 +1411,7 @@ class KCoralServer:
                     return Outcome(body={"status": "CACHE_MISS", "request_id": request_id,
                                          "missing_blobs": missing})
                 self.check_gpu_count(program)
-                return self.run_program(request_id, data, program, blobs, proxy_queue_ms)
+                return self.run_program(request_id, data, program, blobs, proxy_queue_ms, on_output)
             finally:
                 if disk_writes is not None:
                     disk_writes.join()  # once answered, the client may count on its file blobs being cached
@@ -1309,7 +1426,7 @@ class KCoralServer:
             raise ValidationError("gpu_count exceeds this GPU server's configured capacity")
 
     def run_program(self, request_id: str, data: memoryview, program: ValidProgram, blobs: Blobs,
-                    proxy_queue_ms: float = 0.0) -> Outcome:
+                    proxy_queue_ms: float = 0.0, on_output: Callable[[str, bytes], None] | None = None) -> Outcome:
         """A valid program with all its blobs -> a worker's Outcome (or 503 busy: nothing ran)."""
         if self.closing:
             return self.refuse_while_draining()
@@ -1320,7 +1437,7 @@ class KCoralServer:
                               config.max_timeout_seconds),
                   output_limit=min(options.get("output_limit_bytes", config.output_limit_bytes),
                                    config.max_output_limit_bytes),
-                  proxy_queue_ms=proxy_queue_ms)
+                  proxy_queue_ms=proxy_queue_ms, on_output=on_output)
         with self.blobs.pinned(program):
             outcome = self.pool.run_job(job)
         return self.refuse_while_draining() if outcome.http_status == 503 and self.closing else outcome
@@ -2556,6 +2673,7 @@ class Job:
     timeout: float
     output_limit: int
     proxy_queue_ms: float = 0.0  # waited in HAProxy before reaching us: part of the queue_ms answered
+    on_output: Callable[[str, bytes], None] | None = None  # ("stdout"|"stderr", bytes kept) as captured
 
 
 @dataclasses.dataclass
@@ -2566,6 +2684,9 @@ class Outcome:
     body: dict[str, Json] | None = None  # COMPLETED/FAILED JSON
     parts: list[Buffer] = dataclasses.field(default_factory=list)
     worker_id: str = ""
+    # a 504's extra fields (docs/protocol.md §9.8): the instruction running, inside "error"; the output, beside it
+    error_fields: dict[str, Json] = dataclasses.field(default_factory=dict)
+    body_fields: dict[str, Json] = dataclasses.field(default_factory=dict)
 
 
 class Pool:
@@ -2824,6 +2945,7 @@ class Execution:
     last_index: int | None  # the instruction the worker last reported starting
     results: dict[str, Json]  # return key -> encoded value
     parts: list[Buffer]  # the raw parts those values refer to
+    output: tuple[str, str, bool, bool] | None  # (stdout, stderr, truncated flags), once collected
 
     def __init__(self, pool: Pool, worker: Worker, gpus: list[int], job: Job, queue_ms: float) -> None:
         self.pool = pool
@@ -2855,10 +2977,11 @@ class Execution:
         started = time.monotonic()
         self.deadline = started + self.job.timeout
         self.last_moment = started + 2 * self.job.timeout
-        self.drain = None
+        self.drain, self.output, self.program_done = None, None, False
         try:
             self.send_job()
             error, retire = self.converse(), False
+            self.program_done = True
             self.worker.served += 1
             if self.retiring:
                 error, retire = self.retire_worker(error), True
@@ -2867,7 +2990,7 @@ class Execution:
         except TimeoutError:
             if not self.kill_worker():
                 return Outcome(500, "engine", "the timed-out worker could not be confirmed gone"), True
-            return Outcome(504, "timeout", "execution timed out"), True
+            return self.timeout_outcome(), True
         except WorkerCrashed:
             self.pool.log.metrics.add("kcoral_worker_crashes_total")
             if not self.kill_worker():
@@ -2884,7 +3007,7 @@ class Execution:
             return Outcome(503, "busy", str(exc)), True
         finally:
             self.release_lease()
-            output = self.drain.result(wait=2.0) if self.drain else ("", "", False, False)
+            output = self.captured_output()
             self.remove_workspace()
         body = {"status": "FAILED" if error else "COMPLETED", "request_id": self.job.request_id,
                 "queue_ms": self.queue_ms, "elapsed_ms": (time.monotonic() - started) * 1e3,
@@ -2895,6 +3018,25 @@ class Execution:
         if error:
             body["error"] = error
         return Outcome(body=body, parts=self.parts), retire
+
+    def captured_output(self) -> tuple[str, str, bool, bool]:
+        """(stdout, stderr, stdout_truncated, stderr_truncated), collected once the worker is gone."""
+        if self.output is None:
+            self.output = self.drain.result(wait=2.0) if self.drain else ("", "", False, False)
+        return self.output
+
+    def timeout_outcome(self) -> Outcome:
+        """504 naming the limit and the instruction that was running (or the teardown after it), with
+        the output captured until the kill: what a user needs to tell a hang from a slow loop."""
+        output = dict(zip(("stdout", "stderr", "stdout_truncated", "stderr_truncated"), self.captured_output()))
+        message = f"execution timed out after {self.job.timeout:g} s"
+        if self.last_index is None:
+            return Outcome(504, "timeout", f"{message} before the first instruction started", body_fields=output)
+        ins = self.job.program.instructions[self.last_index]
+        label = f"instruction {self.last_index} ({ins['op']} {ins.get('id', ins.get('key'))!r:.80})"
+        where = f"in the worker's teardown after {label}" if self.program_done else f"in {label}"
+        fields = {"instruction_index": self.last_index, "instruction_op": ins["op"], "instruction_id": ins.get("id")}
+        return Outcome(504, "timeout", f"{message} {where}", error_fields=fields, body_fields=output)
 
     def send_job(self) -> None:
         program = self.job.program
@@ -2918,7 +3060,7 @@ class Execution:
                 for fd in (out_w, err_w):  # 16x fewer wake-ups than the default 64 KiB for a chatty program
                     with contextlib.suppress(OSError):  # over the user's pipe quota: the default size
                         fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
-                self.drain = OutputDrain(out_r, err_r, self.job.output_limit)
+                self.drain = OutputDrain(out_r, err_r, self.job.output_limit, self.job.on_output)
                 try:
                     for fd in (out_w, err_w):
                         reduction.send_handle(conn, fd, self.worker.pid)
@@ -3145,12 +3287,16 @@ PIPE_BYTES = 1 << 20  # capture pipe capacity (Linux's default pipe-max-size) an
 
 
 class OutputDrain:
-    """Reads a worker's stdout/stderr pipes, keeping the first `limit` + 1 bytes of each."""
+    """Reads a worker's stdout/stderr pipes, keeping the first `limit` + 1 bytes of each; what it keeps
+    within `limit` also goes to `on_output` as it arrives (a streamed answer, docs/protocol.md §13)."""
 
-    def __init__(self, out_fd: int, err_fd: int, limit: int) -> None:
+    def __init__(self, out_fd: int, err_fd: int, limit: int,
+                 on_output: Callable[[str, bytes], None] | None = None) -> None:
         self.limit = limit
         self.data = {out_fd: bytearray(), err_fd: bytearray()}
         self.fds = (out_fd, err_fd)
+        self.names = {out_fd: "stdout", err_fd: "stderr"}
+        self.on_output = on_output
         self.thread = threading.Thread(target=self.drain, daemon=True)
         self.thread.start()
 
@@ -3167,7 +3313,10 @@ class OutputDrain:
                         os.close(key.fd)
                         open_fds -= 1
                     elif len(self.data[key.fd]) <= self.limit:
-                        self.data[key.fd] += chunk[:self.limit + 1 - len(self.data[key.fd])]
+                        kept = len(self.data[key.fd])
+                        self.data[key.fd] += chunk[:self.limit + 1 - kept]
+                        if self.on_output and kept < self.limit:
+                            self.on_output(self.names[key.fd], chunk[:self.limit - kept])
 
     def result(self, wait: float) -> tuple[str, str, bool, bool]:
         """(stdout, stderr, stdout_truncated, stderr_truncated) once the writers are gone.

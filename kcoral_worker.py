@@ -82,6 +82,7 @@ DTYPE_SIZES = {
 ERROR_KINDS = frozenset({"parse", "compile", "runtime", "gpu_access", "correctness",
                          "serialization", "unavailable", "engine"})
 TRACEBACK_CHARS = 8192
+SERVER_FILES = ("kcoral.py", "kcoral_worker.py")  # the frames a program's traceback leaves out
 MAX_VALUE_DEPTH = 400  # returned values, as requests (docs/protocol.md §5): a frame stays well within JSON's recursion
 Buffer = bytes | bytearray | memoryview | mmap.mmap  # what the raw-bytes helpers accept (any buffer, in fact)
 Instruction = dict[str, Any]  # one validated program instruction, as the front-end passed it
@@ -100,6 +101,7 @@ class ExecutionError(Exception):
         super().__init__(kind, message)
         self.kind = kind
         self.message = message
+        self.path: list[int | str] = []  # where in a returned value a serialization failure lies
 
     def __str__(self) -> str:
         return f"{self.kind}: {self.message}"
@@ -861,13 +863,23 @@ def load_module(source: str) -> UploadedModule:
     try:
         code = compile(source, filename, "exec", dont_inherit=True)
     except (SyntaxError, ValueError) as exc:
-        raise ExecutionError("parse", f"syntax error: {exc}") from exc
+        raise ExecutionError("parse", syntax_error_message(exc)) from exc
     namespace: dict[str, Any] = {}
     try:
         exec(code, namespace)
     except Exception as exc:
         raise ExecutionError("parse", f"{type(exc).__name__}: {exc}") from exc
     return UploadedModule(namespace)
+
+
+def syntax_error_message(exc: SyntaxError | ValueError) -> str:
+    """"syntax error: <what> (<file>, line N)", then the offending line with a caret under the
+    column, as Python's own traceback shows them: a line number alone leaves the reader counting."""
+    message = f"syntax error: {exc}"
+    if not isinstance(exc, SyntaxError) or not exc.text:
+        return message
+    lines = "".join(traceback.format_exception_only(exc)).splitlines()
+    return "\n".join([message, *lines[1:-1]])  # between '  File "...", line N' and 'SyntaxError: ...'
 
 
 class ProgramRun:
@@ -899,11 +911,13 @@ class ProgramRun:
                 kind, message = exc.kind, exc.message
                 if kind not in ERROR_KINDS:
                     kind, message = "engine", f"ExecutionError with unknown kind {exc.kind!r}: {exc.message}"
-                error = error_object(kind, message, index, ins, getattr(exc, "stack", None) or traceback_text(exc))
+                tb = getattr(exc, "stack", None) or traceback_text(exc, ours=False)  # a deliberate, worded error
+                error = error_object(kind, message, index, ins, tb)
                 error.update(getattr(exc, "fields", {}))
                 return error
             except Exception as exc:
-                return error_object("engine", f"{type(exc).__name__}: {exc}", index, ins, traceback_text(exc))
+                ours = ins["op"] != "run" and not passes_through_uploaded_code(exc)
+                return error_object("engine", f"{type(exc).__name__}: {exc}", index, ins, traceback_text(exc, ours))
         return None
 
     def ref(self, value: dict[str, str]) -> Any:
@@ -968,7 +982,8 @@ class ProgramRun:
             self.encoder.byte_budget += sum(data.nbytes for data, _ in self.encoder.parts)
             self.encoder.next_part = first_part
             if isinstance(exc, RecursionError):
-                raise ExecutionError("serialization", "returned value is nested too deeply") from exc
+                raise ExecutionError("serialization", f"return {json.dumps(ins['key'])}: the returned value is "
+                                     "nested too deeply") from exc
             raise
         parts = self.encoder.parts
         send_raw(self.conn, frame)
@@ -979,7 +994,11 @@ class ProgramRun:
     def encode_return(self, ins: Instruction) -> dict[str, Any]:
         kind = ins.get("kind")
         if kind is None:
-            return self.encoder.value(self.ref(ins["value"]))
+            try:
+                return self.encoder.value(self.ref(ins["value"]))
+            except ExecutionError as exc:  # say which return, and where inside its value
+                exc.message = located_message(ins["key"], exc)
+                raise
         path = ins["path"]
         if is_ref(path):
             try:
@@ -998,8 +1017,43 @@ def error_object(kind: str, message: str, index: int, ins: Instruction, tb: str)
             "instruction_op": ins["op"], "instruction_id": ins.get("id"), "traceback": tb}
 
 
-def traceback_text(exc: BaseException) -> str:
-    return "".join(traceback.format_exception(exc))[-TRACEBACK_CHARS:]
+def traceback_text(exc: BaseException, ours: bool = True) -> str:
+    """The traceback as Python prints it (last TRACEBACK_CHARS).  For an error of the program
+    (`ours` false) without the server's frames: they only say how the worker called the uploaded
+    code, and would bury its frames; a failure of our own code keeps them, they are the bug."""
+    report = traceback.TracebackException.from_exception(exc)
+    if not ours:
+        drop_server_frames(report)
+    return "".join(report.format())[-TRACEBACK_CHARS:]
+
+
+def drop_server_frames(report: traceback.TracebackException) -> None:
+    """Remove the frames of SERVER_FILES from `report` and every exception chained to it."""
+    pending, seen = [report], set()
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        current.stack = traceback.StackSummary.from_list(
+            [frame for frame in current.stack if os.path.basename(frame.filename) not in SERVER_FILES])
+        grouped = getattr(current, "exceptions", None) or ()  # an exception group's members (3.11)
+        pending += [e for e in (current.__cause__, current.__context__, *grouped) if e]
+
+
+def passes_through_uploaded_code(exc: BaseException) -> bool:
+    """Whether `exc` (or an exception chained to it) was raised in or below a frame of uploaded code."""
+    pending, seen = [exc], set()
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        frames = traceback.walk_tb(current.__traceback__)
+        if any(frame.f_code.co_filename.startswith("<uploaded:") for frame, _ in frames):
+            return True
+        pending += [e for e in (current.__cause__, current.__context__) if e is not None]
+    return False
 
 
 LINE_BUDGET = 256  # line-ending writes per instruction that reach the pipe as they are printed
@@ -1247,6 +1301,25 @@ def collect_folder(root_fd: int, path: str, budget: int) -> tuple[dict[str, byte
 
 # --- value encoding (docs/protocol.md §9.5) -------------------------------------------------------
 
+class Unreturnable(ExecutionError):
+    """A value the protocol cannot carry; `what` completes "value[...] <what>", and `path` is filled in
+    on the way up (the keys and indices from the returned value down to it)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__("serialization", f"the returned value {what}")
+        self.what = what
+
+
+def located_message(key: str, exc: ExecutionError) -> str:
+    """`return "out": value["a"][2] is a set, ...`: the return key and the path inside its value."""
+    path = getattr(exc, "path", [])
+    if len(path) > 12:  # a value nested hundreds deep: its first and last steps say enough
+        path = [*path[:6], None, *path[-6:]]
+    where = "value" + "".join("[...]" if step is None else f"[{json.dumps(step)}]" for step in path)
+    detail = f"{where} {exc.what}" if isinstance(exc, Unreturnable) else f"{where}: {exc.message}"
+    return f"return {json.dumps(key)}: {detail}"
+
+
 class Encoder:
     """Encodes returned values depth-first, collecting binary parts in order."""
 
@@ -1274,7 +1347,7 @@ class Encoder:
 
     def value(self, v: object, depth: int = 0) -> dict[str, Any]:
         if depth > MAX_VALUE_DEPTH:
-            raise ExecutionError("serialization", "returned value is nested too deeply")
+            raise Unreturnable(f"is nested more than {MAX_VALUE_DEPTH} levels deep")
         if v is None:
             return {"type": "null"}
         if isinstance(v, bool):
@@ -1283,12 +1356,11 @@ class Encoder:
             try:
                 str(int(v))  # the front-end's JSON encoder has the same digit limit
             except ValueError:
-                raise ExecutionError("serialization", "cannot return an integer of more than "
-                                     f"{sys.get_int_max_str_digits()} digits") from None
+                raise Unreturnable(f"is an integer of more than {sys.get_int_max_str_digits()} digits") from None
             return {"type": "integer", "value": int(v)}
         if isinstance(v, float):
             if v != v or v in (float("inf"), float("-inf")):
-                raise ExecutionError("serialization", "cannot return a non-finite number")
+                raise Unreturnable(f"is a non-finite number ({v!r}), which JSON cannot carry")
             return {"type": "number", "value": float(v)}
         if isinstance(v, str):
             return {"type": "string", "value": str(v)}
@@ -1296,21 +1368,47 @@ class Encoder:
             name, digest = self.part(v, self.known_digest(v))
             return {"type": "bytes", "part": name, "sha256": digest}
         if isinstance(v, (list, tuple)):
-            return {"type": "array", "value": [self.value(x, depth + 1) for x in v]}
+            items = []
+            try:  # a loop, not a comprehension: one frame per level keeps deep values within the recursion limit
+                for x in v:
+                    items.append(self.value(x, depth + 1))
+            except ExecutionError as exc:
+                record_step(exc, len(items))  # the element that failed
+                raise
+            return {"type": "array", "value": items}
         if isinstance(v, dict):
-            if not all(isinstance(k, str) for k in v):
-                raise ExecutionError("serialization", "returned objects must have string keys")
-            return {"type": "object", "value": {str(k): self.value(x, depth + 1) for k, x in v.items()}}
+            for k in v:
+                if not isinstance(k, str):
+                    raise Unreturnable(f"is a dict with a key that is not a string ({k!r:.60}); "
+                                       "returned dicts need string keys")
+            members, key = {}, ""
+            try:
+                for key, x in v.items():
+                    members[str(key)] = self.value(x, depth + 1)
+            except ExecutionError as exc:
+                record_step(exc, key)
+                raise
+            return {"type": "object", "value": members}
         tensor = tensor_bytes(v)
         if tensor is not None:
             dtype, shape, data = tensor
             name, digest = self.part(data)
             return {"type": "tensor", "dtype": dtype, "shape": shape, "part": name, "sha256": digest}
-        raise ExecutionError("serialization", f"cannot return value of type {type(v).__name__}")
+        raise Unreturnable(f"is {article(type(v).__name__)} {type(v).__name__}, which cannot be returned "
+                           "(None, bool, int, float, str, bytes, list, tuple, dict with str keys and tensors can)")
 
     def file(self, data: Buffer) -> dict[str, Any]:
         name, digest = self.part(data)
         return {"type": "file", "part": name, "sha256": digest, "size": len(data)}
+
+
+def record_step(exc: ExecutionError, step: int | str) -> None:
+    """A failure inside a container's element or member `step`: prepend it to the failure's path."""
+    exc.path = [str(step) if isinstance(step, str) else step, *exc.path]
+
+
+def article(word: str) -> str:
+    return "an" if word[:1].lower() in "aeiou" else "a"
 
 
 def tensor_bytes(v: object) -> tuple[str, list[int], Any] | None:
@@ -1633,7 +1731,7 @@ class GpuAccessError(ExecutionError):
 def call_site(stack: traceback.StackSummary | list[traceback.FrameSummary]) -> str:
     """The innermost frame of uploaded code, else the innermost one outside the server."""
     uploaded = [f for f in stack if f.filename.startswith("<uploaded:")]
-    outside = [f for f in stack if os.path.basename(f.filename) not in ("kcoral.py", "kcoral_worker.py")]
+    outside = [f for f in stack if os.path.basename(f.filename) not in SERVER_FILES]
     frames = uploaded or outside
     return f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else "an unknown call site"
 

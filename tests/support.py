@@ -594,6 +594,8 @@ def assert_error_body(status, headers, body, http_status, kind, *fragments):
     body = json.loads(body) if isinstance(body, (bytes, bytearray)) else body
     assert status == http_status, body
     assert headers["content-type"] == "application/json"
+    if http_status == 504:  # our extension's fields (docs/protocol.md §9.8): checked, then set aside
+        body = without_timeout_fields(body)
     assert set(body) == {"status", "request_id", "error"}, body
     assert body["status"] == "ERROR"
     assert set(body["error"]) == {"kind", "message"}, body
@@ -605,6 +607,23 @@ def assert_error_body(status, headers, body, http_status, kind, *fragments):
     message = body["error"]["message"].lower()
     for fragment in fragments:
         assert fragment.lower() in message, (fragment, body["error"]["message"])
+    return body
+
+
+TIMEOUT_BODY_FIELDS = {"stdout": str, "stderr": str, "stdout_truncated": bool, "stderr_truncated": bool}
+TIMEOUT_ERROR_FIELDS = {"instruction_index": int, "instruction_op": str, "instruction_id": (str, type(None))}
+
+
+def without_timeout_fields(body):
+    """A worker's 504 body minus the fields it adds to §9.8's shape, after checking their types:
+    all four output fields, and the instruction's three whenever one had started."""
+    body, error = dict(body), dict(body["error"])
+    for fields, where in ((TIMEOUT_BODY_FIELDS, body), (TIMEOUT_ERROR_FIELDS, error)):
+        present = set(fields) & set(where)
+        assert present in (set(), set(fields)), where
+        for name in present:
+            assert isinstance(where.pop(name), fields[name]), (name, body)
+    body["error"] = error
     return body
 
 

@@ -22,8 +22,10 @@ import time
 import pytest
 
 from tests.support import (
+    HAPROXY,
     PYTHON,
     ROOT,
+    HAProxyProcess,
     ServerProcess,
     free_port,
     join_threads,
@@ -182,11 +184,21 @@ def test_missing_remote_tool_is_one_line_naming_it(url, work):
     assert not (work / "prof").exists()
 
 
-def test_missing_fetch_is_reported_and_fails_a_clean_exit(url, work):
+def test_missing_fetch_is_an_error_naming_it_and_leaves_no_empty_out(url, work):
     result = cli("python", "--url", url, "--fetch", "nowhere.txt", "--out", "saved", "--", "-c", "pass", cwd=work)
     assert result.returncode == 1
-    assert "missing artifacts: nowhere.txt" in result.stderr
-    assert list((work / "saved").iterdir()) == []
+    assert one_line(result.stderr) == \
+        "kcoral run python: --fetch nowhere.txt: no such file or directory in the remote working directory"
+    assert not (work / "saved").exists()
+
+
+def test_a_missing_fetch_beside_a_found_one_saves_what_was_found(url, work):
+    result = cli("python", "--url", url, "--fetch", "here.txt", "--fetch", "gone/x", "--out", "saved", "--", "-c",
+                 "open('here.txt', 'w').write('x')", cwd=work)
+    assert result.returncode == 1
+    assert "kcoral run python: --fetch gone/x: no such file or directory in the remote working directory" in \
+        result.stderr.splitlines()
+    assert [p.name for p in (work / "saved").iterdir()] == ["here.txt"]
 
 
 def test_second_run_of_the_same_inputs_uploads_nothing_large(url, work):
@@ -213,6 +225,53 @@ def test_bearer_token(work, tmp_path_factory):
     assert (allowed.returncode, allowed.stdout, flag.returncode, flag.stdout) == (0, "in\n", 0, "in\n")
     assert refused.returncode == 1 and refused.stdout == ""
     assert "401" in one_line(refused.stderr) and "bearer token" in refused.stderr
+
+
+@pytest.fixture(scope="module")
+def proxied(our_server, tmp_path_factory):
+    """HAProxy, configured by `haproxy-config`, in front of our server."""
+    if HAPROXY is None:
+        pytest.skip("haproxy is not installed")
+    proxy = HAProxyProcess([our_server.url], tmp_path_factory.mktemp("proxy"))
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
+
+
+PRINT_SLEEP_PRINT = "import time; print('first'); time.sleep(2); print('second', time.time())"
+
+
+@pytest.mark.parametrize("route", ["direct", "haproxy"])
+def test_remote_output_streams_to_the_local_terminal_as_it_is_printed(our_server, work, route, request):
+    """The first line is here before the second is printed there (docs/cli.md)."""
+    url = our_server.url if route == "direct" else request.getfixturevalue("proxied").url
+    proc = subprocess.Popen([PYTHON, "-m", "kcoral", "run", "python", "--url", url, "--", "-c", PRINT_SLEEP_PRINT],
+                            cwd=str(work), env=CLI_ENV, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        first = proc.stdout.readline()
+        first_seen = time.time()
+        second = proc.stdout.readline()
+        rest = proc.stdout.read()
+        assert proc.wait(60) == 0, proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+    assert (first, rest) == (b"first\n", b"")
+    assert second.startswith(b"second ")
+    assert first_seen < float(second.split()[1]), "the first line arrived only after the second was printed"
+
+
+def test_a_timeout_keeps_what_was_printed_before_it(our_server, work):
+    result = cli("python", "--url", our_server.url, "--timeout", "2", "--", "-c",
+                 "import sys, time; print('so far'); print('warn', file=sys.stderr); time.sleep(60)", cwd=work)
+    assert (result.returncode, result.stdout) == (1, "so far\n"), result.stderr
+    assert result.stderr.splitlines() == [
+        "warn", "kcoral run python: server error: HTTP 504: execution timed out after 2 s in instruction 2 "
+                "(run 'run_2')"]
 
 
 def test_timeout_is_one_line_and_exit_1(our_server, work):

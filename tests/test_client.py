@@ -919,6 +919,25 @@ def test_http_errors(stub, cli, status, body, expected):
     assert str(error) == f"HTTP {expected[0]}: {expected[2]}"
 
 
+def test_a_timeouts_instruction_and_output_become_attributes_of_the_right_type_only(stub, cli):
+    error = {"kind": "timeout", "message": "execution timed out after 2 s in instruction 2 (run 'r')",
+             "instruction_index": 2, "instruction_op": "run", "instruction_id": "r"}
+    stub.queue(json_response({"status": "ERROR", "request_id": RID, "error": error, "stdout": "so far\n",
+                              "stderr": "", "stdout_truncated": True, "stderr_truncated": False}, status=504))
+    with pytest.raises(KCoralError) as info:
+        cli.execute(Program())
+    got = info.value
+    assert (got.instruction_index, got.instruction_op, got.instruction_id) == (2, "run", "r")
+    assert (got.stdout, got.stderr, got.stdout_truncated, got.stderr_truncated) == ("so far\n", "", True, False)
+    stub.queue(json_response({"status": "ERROR", "error": {**error, "instruction_index": True, "instruction_op": 3},
+                              "stdout": 5, "stderr_truncated": "yes"}, status=504))
+    with pytest.raises(KCoralError) as info:
+        cli.execute(Program())
+    got = info.value
+    assert (got.instruction_index, got.instruction_op, got.instruction_id) == (None, None, "r")
+    assert (got.stdout, got.stderr, got.stdout_truncated, got.stderr_truncated) == ("", "", False, False)
+
+
 def test_http_error_with_a_non_json_body(stub, cli):
     stub.queue((502, {"Content-Type": "text/html"}, b"<html>bad gateway</html>"))
     with pytest.raises(KCoralError, match="HTTP 502: HTTP 502"):

@@ -1113,7 +1113,8 @@ def crashed(index=2, op="run"):
 
 
 def timed_out(status, headers, body, tag):
-    assert_error_body(status, headers, body, 504, "timeout")
+    body = assert_error_body(status, headers, body, 504, "timeout")
+    assert body["error"]["message"].startswith("execution timed out after "), body
 
 
 def left_background(status, headers, body, tag):
