@@ -934,9 +934,11 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
     def answer_pieces(self, request_id: str, outcome: Outcome) -> tuple[int, str, list[Buffer]]:
         """What `respond` would send, as (status, content type, body pieces): a stream's last frame."""
         if outcome.http_status == 200:
-            json_body: list[Buffer] = [json_bytes(outcome.body)]
-            content_type, pieces = (multipart_result(outcome.body, outcome.parts) if outcome.parts
-                                    else ("application/json", json_body))
+            pieces: list[Buffer]
+            if outcome.parts:
+                content_type, pieces = multipart_result(outcome.body, outcome.parts)
+            else:
+                content_type, pieces = "application/json", [json_bytes(outcome.body)]
             if sum(len(p) for p in pieces) <= self.app.config.max_response_bytes:
                 return 200, content_type, pieces
             outcome = Outcome(500, "response_too_large", "results exceed the configured response-size limit")
