@@ -602,7 +602,7 @@ def worker_main(conn: Connection, device: str, visible_gpus: list[str]) -> None:
     die_with_parent()
     become_subreaper()
     os.environ[WORKER_MARK] = str(os.getpid())  # inherited: finds what escapes after a crash
-    problem = template_cuda_problem()
+    problem = template_cuda_problem(device)
     if problem:
         send_message(conn, WorkerFailed(problem))
         os._exit(1)
@@ -684,17 +684,20 @@ TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "G
                       "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID")
 
 
-def template_cuda_problem() -> str | None:
+def template_cuda_problem(device: str) -> str | None:
     """Why this fork cannot use CUDA, or None.
 
     The template preloads torch (and tvm_ffi) so that a fresh worker per request
     costs a fork, not seconds of imports; that is only sound while the template
     never initialised CUDA (a CUDA context does not survive fork).  The front-end
     sets PYTORCH_NVML_BASED_CUDA_CHECK=1 for it, so availability checks on import
-    ask NVML instead of calling cuInit.
+    ask NVML instead of calling cuInit.  Where NVML is missing (a CPU host with a
+    CUDA build of torch) torch falls back to cudaGetDeviceCount, which marks every
+    fork as bad: that only matters to a worker that will use CUDA, so CPU workers
+    are never refused.
     """
     torch = sys.modules.get("torch")
-    if torch is None or not hasattr(torch, "cuda"):
+    if device != "cuda" or torch is None or not hasattr(torch, "cuda"):
         return None
     bad_fork = getattr(torch.cuda, "_is_in_bad_fork", lambda: False)
     if torch.cuda.is_initialized() or bad_fork():

@@ -1028,11 +1028,62 @@ def test_template_with_cuda_state_is_refused(monkeypatch):
     log = []
     torch, _ = fake_torch(log)
     monkeypatch.setitem(sys.modules, "torch", torch)
-    assert kcoral_worker.template_cuda_problem() is None
+    assert kcoral_worker.template_cuda_problem("cuda") is None
     torch.cuda.is_initialized = lambda: True
-    assert "initialised CUDA" in kcoral_worker.template_cuda_problem()
+    assert "initialised CUDA" in kcoral_worker.template_cuda_problem("cuda")
     torch.cuda.is_initialized, torch.cuda._is_in_bad_fork = (lambda: False), (lambda: True)
-    assert "initialised CUDA" in kcoral_worker.template_cuda_problem()
+    assert "initialised CUDA" in kcoral_worker.template_cuda_problem("cuda")
+
+
+def torch_without_nvml(log):
+    """A CUDA build of torch on a host without NVML: with PYTORCH_NVML_BASED_CUDA_CHECK=1 its
+    availability check fails over to cudaGetDeviceCount, which poisons every later fork."""
+    torch, _ = fake_torch(log)
+    poisoned = []
+
+    def is_available():
+        if os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK") == "1":
+            poisoned.append(True)  # NVML failed: torch._C._cuda_getDeviceCount() -> poison_fork()
+        return False
+    torch.cuda.is_available, torch.cuda._is_in_bad_fork = is_available, lambda: bool(poisoned)
+    return torch
+
+
+def start_forked_worker(device, visible=()):
+    """worker_main forked from this process (the template, with whatever sys.modules holds)
+    -> (process, the front-end's end of its pipe, its first message)."""
+    ours, theirs = multiprocessing.Pipe()
+    process = multiprocessing.get_context("fork").Process(target=kcoral_worker.worker_main,
+                                                          args=(theirs, device, list(visible)), daemon=True)
+    process.start()
+    theirs.close()
+    message, _ = kcoral_worker.receive_message(ours, deadline=time.monotonic() + 30)
+    return process, ours, message
+
+
+def stop_forked_worker(process, conn):
+    with __import__("contextlib").suppress(OSError):
+        kcoral_worker.send_message(conn, kcoral_worker.StopWorker())
+    process.join(10)
+    if process.is_alive():
+        process.kill()
+        process.join()
+    conn.close()
+
+
+def test_cpu_workers_start_from_a_template_whose_torch_had_no_nvml(monkeypatch):
+    """A CPU compile server with the default (CUDA) torch wheel: the template's availability check
+    poisoned forks, which must not stop CPU workers (GPU workers are still refused)."""
+    torch = torch_without_nvml([])
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    torch.cuda.is_available()  # what `import tvm_ffi` does in the template
+    process, conn, message = start_forked_worker("cpu")
+    try:
+        assert isinstance(message, kcoral_worker.WorkerReady), message
+    finally:
+        stop_forked_worker(process, conn)
+    assert "initialised CUDA" in kcoral_worker.template_cuda_problem("cuda")
 
 
 def test_workers_come_from_a_template_with_torch_loaded_and_cuda_untouched(server):
