@@ -51,6 +51,7 @@ import collections
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import hashlib
 import importlib.util
 import io
@@ -613,6 +614,7 @@ def worker_main(conn: Connection, device: str, visible_gpus: list[str]) -> None:
     import gc
     gc.freeze()  # the template's objects are permanent: later collections skip them
     env = dict(os.environ)
+    torch_settings = TorchSettings.capture()
     send_message(conn, WorkerReady(os.getpid()))
     for message in messages(conn):
         match message:
@@ -621,11 +623,13 @@ def worker_main(conn: Connection, device: str, visible_gpus: list[str]) -> None:
             case InitGpu():
                 send_message(conn, initialize_gpu())
                 env = dict(os.environ)
+                if torch_settings is not None:
+                    torch_settings.capture_cuda()
             case JobRequest():
                 poisoned = serve_request(conn, message, runtime)
                 if message.retire or poisoned:
                     os._exit(0)
-                reset_process_state(env)
+                reset_process_state(env, torch_settings)
             case _:
                 raise UnexpectedMessage(f"a worker cannot serve {message!r}")
 
@@ -792,9 +796,11 @@ def finish_on_device(program: ProgramRun, error: ErrorObject | None, lease: GpuL
     return error, poisoned
 
 
-def reset_process_state(env: dict[str, str]) -> None:
-    """Between requests of a reused worker: environment, source cache, garbage."""
+def reset_process_state(env: dict[str, str], torch_settings: TorchSettings | None = None) -> None:
+    """Between requests of a reused worker: environment, torch's global settings, source cache, garbage."""
     import gc
+    if torch_settings is not None:
+        torch_settings.restore()
     for key in set(os.environ) - set(env):
         del os.environ[key]
     for key, value in env.items():
@@ -803,6 +809,77 @@ def reset_process_state(env: dict[str, str]) -> None:
     for name in [n for n in linecache.cache if n.startswith("<uploaded:")]:
         del linecache.cache[name]
     gc.collect()
+
+
+# torch's process-wide switches a program may flip, as (module under torch, attribute): the
+# cudnn and matmul flags, then the fp32_precision settings of torch 2.9+ that the legacy ones are
+# views of (restored last, so the exact original values win over what the legacy setters derive)
+TORCH_FLAGS = (("backends.cudnn", "enabled"), ("backends.cudnn", "benchmark"), ("backends.cudnn", "deterministic"),
+               ("backends.cudnn", "allow_tf32"), ("backends.cuda.matmul", "allow_tf32"),
+               ("backends.cuda.matmul", "allow_fp16_reduced_precision_reduction"),
+               ("backends.cuda.matmul", "allow_bf16_reduced_precision_reduction"),
+               ("backends", "fp32_precision"), ("backends.cuda.matmul", "fp32_precision"),
+               ("backends.cudnn", "fp32_precision"), ("backends.cudnn.conv", "fp32_precision"),
+               ("backends.cudnn.rnn", "fp32_precision"), ("backends.mkldnn", "fp32_precision"),
+               ("backends.mkldnn.matmul", "fp32_precision"), ("backends.mkldnn.conv", "fp32_precision"),
+               ("backends.mkldnn.rnn", "fp32_precision"))
+
+
+class TorchSettings:
+    """torch's global settings as a worker started with them, put back between the requests of a
+    reused worker (docs/server.md §3.3): default dtype, deterministic algorithms, float32 matmul
+    precision, the cudnn/matmul flags and, once CUDA is initialised, the current device and its
+    stream.  Reading them costs microseconds; only what differs is set again."""
+
+    def __init__(self, torch: Any) -> None:
+        self.torch = torch
+        self.dtype = torch.get_default_dtype()
+        self.deterministic = (torch.are_deterministic_algorithms_enabled(),
+                              torch.is_deterministic_algorithms_warn_only_enabled())
+        self.matmul_precision = torch.get_float32_matmul_precision()
+        self.flags = {}
+        for path, name in TORCH_FLAGS:
+            with contextlib.suppress(Exception):  # older torch: no such flag
+                self.flags[path, name] = getattr(self.owner(path), name)
+        self.cuda_device: int | None = None
+
+    @staticmethod
+    def capture() -> TorchSettings | None:
+        """The settings now, if torch is loaded (the template preloads it); None without torch."""
+        torch = sys.modules.get("torch")
+        return TorchSettings(torch) if torch is not None and hasattr(torch, "get_default_dtype") else None
+
+    def owner(self, path: str) -> Any:
+        return functools.reduce(getattr, path.split("."), self.torch)
+
+    def capture_cuda(self) -> None:
+        """Once the worker created its CUDA context: the device (and so its default stream) it chose."""
+        self.cuda_device = self.torch.cuda.current_device()
+
+    def restore(self) -> None:
+        torch = self.torch
+        if torch.get_default_dtype() != self.dtype:
+            torch.set_default_dtype(self.dtype)
+        if (torch.are_deterministic_algorithms_enabled(),
+                torch.is_deterministic_algorithms_warn_only_enabled()) != self.deterministic:
+            torch.use_deterministic_algorithms(self.deterministic[0], warn_only=self.deterministic[1])
+        if torch.get_float32_matmul_precision() != self.matmul_precision:
+            torch.set_float32_matmul_precision(self.matmul_precision)
+        for (path, name), value in self.flags.items():
+            with contextlib.suppress(Exception):  # a legacy getter refuses to read mixed settings: set anyway
+                if getattr(self.owner(path), name) == value:
+                    continue
+            setattr(self.owner(path), name, value)
+        if self.cuda_device is not None:
+            self.restore_cuda()
+
+    def restore_cuda(self) -> None:
+        cuda, device = self.torch.cuda, self.cuda_device
+        if cuda.current_device() != device:
+            cuda.set_device(device)
+        default = cuda.default_stream(device)
+        if cuda.current_stream(device) != default:
+            cuda.set_stream(default)
 
 
 # --- one program: instructions in order (docs/protocol.md §8) -------------------------------------

@@ -1099,6 +1099,25 @@ def test_workers_come_from_a_template_with_torch_loaded_and_cuda_untouched(serve
     assert plain(body["results"]["out"]) == {"torch": True, "tvm_ffi": True, "initialized": False, "nvml": "1"}
 
 
+def test_a_reused_gpu_worker_gets_its_cuda_device_and_default_stream_back(monkeypatch):
+    """docs/server.md §3.3: a program that switched the current device or stream does not leave
+    that to the next request (the rest of torch's settings: tests/test_worker_lifecycle.py)."""
+    import torch
+    current, streams = {"device": 0}, {0: "default-0", 1: "default-1"}
+    fake = {"current_device": lambda: current["device"],
+            "set_device": lambda device: current.update(device=device),
+            "default_stream": lambda device: f"default-{device}",
+            "current_stream": lambda device: streams[device],
+            "set_stream": lambda stream: streams.update({int(stream[-1]): stream})}
+    for name, function in fake.items():
+        monkeypatch.setattr(torch.cuda, name, function)
+    settings = kcoral_worker.TorchSettings.capture()
+    settings.capture_cuda()  # at InitGpu
+    current["device"], streams[0] = 1, "side-stream"  # what the first request left
+    kcoral_worker.reset_process_state(dict(os.environ), settings)
+    assert current == {"device": 0} and streams[0] == "default-0"
+
+
 def test_tvm_ffi_preparation_is_bounded_and_disables_the_slow_path(monkeypatch):
     """Risk 2: the add-on build runs once before the pool with its own timeout; past it, disabled."""
     monkeypatch.delenv("TVM_FFI_DISABLE_TORCH_C_DLPACK", raising=False)
