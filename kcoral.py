@@ -3192,6 +3192,11 @@ def nvml_gpu_ids() -> list[str]:
 
 
 WARM_TVM_FFI = "import torch, tvm_ffi"  # tvm_ffi builds its torch add-on on import when it must
+# tvm_ffi only warns when that build fails: what the warm-up really did is whether torch.Tensor
+# now carries the DLPack exchange API (which the add-on installs), told by the exit status
+ADDON_MISSING_EXIT = 3
+CHECK_TVM_FFI_ADDON = ("import sys, torch; sys.exit(0 if hasattr(torch.Tensor, '__dlpack_c_exchange_api__') "
+                       f"or hasattr(torch.Tensor, '__c_dlpack_exchange_api__') else {ADDON_MISSING_EXIT})")
 
 
 def prepare_template_imports(timeout: float, warm: str = WARM_TVM_FFI, log: EventLog | None = None) -> str:
@@ -3202,7 +3207,8 @@ def prepare_template_imports(timeout: float, warm: str = WARM_TVM_FFI, log: Even
     its forks would inherit unusable.  With a torch that lacks the DLPack exchange API,
     `import tvm_ffi` compiles an add-on into its cache on first use (nvcc: minutes): that
     happens here, once, in a separate process within `timeout` seconds; if it fails or takes
-    longer, the add-on is disabled for this server so no worker can meet the slow path.
+    longer, or tvm_ffi swallowed a failed build (no DLPack exchange API afterwards), the add-on
+    is disabled for this server so no worker can meet the slow path again.
     -> "native", "warmed", "disabled" or "absent" (also logged).
     """
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
@@ -3212,16 +3218,26 @@ def prepare_template_imports(timeout: float, warm: str = WARM_TVM_FFI, log: Even
         return "native"
     started = time.monotonic()
     try:
-        subprocess.run([sys.executable, "-I", "-c", warm], check=True, timeout=timeout,
-                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        subprocess.run([sys.executable, "-I", "-c", f"{warm}\n{CHECK_TVM_FFI_ADDON}"], check=True,
+                       timeout=timeout, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         state, error = "warmed", None
     except (subprocess.SubprocessError, OSError) as exc:
         os.environ["TVM_FFI_DISABLE_TORCH_C_DLPACK"] = "1"
-        state, error = "disabled", f"{type(exc).__name__}: {str(exc)[-300:]}"
+        state, error = "disabled", warm_up_failure(exc)
     if log is not None:
         log.event("template_prepared", "WARNING" if error else "INFO", tvm_ffi_torch_addon=state,
                   seconds=round(time.monotonic() - started, 1), error=error)
     return state
+
+
+def warm_up_failure(exc: subprocess.SubprocessError | OSError) -> str:
+    """What went wrong in the tvm_ffi warm-up, for the log: a build tvm_ffi reported only as a
+    warning is named as such, with the end of what it wrote."""
+    stderr = getattr(exc, "stderr", None) or b""
+    tail = stderr.decode(errors="replace").strip()[-300:]
+    if isinstance(exc, subprocess.CalledProcessError) and exc.returncode == ADDON_MISSING_EXIT:
+        return f"tvm_ffi's torch add-on was not built (tvm_ffi only warned): {tail or 'no output'}"
+    return f"{type(exc).__name__}: {str(exc)[-300:]}" + (f"; {tail}" if tail else "")
 
 
 def torch_has_dlpack_exchange_api() -> bool:

@@ -1133,6 +1133,22 @@ def test_tvm_ffi_preparation_is_bounded_and_disables_the_slow_path(monkeypatch):
     assert os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1"
 
 
+def test_a_tvm_ffi_build_failure_it_only_warned_about_is_not_called_warmed(monkeypatch):
+    """tvm_ffi catches a failed JIT of its torch add-on and warns: the warm-up looks at the result."""
+    monkeypatch.delenv("TVM_FFI_DISABLE_TORCH_C_DLPACK", raising=False)
+    monkeypatch.setattr(kcoral, "torch_has_dlpack_exchange_api", lambda: False)
+    events = []
+    log = types.SimpleNamespace(event=lambda name, level="INFO", **fields: events.append((name, level, fields)))
+    swallowed = ("import sys, torch\n"
+                 "torch.Tensor = type('Tensor', (), {})  # the add-on never set its attribute\n"
+                 "print('UserWarning: Failed to JIT torch c dlpack extension', file=sys.stderr)")
+    assert kcoral.prepare_template_imports(60, warm=swallowed, log=log) == "disabled"
+    assert os.environ["TVM_FFI_DISABLE_TORCH_C_DLPACK"] == "1"
+    [(name, level, fields)] = events
+    assert (name, level, fields["tvm_ffi_torch_addon"]) == ("template_prepared", "WARNING", "disabled")
+    assert "not built" in fields["error"] and "Failed to JIT" in fields["error"]
+
+
 def test_this_torch_exports_the_dlpack_exchange_api_itself():
     import torch
     assert kcoral.torch_has_dlpack_exchange_api() == (hasattr(torch.Tensor, "__dlpack_c_exchange_api__") or
