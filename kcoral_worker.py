@@ -721,6 +721,7 @@ def prepare_gpu(visible_gpus: list[str]) -> None:
     import torch  # noqa: F401  mandatory on GPU workers: failing here fails the start
     with contextlib.suppress(ImportError):
         import tvm_ffi  # noqa: F401  preloaded by the template; imported now rather than under the lease later
+    preload_library_runtimes("cuda")  # likewise: before the worker is offered, not at its first library load
 
 
 def initialize_gpu() -> GpuInitialized:
@@ -1338,11 +1339,7 @@ class Runtime:
         except ImportError:
             raise ExecutionError("unavailable", "library uploads need apache-tvm-ffi "
                                  "in the worker environment") from None
-        if importlib.util.find_spec("tvm") is not None:
-            with contextlib.suppress(Exception):  # tvm registers the loaders of device modules a library may embed
-                import tvm  # noqa: F401
-        if self.device == "cuda":
-            preload_cute_dsl_runtime()
+        preload_library_runtimes(self.device)  # GPU workers did it before they were offered
         import tempfile
         fd, path = tempfile.mkstemp(prefix=f"{blob_hash}-", suffix=".so")
         try:
@@ -1436,6 +1433,25 @@ def loaded_cudarts() -> list[ctypes.CDLL]:
                 getter.restype, getter.argtypes = ctypes.c_char_p, [ctypes.c_int]
             _cudarts[path] = lib
     return [_cudarts[p] for p in paths if p in _cudarts]
+
+
+_library_runtimes_loaded = False
+
+
+def preload_library_runtimes(device: str) -> None:
+    """What loading an uploaded library needs first, once per process, each part optional: tvm
+    registers the loaders of device modules a library may embed; GPU workers also load CuTe DSL's
+    runtime (§4.2).  Both only load libraries (no CUDA call), so GPU workers do it in prepare_gpu,
+    off the lease and before a request arrives; CPU workers at their first library load."""
+    global _library_runtimes_loaded
+    if _library_runtimes_loaded:
+        return
+    _library_runtimes_loaded = True
+    with contextlib.suppress(Exception):  # absent, or broken: libraries that need it fail to load instead
+        if importlib.util.find_spec("tvm") is not None:
+            import tvm  # noqa: F401
+    if device == "cuda":
+        preload_cute_dsl_runtime()
 
 
 _cute_preloaded = False

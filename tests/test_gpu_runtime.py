@@ -1015,12 +1015,37 @@ def test_cute_dsl_runtime_is_preloaded_once_before_libraries(monkeypatch):
 def test_cute_dsl_preload_comes_before_the_first_gpu_library_load(monkeypatch, add_one_library):
     order = []
     monkeypatch.setattr(kcoral_worker, "preload_cute_dsl_runtime", lambda: order.append("cute"))
+    monkeypatch.setattr(kcoral_worker, "_library_runtimes_loaded", False)  # a worker that skipped prepare_gpu
     import tvm_ffi
     real_load = tvm_ffi.load_module
     monkeypatch.setattr(tvm_ffi, "load_module", lambda path: order.append("load") or real_load(path))
     runtime = kcoral_worker.Runtime("cuda")
     module = runtime.load_library("ab" * 32, add_one_library)
     assert order == ["cute", "load"] and module.implements_function("add_one")
+
+
+def test_gpu_workers_load_tvm_and_the_cute_dsl_runtime_before_they_are_ready(monkeypatch, tmp_path):
+    """Off the lease and off the request: `import tvm` and CuTe DSL's runtime load while the
+    worker starts (prepare_gpu), not at a request's first library load under the lease."""
+    import tvm_ffi  # noqa: F401  preloaded with the real torch, as in the template
+    record = tmp_path / "loaded"
+    (tmp_path / "tvm").mkdir()
+    (tmp_path / "tvm" / "__init__.py").write_text(f"open({str(record)!r}, 'a').write('tvm ')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    runtime = types.ModuleType("cutlass.cute.runtime")
+    runtime.find_runtime_libraries = lambda enable_tvm_ffi: open(record, "a").write("cute ") and []
+    for name, module in (("cutlass", types.ModuleType("cutlass")), ("cutlass.cute", types.ModuleType("cutlass.cute")),
+                         ("cutlass.cute.runtime", runtime)):
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setitem(sys.modules, "torch", fake_torch([])[0])
+    monkeypatch.setattr(kcoral_worker, "_library_runtimes_loaded", False, raising=False)
+    monkeypatch.setattr(kcoral_worker, "_cute_preloaded", False)
+    process, conn, message = start_forked_worker("cuda", ["GPU-00000000-0000-0000-0000-000000000000"])
+    try:
+        assert isinstance(message, kcoral_worker.WorkerReady), message
+        assert record.read_text() == "tvm cute "  # before WorkerReady, so before InitGpu and any lease
+    finally:
+        stop_forked_worker(process, conn)
 
 
 def test_template_with_cuda_state_is_refused(monkeypatch):
