@@ -2401,6 +2401,8 @@ class Pool:
         self.closing = False
         self.replacing: set[threading.Thread] = set()  # each leaves when done: nothing stays per request
         if config.sandbox == "bubblewrap":  # probed by resolve_sandbox
+            if device == "cuda":
+                ensure_gpu_control_nodes(log)
             for slot in self.slots:  # the containers import in parallel
                 slot.template = SandboxTemplate(config, device, slot.gpus)
         for slot in self.slots:
@@ -3403,6 +3405,10 @@ SANDBOX_ENV_NAMES = (
 SANDBOX_ADDONS = "/opt/kcoral-tvm-ffi"  # inside: the tvm_ffi torch add-on the server built (read-only)
 KILL_SWEEP_SECONDS = 2.0  # SIGKILL sweeps over a container's request processes before it is ended whole
 GPU_CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-caps")
+# the control nodes CUDA cannot do without, and what breaks inside a container started without them
+REQUIRED_GPU_NODES = {"/dev/nvidiactl": "CUDA cannot initialise inside the sandbox",
+                      "/dev/nvidia-uvm": "CUDA initialisation and cudaMalloc of managed memory may fail "
+                                         "inside the sandbox"}
 
 
 def probe_bubblewrap(config: ServerConfig) -> None:
@@ -3696,6 +3702,25 @@ def gpu_device_node(gpu_id: int) -> str:
     except OSError:
         pass
     return f"/dev/nvidia{gpu_id}"
+
+
+def ensure_gpu_control_nodes(log: EventLog) -> list[str]:
+    """The sandbox shows a device node only if it exists when the container starts, and on a freshly
+    booted host /dev/nvidia-uvm does not until the first CUDA program's driver runs the setuid
+    nvidia-modprobe, which cannot work inside a container.  So run it here, as the driver would
+    (unprivileged: it is setuid root where installed), and warn about any node still missing.
+    -> the required nodes still missing."""
+    missing = [node for node in REQUIRED_GPU_NODES if not os.path.exists(node)]
+    modprobe = shutil.which("nvidia-modprobe")
+    if missing and modprobe:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            subprocess.run([modprobe, "-u", "-c=0"], check=False, timeout=30, stdin=subprocess.DEVNULL,
+                           capture_output=True)
+        missing = [node for node in missing if not os.path.exists(node)]
+    for node in missing:
+        log.event("gpu_device_node_missing", "WARNING", node=node, effect=REQUIRED_GPU_NODES[node],
+                  remedy="run nvidia-modprobe -u -c=0 (or load nvidia-uvm and create the node) and restart")
+    return missing
 
 
 def children_of(pid: int | None) -> list[int]:

@@ -18,6 +18,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -1178,6 +1179,35 @@ def test_this_torch_exports_the_dlpack_exchange_api_itself():
     import torch
     assert kcoral.torch_has_dlpack_exchange_api() == (hasattr(torch.Tensor, "__dlpack_c_exchange_api__") or
                                                      hasattr(torch.Tensor, "__c_dlpack_exchange_api__"))
+
+
+def recording_log():
+    events = []
+    return events, types.SimpleNamespace(event=lambda name, level="INFO", **fields: events.append((name, level, fields)))
+
+
+def test_a_missing_nvidia_uvm_node_is_created_or_warned_about(monkeypatch, tmp_path):
+    """A freshly booted host has no /dev/nvidia-uvm yet; the sandbox would silently show none."""
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    (dev / "nvidiactl").touch()
+    nodes = {str(dev / "nvidiactl"): "CUDA cannot initialise", str(dev / "nvidia-uvm"): "managed memory fails"}
+    monkeypatch.setattr(kcoral, "REQUIRED_GPU_NODES", nodes)
+    touch = shutil.which("touch")
+    monkeypatch.setenv("PATH", str(tmp_path / "no-driver-tools"))
+    events, log = recording_log()
+    assert kcoral.ensure_gpu_control_nodes(log) == [str(dev / "nvidia-uvm")]
+    [(name, level, fields)] = events
+    assert (name, level, fields["node"]) == ("gpu_device_node_missing", "WARNING", str(dev / "nvidia-uvm"))
+    assert "managed memory" in fields["effect"] and "nvidia-modprobe -u -c=0" in fields["remedy"]
+    tools = tmp_path / "driver-tools"  # nvidia-modprobe, as the driver runs it, creates the node
+    tools.mkdir()
+    (tools / "nvidia-modprobe").write_text(f"#!/bin/sh\n[ \"$1 $2\" = '-u -c=0' ] && {touch} {dev / 'nvidia-uvm'}\n")
+    (tools / "nvidia-modprobe").chmod(0o755)
+    monkeypatch.setenv("PATH", str(tools))
+    events.clear()
+    assert kcoral.ensure_gpu_control_nodes(log) == [] and events == []
+    assert (dev / "nvidia-uvm").exists()
 
 
 # --- quarantine, multi-GPU start-up, shutdown --------------------------------------
