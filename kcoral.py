@@ -2537,14 +2537,21 @@ class Pool:
         self.drain()
 
     def run_multi_gpu(self, slot: Slot, job: Job, count: int, queue_ms: float) -> Outcome:
-        """docs/protocol.md §8.9: a dedicated worker that sees `count` GPUs, started under all their leases."""
+        """docs/protocol.md §8.9: a dedicated worker that sees `count` GPUs, started under all their leases.
+        Under the sandbox, its own container showing exactly these GPUs: a cold start of seconds,
+        begun before the leases are waited for (for the GPUs most likely granted; started again in
+        the rare case others free up first), so that nobody's lease waits for a container."""
+        sandboxed = self.config.sandbox == "bubblewrap"
+        expected = self.arbiter.likely_grant(count)
+        template = SandboxTemplate(self.config, self.device, expected) if sandboxed else None
         try:
-            gpus, wait_ms = self.arbiter.acquire(job.request_id, count=count)
-        except LeaseRefused as exc:
-            return Outcome(503, "busy", str(exc))
-        # under the sandbox, its own container showing exactly these GPUs: a cold start
-        template = SandboxTemplate(self.config, self.device, gpus) if self.config.sandbox == "bubblewrap" else None
-        try:
+            try:
+                gpus, wait_ms = self.arbiter.acquire(job.request_id, count=count)
+            except LeaseRefused as exc:
+                return Outcome(503, "busy", str(exc))
+            if template is not None and set(gpus) != set(expected):
+                template.kill()
+                template = SandboxTemplate(self.config, self.device, gpus)
             return self.run_dedicated_worker(job, gpus, wait_ms, queue_ms, template)
         finally:
             if template is not None:
@@ -3314,6 +3321,12 @@ class LeaseArbiter:
                 self.holder[g] = owner
                 self.history[g].append((now, None, owner))
         return granted, (time.monotonic() - start) * 1e3
+
+    def likely_grant(self, count: int) -> list[int]:
+        """The `count` GPUs an "any n" request is most likely granted: free ones first, in configured order."""
+        with self.cond:
+            usable = [g for g in self.gpu_ids if g not in self.quarantined]
+            return sorted(usable, key=lambda g: self.holder[g] is not None)[:count]
 
     def check_servable(self, gpus: list[int] | None, count: int | None) -> None:
         if count and self.closing:

@@ -1374,17 +1374,28 @@ class Runtime:
     def synchronize(self) -> None:
         if self.device == "cuda":
             import torch
-            for index in range(torch.cuda.device_count()):
+            for index in self.devices_in_use():
                 torch.cuda.synchronize(index)
 
+    def devices_in_use(self) -> list[int]:
+        """The visible devices this process has a CUDA context on: synchronizing (or emptying the
+        cache of) any other would create one there, hundreds of MB for a device the program never
+        touched.  The driver's primary-context state (cuDevicePrimaryCtxGetState, which torch's
+        autograd engine asks for the same reason) covers kernels that libraries launched through
+        the runtime API too, unlike torch's allocator statistics.  A torch without the query: all."""
+        import torch
+        has_context = getattr(torch._C, "_cuda_hasPrimaryContext", None) if hasattr(torch, "_C") else None
+        indices = range(torch.cuda.device_count())
+        return [i for i in indices if has_context(i)] if has_context is not None else list(indices)
+
     def release_cached_memory(self) -> None:
-        """Drain every visible device and give the allocator's unused cache back to the driver,
+        """Drain every device in use and give the allocator's unused cache back to the driver,
         so a peer sharing the GPU gets the memory once the lease is released (docs/server.md §2.2)."""
         if self.device != "cuda":
             return
         import torch
         self.synchronize()
-        for index in range(torch.cuda.device_count()):
+        for index in self.devices_in_use():
             if torch.cuda.memory_reserved(index) > torch.cuda.memory_allocated(index):
                 with torch.cuda.device(index):
                     torch.cuda.empty_cache()

@@ -957,6 +957,20 @@ def test_cpu_only_release_empties_the_cache_on_every_device(monkeypatch):
     assert conn.sent == [kcoral_worker.ReleaseLease()]
 
 
+def test_devices_without_a_context_are_neither_synchronized_nor_emptied(monkeypatch):
+    """A multi-GPU worker whose program used device 1 only: touching device 0 would create a context."""
+    log = []
+    torch, _ = fake_torch(log, reserved=(0, 512))
+    torch._C = types.SimpleNamespace(_cuda_hasPrimaryContext=lambda index: index == 1)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    conn = FakeConn()
+    lease = kcoral_worker.GpuLease(conn, kcoral_worker.Runtime("cuda"))
+    lease.held = True
+    lease.release()
+    lease.finish()
+    assert log == [("synchronize", 1), ("empty_cache", 1), ("synchronize", 1)]
+
+
 def test_cpu_only_guard_disables_its_domains_and_cupti_is_finalized(fake_cupti):
     finalized = []
     fake_cupti.finalize = lambda: finalized.append(True)
@@ -1259,6 +1273,7 @@ def test_quarantine_refuses_waiters_already_queued():
 def test_waits_for_n_gpus_end_at_shutdown():
     pool = object.__new__(kcoral.Pool)
     pool.arbiter, pool.cond, pool.closing = kcoral.LeaseArbiter([0, 1]), threading.Condition(), False
+    pool.config = kcoral.ServerConfig()
     pool.arbiter.acquire("busy", [0])
     job = kcoral.Job("big", kcoral.ValidProgram([], {"gpu_count": 2}, {}, []), {}, timeout=10.0, output_limit=0)
     outcomes = []
@@ -1288,3 +1303,45 @@ def test_multi_gpu_start_up_failures(monkeypatch, failure, status, kind):
     assert (outcome.http_status, outcome.kind) == (status, kind)
     assert phases == [3.0]  # bounded by the request's timeout, not 60 s
     assert pool.arbiter.holder == {0: None, 1: None}
+
+
+class FakeSandboxTemplate:
+    """Records which GPUs a container was started for, and who held their leases then."""
+    started = []
+
+    def __init__(self, config, device, gpus):
+        self.gpus, self.killed = list(gpus), False
+        self.started.append((self, dict(self.arbiter.holder)))
+
+    def kill(self):
+        self.killed = True
+
+
+@pytest.mark.parametrize("held, release, expected, granted", [([0], (), [1, 2], [1, 2]),
+                                                              ([0, 1, 2], (2, 1), [0, 1], [1, 2])])
+def test_a_multi_gpu_sandbox_starts_before_the_leases_are_waited_for(monkeypatch, held, release, expected, granted):
+    """The container's start (seconds) must not happen under n leases that other requests wait for."""
+    pool = object.__new__(kcoral.Pool)
+    pool.arbiter, pool.gpu_names = kcoral.LeaseArbiter([0, 1, 2]), {0: "0", 1: "1", 2: "2"}
+    pool.config, pool.device = kcoral.ServerConfig(sandbox="bubblewrap"), "cuda"
+    for g in held:
+        pool.arbiter.acquire(f"busy-{g}", [g])
+    for g in release:  # the GPUs expected busy free up after others
+        threading.Timer(0.3, pool.arbiter.release, (f"busy-{g}", [g])).start()
+    monkeypatch.setattr(FakeSandboxTemplate, "started", [])
+    monkeypatch.setattr(FakeSandboxTemplate, "arbiter", pool.arbiter, raising=False)
+    monkeypatch.setattr(kcoral, "SandboxTemplate", FakeSandboxTemplate)
+    workers = []
+
+    def worker(pool_, gpus, phase_timeout, template=None):
+        workers.append((list(gpus), template))
+        raise kcoral.WorkerCrashed("did not start")
+    monkeypatch.setattr(kcoral, "Worker", worker)
+    job = kcoral.Job("r", kcoral.ValidProgram([], {"gpu_count": 2}, {}, []), {}, timeout=10.0, output_limit=0)
+    outcome = pool.run_multi_gpu(None, job, 2, 0.0)
+    assert (outcome.http_status, outcome.kind) == (500, "engine")
+    first, holders = FakeSandboxTemplate.started[0]
+    assert first.gpus == expected and all(holders[g] != "r" for g in expected)  # before any lease of ours
+    used_gpus, used = workers[0]
+    assert used_gpus == granted and used.gpus == granted  # the container shows the granted GPUs
+    assert all(t.killed for t, _ in FakeSandboxTemplate.started)
