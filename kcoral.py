@@ -2345,6 +2345,33 @@ class Slot:
         self.gpus = gpus
         self.worker: Worker | None = None
         self.template: SandboxTemplate | None = None  # under --sandbox bubblewrap
+        self.spare: SpareWorker | None = None  # the next worker, starting while `worker` serves its last request
+
+
+class SpareWorker:
+    """A slot's next worker, started in the background while the current one serves its last
+    request, so that neither its start nor (on GPU) its CUDA context is on the next request's path."""
+
+    def __init__(self, pool: Pool, slot: Slot) -> None:
+        self.worker: Worker | None = None
+        self.error = ""
+        self.gpu_free = threading.Event()  # set once the running request is done with the GPU
+        self.thread = threading.Thread(target=self.start, args=(pool, slot), name=f"kcoral-spare-{slot.name}",
+                                       daemon=True)
+        self.thread.start()
+
+    def start(self, pool: Pool, slot: Slot) -> None:
+        try:
+            self.worker = pool.start_worker(slot.gpus, before_gpu=self.gpu_free)
+        except Exception as exc:  # reported by whoever takes it; as text, since a traceback kept here
+            self.error = f"{type(exc).__name__}: {exc}"  # would keep a failed start's pipes open (a cycle)
+
+    def take(self) -> Worker:
+        """The started worker, once it is ready; its start-up failure re-raised."""
+        self.thread.join()
+        if self.worker is None:
+            raise WorkerCrashed(f"the spare worker did not start: {self.error}")
+        return self.worker
 
 
 @dataclasses.dataclass
@@ -2419,9 +2446,14 @@ class Pool:
                 raise
             return self.start_worker(slot.gpus, self.live_template(slot))
 
-    def start_worker(self, gpus: list[int], template: SandboxTemplate | None = None) -> Worker:
+    def start_worker(self, gpus: list[int], template: SandboxTemplate | None = None,
+                     before_gpu: threading.Event | None = None) -> Worker:
+        """A ready worker; on GPU, its CUDA context created under the lease (a spare's only once
+        `before_gpu` is set: the request it is the spare for goes first)."""
         worker = Worker(self, gpus, template=template)  # pinning and imports are host work: no lease yet
         if self.arbiter is not None:
+            if before_gpu is not None:
+                before_gpu.wait()
             # context creation must not overlap someone else's measurement
             self.arbiter.acquire(STARTUP_OWNER, gpus)
             try:
@@ -2444,7 +2476,7 @@ class Pool:
         if slot is None:  # nothing ran: a cohort's HAProxy retries a 503 on another node
             return Outcome(503, "busy", "server saturated" if not self.closing else "server is shutting down")
         queue_ms = (time.monotonic() - start) * 1e3
-        retire = True
+        retire, cleanup = True, None
         try:
             if slot.worker is not None and not slot.worker.process.is_alive():
                 # it died while idle (a program killed the forkserver, say): a fresh one, not a 500
@@ -2460,13 +2492,30 @@ class Pool:
             if gpu_count:
                 outcome, retire = self.run_multi_gpu(slot, job, gpu_count, queue_ms), False
             else:
-                outcome, retire = Execution(self, slot.worker, slot.gpus, job, queue_ms).run()
+                self.start_spare(slot)
+                execution = Execution(self, slot.worker, slot.gpus, job, queue_ms)
+                execution.keep_workspace = True  # a retired worker's goes after the answer, with the worker
+                try:
+                    outcome, retire = execution.run()
+                finally:
+                    if slot.spare is not None:
+                        slot.spare.gpu_free.set()
+                    if retire:
+                        cleanup = execution.remove_workspace
+                    else:
+                        execution.remove_workspace()
             outcome.worker_id = slot.name
             return outcome
         finally:
-            if retire and slot.worker is not None and not self.dispose(slot.worker):
-                slot.worker = None  # its GPU is quarantined: no replacement there
-            self.release(slot, retire)
+            self.release(slot, retire, cleanup)
+
+    def start_spare(self, slot: Slot) -> None:
+        """docs/server.md §1.3: when this request is the worker's last, start the next one now.  Not in a
+        sandbox, whose container forks one worker at a time (its next one waits for this one's exit)."""
+        limit, worker = self.config.max_requests_per_worker, slot.worker
+        if (slot.spare is None and slot.template is None and worker is not None and limit
+                and worker.served + 1 >= limit and not self.closing):
+            slot.spare = SpareWorker(self, slot)
 
     def acquire(self, timeout: float) -> Slot | None:
         """Wait (FIFO) for an idle slot; None when closing or after `timeout` seconds."""
@@ -2495,10 +2544,13 @@ class Pool:
         busy = [s for s in self.slots if s not in self.idle]
         return sum(1 for s in busy if s.gpus == slot.gpus), self.slots.index(slot)
 
-    def release(self, slot: Slot, retire: bool) -> None:
+    def release(self, slot: Slot, retire: bool, cleanup: Callable[[], None] | None = None) -> None:
+        """Give the slot back; a retired worker is disposed of (and `cleanup` run) on the replacement
+        thread, while the answer is written."""
         if retire:
-            thread = threading.Thread(target=self.replace, args=(slot,), name=f"kcoral-replace-{slot.name}",
-                                      daemon=True)
+            retired, slot.worker = slot.worker, None
+            thread = threading.Thread(target=self.replace, args=(slot, retired, cleanup),
+                                      name=f"kcoral-replace-{slot.name}", daemon=True)
             with self.cond:
                 self.in_progress -= 1
                 self.replacing.add(thread)
@@ -2517,10 +2569,22 @@ class Pool:
             self.quarantine(worker.gpus, "a worker's process tree outlived SIGKILL")
         return gone
 
-    def replace(self, slot: Slot) -> None:
-        """Start the slot's next worker off the request's critical path."""
+    def replace(self, slot: Slot, retired: Worker | None = None, cleanup: Callable[[], None] | None = None) -> None:
+        """Off the request's critical path: dispose of the retired worker (its tree and pipe, then
+        `cleanup`: its workspace), then put the slot's next worker in place, the spare started during
+        the request if there is one.  The disposal comes first: a GPU whose old tree is not confirmed
+        gone is quarantined and gets no worker."""
+        spare, slot.spare = slot.spare, None
+        gone = retired is None or self.dispose(retired)
+        if cleanup is not None:
+            cleanup()
         try:
-            slot.worker = self.start_slot_worker(slot)
+            if not gone and self.arbiter is not None:  # its GPU is quarantined: no replacement there
+                if spare is not None:
+                    self.dispose(spare.take())
+                slot.worker = None
+            else:
+                slot.worker = self.next_worker(slot, spare)
         except Exception as exc:
             slot.worker = None
             self.log.event("worker_replace_failed", "ERROR", worker_id=slot.name, error=str(exc))
@@ -2528,6 +2592,15 @@ class Pool:
             self.idle.append(slot)
             self.replacing.discard(threading.current_thread())
             self.cond.notify_all()
+
+    def next_worker(self, slot: Slot, spare: SpareWorker | None) -> Worker:
+        """The spare if it started, else a worker started now (a spare's failure may have been passing)."""
+        if spare is not None:
+            try:
+                return spare.take()
+            except Exception as exc:
+                self.log.event("spare_worker_failed", "WARNING", worker_id=slot.name, error=str(exc))
+        return self.start_slot_worker(slot)
 
     def quarantine(self, gpus: list[int], reason: str) -> None:
         """docs/server.md §2.1: a tree whose exit is unconfirmed may still use its GPUs.  Nobody gets
@@ -2609,6 +2682,9 @@ class Pool:
         for thread in running:
             thread.join()
         for slot in self.slots:
+            if slot.spare is not None:  # a request that ended in a crash leaves its slot's spare unused
+                with contextlib.suppress(Exception):
+                    slot.spare.take().stop(self.config.worker_termination_grace_seconds)
             if slot.worker is not None:
                 slot.worker.stop(self.config.worker_termination_grace_seconds)
             if slot.template is not None:
@@ -2637,6 +2713,7 @@ class Execution:
         self.lease_held_ms = 0.0
         self.lease_since = None
         self.single_use = False
+        self.keep_workspace = False  # True: the caller removes it (remove_workspace), after the answer
         self.last_index = None
         self.results = {}
         self.parts = []
@@ -2685,7 +2762,8 @@ class Execution:
         finally:
             self.release_lease()
             output = self.drain.result(wait=2.0) if self.drain else ("", "", False, False)
-            self.remove_workspace()
+            if not self.keep_workspace:
+                self.remove_workspace()
         body = {"status": "FAILED" if error else "COMPLETED", "request_id": self.job.request_id,
                 "queue_ms": self.queue_ms, "elapsed_ms": (time.monotonic() - started) * 1e3,
                 "lease_wait_ms": self.lease_wait_ms, "lease_held_ms": self.lease_held_ms,

@@ -1345,3 +1345,62 @@ def test_a_multi_gpu_sandbox_starts_before_the_leases_are_waited_for(monkeypatch
     used_gpus, used = workers[0]
     assert used_gpus == granted and used.gpus == granted  # the container shows the granted GPUs
     assert all(t.killed for t, _ in FakeSandboxTemplate.started)
+
+
+class FakeSlotWorker:
+    """A started worker as the pool sees it: initialize() records who held the GPU's lease then."""
+
+    def __init__(self, pool, gpus, phase_timeout=60.0, template=None):
+        self.pool, self.gpus, self.template, self.served, self.killed = pool, gpus, template, 0, False
+        self.gone = True
+
+    def initialize(self, expected_uuid, phase_timeout=60.0):
+        self.pool.inits.append(dict(self.pool.arbiter.holder))
+
+    def kill(self, grace, orphans=False):
+        self.killed = True
+        return self.gone
+
+
+def spare_pool(monkeypatch):
+    monkeypatch.setattr(kcoral, "Worker", FakeSlotWorker)
+    pool = object.__new__(kcoral.Pool)
+    pool.config = kcoral.ServerConfig(sandbox="none")
+    pool.arbiter, pool.gpu_names, pool.inits, pool.closing = kcoral.LeaseArbiter([0]), {0: "0"}, [], False
+    pool.cond, pool.idle, pool.replacing, pool.quarantined = threading.Condition(), [], set(), []
+    pool.in_progress = 1
+    pool.log = types.SimpleNamespace(event=lambda *a, **k: None)
+    pool.quarantine = lambda gpus, reason: pool.quarantined.append(list(gpus))
+    slot = kcoral.Slot("gpu0/w0", [0])
+    slot.worker = FakeSlotWorker(pool, [0])
+    return pool, slot
+
+
+def test_a_spare_gpu_worker_creates_its_context_once_the_request_is_done_with_the_gpu(monkeypatch):
+    """docs/server.md §1.3: the spare starts with the request; its CUDA context waits for the GPU."""
+    pool, slot = spare_pool(monkeypatch)
+    pool.start_spare(slot)
+    assert slot.spare is not None
+    pool.arbiter.acquire("the-request", [0])  # the running request uses its GPU
+    time.sleep(0.2)
+    assert pool.inits == []  # started (host work), context not yet
+    pool.arbiter.release("the-request", [0])
+    slot.spare.gpu_free.set()  # Pool.run_job, once the request's execution is over
+    spare = slot.spare.take()
+    assert pool.inits == [{0: kcoral.STARTUP_OWNER}]
+    retired = slot.worker
+    pool.release(slot, True)
+    wait_until(lambda: slot in pool.idle)
+    assert retired.killed and slot.worker is spare and not spare.killed
+
+
+def test_a_retired_gpu_worker_not_confirmed_gone_leaves_its_slot_without_the_spare(monkeypatch):
+    pool, slot = spare_pool(monkeypatch)
+    pool.start_spare(slot)
+    slot.spare.gpu_free.set()
+    spare = slot.spare.take()
+    slot.worker.gone = False  # its tree outlived SIGKILL
+    pool.dispose = types.MethodType(kcoral.Pool.dispose, pool)
+    pool.release(slot, True)
+    wait_until(lambda: slot in pool.idle)
+    assert pool.quarantined == [[0]] and slot.worker is None and spare.killed
