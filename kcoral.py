@@ -2665,6 +2665,33 @@ class Slot:
         self.gpus = gpus
         self.worker: Worker | None = None
         self.template: SandboxTemplate | None = None  # under --sandbox bubblewrap
+        self.spare: SpareWorker | None = None  # the next worker, starting while `worker` serves its last request
+
+
+class SpareWorker:
+    """A slot's next worker, started in the background while the current one serves its last
+    request, so that neither its start nor (on GPU) its CUDA context is on the next request's path."""
+
+    def __init__(self, pool: Pool, slot: Slot) -> None:
+        self.worker: Worker | None = None
+        self.error = ""
+        self.gpu_free = threading.Event()  # set once the running request is done with the GPU
+        self.thread = threading.Thread(target=self.start, args=(pool, slot), name=f"kcoral-spare-{slot.name}",
+                                       daemon=True)
+        self.thread.start()
+
+    def start(self, pool: Pool, slot: Slot) -> None:
+        try:
+            self.worker = pool.start_worker(slot.gpus, before_gpu=self.gpu_free)
+        except Exception as exc:  # reported by whoever takes it; as text, since a traceback kept here
+            self.error = f"{type(exc).__name__}: {exc}"  # would keep a failed start's pipes open (a cycle)
+
+    def take(self) -> Worker:
+        """The started worker, once it is ready; its start-up failure re-raised."""
+        self.thread.join()
+        if self.worker is None:
+            raise WorkerCrashed(f"the spare worker did not start: {self.error}")
+        return self.worker
 
 
 @dataclasses.dataclass
@@ -2726,6 +2753,8 @@ class Pool:
         self.closing = False
         self.replacing: set[threading.Thread] = set()  # each leaves when done: nothing stays per request
         if config.sandbox == "bubblewrap":  # probed by resolve_sandbox
+            if device == "cuda":
+                ensure_gpu_control_nodes(log)
             for slot in self.slots:  # the containers import in parallel
                 slot.template = SandboxTemplate(config, device, slot.gpus)
         for slot in self.slots:
@@ -2742,9 +2771,14 @@ class Pool:
                 raise
             return self.start_worker(slot.gpus, self.live_template(slot))
 
-    def start_worker(self, gpus: list[int], template: SandboxTemplate | None = None) -> Worker:
+    def start_worker(self, gpus: list[int], template: SandboxTemplate | None = None,
+                     before_gpu: threading.Event | None = None) -> Worker:
+        """A ready worker; on GPU, its CUDA context created under the lease (a spare's only once
+        `before_gpu` is set: the request it is the spare for goes first)."""
         worker = Worker(self, gpus, template=template)  # pinning and imports are host work: no lease yet
         if self.arbiter is not None:
+            if before_gpu is not None:
+                before_gpu.wait()
             # context creation must not overlap someone else's measurement
             self.arbiter.acquire(STARTUP_OWNER, gpus)
             try:
@@ -2767,7 +2801,7 @@ class Pool:
         if slot is None:  # nothing ran: a cohort's HAProxy retries a 503 on another node
             return Outcome(503, "busy", "server saturated" if not self.closing else "server is shutting down")
         queue_ms = job.proxy_queue_ms + (time.monotonic() - start) * 1e3
-        retire = True
+        retire, cleanup = True, None
         try:
             if slot.worker is not None and not slot.worker.process.is_alive():
                 # it died while idle (a program killed the forkserver, say): a fresh one, not a 500
@@ -2783,13 +2817,30 @@ class Pool:
             if gpu_count:
                 outcome, retire = self.run_multi_gpu(slot, job, gpu_count, queue_ms), False
             else:
-                outcome, retire = Execution(self, slot.worker, slot.gpus, job, queue_ms).run()
+                self.start_spare(slot)
+                execution = Execution(self, slot.worker, slot.gpus, job, queue_ms)
+                execution.keep_workspace = True  # a retired worker's goes after the answer, with the worker
+                try:
+                    outcome, retire = execution.run()
+                finally:
+                    if slot.spare is not None:
+                        slot.spare.gpu_free.set()
+                    if retire:
+                        cleanup = execution.remove_workspace
+                    else:
+                        execution.remove_workspace()
             outcome.worker_id = slot.name
             return outcome
         finally:
-            if retire and slot.worker is not None and not self.dispose(slot.worker):
-                slot.worker = None  # its GPU is quarantined: no replacement there
-            self.release(slot, retire)
+            self.release(slot, retire, cleanup)
+
+    def start_spare(self, slot: Slot) -> None:
+        """docs/server.md §1.3: when this request is the worker's last, start the next one now.  Not in a
+        sandbox, whose container forks one worker at a time (its next one waits for this one's exit)."""
+        limit, worker = self.config.max_requests_per_worker, slot.worker
+        if (slot.spare is None and slot.template is None and worker is not None and limit
+                and worker.served + 1 >= limit and not self.closing):
+            slot.spare = SpareWorker(self, slot)
 
     def acquire(self, timeout: float) -> Slot | None:
         """Wait (FIFO) for an idle slot; None when closing or after `timeout` seconds."""
@@ -2818,10 +2869,13 @@ class Pool:
         busy = [s for s in self.slots if s not in self.idle]
         return sum(1 for s in busy if s.gpus == slot.gpus), self.slots.index(slot)
 
-    def release(self, slot: Slot, retire: bool) -> None:
+    def release(self, slot: Slot, retire: bool, cleanup: Callable[[], None] | None = None) -> None:
+        """Give the slot back; a retired worker is disposed of (and `cleanup` run) on the replacement
+        thread, while the answer is written."""
         if retire:
-            thread = threading.Thread(target=self.replace, args=(slot,), name=f"kcoral-replace-{slot.name}",
-                                      daemon=True)
+            retired, slot.worker = slot.worker, None
+            thread = threading.Thread(target=self.replace, args=(slot, retired, cleanup),
+                                      name=f"kcoral-replace-{slot.name}", daemon=True)
             with self.cond:
                 self.in_progress -= 1
                 self.replacing.add(thread)
@@ -2840,11 +2894,23 @@ class Pool:
             self.quarantine(worker.gpus, "a worker's process tree outlived SIGKILL")
         return gone
 
-    def replace(self, slot: Slot) -> None:
-        """Start the slot's next worker off the request's critical path."""
+    def replace(self, slot: Slot, retired: Worker | None = None, cleanup: Callable[[], None] | None = None) -> None:
+        """Off the request's critical path: dispose of the retired worker (its tree and pipe, then
+        `cleanup`: its workspace), then put the slot's next worker in place, the spare started during
+        the request if there is one.  The disposal comes first: a GPU whose old tree is not confirmed
+        gone is quarantined and gets no worker."""
+        spare, slot.spare = slot.spare, None
+        gone = retired is None or self.dispose(retired)
+        if cleanup is not None:
+            cleanup()
         try:
-            slot.worker = self.start_slot_worker(slot)
-            self.log.metrics.add("kcoral_worker_replacements_total")
+            if not gone and self.arbiter is not None:  # its GPU is quarantined: no replacement there
+                if spare is not None:
+                    self.dispose(spare.take())
+                slot.worker = None
+            else:
+                slot.worker = self.next_worker(slot, spare)
+                self.log.metrics.add("kcoral_worker_replacements_total")
         except Exception as exc:
             slot.worker = None
             self.log.event("worker_replace_failed", "ERROR", worker_id=slot.name, error=str(exc))
@@ -2852,6 +2918,15 @@ class Pool:
             self.idle.append(slot)
             self.replacing.discard(threading.current_thread())
             self.cond.notify_all()
+
+    def next_worker(self, slot: Slot, spare: SpareWorker | None) -> Worker:
+        """The spare if it started, else a worker started now (a spare's failure may have been passing)."""
+        if spare is not None:
+            try:
+                return spare.take()
+            except Exception as exc:
+                self.log.event("spare_worker_failed", "WARNING", worker_id=slot.name, error=str(exc))
+        return self.start_slot_worker(slot)
 
     def quarantine(self, gpus: list[int], reason: str) -> None:
         """docs/server.md §2.1: a tree whose exit is unconfirmed may still use its GPUs.  Nobody gets
@@ -2862,15 +2937,22 @@ class Pool:
         self.drain()
 
     def run_multi_gpu(self, slot: Slot, job: Job, count: int, queue_ms: float) -> Outcome:
-        """docs/protocol.md §8.9: a dedicated worker that sees `count` GPUs, started under all their leases."""
+        """docs/protocol.md §8.9: a dedicated worker that sees `count` GPUs, started under all their leases.
+        Under the sandbox, its own container showing exactly these GPUs: a cold start of seconds,
+        begun before the leases are waited for (for the GPUs most likely granted; started again in
+        the rare case others free up first), so that nobody's lease waits for a container."""
         assert self.arbiter is not None  # a CPU server has no GPUs to count: check_gpu_count refused gpu_count
+        sandboxed = self.config.sandbox == "bubblewrap"
+        expected = self.arbiter.likely_grant(count)
+        template = SandboxTemplate(self.config, self.device, expected) if sandboxed else None
         try:
-            gpus, wait_ms = self.arbiter.acquire(job.request_id, count=count)
-        except LeaseRefused as exc:
-            return Outcome(503, "busy", str(exc))
-        # under the sandbox, its own container showing exactly these GPUs: a cold start
-        template = SandboxTemplate(self.config, self.device, gpus) if self.config.sandbox == "bubblewrap" else None
-        try:
+            try:
+                gpus, wait_ms = self.arbiter.acquire(job.request_id, count=count)
+            except LeaseRefused as exc:
+                return Outcome(503, "busy", str(exc))
+            if template is not None and set(gpus) != set(expected):
+                template.kill()
+                template = SandboxTemplate(self.config, self.device, gpus)
             return self.run_dedicated_worker(job, gpus, wait_ms, queue_ms, template)
         finally:
             if template is not None:
@@ -2929,6 +3011,9 @@ class Pool:
         for thread in running:
             thread.join()
         for slot in self.slots:
+            if slot.spare is not None:  # a request that ended in a crash leaves its slot's spare unused
+                with contextlib.suppress(Exception):
+                    slot.spare.take().stop(self.config.worker_termination_grace_seconds)
             if slot.worker is not None:
                 slot.worker.stop(self.config.worker_termination_grace_seconds)
             if slot.template is not None:
@@ -2960,6 +3045,7 @@ class Execution:
         self.lease_held_ms = 0.0
         self.lease_since = None
         self.single_use = False
+        self.keep_workspace = False  # True: the caller removes it (remove_workspace), after the answer
         self.last_index = None
         self.results = {}
         self.parts = []
@@ -3010,7 +3096,8 @@ class Execution:
         finally:
             self.release_lease()
             output = self.captured_output()
-            self.remove_workspace()
+            if not self.keep_workspace:
+                self.remove_workspace()
         body = {"status": "FAILED" if error else "COMPLETED", "request_id": self.job.request_id,
                 "queue_ms": self.queue_ms, "elapsed_ms": (time.monotonic() - started) * 1e3,
                 "lease_wait_ms": self.lease_wait_ms, "lease_held_ms": self.lease_held_ms,
@@ -3564,6 +3651,11 @@ def nvml_gpu_ids() -> list[str]:
 
 
 WARM_TVM_FFI = "import torch, tvm_ffi"  # tvm_ffi builds its torch add-on on import when it must
+# tvm_ffi only warns when that build fails: what the warm-up really did is whether torch.Tensor
+# now carries the DLPack exchange API (which the add-on installs), told by the exit status
+ADDON_MISSING_EXIT = 3
+CHECK_TVM_FFI_ADDON = ("import sys, torch; sys.exit(0 if hasattr(torch.Tensor, '__dlpack_c_exchange_api__') "
+                       f"or hasattr(torch.Tensor, '__c_dlpack_exchange_api__') else {ADDON_MISSING_EXIT})")
 
 
 def prepare_template_imports(timeout: float, warm: str = WARM_TVM_FFI, log: EventLog | None = None) -> str:
@@ -3574,7 +3666,8 @@ def prepare_template_imports(timeout: float, warm: str = WARM_TVM_FFI, log: Even
     its forks would inherit unusable.  With a torch that lacks the DLPack exchange API,
     `import tvm_ffi` compiles an add-on into its cache on first use (nvcc: minutes): that
     happens here, once, in a separate process within `timeout` seconds; if it fails or takes
-    longer, the add-on is disabled for this server so no worker can meet the slow path.
+    longer, or tvm_ffi swallowed a failed build (no DLPack exchange API afterwards), the add-on
+    is disabled for this server so no worker can meet the slow path again.
     -> "native", "warmed", "disabled" or "absent" (also logged).
     """
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
@@ -3584,16 +3677,26 @@ def prepare_template_imports(timeout: float, warm: str = WARM_TVM_FFI, log: Even
         return "native"
     started = time.monotonic()
     try:
-        subprocess.run([sys.executable, "-I", "-c", warm], check=True, timeout=timeout,
-                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        subprocess.run([sys.executable, "-I", "-c", f"{warm}\n{CHECK_TVM_FFI_ADDON}"], check=True,
+                       timeout=timeout, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         state, error = "warmed", None
     except (subprocess.SubprocessError, OSError) as exc:
         os.environ["TVM_FFI_DISABLE_TORCH_C_DLPACK"] = "1"
-        state, error = "disabled", f"{type(exc).__name__}: {str(exc)[-300:]}"
+        state, error = "disabled", warm_up_failure(exc)
     if log is not None:
         log.event("template_prepared", "WARNING" if error else "INFO", tvm_ffi_torch_addon=state,
                   seconds=round(time.monotonic() - started, 1), error=error)
     return state
+
+
+def warm_up_failure(exc: subprocess.SubprocessError | OSError) -> str:
+    """What went wrong in the tvm_ffi warm-up, for the log: a build tvm_ffi reported only as a
+    warning is named as such, with the end of what it wrote."""
+    stderr = getattr(exc, "stderr", None) or b""
+    tail = stderr.decode(errors="replace").strip()[-300:]
+    if isinstance(exc, subprocess.CalledProcessError) and exc.returncode == ADDON_MISSING_EXIT:
+        return f"tvm_ffi's torch add-on was not built (tvm_ffi only warned): {tail or 'no output'}"
+    return f"{type(exc).__name__}: {str(exc)[-300:]}" + (f"; {tail}" if tail else "")
 
 
 def torch_has_dlpack_exchange_api() -> bool:
@@ -3670,6 +3773,12 @@ class LeaseArbiter:
                 self.holder[g] = owner
                 self.history[g].append((now, None, owner))
         return granted, (time.monotonic() - start) * 1e3
+
+    def likely_grant(self, count: int) -> list[int]:
+        """The `count` GPUs an "any n" request is most likely granted: free ones first, in configured order."""
+        with self.cond:
+            usable = [g for g in self.gpu_ids if g not in self.quarantined]
+            return sorted(usable, key=lambda g: self.holder[g] is not None)[:count]
 
     def check_servable(self, gpus: list[int] | None, count: int | None) -> None:
         if count and self.closing:
@@ -3764,6 +3873,10 @@ SANDBOX_ENV_NAMES = (
 SANDBOX_ADDONS = "/opt/kcoral-tvm-ffi"  # inside: the tvm_ffi torch add-on the server built (read-only)
 KILL_SWEEP_SECONDS = 2.0  # SIGKILL sweeps over a container's request processes before it is ended whole
 GPU_CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-caps")
+# the control nodes CUDA cannot do without, and what breaks inside a container started without them
+REQUIRED_GPU_NODES = {"/dev/nvidiactl": "CUDA cannot initialise inside the sandbox",
+                      "/dev/nvidia-uvm": "CUDA initialisation and cudaMalloc of managed memory may fail "
+                                         "inside the sandbox"}
 
 
 def probe_bubblewrap(config: ServerConfig) -> None:
@@ -4058,6 +4171,25 @@ def gpu_device_node(gpu_id: int) -> str:
     except OSError:
         pass
     return f"/dev/nvidia{gpu_id}"
+
+
+def ensure_gpu_control_nodes(log: EventLog) -> list[str]:
+    """The sandbox shows a device node only if it exists when the container starts, and on a freshly
+    booted host /dev/nvidia-uvm does not until the first CUDA program's driver runs the setuid
+    nvidia-modprobe, which cannot work inside a container.  So run it here, as the driver would
+    (unprivileged: it is setuid root where installed), and warn about any node still missing.
+    -> the required nodes still missing."""
+    missing = [node for node in REQUIRED_GPU_NODES if not os.path.exists(node)]
+    modprobe = shutil.which("nvidia-modprobe")
+    if missing and modprobe:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            subprocess.run([modprobe, "-u", "-c=0"], check=False, timeout=30, stdin=subprocess.DEVNULL,
+                           capture_output=True)
+        missing = [node for node in missing if not os.path.exists(node)]
+    for node in missing:
+        log.event("gpu_device_node_missing", "WARNING", node=node, effect=REQUIRED_GPU_NODES[node],
+                  remedy="run nvidia-modprobe -u -c=0 (or load nvidia-uvm and create the node) and restart")
+    return missing
 
 
 def children_of(pid: int | None) -> list[int]:

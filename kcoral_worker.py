@@ -51,6 +51,7 @@ import collections
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import hashlib
 import importlib.util
 import io
@@ -647,7 +648,7 @@ def worker_main(conn: Connection, device: str, visible_gpus: list[str]) -> None:
     die_with_parent()
     become_subreaper()
     os.environ[WORKER_MARK] = str(os.getpid())  # inherited: finds what escapes after a crash
-    problem = template_cuda_problem()
+    problem = template_cuda_problem(device)
     if problem:
         send_message(conn, WorkerFailed(problem))
         os._exit(1)
@@ -658,6 +659,7 @@ def worker_main(conn: Connection, device: str, visible_gpus: list[str]) -> None:
     import gc
     gc.freeze()  # the template's objects are permanent: later collections skip them
     env = dict(os.environ)
+    torch_settings = TorchSettings.capture()
     send_message(conn, WorkerReady(os.getpid()))
     for message in messages(conn):
         match message:
@@ -666,11 +668,13 @@ def worker_main(conn: Connection, device: str, visible_gpus: list[str]) -> None:
             case InitGpu():
                 send_message(conn, initialize_gpu())
                 env = dict(os.environ)
+                if torch_settings is not None:
+                    torch_settings.capture_cuda()
             case JobRequest():
                 poisoned = serve_request(conn, message, runtime)
                 if message.retire or poisoned:
                     os._exit(0)
-                reset_process_state(env)
+                reset_process_state(env, torch_settings)
             case _:
                 raise UnexpectedMessage(f"a worker cannot serve {message!r}")
 
@@ -730,17 +734,20 @@ TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "G
                       "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID")
 
 
-def template_cuda_problem() -> str | None:
+def template_cuda_problem(device: str) -> str | None:
     """Why this fork cannot use CUDA, or None.
 
     The template preloads torch (and tvm_ffi) so that a fresh worker per request
     costs a fork, not seconds of imports; that is only sound while the template
     never initialised CUDA (a CUDA context does not survive fork).  The front-end
     sets PYTORCH_NVML_BASED_CUDA_CHECK=1 for it, so availability checks on import
-    ask NVML instead of calling cuInit.
+    ask NVML instead of calling cuInit.  Where NVML is missing (a CPU host with a
+    CUDA build of torch) torch falls back to cudaGetDeviceCount, which marks every
+    fork as bad: that only matters to a worker that will use CUDA, so CPU workers
+    are never refused.
     """
     torch = sys.modules.get("torch")
-    if torch is None or not hasattr(torch, "cuda"):
+    if device != "cuda" or torch is None or not hasattr(torch, "cuda"):
         return None
     bad_fork = getattr(torch.cuda, "_is_in_bad_fork", lambda: False)
     if torch.cuda.is_initialized() or bad_fork():
@@ -760,6 +767,7 @@ def prepare_gpu(visible_gpus: list[str]) -> None:
     import torch  # noqa: F401  mandatory on GPU workers: failing here fails the start
     with contextlib.suppress(ImportError):
         import tvm_ffi  # noqa: F401  preloaded by the template; imported now rather than under the lease later
+    preload_library_runtimes("cuda")  # likewise: before the worker is offered, not at its first library load
 
 
 def initialize_gpu() -> GpuInitialized:
@@ -835,9 +843,11 @@ def finish_on_device(program: ProgramRun, error: ErrorObject | None, lease: GpuL
     return error, poisoned
 
 
-def reset_process_state(env: dict[str, str]) -> None:
-    """Between requests of a reused worker: environment, source cache, garbage."""
+def reset_process_state(env: dict[str, str], torch_settings: TorchSettings | None = None) -> None:
+    """Between requests of a reused worker: environment, torch's global settings, source cache, garbage."""
     import gc
+    if torch_settings is not None:
+        torch_settings.restore()
     for key in set(os.environ) - set(env):
         del os.environ[key]
     for key, value in env.items():
@@ -846,6 +856,77 @@ def reset_process_state(env: dict[str, str]) -> None:
     for name in [n for n in linecache.cache if n.startswith("<uploaded:")]:
         del linecache.cache[name]
     gc.collect()
+
+
+# torch's process-wide switches a program may flip, as (module under torch, attribute): the
+# cudnn and matmul flags, then the fp32_precision settings of torch 2.9+ that the legacy ones are
+# views of (restored last, so the exact original values win over what the legacy setters derive)
+TORCH_FLAGS = (("backends.cudnn", "enabled"), ("backends.cudnn", "benchmark"), ("backends.cudnn", "deterministic"),
+               ("backends.cudnn", "allow_tf32"), ("backends.cuda.matmul", "allow_tf32"),
+               ("backends.cuda.matmul", "allow_fp16_reduced_precision_reduction"),
+               ("backends.cuda.matmul", "allow_bf16_reduced_precision_reduction"),
+               ("backends", "fp32_precision"), ("backends.cuda.matmul", "fp32_precision"),
+               ("backends.cudnn", "fp32_precision"), ("backends.cudnn.conv", "fp32_precision"),
+               ("backends.cudnn.rnn", "fp32_precision"), ("backends.mkldnn", "fp32_precision"),
+               ("backends.mkldnn.matmul", "fp32_precision"), ("backends.mkldnn.conv", "fp32_precision"),
+               ("backends.mkldnn.rnn", "fp32_precision"))
+
+
+class TorchSettings:
+    """torch's global settings as a worker started with them, put back between the requests of a
+    reused worker (docs/server.md §3.3): default dtype, deterministic algorithms, float32 matmul
+    precision, the cudnn/matmul flags and, once CUDA is initialised, the current device and its
+    stream.  Reading them costs microseconds; only what differs is set again."""
+
+    def __init__(self, torch: Any) -> None:
+        self.torch = torch
+        self.dtype = torch.get_default_dtype()
+        self.deterministic = (torch.are_deterministic_algorithms_enabled(),
+                              torch.is_deterministic_algorithms_warn_only_enabled())
+        self.matmul_precision = torch.get_float32_matmul_precision()
+        self.flags = {}
+        for path, name in TORCH_FLAGS:
+            with contextlib.suppress(Exception):  # older torch: no such flag
+                self.flags[path, name] = getattr(self.owner(path), name)
+        self.cuda_device: int | None = None
+
+    @staticmethod
+    def capture() -> TorchSettings | None:
+        """The settings now, if torch is loaded (the template preloads it); None without torch."""
+        torch = sys.modules.get("torch")
+        return TorchSettings(torch) if torch is not None and hasattr(torch, "get_default_dtype") else None
+
+    def owner(self, path: str) -> Any:
+        return functools.reduce(getattr, path.split("."), self.torch)
+
+    def capture_cuda(self) -> None:
+        """Once the worker created its CUDA context: the device (and so its default stream) it chose."""
+        self.cuda_device = self.torch.cuda.current_device()
+
+    def restore(self) -> None:
+        torch = self.torch
+        if torch.get_default_dtype() != self.dtype:
+            torch.set_default_dtype(self.dtype)
+        if (torch.are_deterministic_algorithms_enabled(),
+                torch.is_deterministic_algorithms_warn_only_enabled()) != self.deterministic:
+            torch.use_deterministic_algorithms(self.deterministic[0], warn_only=self.deterministic[1])
+        if torch.get_float32_matmul_precision() != self.matmul_precision:
+            torch.set_float32_matmul_precision(self.matmul_precision)
+        for (path, name), value in self.flags.items():
+            with contextlib.suppress(Exception):  # a legacy getter refuses to read mixed settings: set anyway
+                if getattr(self.owner(path), name) == value:
+                    continue
+            setattr(self.owner(path), name, value)
+        if self.cuda_device is not None:
+            self.restore_cuda()
+
+    def restore_cuda(self) -> None:
+        cuda, device = self.torch.cuda, self.cuda_device
+        if cuda.current_device() != device:
+            cuda.set_device(device)
+        default = cuda.default_stream(device)
+        if cuda.current_stream(device) != default:
+            cuda.set_stream(default)
 
 
 # --- one program: instructions in order (docs/protocol.md §8) -------------------------------------
@@ -1491,11 +1572,7 @@ class Runtime:
         except ImportError:
             raise ExecutionError("unavailable", "library uploads need apache-tvm-ffi "
                                  "in the worker environment") from None
-        if importlib.util.find_spec("tvm") is not None:
-            with contextlib.suppress(Exception):  # tvm registers the loaders of device modules a library may embed
-                import tvm  # noqa: F401
-        if self.device == "cuda":
-            preload_cute_dsl_runtime()
+        preload_library_runtimes(self.device)  # GPU workers did it before they were offered
         import tempfile
         fd, path = tempfile.mkstemp(prefix=f"{blob_hash}-", suffix=".so")
         try:
@@ -1530,17 +1607,28 @@ class Runtime:
     def synchronize(self) -> None:
         if self.device == "cuda":
             import torch
-            for index in range(torch.cuda.device_count()):
+            for index in self.devices_in_use():
                 torch.cuda.synchronize(index)
 
+    def devices_in_use(self) -> list[int]:
+        """The visible devices this process has a CUDA context on: synchronizing (or emptying the
+        cache of) any other would create one there, hundreds of MB for a device the program never
+        touched.  The driver's primary-context state (cuDevicePrimaryCtxGetState, which torch's
+        autograd engine asks for the same reason) covers kernels that libraries launched through
+        the runtime API too, unlike torch's allocator statistics.  A torch without the query: all."""
+        import torch
+        has_context = getattr(torch._C, "_cuda_hasPrimaryContext", None) if hasattr(torch, "_C") else None
+        indices = range(torch.cuda.device_count())
+        return [i for i in indices if has_context(i)] if has_context is not None else list(indices)
+
     def release_cached_memory(self) -> None:
-        """Drain every visible device and give the allocator's unused cache back to the driver,
+        """Drain every device in use and give the allocator's unused cache back to the driver,
         so a peer sharing the GPU gets the memory once the lease is released (docs/server.md §2.2)."""
         if self.device != "cuda":
             return
         import torch
         self.synchronize()
-        for index in range(torch.cuda.device_count()):
+        for index in self.devices_in_use():
             if torch.cuda.memory_reserved(index) > torch.cuda.memory_allocated(index):
                 with torch.cuda.device(index):
                     torch.cuda.empty_cache()
@@ -1589,6 +1677,25 @@ def loaded_cudarts() -> list[ctypes.CDLL]:
                 getter.restype, getter.argtypes = ctypes.c_char_p, [ctypes.c_int]
             _cudarts[path] = lib
     return [_cudarts[p] for p in paths if p in _cudarts]
+
+
+_library_runtimes_loaded = False
+
+
+def preload_library_runtimes(device: str) -> None:
+    """What loading an uploaded library needs first, once per process, each part optional: tvm
+    registers the loaders of device modules a library may embed; GPU workers also load CuTe DSL's
+    runtime (§4.2).  Both only load libraries (no CUDA call), so GPU workers do it in prepare_gpu,
+    off the lease and before a request arrives; CPU workers at their first library load."""
+    global _library_runtimes_loaded
+    if _library_runtimes_loaded:
+        return
+    _library_runtimes_loaded = True
+    with contextlib.suppress(Exception):  # absent, or broken: libraries that need it fail to load instead
+        if importlib.util.find_spec("tvm") is not None:
+            import tvm  # noqa: F401
+    if device == "cuda":
+        preload_cute_dsl_runtime()
 
 
 _cute_preloaded = False

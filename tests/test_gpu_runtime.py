@@ -18,6 +18,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -961,6 +962,20 @@ def test_cpu_only_release_empties_the_cache_on_every_device(monkeypatch):
     assert conn.sent == [kcoral_worker.ReleaseLease()]
 
 
+def test_devices_without_a_context_are_neither_synchronized_nor_emptied(monkeypatch):
+    """A multi-GPU worker whose program used device 1 only: touching device 0 would create a context."""
+    log = []
+    torch, _ = fake_torch(log, reserved=(0, 512))
+    torch._C = types.SimpleNamespace(_cuda_hasPrimaryContext=lambda index: index == 1)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    conn = FakeConn()
+    lease = kcoral_worker.GpuLease(conn, kcoral_worker.Runtime("cuda"))
+    lease.held = True
+    lease.release()
+    lease.finish()
+    assert log == [("synchronize", 1), ("empty_cache", 1), ("synchronize", 1)]
+
+
 def test_cpu_only_guard_disables_its_domains_and_cupti_is_finalized(fake_cupti):
     finalized = []
     fake_cupti.finalize = lambda: finalized.append(True)
@@ -1020,6 +1035,7 @@ def test_cute_dsl_runtime_is_preloaded_once_before_libraries(monkeypatch):
 def test_cute_dsl_preload_comes_before_the_first_gpu_library_load(monkeypatch, add_one_library):
     order = []
     monkeypatch.setattr(kcoral_worker, "preload_cute_dsl_runtime", lambda: order.append("cute"))
+    monkeypatch.setattr(kcoral_worker, "_library_runtimes_loaded", False)  # a worker that skipped prepare_gpu
     import tvm_ffi
     real_load = tvm_ffi.load_module
     monkeypatch.setattr(tvm_ffi, "load_module", lambda path: order.append("load") or real_load(path))
@@ -1028,16 +1044,91 @@ def test_cute_dsl_preload_comes_before_the_first_gpu_library_load(monkeypatch, a
     assert order == ["cute", "load"] and module.implements_function("add_one")
 
 
+def test_gpu_workers_load_tvm_and_the_cute_dsl_runtime_before_they_are_ready(monkeypatch, tmp_path):
+    """Off the lease and off the request: `import tvm` and CuTe DSL's runtime load while the
+    worker starts (prepare_gpu), not at a request's first library load under the lease."""
+    import tvm_ffi  # noqa: F401  preloaded with the real torch, as in the template
+    record = tmp_path / "loaded"
+    (tmp_path / "tvm").mkdir()
+    (tmp_path / "tvm" / "__init__.py").write_text(f"open({str(record)!r}, 'a').write('tvm ')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    runtime = types.ModuleType("cutlass.cute.runtime")
+    runtime.find_runtime_libraries = lambda enable_tvm_ffi: open(record, "a").write("cute ") and []
+    for name, module in (("cutlass", types.ModuleType("cutlass")), ("cutlass.cute", types.ModuleType("cutlass.cute")),
+                         ("cutlass.cute.runtime", runtime)):
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setitem(sys.modules, "torch", fake_torch([])[0])
+    monkeypatch.setattr(kcoral_worker, "_library_runtimes_loaded", False, raising=False)
+    monkeypatch.setattr(kcoral_worker, "_cute_preloaded", False)
+    process, conn, message = start_forked_worker("cuda", ["GPU-00000000-0000-0000-0000-000000000000"])
+    try:
+        assert isinstance(message, kcoral_worker.WorkerReady), message
+        assert record.read_text() == "tvm cute "  # before WorkerReady, so before InitGpu and any lease
+    finally:
+        stop_forked_worker(process, conn)
+
+
 def test_template_with_cuda_state_is_refused(monkeypatch):
     """A worker forked from a template that initialised CUDA must not start."""
     log = []
     torch, _ = fake_torch(log)
     monkeypatch.setitem(sys.modules, "torch", torch)
-    assert kcoral_worker.template_cuda_problem() is None
+    assert kcoral_worker.template_cuda_problem("cuda") is None
     torch.cuda.is_initialized = lambda: True
-    assert "initialised CUDA" in kcoral_worker.template_cuda_problem()
+    assert "initialised CUDA" in kcoral_worker.template_cuda_problem("cuda")
     torch.cuda.is_initialized, torch.cuda._is_in_bad_fork = (lambda: False), (lambda: True)
-    assert "initialised CUDA" in kcoral_worker.template_cuda_problem()
+    assert "initialised CUDA" in kcoral_worker.template_cuda_problem("cuda")
+
+
+def torch_without_nvml(log):
+    """A CUDA build of torch on a host without NVML: with PYTORCH_NVML_BASED_CUDA_CHECK=1 its
+    availability check fails over to cudaGetDeviceCount, which poisons every later fork."""
+    torch, _ = fake_torch(log)
+    poisoned = []
+
+    def is_available():
+        if os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK") == "1":
+            poisoned.append(True)  # NVML failed: torch._C._cuda_getDeviceCount() -> poison_fork()
+        return False
+    torch.cuda.is_available, torch.cuda._is_in_bad_fork = is_available, lambda: bool(poisoned)
+    return torch
+
+
+def start_forked_worker(device, visible=()):
+    """worker_main forked from this process (the template, with whatever sys.modules holds)
+    -> (process, the front-end's end of its pipe, its first message)."""
+    ours, theirs = multiprocessing.Pipe()
+    process = multiprocessing.get_context("fork").Process(target=kcoral_worker.worker_main,
+                                                          args=(theirs, device, list(visible)), daemon=True)
+    process.start()
+    theirs.close()
+    message, _ = kcoral_worker.receive_message(ours, deadline=time.monotonic() + 30)
+    return process, ours, message
+
+
+def stop_forked_worker(process, conn):
+    with __import__("contextlib").suppress(OSError):
+        kcoral_worker.send_message(conn, kcoral_worker.StopWorker())
+    process.join(10)
+    if process.is_alive():
+        process.kill()
+        process.join()
+    conn.close()
+
+
+def test_cpu_workers_start_from_a_template_whose_torch_had_no_nvml(monkeypatch):
+    """A CPU compile server with the default (CUDA) torch wheel: the template's availability check
+    poisoned forks, which must not stop CPU workers (GPU workers are still refused)."""
+    torch = torch_without_nvml([])
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    torch.cuda.is_available()  # what `import tvm_ffi` does in the template
+    process, conn, message = start_forked_worker("cpu")
+    try:
+        assert isinstance(message, kcoral_worker.WorkerReady), message
+    finally:
+        stop_forked_worker(process, conn)
+    assert "initialised CUDA" in kcoral_worker.template_cuda_problem("cuda")
 
 
 def test_workers_come_from_a_template_with_torch_loaded_and_cuda_untouched(server):
@@ -1051,6 +1142,25 @@ def test_workers_come_from_a_template_with_torch_loaded_and_cuda_untouched(serve
                               "            'nvml': os.environ.get('PYTORCH_NVML_BASED_CUDA_CHECK')}\n")
     assert body["status"] == "COMPLETED", body
     assert plain(body["results"]["out"]) == {"torch": True, "tvm_ffi": True, "initialized": False, "nvml": "1"}
+
+
+def test_a_reused_gpu_worker_gets_its_cuda_device_and_default_stream_back(monkeypatch):
+    """docs/server.md §3.3: a program that switched the current device or stream does not leave
+    that to the next request (the rest of torch's settings: tests/test_worker_lifecycle.py)."""
+    import torch
+    current, streams = {"device": 0}, {0: "default-0", 1: "default-1"}
+    fake = {"current_device": lambda: current["device"],
+            "set_device": lambda device: current.update(device=device),
+            "default_stream": lambda device: f"default-{device}",
+            "current_stream": lambda device: streams[device],
+            "set_stream": lambda stream: streams.update({int(stream[-1]): stream})}
+    for name, function in fake.items():
+        monkeypatch.setattr(torch.cuda, name, function)
+    settings = kcoral_worker.TorchSettings.capture()
+    settings.capture_cuda()  # at InitGpu
+    current["device"], streams[0] = 1, "side-stream"  # what the first request left
+    kcoral_worker.reset_process_state(dict(os.environ), settings)
+    assert current == {"device": 0} and streams[0] == "default-0"
 
 
 def test_tvm_ffi_preparation_is_bounded_and_disables_the_slow_path(monkeypatch):
@@ -1068,10 +1178,55 @@ def test_tvm_ffi_preparation_is_bounded_and_disables_the_slow_path(monkeypatch):
     assert os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1"
 
 
+def test_a_tvm_ffi_build_failure_it_only_warned_about_is_not_called_warmed(monkeypatch):
+    """tvm_ffi catches a failed JIT of its torch add-on and warns: the warm-up looks at the result."""
+    monkeypatch.delenv("TVM_FFI_DISABLE_TORCH_C_DLPACK", raising=False)
+    monkeypatch.setattr(kcoral, "torch_has_dlpack_exchange_api", lambda: False)
+    events = []
+    log = types.SimpleNamespace(event=lambda name, level="INFO", **fields: events.append((name, level, fields)))
+    swallowed = ("import sys, torch\n"
+                 "torch.Tensor = type('Tensor', (), {})  # the add-on never set its attribute\n"
+                 "print('UserWarning: Failed to JIT torch c dlpack extension', file=sys.stderr)")
+    assert kcoral.prepare_template_imports(60, warm=swallowed, log=log) == "disabled"
+    assert os.environ["TVM_FFI_DISABLE_TORCH_C_DLPACK"] == "1"
+    [(name, level, fields)] = events
+    assert (name, level, fields["tvm_ffi_torch_addon"]) == ("template_prepared", "WARNING", "disabled")
+    assert "not built" in fields["error"] and "Failed to JIT" in fields["error"]
+
+
 def test_this_torch_exports_the_dlpack_exchange_api_itself():
     import torch
     assert kcoral.torch_has_dlpack_exchange_api() == (hasattr(torch.Tensor, "__dlpack_c_exchange_api__") or
                                                      hasattr(torch.Tensor, "__c_dlpack_exchange_api__"))
+
+
+def recording_log():
+    events = []
+    return events, types.SimpleNamespace(event=lambda name, level="INFO", **fields: events.append((name, level, fields)))
+
+
+def test_a_missing_nvidia_uvm_node_is_created_or_warned_about(monkeypatch, tmp_path):
+    """A freshly booted host has no /dev/nvidia-uvm yet; the sandbox would silently show none."""
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    (dev / "nvidiactl").touch()
+    nodes = {str(dev / "nvidiactl"): "CUDA cannot initialise", str(dev / "nvidia-uvm"): "managed memory fails"}
+    monkeypatch.setattr(kcoral, "REQUIRED_GPU_NODES", nodes)
+    touch = shutil.which("touch")
+    monkeypatch.setenv("PATH", str(tmp_path / "no-driver-tools"))
+    events, log = recording_log()
+    assert kcoral.ensure_gpu_control_nodes(log) == [str(dev / "nvidia-uvm")]
+    [(name, level, fields)] = events
+    assert (name, level, fields["node"]) == ("gpu_device_node_missing", "WARNING", str(dev / "nvidia-uvm"))
+    assert "managed memory" in fields["effect"] and "nvidia-modprobe -u -c=0" in fields["remedy"]
+    tools = tmp_path / "driver-tools"  # nvidia-modprobe, as the driver runs it, creates the node
+    tools.mkdir()
+    (tools / "nvidia-modprobe").write_text(f"#!/bin/sh\n[ \"$1 $2\" = '-u -c=0' ] && {touch} {dev / 'nvidia-uvm'}\n")
+    (tools / "nvidia-modprobe").chmod(0o755)
+    monkeypatch.setenv("PATH", str(tools))
+    events.clear()
+    assert kcoral.ensure_gpu_control_nodes(log) == [] and events == []
+    assert (dev / "nvidia-uvm").exists()
 
 
 # --- quarantine, multi-GPU start-up, shutdown --------------------------------------
@@ -1122,6 +1277,7 @@ def test_quarantine_refuses_waiters_already_queued():
 def test_waits_for_n_gpus_end_at_shutdown():
     pool = object.__new__(kcoral.Pool)
     pool.arbiter, pool.cond, pool.closing = kcoral.LeaseArbiter([0, 1]), threading.Condition(), False
+    pool.config = kcoral.ServerConfig()
     pool.arbiter.acquire("busy", [0])
     job = kcoral.Job("big", kcoral.ValidProgram([], {"gpu_count": 2}, {}, []), {}, timeout=10.0, output_limit=0)
     outcomes = []
@@ -1151,3 +1307,104 @@ def test_multi_gpu_start_up_failures(monkeypatch, failure, status, kind):
     assert (outcome.http_status, outcome.kind) == (status, kind)
     assert phases == [3.0]  # bounded by the request's timeout, not 60 s
     assert pool.arbiter.holder == {0: None, 1: None}
+
+
+class FakeSandboxTemplate:
+    """Records which GPUs a container was started for, and who held their leases then."""
+    started = []
+
+    def __init__(self, config, device, gpus):
+        self.gpus, self.killed = list(gpus), False
+        self.started.append((self, dict(self.arbiter.holder)))
+
+    def kill(self):
+        self.killed = True
+
+
+@pytest.mark.parametrize("held, release, expected, granted", [([0], (), [1, 2], [1, 2]),
+                                                              ([0, 1, 2], (2, 1), [0, 1], [1, 2])])
+def test_a_multi_gpu_sandbox_starts_before_the_leases_are_waited_for(monkeypatch, held, release, expected, granted):
+    """The container's start (seconds) must not happen under n leases that other requests wait for."""
+    pool = object.__new__(kcoral.Pool)
+    pool.arbiter, pool.gpu_names = kcoral.LeaseArbiter([0, 1, 2]), {0: "0", 1: "1", 2: "2"}
+    pool.config, pool.device = kcoral.ServerConfig(sandbox="bubblewrap"), "cuda"
+    for g in held:
+        pool.arbiter.acquire(f"busy-{g}", [g])
+    for g in release:  # the GPUs expected busy free up after others
+        threading.Timer(0.3, pool.arbiter.release, (f"busy-{g}", [g])).start()
+    monkeypatch.setattr(FakeSandboxTemplate, "started", [])
+    monkeypatch.setattr(FakeSandboxTemplate, "arbiter", pool.arbiter, raising=False)
+    monkeypatch.setattr(kcoral, "SandboxTemplate", FakeSandboxTemplate)
+    workers = []
+
+    def worker(pool_, gpus, phase_timeout, template=None):
+        workers.append((list(gpus), template))
+        raise kcoral.WorkerCrashed("did not start")
+    monkeypatch.setattr(kcoral, "Worker", worker)
+    job = kcoral.Job("r", kcoral.ValidProgram([], {"gpu_count": 2}, {}, []), {}, timeout=10.0, output_limit=0)
+    outcome = pool.run_multi_gpu(None, job, 2, 0.0)
+    assert (outcome.http_status, outcome.kind) == (500, "engine")
+    first, holders = FakeSandboxTemplate.started[0]
+    assert first.gpus == expected and all(holders[g] != "r" for g in expected)  # before any lease of ours
+    used_gpus, used = workers[0]
+    assert used_gpus == granted and used.gpus == granted  # the container shows the granted GPUs
+    assert all(t.killed for t, _ in FakeSandboxTemplate.started)
+
+
+class FakeSlotWorker:
+    """A started worker as the pool sees it: initialize() records who held the GPU's lease then."""
+
+    def __init__(self, pool, gpus, phase_timeout=60.0, template=None):
+        self.pool, self.gpus, self.template, self.served, self.killed = pool, gpus, template, 0, False
+        self.gone = True
+
+    def initialize(self, expected_uuid, phase_timeout=60.0):
+        self.pool.inits.append(dict(self.pool.arbiter.holder))
+
+    def kill(self, grace, orphans=False):
+        self.killed = True
+        return self.gone
+
+
+def spare_pool(monkeypatch):
+    monkeypatch.setattr(kcoral, "Worker", FakeSlotWorker)
+    pool = object.__new__(kcoral.Pool)
+    pool.config = kcoral.ServerConfig(sandbox="none")
+    pool.arbiter, pool.gpu_names, pool.inits, pool.closing = kcoral.LeaseArbiter([0]), {0: "0"}, [], False
+    pool.cond, pool.idle, pool.replacing, pool.quarantined = threading.Condition(), [], set(), []
+    pool.in_progress = 1
+    pool.log = types.SimpleNamespace(event=lambda *a, **k: None)
+    pool.quarantine = lambda gpus, reason: pool.quarantined.append(list(gpus))
+    slot = kcoral.Slot("gpu0/w0", [0])
+    slot.worker = FakeSlotWorker(pool, [0])
+    return pool, slot
+
+
+def test_a_spare_gpu_worker_creates_its_context_once_the_request_is_done_with_the_gpu(monkeypatch):
+    """docs/server.md §1.3: the spare starts with the request; its CUDA context waits for the GPU."""
+    pool, slot = spare_pool(monkeypatch)
+    pool.start_spare(slot)
+    assert slot.spare is not None
+    pool.arbiter.acquire("the-request", [0])  # the running request uses its GPU
+    time.sleep(0.2)
+    assert pool.inits == []  # started (host work), context not yet
+    pool.arbiter.release("the-request", [0])
+    slot.spare.gpu_free.set()  # Pool.run_job, once the request's execution is over
+    spare = slot.spare.take()
+    assert pool.inits == [{0: kcoral.STARTUP_OWNER}]
+    retired = slot.worker
+    pool.release(slot, True)
+    assert wait_for(lambda: slot in pool.idle, 5)
+    assert retired.killed and slot.worker is spare and not spare.killed
+
+
+def test_a_retired_gpu_worker_not_confirmed_gone_leaves_its_slot_without_the_spare(monkeypatch):
+    pool, slot = spare_pool(monkeypatch)
+    pool.start_spare(slot)
+    slot.spare.gpu_free.set()
+    spare = slot.spare.take()
+    slot.worker.gone = False  # its tree outlived SIGKILL
+    pool.dispose = types.MethodType(kcoral.Pool.dispose, pool)
+    pool.release(slot, True)
+    assert wait_for(lambda: slot in pool.idle, 5)
+    assert pool.quarantined == [[0]] and slot.worker is None and spare.killed
