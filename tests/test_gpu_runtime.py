@@ -1373,7 +1373,7 @@ def spare_pool(monkeypatch):
     pool.arbiter, pool.gpu_names, pool.inits, pool.closing = kcoral.LeaseArbiter([0]), {0: "0"}, [], False
     pool.cond, pool.idle, pool.replacing, pool.quarantined = threading.Condition(), [], set(), []
     pool.in_progress = 1
-    pool.log = types.SimpleNamespace(event=lambda *a, **k: None)
+    pool.log = types.SimpleNamespace(event=lambda *a, **k: None, metrics=kcoral.Metrics())
     pool.quarantine = lambda gpus, reason: pool.quarantined.append(list(gpus))
     slot = kcoral.Slot("gpu0/w0", [0])
     slot.worker = FakeSlotWorker(pool, [0])
