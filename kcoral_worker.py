@@ -601,16 +601,22 @@ def terminate(remaining: Callable[[], list[int]], grace: float, kill_for: float,
         time.sleep(0.01)
         pids = remaining()
     deadline, seen = time.monotonic() + kill_for, set[int]()
-    while pids:
+    while True:
+        if not pids:
+            # a second look: a process forking while /proc was read can be missed by one snapshot
+            # (its parent gone, itself not listed yet), not by two a moment apart
+            time.sleep(0.005)
+            pids = remaining()
+            if not pids:
+                return True
         signal_all(pids, signal.SIGSTOP)
         if set(pids) <= seen:  # nothing new since the last sweep: all stopped
             signal_all(pids, signal.SIGKILL)
         if time.monotonic() >= deadline:
-            break
+            return False
         seen = set(pids)
         time.sleep(0.001)
         pids = remaining()
-    return not pids
 
 
 IPC_RMID = 0
