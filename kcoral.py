@@ -74,6 +74,7 @@ import http.server
 import importlib.metadata
 import importlib.util
 import io
+import itertools
 import json
 import math
 import mmap
@@ -587,6 +588,7 @@ class HTTPServer(http.server.ThreadingHTTPServer):
 CONTROL_CHARS = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 DRAIN_LIMIT = 1 << 16  # unread bodies up to this size are skipped to keep the connection
 SEND_SLICE = 1 << 20  # the send timeout applies to each slice: a slow reader is fine, a stalled one is not
+SEND_BATCH = 512  # buffers per sendmsg call, well under Linux's IOV_MAX (1024)
 
 
 class RequestHandler(http.server.BaseHTTPRequestHandler):
@@ -916,8 +918,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             return self.too_large(request_id)
         self.send_response(200)
         self.send_common_headers(content_type, total, {"X-Request-ID": request_id})
-        for piece in pieces:
-            self.send_all(piece)
+        self.send_pieces(pieces)
         return total
 
     def send_all(self, data: Buffer) -> None:
@@ -925,6 +926,19 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         view = memoryview(data).cast("B")
         for start in range(0, view.nbytes, SEND_SLICE):
             self.wfile.write(view[start:start + SEND_SLICE])
+
+    def send_pieces(self, pieces: list[Buffer]) -> None:
+        """Send the pieces with sendmsg, up to SEND_BATCH at a time: a folder's ~1500 pieces (part
+        header, data, CRLF per file) take a few system calls instead of one write each.  The socket
+        is non-blocking under its timeout, so each call sends what fits and waits at most the send
+        timeout for room: a client that stops reading is dropped, as with send_all."""
+        queue = collections.deque(view for view in (memoryview(p).cast("B") for p in pieces) if view.nbytes)
+        while queue:
+            sent = self.connection.sendmsg(list(itertools.islice(queue, SEND_BATCH)))
+            while sent and sent >= queue[0].nbytes:
+                sent -= queue.popleft().nbytes
+            if sent:
+                queue[0] = queue[0][sent:]
 
     def too_large(self, request_id: str) -> int:
         return self.send_error_body(500, request_id, "response_too_large",
