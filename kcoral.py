@@ -1310,8 +1310,8 @@ class KCoralServer:
                 self.check_gpu_count(program)
                 return self.run_program(request_id, data, program, blobs, proxy_queue_ms)
             finally:
-                if disk_writes is not None:
-                    disk_writes.join()  # once answered, the client may count on its file blobs being cached
+                if disk_writes is not None:  # once answered, the client may count on its file blobs being cached
+                    self.blobs.settle_file_blobs(disk_writes)
         except RequestTooLarge as exc:
             return Outcome(413, "request_too_large", str(exc))
         except ValidationError as exc:
@@ -2284,6 +2284,7 @@ def pinned_bytes(data: Buffer) -> int:
 
 
 CACHE_ENTRY_OVERHEAD = 384  # bytes an entry costs beyond its payload (tests/test_bounds.py measures ~330)
+UNWRITTEN_LIMIT = 64 << 20  # request bodies kept alive for file blobs not yet in the disk cache
 
 
 class BlobStore:
@@ -2298,19 +2299,59 @@ class BlobStore:
         self.hits = {"memory": 0, "disk": 0}  # lookups of blobs a request referenced but did not supply
         self.misses = {"memory": 0, "disk": 0}
         self.lock = threading.Lock()
+        # file blobs on their way to the disk cache: hash -> (data, writes pending), and the bytes of
+        # request bodies those views keep alive (charged once per request)
+        self.unwritten: dict[str, tuple[Buffer, int]] = {}
+        self.unwritten_bytes = 0
 
     def keep_file_blobs(self, program: ValidProgram, supplied: dict[str, memoryview]) -> threading.Thread | None:
-        """Start putting supplied file-upload blobs into the disk cache -> a thread to join, or None.
+        """Start putting supplied file-upload blobs into the disk cache -> a thread for
+        `settle_file_blobs`, or None.
 
         Creating hundreds of small files can take a while on a busy disk; meanwhile the
-        request goes on, and its worker creates the workspace copies in parallel.
+        request goes on, and its worker creates the workspace copies in parallel.  Until the
+        writes land, `resolve` finds the blobs in `unwritten`: a later request never misses them.
+        (Not a daemon: an exiting server finishes its writes rather than leaving staging files.)
         """
         items = [(digest, data) for digest, data in supplied.items() if "file" in program.blob_kinds[digest]]
         if not items or self.disk is None:
             return None
-        thread = threading.Thread(target=self.disk.put_all, args=(items,), daemon=True)
+        charge = pinned_bytes(items[0][1])  # every part is a view of the one request body
+        with self.lock:
+            for digest, data in items:
+                self.unwritten[digest] = (data, self.unwritten.get(digest, (data, 0))[1] + 1)
+            self.unwritten_bytes += charge
+        thread = threading.Thread(target=self.write_file_blobs, args=(self.disk, items, charge))
         thread.start()
         return thread
+
+    def write_file_blobs(self, disk: DiskCache, items: list[tuple[str, Buffer]], charge: int) -> None:
+        try:
+            disk.put_all(items)
+        finally:
+            with self.lock:
+                for digest, _ in items:
+                    data, pending = self.unwritten[digest]
+                    if pending > 1:
+                        self.unwritten[digest] = (data, pending - 1)
+                    else:
+                        del self.unwritten[digest]
+                self.unwritten_bytes -= charge
+
+    def settle_file_blobs(self, writes: threading.Thread) -> None:
+        """Before a request is answered: its file blobs may still be on their way to the disk
+        (`resolve` serves them from `unwritten` meanwhile), unless the bodies kept alive for
+        that exceed UNWRITTEN_LIMIT: then the answer waits for its writes, and the disk, not
+        memory, sets the pace."""
+        with self.lock:
+            over = self.unwritten_bytes > UNWRITTEN_LIMIT
+        if over:
+            writes.join()
+
+    def unwritten_blob(self, digest: str) -> Buffer | None:
+        with self.lock:
+            entry = self.unwritten.get(digest)
+        return None if entry is None else entry[0]
 
     def resolve(self, program: ValidProgram, supplied: dict[str, memoryview]) -> tuple[Blobs, list[str]]:
         """docs/protocol.md §7.1: supplied parts go into the memory cache (the disk cache: keep_file_blobs),
@@ -2325,7 +2366,8 @@ class BlobStore:
         for digest, kinds in program.blob_kinds.items():
             data: Buffer | None = supplied.get(digest)
             if data is None and "file" in kinds and self.disk is not None:
-                data = self.count_lookup("disk", self.disk.get(digest))
+                data = self.unwritten_blob(digest)
+                data = self.count_lookup("disk", data if data is not None else self.disk.get(digest))
             if data is None and "memory" in kinds:
                 data = self.count_lookup("memory", self.memory.get(digest))
             if data is None:
