@@ -3162,10 +3162,16 @@ class Execution:
         return self.pool.dispose(self.worker, self.config.worker_termination_grace_seconds, orphans=True)
 
     def remove_workspace(self) -> None:
+        """Remove an unsandboxed workspace on a thread of its own: the answer needs nothing from it
+        any more (results and parts are in memory), and its unlinks (500 for a folder upload) need
+        not delay it.  Not a daemon thread: an exiting server still finishes the removal."""
         if self.worker.template is None:
-            failed = remove_tree(self.root)
-            if failed:
-                self.pool.log.event("cleanup_failed", "ERROR", path=self.root, error=str(failed))
+            threading.Thread(target=self.remove_root, name="remove-workspace").start()
+
+    def remove_root(self) -> None:
+        failed = remove_tree(self.root)
+        if failed:
+            self.pool.log.event("cleanup_failed", "ERROR", path=self.root, error=str(failed))
 
 
 WORKER_MESSAGES = (kcoral_worker.InstructionStarted, kcoral_worker.ReturnValue, kcoral_worker.AcquireLease,
