@@ -74,6 +74,7 @@ import http.server
 import importlib.metadata
 import importlib.util
 import io
+import itertools
 import json
 import math
 import mmap
@@ -589,6 +590,7 @@ DRAIN_LIMIT = 1 << 16  # unread bodies up to this size are skipped to keep the c
 STREAM_HEADER = "X-KCoral-Stream"  # our client's opt-in to the streamed answer (docs/protocol.md §13)
 STREAM_MEDIA_TYPE = "application/x-kcoral-stream"
 SEND_SLICE = 1 << 20  # the send timeout applies to each slice: a slow reader is fine, a stalled one is not
+SEND_BATCH = 512  # buffers per sendmsg call, well under Linux's IOV_MAX (1024)
 
 
 class RequestHandler(http.server.BaseHTTPRequestHandler):
@@ -927,8 +929,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             return self.too_large(request_id)
         self.send_response(200)
         self.send_common_headers(content_type, total, {"X-Request-ID": request_id})
-        for piece in pieces:
-            self.send_all(piece)
+        self.send_pieces(pieces)
         return total
 
     def answer_pieces(self, request_id: str, outcome: Outcome) -> tuple[int, str, list[Buffer]]:
@@ -950,6 +951,19 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         view = memoryview(data).cast("B")
         for start in range(0, view.nbytes, SEND_SLICE):
             self.wfile.write(view[start:start + SEND_SLICE])
+
+    def send_pieces(self, pieces: list[Buffer]) -> None:
+        """Send the pieces with sendmsg, up to SEND_BATCH at a time: a folder's ~1500 pieces (part
+        header, data, CRLF per file) take a few system calls instead of one write each.  The socket
+        is non-blocking under its timeout, so each call sends what fits and waits at most the send
+        timeout for room: a client that stops reading is dropped, as with send_all."""
+        queue = collections.deque(view for view in (memoryview(p).cast("B") for p in pieces) if view.nbytes)
+        while queue:
+            sent = self.connection.sendmsg(list(itertools.islice(queue, SEND_BATCH)))
+            while sent and sent >= queue[0].nbytes:
+                sent -= queue.popleft().nbytes
+            if sent:
+                queue[0] = queue[0][sent:]
 
     def too_large(self, request_id: str) -> int:
         return self.send_error_body(500, request_id, "response_too_large",
@@ -1415,8 +1429,8 @@ class KCoralServer:
                 self.check_gpu_count(program)
                 return self.run_program(request_id, data, program, blobs, proxy_queue_ms, on_output)
             finally:
-                if disk_writes is not None:
-                    disk_writes.join()  # once answered, the client may count on its file blobs being cached
+                if disk_writes is not None:  # once answered, the client may count on its file blobs being cached
+                    self.blobs.settle_file_blobs(disk_writes)
         except RequestTooLarge as exc:
             return Outcome(413, "request_too_large", str(exc))
         except ValidationError as exc:
@@ -2389,6 +2403,7 @@ def pinned_bytes(data: Buffer) -> int:
 
 
 CACHE_ENTRY_OVERHEAD = 384  # bytes an entry costs beyond its payload (tests/test_bounds.py measures ~330)
+UNWRITTEN_LIMIT = 64 << 20  # request bodies kept alive for file blobs not yet in the disk cache
 
 
 class BlobStore:
@@ -2403,19 +2418,59 @@ class BlobStore:
         self.hits = {"memory": 0, "disk": 0}  # lookups of blobs a request referenced but did not supply
         self.misses = {"memory": 0, "disk": 0}
         self.lock = threading.Lock()
+        # file blobs on their way to the disk cache: hash -> (data, writes pending), and the bytes of
+        # request bodies those views keep alive (charged once per request)
+        self.unwritten: dict[str, tuple[Buffer, int]] = {}
+        self.unwritten_bytes = 0
 
     def keep_file_blobs(self, program: ValidProgram, supplied: dict[str, memoryview]) -> threading.Thread | None:
-        """Start putting supplied file-upload blobs into the disk cache -> a thread to join, or None.
+        """Start putting supplied file-upload blobs into the disk cache -> a thread for
+        `settle_file_blobs`, or None.
 
         Creating hundreds of small files can take a while on a busy disk; meanwhile the
-        request goes on, and its worker creates the workspace copies in parallel.
+        request goes on, and its worker creates the workspace copies in parallel.  Until the
+        writes land, `resolve` finds the blobs in `unwritten`: a later request never misses them.
+        (Not a daemon: an exiting server finishes its writes rather than leaving staging files.)
         """
         items = [(digest, data) for digest, data in supplied.items() if "file" in program.blob_kinds[digest]]
         if not items or self.disk is None:
             return None
-        thread = threading.Thread(target=self.disk.put_all, args=(items,), daemon=True)
+        charge = pinned_bytes(items[0][1])  # every part is a view of the one request body
+        with self.lock:
+            for digest, data in items:
+                self.unwritten[digest] = (data, self.unwritten.get(digest, (data, 0))[1] + 1)
+            self.unwritten_bytes += charge
+        thread = threading.Thread(target=self.write_file_blobs, args=(self.disk, items, charge))
         thread.start()
         return thread
+
+    def write_file_blobs(self, disk: DiskCache, items: list[tuple[str, Buffer]], charge: int) -> None:
+        try:
+            disk.put_all(items)
+        finally:
+            with self.lock:
+                for digest, _ in items:
+                    data, pending = self.unwritten[digest]
+                    if pending > 1:
+                        self.unwritten[digest] = (data, pending - 1)
+                    else:
+                        del self.unwritten[digest]
+                self.unwritten_bytes -= charge
+
+    def settle_file_blobs(self, writes: threading.Thread) -> None:
+        """Before a request is answered: its file blobs may still be on their way to the disk
+        (`resolve` serves them from `unwritten` meanwhile), unless the bodies kept alive for
+        that exceed UNWRITTEN_LIMIT: then the answer waits for its writes, and the disk, not
+        memory, sets the pace."""
+        with self.lock:
+            over = self.unwritten_bytes > UNWRITTEN_LIMIT
+        if over:
+            writes.join()
+
+    def unwritten_blob(self, digest: str) -> Buffer | None:
+        with self.lock:
+            entry = self.unwritten.get(digest)
+        return None if entry is None else entry[0]
 
     def resolve(self, program: ValidProgram, supplied: dict[str, memoryview]) -> tuple[Blobs, list[str]]:
         """docs/protocol.md §7.1: supplied parts go into the memory cache (the disk cache: keep_file_blobs),
@@ -2430,7 +2485,8 @@ class BlobStore:
         for digest, kinds in program.blob_kinds.items():
             data: Buffer | None = supplied.get(digest)
             if data is None and "file" in kinds and self.disk is not None:
-                data = self.count_lookup("disk", self.disk.get(digest))
+                data = self.unwritten_blob(digest)
+                data = self.count_lookup("disk", data if data is not None else self.disk.get(digest))
             if data is None and "memory" in kinds:
                 data = self.count_lookup("memory", self.memory.get(digest))
             if data is None:
@@ -2825,8 +2881,8 @@ class Pool:
                 finally:
                     if slot.spare is not None:
                         slot.spare.gpu_free.set()
-                    if retire:
-                        cleanup = execution.remove_workspace
+                    if retire:  # removed on the replacement thread, once the worker's tree is gone
+                        cleanup = execution.remove_root if slot.worker.template is None else None
                     else:
                         execution.remove_workspace()
             outcome.worker_id = slot.name
@@ -3337,10 +3393,16 @@ class Execution:
         return self.pool.dispose(self.worker, self.config.worker_termination_grace_seconds, orphans=True)
 
     def remove_workspace(self) -> None:
+        """Remove an unsandboxed workspace on a thread of its own: the answer needs nothing from it
+        any more (results and parts are in memory), and its unlinks (500 for a folder upload) need
+        not delay it.  Not a daemon thread: an exiting server still finishes the removal."""
         if self.worker.template is None:
-            failed = remove_tree(self.root)
-            if failed:
-                self.pool.log.event("cleanup_failed", "ERROR", path=self.root, error=str(failed))
+            threading.Thread(target=self.remove_root, name="remove-workspace").start()
+
+    def remove_root(self) -> None:
+        failed = remove_tree(self.root)
+        if failed:
+            self.pool.log.event("cleanup_failed", "ERROR", path=self.root, error=str(failed))
 
 
 WORKER_MESSAGES = (kcoral_worker.InstructionStarted, kcoral_worker.ReturnValue, kcoral_worker.AcquireLease,

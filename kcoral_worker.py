@@ -207,7 +207,8 @@ class StagedBlobs:
     def __init__(self, path: str | None, index: dict[str, tuple[int, int]]) -> None:
         self.path = path
         self.index = index  # hash -> (offset, size) in the file
-        self.handed_out: dict[int, tuple[bytes, str]] = {}  # id -> (bytes object, hash) for what read() returned
+        # id -> (object, hash) for what read() and unread_view() returned
+        self.handed_out: dict[int, tuple[bytes | memoryview, str]] = {}
 
     def digest_of(self, value: object) -> str | None:
         """The hash of `value` if it is a bytes object read() returned, else None.
@@ -231,6 +232,21 @@ class StagedBlobs:
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         self.handed_out[id(data)] = (data, digest)
         return data
+
+    def unread_view(self, digest: str) -> memoryview:
+        """The blob as a view of the staged file, mapped but never read here: for a `bytes` upload
+        returned without being used, whose bytes the front-end sends from its own copy (digest_of
+        knows the view).  Nothing is copied or paged in."""
+        offset, size = self.index[digest]
+        assert self.path is not None  # as in read()
+        view = memoryview(b"")
+        if size:
+            skip = offset % mmap.ALLOCATIONGRANULARITY  # a mapping starts on a granule
+            with open(self.path, "rb", buffering=0) as f:
+                mapped = mmap.mmap(f.fileno(), skip + size, access=mmap.ACCESS_READ, offset=offset - skip)
+            view = memoryview(mapped)[skip:]
+        self.handed_out[id(view)] = (view, digest)
+        return view
 
     def read_writable(self, digest: str) -> bytearray:
         offset, size = self.index[digest]
@@ -969,6 +985,12 @@ def syntax_error_message(exc: SyntaxError | ValueError) -> str:
     return "\n".join([message, *lines[1:-1]])  # between '  File "...", line N' and 'SyntaxError: ...'
 
 
+@dataclasses.dataclass(frozen=True)
+class UnreadUpload:
+    """The handle of a `bytes` upload not read yet: the staged blob's hash."""
+    digest: str
+
+
 class ProgramRun:
     """One request's execution: handles, returns streamed to the front-end, the error."""
 
@@ -1008,7 +1030,16 @@ class ProgramRun:
         return None
 
     def ref(self, value: dict[str, str]) -> Any:
-        return self.handles[value["$ref"]]
+        handle = self.handles[value["$ref"]]
+        if isinstance(handle, UnreadUpload):  # first use of a `bytes` upload: read it now, once
+            handle = self.handles[value["$ref"]] = self.blobs.read(handle.digest)
+        return handle
+
+    def returned(self, value: dict[str, str]) -> Any:
+        """A return's value: a `bytes` upload never used is returned unread (the front-end sends
+        its own copy of a staged blob), anything else as `ref` gives it."""
+        handle = self.handles[value["$ref"]]
+        return self.blobs.unread_view(handle.digest) if isinstance(handle, UnreadUpload) else self.ref(value)
 
     def error_at_last(self, kind: str, message: str) -> ErrorObject:
         """An error attributed to the last instruction started (docs/server.md §3.4)."""
@@ -1020,8 +1051,8 @@ class ProgramRun:
         value: Any
         if kind == "module":
             value = load_module(ins["source"])
-        elif kind == "bytes":
-            value = self.blobs.read(ins["blob"])
+        elif kind == "bytes":  # read on first use (ref): an upload that is only returned is never read
+            value = UnreadUpload(ins["blob"])
         elif kind == "tensor":
             value = self.runtime.load_tensor(self.blobs.read_writable(ins["blob"]), ins["dtype"], ins["shape"])
         elif kind == "library":
@@ -1082,7 +1113,7 @@ class ProgramRun:
         kind = ins.get("kind")
         if kind is None:
             try:
-                return self.encoder.value(self.ref(ins["value"]))
+                return self.encoder.value(self.returned(ins["value"]))
             except ExecutionError as exc:  # say which return, and where inside its value
                 exc.message = located_message(ins["key"], exc)
                 raise

@@ -16,6 +16,7 @@ import tempfile
 import threading
 import time
 import tracemalloc
+import types
 
 import pytest
 
@@ -142,6 +143,43 @@ def test_disk_cache_charges_blocks_and_counts_files(tmp_path):
     assert cache_usage(os.path.dirname(by_blocks.root))[0] < 3000
 
 
+def file_blob_store(tmp_path, release):
+    """A BlobStore whose disk writes wait for `release`: the answer must not."""
+    store = kcoral.BlobStore(dataclasses.replace(kcoral.DEFAULT_LIMITS, disk_cache_dir=str(tmp_path),
+                                                 disk_cache_capacity_mbytes=256))
+    put_all = store.disk.put_all
+    store.disk.put_all = lambda items: (release.wait(30), put_all(items))
+    return store
+
+
+def test_file_blobs_not_yet_on_disk_are_found_and_the_memory_they_hold_is_bounded(tmp_path):
+    """Until its disk writes land, a request's file blobs are served from the body they arrived in
+    (a later request never misses them); past UNWRITTEN_LIMIT of such bodies, a request waits for its writes."""
+    release = threading.Event()
+    store = file_blob_store(tmp_path, release)
+    small, large = bytearray(os.urandom(1000)), bytearray(kcoral.UNWRITTEN_LIMIT + 1)
+    programs = {}
+    for name, body in (("small", small), ("large", large)):
+        digest = hashlib.sha256(body).hexdigest()
+        programs[name] = (digest, types.SimpleNamespace(blob_kinds={digest: {"file"}}))
+        writes = store.keep_file_blobs(programs[name][1], {digest: memoryview(body)})
+        if name == "small":
+            store.settle_file_blobs(writes)  # returns although the write waits
+            assert writes.is_alive()
+            blobs, missing = store.resolve(programs[name][1], {})
+            assert missing == [] and bytes(blobs[digest]) == bytes(small)
+    settled = threading.Thread(target=store.settle_file_blobs, args=(writes,))
+    settled.start()
+    settled.join(0.5)
+    assert settled.is_alive(), "a request holding more than UNWRITTEN_LIMIT answered before its writes"
+    release.set()
+    settled.join(30)
+    writes.join(30)
+    assert store.unwritten == {} and store.unwritten_bytes == 0
+    for digest, program in programs.values():
+        assert store.resolve(program, {})[1] == [] and store.disk.get(digest) is not None
+
+
 def cache_usage(directory):
     """(files, bytes of blocks) under a disk cache directory, its lock file left out."""
     files = blocks = 0
@@ -151,6 +189,22 @@ def cache_usage(directory):
                 files += 1
                 blocks += os.stat(os.path.join(folder, name)).st_blocks * 512
     return files, blocks
+
+
+def settled_cache_usage(directory, timeout=30.0):
+    """cache_usage once the disk cache stopped changing: an answer does not wait for the disk
+    writes of its file blobs (the next request finds them in memory meanwhile)."""
+    last, deadline = None, time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            now = cache_usage(directory)
+        except FileNotFoundError:  # evicted while counted
+            now = None
+        if now is not None and now == last:
+            break
+        last = now
+        time.sleep(0.3)
+    return last
 
 
 def many_blobs_item(scale, workdir):
@@ -197,7 +251,7 @@ def tiny_files_item(scale, workdir):
                 body, content_type = multipart(program_parts(program, blobs))
                 status, _, data = request("POST", server.url + "/execute", body, {"Content-Type": content_type})
                 assert status == 200, data[:300]
-            files, blocks = cache_usage(server.disk_cache)
+            files, blocks = settled_cache_usage(server.disk_cache)
         finally:
             assert server.stop() == 0
         assert 0 < files <= max_files and blocks <= capacity_mib << 20, (files, blocks)
