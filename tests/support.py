@@ -182,6 +182,18 @@ class HAProxyProcess:
         self.stderr.close()
 
 
+@contextlib.contextmanager
+def proxy_in_front(url, workdir):
+    """A HAProxy configured by `haproxy-config` in front of one node; the test skips without haproxy."""
+    if HAPROXY is None:
+        pytest.skip("haproxy is not installed")
+    proxy = HAProxyProcess([url], workdir)
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
+
+
 class HostileServer:
     """A TCP listener in a thread that plays a broken or malicious KCoral server to each client:
 

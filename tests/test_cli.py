@@ -22,13 +22,12 @@ import time
 import pytest
 
 from tests.support import (
-    HAPROXY,
     PYTHON,
     ROOT,
-    HAProxyProcess,
     ServerProcess,
     free_port,
     join_threads,
+    proxy_in_front,
     reference_popen_options,
     reference_server_argv,
     request,
@@ -230,13 +229,8 @@ def test_bearer_token(work, tmp_path_factory):
 @pytest.fixture(scope="module")
 def proxied(our_server, tmp_path_factory):
     """HAProxy, configured by `haproxy-config`, in front of our server."""
-    if HAPROXY is None:
-        pytest.skip("haproxy is not installed")
-    proxy = HAProxyProcess([our_server.url], tmp_path_factory.mktemp("proxy"))
-    try:
+    with proxy_in_front(our_server.url, tmp_path_factory.mktemp("proxy")) as proxy:
         yield proxy
-    finally:
-        proxy.stop()
 
 
 PRINT_SLEEP_PRINT = "import time; print('first'); time.sleep(2); print('second', time.time())"

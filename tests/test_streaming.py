@@ -9,7 +9,7 @@ import time
 import pytest
 
 from client import Client, KCoralError, Program
-from tests.support import HAPROXY, HAProxyProcess, ServerProcess, multipart, program_parts, simple_program
+from tests.support import ServerProcess, multipart, program_parts, proxy_in_front, simple_program
 
 PRINT_SLEEP_PRINT = ("import os, sys, time\ndef f():\n    print('first')\n    os.write(2, b'to stderr\\n')\n"
                      "    time.sleep(2)\n    print('second', time.time())\n    return b'bytes back'\n")
@@ -23,13 +23,8 @@ def node(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def proxy(node, tmp_path_factory):
-    if HAPROXY is None:
-        pytest.skip("haproxy is not installed")
-    proxy = HAProxyProcess([node.url], tmp_path_factory.mktemp("proxy"))
-    try:
+    with proxy_in_front(node.url, tmp_path_factory.mktemp("proxy")) as proxy:
         yield proxy
-    finally:
-        proxy.stop()
 
 
 @pytest.fixture(params=["direct", "haproxy"])
