@@ -1,6 +1,6 @@
 """Side-by-side benchmark: our server against the published kcoral 0.1.1, same client.
 
-    .venv/bin/python -m bench.bench_servers            # 4 to 6 minutes on 2 cores
+    .venv/bin/python -m bench.bench_servers            # 15 to 20 minutes on 2 cores
     .venv/bin/python -m bench.bench_servers --client ours --scenarios trivial,stdout_lines --samples 3
 
 Starts both servers on CPU with the same worker count (2) and the same flags, drives both
@@ -31,6 +31,11 @@ Fairness notes:
   temp dir).  Creating ~1000 small files per folder request dominates that scenario
   for both servers, and what a file creation costs varies a lot on a shared disk,
   so the report states what it cost during the run.
+- Each sample starts once the other servers are idle (bench/scenarios.py says why).
+- The scenarios that only move data (64 MiB round trip and cache hit, folder) also
+  time the client against bench/instant_server.py, which answers them at once: the
+  "client alone" column is that client's own cost, and its ratio to the published
+  server's time is the lowest ratio any server could reach with that client.
 """
 
 import argparse
@@ -51,6 +56,7 @@ import threading
 import time
 import urllib.request
 
+from bench.instant_server import InstantServer
 from bench.scenarios import (
     MIB,
     STDOUT_LINES,
@@ -425,6 +431,9 @@ def evaluate(raw):
         row = {"key": key, "scenario": title, "unit": unit, "published": published, "ours": ours,
                "ratio": ratio, "ratio_95": ratio_interval(published["samples"], ours["samples"]),
                "target": target, "met": None if target is None else ratio <= target}
+        if InstantServer.name in raw[key]:  # the client's own floor, and the lowest ratio it allows
+            row["alone"] = summary(raw[key][InstantServer.name])
+            row["floor_ratio"] = row["alone"]["median"] / published["median"]
         if key in ("rss256", "pss256"):
             times_payload = ours["median"] * MIB / RSS_PAYLOAD
             row["ours_times_payload"] = times_payload
@@ -442,8 +451,8 @@ def fmt(value, unit):
 
 
 def markdown_table(rows):
-    lines = ["| scenario | published median / p90 | ours median / p90 | ours/published (95% interval) | target | met? |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| scenario | published median / p90 | ours median / p90 | ours/published (95% interval) | target | met? "
+             "| client alone: median (lowest ratio possible) |", "|---|---|---|---|---|---|---|"]
     for row in rows:
         unit = row["unit"]
         if unit == "ms" and max(row["published"]["median"], row["ours"]["median"]) >= 1e4:
@@ -453,10 +462,11 @@ def markdown_table(rows):
             target += f" (ours: {row['ours_times_payload']:.2f}×)"
         met = {True: "yes", False: "**no**", None: "—"}[row["met"]]
         low, high = row["ratio_95"]
+        alone = f"{fmt(row['alone']['median'], unit)} ({row['floor_ratio']:.2f})" if "alone" in row else "—"
         lines.append(f"| {row['scenario']} | {fmt(row['published']['median'], unit)} / "
                      f"{fmt(row['published']['p90'], unit)} | {fmt(row['ours']['median'], unit)} / "
                      f"{fmt(row['ours']['p90'], unit)} | {row['ratio']:.2f} ({low:.2f}–{high:.2f}) | "
-                     f"{target} | {met} |")
+                     f"{target} | {met} | {alone} |")
     return "\n".join(lines)
 
 
@@ -489,6 +499,9 @@ def draw_chart(rows_by_client, path, when):
             ax.bar(x, row["ratio"], width, color=missed_color if row["met"] is False else met_color,
                    yerr=[[row["ratio"] - low], [high - row["ratio"]]], capsize=2,
                    label=f"{client} client" if i == 0 else None)
+            if "floor_ratio" in row:  # what the client alone costs, as a ratio: no server can go below it
+                ax.plot(x, row["floor_ratio"], marker="v", color="black", markersize=5,
+                        label="client alone" if n == 0 and key == "bytes64" else None)
             label = f"{row['ratio']:.2f}"
             if "ours_times_payload" in row:
                 label += f"\n({row['ours_times_payload']:.1f}× payload)"
@@ -562,8 +575,12 @@ def published_client_scenarios(names, servers, counts, scratch):
 
 def our_client_steps(names, servers, counts, scratch):
     """The timed scenarios with our client, then the memory and sandbox rows -> raw samples."""
-    clients = {server.name: CountingClient(server.url) for server in servers}
-    raw = run_timed_scenarios(names, servers, clients, Client, counts, scratch, Program, progress)
+    alone = InstantServer()  # forked before any thread starts
+    clients = {server.name: CountingClient(server.url) for server in (*servers, alone)}
+    try:
+        raw = run_timed_scenarios(names, servers, clients, Client, counts, scratch, Program, progress, alone)
+    finally:
+        alone.stop()
     extra = [("memory", ("rss256", "pss256", "rss_detail"), lambda: scenario_memory(servers, clients, 2)),
              ("sandbox", ("trivial_sandboxed", "sandbox_cost"),
               lambda: scenario_sandbox(servers[1], scratch, counts["trivial"], counts["burst"]))]

@@ -5,6 +5,10 @@ Standard library only and nothing from this repository: bench/published_client_d
 the same scenarios under the published client's own virtualenv, where `kcoral` is the published
 package.  Each scenario alternates request by request between the servers (published, ours,
 published, ours ...) so that machine drift hits both alike, and returns {server name: samples}.
+Each sample starts once the *other* servers are idle: on a 2-core machine the published server's
+replacement of a used worker (a fresh process importing torch, ~3 s of CPU) would otherwise run
+during the next server's sample.  A server's own background work (its replacements, our disk-cache
+writes) still counts against it: the sample does not wait for that.
 A server is anything with `name` and `url`; a client counts what each execute() put on the wire
 in `posts` and `blob_bytes`.
 """
@@ -93,11 +97,19 @@ def timed(fn):
     return (time.perf_counter() - start) * 1e3, value
 
 
+def others_idle(servers, server):
+    """Before `server`'s sample: the other servers have finished their background work."""
+    for other in servers:
+        if other is not server:
+            wait_idle(other.url)
+
+
 def alternate(servers, rounds, once):
     """Run `once(server)` -> sample for published, ours, published, ours, ... -> {name: [samples]}."""
     samples = {server.name: [] for server in servers}
     for _ in range(rounds):
         for server in servers:
+            others_idle(servers, server)
             samples[server.name].append(once(server))
     return samples
 
@@ -164,6 +176,7 @@ def scenario_bytes64(servers, clients, rounds, program_class):
         for samples, posts, uploads in ((trips, 2, True), (hits, 1, False)):
             for server in servers:
                 client = clients[server.name]
+                others_idle(servers, server)
                 ms, result = timed(lambda: client.execute(program))
                 check(completed(result)["out"] == payload, "64 MiB payload returned intact")
                 check((client.posts, client.blob_bytes >= 64 * MIB) == (posts, uploads),
@@ -182,6 +195,7 @@ def scenario_folder(servers, clients, rounds, scratch, program_class):
         program = folder_program(program_class, directory)  # reads the files: the directory can go
         shutil.rmtree(directory)
         for server in servers:
+            others_idle(servers, server)
             ms, result = timed(lambda: clients[server.name].execute(program))
             returned = completed(result)["out"]
             check({rel: f.read_bytes() for rel, f in returned.files.items()} == files, "folder returned intact")
@@ -200,15 +214,18 @@ def scenario_stdout(servers, clients, rounds, program_class, source=STDOUT_SOURC
     return alternate(servers, rounds, once)
 
 
-def run_timed_scenarios(names, servers, clients, make_client, counts, scratch, program_class, progress):
+def run_timed_scenarios(names, servers, clients, make_client, counts, scratch, program_class, progress, alone):
     """The timed scenarios among `names`, in the benchmark's order -> {scenario key: {server: samples}}.
 
-    `counts`: samples per server, {"trivial": n, "burst": n, "rounds": n (the heavy ones)}."""
+    `counts`: samples per server, {"trivial": n, "burst": n, "rounds": n (the heavy ones)}.  `alone`,
+    an InstantServer (bench/instant_server.py) with a client in `clients`, takes its turn in the
+    scenarios that only move data: the client's own floor, sampled in the same alternation."""
+    movers = [*servers, alone]
     steps = [
         ("trivial", lambda: scenario_trivial(servers, clients, counts["trivial"], program_class)),
         ("burst", lambda: scenario_burst(servers, make_client, counts["burst"], program_class)),
-        (("bytes64", "cachehit64"), lambda: scenario_bytes64(servers, clients, counts["rounds"], program_class)),
-        ("folder", lambda: scenario_folder(servers, clients, counts["rounds"], scratch, program_class)),
+        (("bytes64", "cachehit64"), lambda: scenario_bytes64(movers, clients, counts["rounds"], program_class)),
+        ("folder", lambda: scenario_folder(movers, clients, counts["rounds"], scratch, program_class)),
         ("stdout4", lambda: scenario_stdout(servers, clients, counts["rounds"], program_class)),
         ("stdout_lines", lambda: scenario_stdout(servers, clients, counts["rounds"], program_class,
                                                  STDOUT_LINES_SOURCE)),
