@@ -31,7 +31,8 @@ Fairness notes:
   temp dir).  Creating ~1000 small files per folder request dominates that scenario
   for both servers, and what a file creation costs varies a lot on a shared disk,
   so the report states what it cost during the run.
-- Each sample starts once the other servers are idle (bench/scenarios.py says why).
+- Each sample starts once the other servers are idle (bench/scenarios.py says why and what it
+  means for the published server: its best case).
 - The scenarios that only move data (64 MiB round trip and cache hit, folder) also
   time the client against bench/instant_server.py, which answers them at once: the
   "client alone" column is that client's own cost, and its ratio to the published

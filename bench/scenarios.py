@@ -7,8 +7,10 @@ package.  Each scenario alternates request by request between the servers (publi
 published, ours ...) so that machine drift hits both alike, and returns {server name: samples}.
 Each sample starts once the *other* servers are idle: on a 2-core machine the published server's
 replacement of a used worker (a fresh process importing torch, ~3 s of CPU) would otherwise run
-during the next server's sample.  A server's own background work (its replacements, our disk-cache
-writes) still counts against it: the sample does not wait for that.
+during the next server's sample.  Samples alternate, so a server also finishes its own background
+work while the other's sample waits and runs: in effect every sample starts on idle servers.  For
+the published server that is its best case (its per-request worker start drops out of its
+sequential latency), so the ratios are conservative.
 A server is anything with `name` and `url`; a client counts what each execute() put on the wire
 in `posts` and `blob_bytes`.
 """
