@@ -923,7 +923,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             if chunked:
                 body = self.read_chunked(limit, reservation)
             else:
-                body, digests = self.read_hashing(size, reservation, content_type)
+                body, digests = self.read_body(size, reservation, content_type)
             self.body_done = True
             if body is None:
                 return Outcome(413, "request_too_large", "request exceeds the configured size limit")
@@ -934,19 +934,12 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         finally:
             reservation.release()
 
-    def read_body(self, size: int, reservation: BodyReservation | None = None) -> bytearray | mmap.mmap:
-        """Read `size` body bytes under the guard's rate rule (and the body budget) -> a new buffer."""
-        self.watch("body")
-        try:
-            return self.read_exact(size, reservation)
-        finally:
-            self.unwatch()
-
-    def read_hashing(self, size: int, reservation: BodyReservation,
-                     content_type: str | None) -> tuple[bytearray | mmap.mmap, PartDigests]:
-        """read_body, a large body's blob parts hashed while they arrive (HashAhead) -> (body, digests)."""
+    def read_body(self, size: int, reservation: BodyReservation | None = None,
+                  content_type: str | None = None) -> tuple[bytearray | mmap.mmap, PartDigests]:
+        """Read `size` body bytes under the guard's rate rule (and the body budget) -> (a new buffer,
+        the digests of the blob parts a request's large body had hashed while it arrived: HashAhead)."""
         body = large_buffer(size)
-        ahead = HashAhead.start(body, content_type)
+        ahead = HashAhead.start(body, content_type) if content_type is not None else None
         self.watch("body")
         try:
             self.read_into(body, reservation, ahead)
@@ -2150,14 +2143,6 @@ def request_boundary(content_type: str | None) -> bytes:
     if not boundary or "\r" in boundary or "\n" in boundary:
         raise ValidationError("multipart request needs a non-empty boundary")
     return boundary.encode("latin-1", "replace")
-
-
-def parse_multipart(body: Body, boundary: bytes,
-                    limits: ServerConfig = DEFAULT_LIMITS) -> Iterator[tuple[PartHeaders, memoryview]]:
-    """Split a multipart body into (headers, payload memoryview) pairs without copying payloads."""
-    view = memoryview(body)
-    for headers, start, end in multipart_ranges(body, boundary, limits):
-        yield headers, view[start:end]
 
 
 def multipart_ranges(body: Body, boundary: bytes,

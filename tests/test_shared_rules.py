@@ -184,8 +184,8 @@ def multipart_bodies(draw):
 
 
 def server_parts(body, boundary):
-    parsed = kcoral.parse_multipart(body, boundary.encode())
-    return [(*kcoral.check_part_headers(headers), bytes(payload)) for headers, payload in parsed]
+    ranges = kcoral.multipart_ranges(body, boundary.encode())
+    return [(*kcoral.check_part_headers(headers), bytes(body[start:end])) for headers, start, end in ranges]
 
 
 def client_parts(body, boundary):
