@@ -357,6 +357,7 @@ class ConnectionGuard:
         self.config = config
         self.lock = threading.Lock()
         self.watched: dict[RequestHandler, Phase] = {}
+        self.closed_phases: dict[str, str] = {}  # phase name -> why any connection entering it is cut
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self.run, name="kcoral-connection-guard", daemon=True)
         self.thread.start()
@@ -366,6 +367,9 @@ class ConnectionGuard:
         phase = Phase(name, now, window_start=now)
         with self.lock:
             self.watched[handler] = phase
+            reason = self.closed_phases.get(name)
+        if reason is not None:  # a body that reaches its read after shutdown began is cut as those before it were
+            self.cut(handler, reason, phase)
         return phase
 
     def leave(self, handler: RequestHandler) -> None:
@@ -418,8 +422,9 @@ class ConnectionGuard:
         return len(idle)
 
     def cut_phase(self, name: str, reason: str) -> None:
-        """Cut every connection now in phase `name` (shutdown: the bodies still arriving)."""
+        """Cut every connection in phase `name`, now and from now on (shutdown: the bodies still arriving)."""
         with self.lock:
+            self.closed_phases[name] = reason
             found = [(h, phase) for h, phase in self.watched.items() if phase.name == name]
         for handler, phase in found:
             self.cut(handler, reason, phase)

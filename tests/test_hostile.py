@@ -22,6 +22,7 @@ import time
 
 import pytest
 
+import kcoral
 from tests.support import join_threads, multipart, program_parts, request, sha256, simple_program, wait_for
 from tests.test_reliability import Server, descendants
 
@@ -645,3 +646,32 @@ def hostile_item(scale, workdir):
 @pytest.mark.parametrize("name,item", ITEMS, ids=[name for name, _ in ITEMS])
 def test_hostile_client(name, item, tmp_path):
     print(name, item(CI, str(tmp_path)))
+
+
+class CutRecorder:
+    """What ConnectionGuard needs of a handler: its connection, and where it says why it cut it."""
+
+    def __init__(self, connection):
+        self.connection = connection
+        self.cut_reason = None
+
+
+def test_a_body_reaching_its_read_after_shutdown_began_is_cut():
+    """The race behind a 30 s exit: an upload admitted before SIGTERM whose thread reaches its body
+    read only after the shutdown cut the bodies then arriving.  It is cut all the same, not left
+    to the body rate rule's window (30 s by default)."""
+    guard = kcoral.ConnectionGuard(kcoral.ServerConfig())
+    ours, theirs = socket.socketpair()
+    handler = CutRecorder(ours)
+    try:
+        guard.cut_phase("body", "shutdown")
+        guard.enter(handler, "header")
+        assert handler.cut_reason is None  # headers still arriving are not bodies
+        guard.enter(handler, "body")
+        assert handler.cut_reason == "shutdown"
+        ours.settimeout(5)
+        assert ours.recv(1) == b""  # its read side is shut: the handler's read ends at once
+    finally:
+        guard.stop()
+        ours.close()
+        theirs.close()
