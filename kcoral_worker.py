@@ -24,8 +24,8 @@ sends as hostile input:
     sandbox template -> front-end   WorkerReady once, then WorkerForked and WorkerExited per worker
 
 Payloads travel raw.  The front-end stages the request's blobs back to
-back in one file (JobRequest.blob_file, indexed by hash) that the worker reads
-each blob from straight into its final object, or copies into the workspace
+back in one sealed memfd (passed with JobRequest, indexed by hash) that the worker
+reads each blob from straight into its final object, or copies into the workspace
 with sendfile; returned tensors, bytes and files go back as raw bytes on the
 pipe right after their ReturnValue.  Streaming returns as they happen is what
 lets the front-end keep them when uploaded native code later kills the
@@ -198,14 +198,17 @@ def large_buffer(size: int) -> bytearray | mmap.mmap:
 
 
 class StagedBlobs:
-    """The request's blobs, staged by the front-end back to back in one file.
+    """The request's blobs, staged by the front-end back to back in one sealed memfd (a file in
+    memory nobody can write any more, passed as a file descriptor: no path, no inode on disk).
 
     Reading a range of known size gives a `bytes` object in one copy, and file
     uploads are copied by the kernel: a blob never sits twice in worker memory.
     """
 
-    def __init__(self, path: str | None, index: dict[str, tuple[int, int]]) -> None:
-        self.path = path
+    def __init__(self, fd: int | None, index: dict[str, tuple[int, int]]) -> None:
+        if fd is not None:
+            os.set_inheritable(fd, False)  # a passed fd arrives inheritable: no process the program execs keeps it
+        self.fd = fd
         self.index = index  # hash -> (offset, size) in the file
         # id -> (object, hash) for what read() and unread_view() returned
         self.handed_out: dict[int, tuple[bytes | memoryview, str]] = {}
@@ -218,58 +221,61 @@ class StagedBlobs:
         entry = self.handed_out.get(id(value))
         return entry[1] if entry is not None and entry[0] is value else None
 
-    def read(self, digest: str) -> bytes:
+    def locate(self, digest: str) -> tuple[int, int, int]:
+        """-> (fd, offset, size); no staged memfd comes with an empty index: the lookup raised KeyError."""
         offset, size = self.index[digest]
-        assert self.path is not None  # no staging file comes with an empty index: the lookup raised KeyError
+        assert self.fd is not None
+        return self.fd, offset, size
+
+    def read(self, digest: str) -> bytes:
+        fd, offset, size = self.locate(digest)
         chunks = []
-        with open(self.path, "rb", buffering=0) as f:
-            while size:  # one read stops short of 2 GiB
-                chunk = os.pread(f.fileno(), size, offset)
-                if not chunk:
-                    raise OSError("staged blob is shorter than announced")
-                chunks.append(chunk)
-                offset, size = offset + len(chunk), size - len(chunk)
+        while size:  # one read stops short of 2 GiB
+            chunk = os.pread(fd, size, offset)
+            if not chunk:
+                raise OSError("staged blob is shorter than announced")
+            chunks.append(chunk)
+            offset, size = offset + len(chunk), size - len(chunk)
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         self.handed_out[id(data)] = (data, digest)
         return data
 
     def unread_view(self, digest: str) -> memoryview:
-        """The blob as a view of the staged file, mapped but never read here: for a `bytes` upload
+        """The blob as a view of the staged memfd, mapped but never read here: for a `bytes` upload
         returned without being used, whose bytes the front-end sends from its own copy (digest_of
         knows the view).  Nothing is copied or paged in."""
-        offset, size = self.index[digest]
-        assert self.path is not None  # as in read()
+        fd, offset, size = self.locate(digest)
         view = memoryview(b"")
         if size:
             skip = offset % mmap.ALLOCATIONGRANULARITY  # a mapping starts on a granule
-            with open(self.path, "rb", buffering=0) as f:
-                mapped = mmap.mmap(f.fileno(), skip + size, access=mmap.ACCESS_READ, offset=offset - skip)
+            mapped = mmap.mmap(fd, skip + size, access=mmap.ACCESS_READ, offset=offset - skip)
             view = memoryview(mapped)[skip:]
         self.handed_out[id(view)] = (view, digest)
         return view
 
     def read_writable(self, digest: str) -> bytearray:
-        offset, size = self.index[digest]
-        assert self.path is not None  # as in read()
+        fd, offset, size = self.locate(digest)
         data = bytearray(size)
         view = memoryview(data)
-        with open(self.path, "rb", buffering=0) as f:
-            while view:
-                n = os.preadv(f.fileno(), [view], offset)
-                if not n:
-                    raise OSError("staged blob is shorter than announced")
-                view, offset = view[n:], offset + n
+        while view:
+            n = os.preadv(fd, [view], offset)
+            if not n:
+                raise OSError("staged blob is shorter than announced")
+            view, offset = view[n:], offset + n
         return data
 
     def copy_to(self, digest: str, out_fd: int) -> None:
-        offset, size = self.index[digest]
-        assert self.path is not None  # as in read()
-        with open(self.path, "rb", buffering=0) as f:
-            while size:
-                n = os.sendfile(out_fd, f.fileno(), offset, size)
-                if not n:
-                    raise OSError("staged blob is shorter than announced")
-                offset, size = offset + n, size - n
+        fd, offset, size = self.locate(digest)
+        while size:
+            n = os.sendfile(out_fd, fd, offset, size)
+            if not n:
+                raise OSError("staged blob is shorter than announced")
+            offset, size = offset + n, size - n
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 # --- the messages between the front-end and its worker processes ----------------------------------
@@ -404,13 +410,12 @@ class GpuInitialized:
 @message
 @dataclasses.dataclass(frozen=True)
 class JobRequest:
-    """Front-end -> worker, once per request.  The blobs wait in the staging file `blob_file`
-    (`blob_index`: hash -> (offset, size)); with `capture`, the write ends of the stdout and
-    stderr pipes follow as two passed file descriptors."""
+    """Front-end -> worker, once per request.  With a `blob_index` (hash -> (offset, size)), the
+    sealed memfd holding the blobs follows as a passed file descriptor; then, with `capture`, the
+    write ends of the stdout and stderr pipes as two more."""
     instructions: list[dict]
     retire: bool  # exit after this request
     workspace: str  # the program's working directory, as the worker sees it
-    blob_file: str | None
     blob_index: dict[str, tuple[int, int]]
     capture: bool
     grace: float  # seconds between SIGTERM and SIGKILL for processes the program left behind
@@ -809,7 +814,7 @@ def initialize_gpu() -> GpuInitialized:
 
 
 def serve_request(conn: Connection, request: JobRequest, runtime: Runtime) -> bool:
-    blobs = StagedBlobs(request.blob_file, request.blob_index)
+    blobs = StagedBlobs(reduction.recv_handle(conn) if request.blob_index else None, request.blob_index)
     capture = None
     if request.capture:
         out_fd = reduction.recv_handle(conn)
@@ -826,6 +831,7 @@ def serve_request(conn: Connection, request: JobRequest, runtime: Runtime) -> bo
             error = program.error_at_last("runtime", "program left background processes running; "
                                           "they were terminated")
     finally:
+        blobs.close()  # the views it handed out stay mapped
         os.close(root_fd)
         os.chdir("/")
         if capture is not None:

@@ -581,7 +581,7 @@ def fake_cupti(monkeypatch):
 
 
 def job_request(instructions, workspace="", retire=False):
-    return kcoral_worker.JobRequest(instructions=instructions, retire=retire, workspace=workspace, blob_file=None,
+    return kcoral_worker.JobRequest(instructions=instructions, retire=retire, workspace=workspace,
                                     blob_index={}, capture=False, grace=0.1, max_response_bytes=1 << 20,
                                     max_response_parts=1000)
 

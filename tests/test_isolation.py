@@ -26,9 +26,18 @@ from tests.support import (
     ServerProcess,
     call_program,
     execute_ok,
+    get_fn,
     plain,
     post,
+    prog,
+    ref,
+    ret,
+    up_blob,
+    up_module,
     wait_for,
+)
+from tests.support import (
+    run as run_instruction,
 )
 
 pytestmark = pytest.mark.skipif(not any(os.access(os.path.join(d, "bwrap"), os.X_OK)
@@ -268,6 +277,51 @@ def test_a_numpy_py_in_the_servers_start_directory_is_never_imported(tmp_path, m
     finally:
         proc.stop()
     assert "site-packages" in where and not canary.exists(), where
+
+
+STAGED_WRITER = """
+import os
+def f(payload):
+    tried, targets = [], {}
+    for name in os.listdir("/proc/self/fd"):  # all read first: an fd opened below may reuse a listed number
+        try:
+            targets[name] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            pass
+    for name, target in targets.items():
+        if "kcoral-blobs" not in target:
+            continue
+        for how in ("its fd", "reopened read-write"):
+            try:
+                fd = int(name) if how == "its fd" else os.open(f"/proc/self/fd/{name}", os.O_RDWR)
+                os.pwrite(fd, b"EVIL", 0)
+                tried.append(how + ": wrote")
+            except OSError as exc:
+                tried.append(f"{how}: errno {exc.errno}")
+            try:
+                os.ftruncate(int(name), 0)
+                tried.append("truncated")
+            except OSError:
+                pass
+    return [tried, payload == b"staged " * 1000]
+"""
+
+
+@pytest.mark.parametrize("mode", ["none", "bubblewrap"])
+def test_staged_blobs_cannot_be_altered_by_the_program(tmp_path, mode):
+    """The request's blobs reach the worker in a memfd: the program finds it and tries to write,
+    directly and through a read-write reopening via /proc; the seals refuse both, and the same
+    blob staged again for the next request is intact."""
+    payload = b"staged " * 1000
+    program = prog(up_module("m", STAGED_WRITER), get_fn("fn", "m", "f"), up_blob("b", "bytes", payload),
+                   run_instruction("r", "fn", ref("b")), ret("out", "r"))
+    with ServerProcess("--sandbox", mode, workers=1, tmp_path=tmp_path) as srv:
+        for blobs in ((payload,), ()):  # the second answer comes from the memory cache
+            body = execute_ok(srv.url, program, blobs)
+            assert body["status"] == "COMPLETED", body.get("error")
+            tried, intact = plain(body["results"]["out"])
+            assert tried == ["its fd: errno 1", "reopened read-write: errno 1"], tried  # EPERM, no truncation
+            assert intact is True
 
 
 # --- no process outlives its request ---------------------------------------------------------------
