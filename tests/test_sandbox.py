@@ -5,6 +5,8 @@ unsandboxed server too, where it must succeed: that shows the probe really reach
 claims to, so "blocked" under the sandbox means the sandbox blocked it.
 """
 
+import array
+import fcntl
 import glob
 import json
 import os
@@ -463,3 +465,38 @@ def test_directories_of_a_dead_server_are_removed_at_start_and_a_live_ones_kept(
         (tmp_path / name / "work").mkdir(parents=True)
     assert kcoral.remove_dead_workspaces(str(tmp_path)) == 2
     assert sorted(os.listdir(tmp_path)) == sorted(live)
+
+
+def directory_flags(path) -> int | None:
+    """The directory's inode flags (`lsattr -d`), or None where the file system keeps none."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        flags = array.array("i", [0])
+        fcntl.ioctl(fd, kcoral.FS_IOC_GETFLAGS, flags)
+        return flags[0]
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def test_workspace_directories_ask_for_block_groups_of_their_own(tmp_path):
+    """ext4 without a journal steps over every recently freed inode of a block group to allocate
+    one: the workspace root carries the top-directory hint and each `work` is created under a
+    fresh name, so that successive requests' files come from different groups (docs/performance.md)."""
+    if directory_flags(tmp_path) is None:
+        pytest.skip(f"{tmp_path} keeps no inode flags")
+    kcoral.spread_subdirectories(str(tmp_path))
+    if not directory_flags(tmp_path) & kcoral.FS_TOPDIR_FL:
+        pytest.skip(f"the file system of {tmp_path} ignores the top-directory hint")
+    kcoral.spread_subdirectories(str(tmp_path))  # idempotent
+    assert directory_flags(tmp_path) & kcoral.FS_TOPDIR_FL
+    groups = set()
+    for _ in range(4):
+        work = tmp_path / "work"
+        kcoral.make_spread_directory(str(work))
+        assert os.listdir(tmp_path) == ["work"]  # the fresh name is gone
+        assert (work.stat().st_mode & 0o777) == 0o700
+        groups.add(work.stat().st_ino)
+        work.rmdir()
+    assert len(groups) > 1  # a plain mkdir, or a plain parent, gets the same inode back every time
