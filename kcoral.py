@@ -3211,9 +3211,10 @@ class Pool:
 class Execution:
     """One job on one worker: the message loop, timeout, crash attribution, teardown.
 
-    Callers use: `run()` -> (Outcome, retire the worker?).  In order it stages the blobs and
-    sends the JobRequest (`send_job`), follows the worker's messages (`converse`), turns a
-    timeout, crash or oversized answer into its error, and removes the workspace."""
+    Callers use: `run()` -> (Outcome, retire the worker?).  In order it sends the JobRequest
+    (`send_job`), follows the worker's messages (`converse`: the blobs, when the worker asks for
+    them, the returned values, the lease), turns a timeout, crash or oversized answer into its
+    error, and removes the workspace."""
     lease_since: float | None  # time.monotonic() when the GPU lease was granted; None while not held
     retiring: bool  # the worker exits after this request (JobRequest.retire, or it reported a poisoned context)
     drain: OutputDrain | None  # reads the program's stdout and stderr, when captured
@@ -3235,6 +3236,7 @@ class Execution:
         self.single_use = False
         self.keep_workspace = False  # True: the caller removes it (remove_workspace), after the answer
         self.last_index = None
+        self.staged = False  # stage_blobs ran
         self.results = {}
         self.parts = []
         self.response_bytes = 0  # announced so far: returned parts and the frames describing them
@@ -3319,20 +3321,17 @@ class Execution:
         program = self.job.program
         limit = self.config.max_requests_per_worker
         make_spread_directory(self.workspace)
-        staged, blob_index = self.stage_blobs()
         request = kcoral_worker.JobRequest(
             instructions=program.instructions,
             retire=self.single_use or (bool(limit) and self.worker.served + 1 >= limit),
             workspace=os.path.join(self.inside, "work"),
-            blob_index=blob_index, capture=self.job.output_limit > 0,
+            blob_index=self.blob_index(), capture=self.job.output_limit > 0,
             grace=self.config.worker_termination_grace_seconds, max_response_bytes=self.config.max_response_bytes,
             max_response_parts=self.config.max_response_parts)
         self.retiring = request.retire
         conn = self.worker.conn
         try:
             kcoral_worker.send_message(conn, request)
-            if staged is not None:
-                reduction.send_handle(conn, staged, self.worker.pid)
             if request.capture:
                 out_r, out_w = os.pipe()
                 err_r, err_w = os.pipe()
@@ -3348,13 +3347,20 @@ class Execution:
                     os.close(err_w)
         except OSError as exc:
             raise WorkerCrashed(str(exc)) from exc
-        finally:  # the worker holds its own copy of the fd: the memory goes with its last reference
-            if staged is not None:
-                os.close(staged)
 
-    def stage_blobs(self) -> tuple[int | None, dict[str, tuple[int, int]]]:
-        """Write the job's blobs back to back into one memfd, sealed -> (its fd, {hash: (offset, size)});
-        (None, {}) for a job without blobs.
+    def blob_index(self) -> dict[str, tuple[int, int]]:
+        """{hash: (offset, size)}: where stage_blobs puts each of the job's blobs, back to back."""
+        index, offset = {}, 0
+        for digest, data in self.job.blobs.items():
+            index[digest] = (offset, memoryview(data).nbytes)
+            offset += index[digest][1]
+        return index
+
+    def stage_blobs(self) -> None:
+        """Answer the worker's StageBlobs: the job's blobs, as blob_index places them, in one
+        sealed memfd passed to it.  Asked for once, when the program first needs a blob's bytes:
+        a program that only returns its `bytes` uploads has nothing copied (the answer sends the
+        front-end's own copies).
 
         The worker reads each straight into its final object.  One file, because creating a
         file costs far more than writing it (500 small uploads would be 500 inodes); in memory,
@@ -3363,22 +3369,22 @@ class Execution:
         anyone could open or swap.  The seals forbid any write, resize or unsealing: what the
         worker reads is what the front-end staged, whatever the program does with the fd.
         """
-        if not self.job.blobs:
-            return None, {}
-        index, offset = {}, 0
-        fd = os.memfd_create("kcoral-blobs", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        if self.staged or not self.job.blobs:
+            raise WorkerCrashed("protocol violation: blobs asked for twice, or by a job without any")
+        self.staged = True
         try:
-            for digest, data in self.job.blobs.items():
-                view = memoryview(data).cast("B")
-                index[digest] = (offset, view.nbytes)
-                offset += view.nbytes
-                while view:
-                    view = view[os.write(fd, view[:1 << 30]):]
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, STAGED_SEALS)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd, index
+            fd = os.memfd_create("kcoral-blobs", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            try:
+                for data in self.job.blobs.values():
+                    view = memoryview(data).cast("B")
+                    while view:
+                        view = view[os.write(fd, view[:1 << 30]):]
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, STAGED_SEALS)
+                reduction.send_handle(self.worker.conn, fd, self.worker.pid)
+            finally:  # the worker holds its own copy of the fd: the memory goes with its last reference
+                os.close(fd)
+        except OSError as exc:
+            raise WorkerCrashed(str(exc)) from exc
 
     def converse(self) -> ErrorObject | None:
         """Follow the worker's messages until it reports the program done; -> error or None.
@@ -3400,6 +3406,8 @@ class Execution:
                     self.last_index = message.index
                 case kcoral_worker.ReturnValue():
                     self.receive_return(message, sizes[0])
+                case kcoral_worker.StageBlobs():
+                    self.stage_blobs()
                 case kcoral_worker.AcquireLease():
                     if self.pool.arbiter is None or self.lease_since is not None:
                         raise WorkerCrashed("protocol violation: a lease asked for while held, or on a CPU worker")
@@ -3551,8 +3559,9 @@ class Execution:
             self.pool.log.event("cleanup_failed", "ERROR", path=self.root, error=str(failed))
 
 
-WORKER_MESSAGES = (kcoral_worker.InstructionStarted, kcoral_worker.ReturnValue, kcoral_worker.AcquireLease,
-                   kcoral_worker.ReleaseLease, kcoral_worker.RequestDone)  # what a worker may send mid-request
+# what a worker may send mid-request
+WORKER_MESSAGES = (kcoral_worker.InstructionStarted, kcoral_worker.StageBlobs, kcoral_worker.ReturnValue,
+                   kcoral_worker.AcquireLease, kcoral_worker.ReleaseLease, kcoral_worker.RequestDone)
 WORKER_PHASE_SECONDS = 60.0  # each start-up phase (docs/server.md §1.1)
 CONTROL_MESSAGE_BYTES = 1 << 16  # any worker or template message but a ReturnValue, which the response budget bounds
 

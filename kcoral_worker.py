@@ -201,14 +201,15 @@ class StagedBlobs:
     """The request's blobs, staged by the front-end back to back in one sealed memfd (a file in
     memory nobody can write any more, passed as a file descriptor: no path, no inode on disk).
 
-    Reading a range of known size gives a `bytes` object in one copy, and file
-    uploads are copied by the kernel: a blob never sits twice in worker memory.
+    The worker asks for the memfd (StageBlobs) the first time it needs a blob's bytes: a program
+    that only returns its `bytes` uploads never has them copied at all.  Reading a range of
+    known size gives a `bytes` object in one copy, and file uploads are copied by the kernel: a
+    blob never sits twice in worker memory.
     """
 
-    def __init__(self, fd: int | None, index: dict[str, tuple[int, int]]) -> None:
-        if fd is not None:
-            os.set_inheritable(fd, False)  # a passed fd arrives inheritable: no process the program execs keeps it
-        self.fd = fd
+    def __init__(self, conn: Connection, index: dict[str, tuple[int, int]]) -> None:
+        self.conn = conn
+        self.fd: int | None = None  # until stage()
         self.index = index  # hash -> (offset, size) in the file
         # id -> (object, hash) for what read() and unread_view() returned
         self.handed_out: dict[int, tuple[bytes | memoryview, str]] = {}
@@ -221,11 +222,18 @@ class StagedBlobs:
         entry = self.handed_out.get(id(value))
         return entry[1] if entry is not None and entry[0] is value else None
 
+    def stage(self) -> int:
+        """The memfd, asked for on first use -> its fd."""
+        if self.fd is None:
+            send_message(self.conn, StageBlobs())
+            self.fd = reduction.recv_handle(self.conn)
+            os.set_inheritable(self.fd, False)  # a passed fd arrives inheritable: no process the program execs keeps it
+        return self.fd
+
     def locate(self, digest: str) -> tuple[int, int, int]:
-        """-> (fd, offset, size); no staged memfd comes with an empty index: the lookup raised KeyError."""
+        """-> (fd, offset, size) of a blob of the index (KeyError for any other)."""
         offset, size = self.index[digest]
-        assert self.fd is not None
-        return self.fd, offset, size
+        return self.stage(), offset, size
 
     def read(self, digest: str) -> bytes:
         fd, offset, size = self.locate(digest)
@@ -241,15 +249,11 @@ class StagedBlobs:
         return data
 
     def unread_view(self, digest: str) -> memoryview:
-        """The blob as a view of the staged memfd, mapped but never read here: for a `bytes` upload
-        returned without being used, whose bytes the front-end sends from its own copy (digest_of
-        knows the view).  Nothing is copied or paged in."""
-        fd, offset, size = self.locate(digest)
-        view = memoryview(b"")
-        if size:
-            skip = offset % mmap.ALLOCATIONGRANULARITY  # a mapping starts on a granule
-            mapped = mmap.mmap(fd, skip + size, access=mmap.ACCESS_READ, offset=offset - skip)
-            view = memoryview(mapped)[skip:]
+        """A stand-in of the blob's size for a `bytes` upload returned without being used: the
+        front-end sends its own copy (digest_of knows the stand-in, which nobody reads), so
+        nothing is staged, copied or paged in.  Untouched anonymous memory costs no pages."""
+        size = self.index[digest][1]
+        view = memoryview(mmap.mmap(-1, size) if size else b"")
         self.handed_out[id(view)] = (view, digest)
         return view
 
@@ -410,9 +414,9 @@ class GpuInitialized:
 @message
 @dataclasses.dataclass(frozen=True)
 class JobRequest:
-    """Front-end -> worker, once per request.  With a `blob_index` (hash -> (offset, size)), the
-    sealed memfd holding the blobs follows as a passed file descriptor; then, with `capture`, the
-    write ends of the stdout and stderr pipes as two more."""
+    """Front-end -> worker, once per request; with `capture`, the write ends of the stdout and
+    stderr pipes follow as two passed file descriptors.  `blob_index` (hash -> (offset, size))
+    describes the memfd the worker gets when it asks for it (StageBlobs)."""
     instructions: list[dict]
     retire: bool  # exit after this request
     workspace: str  # the program's working directory, as the worker sees it
@@ -434,6 +438,14 @@ class StopWorker:
 class InstructionStarted:
     """Worker -> front-end, before each instruction: a crash from here on is attributed to it."""
     index: int
+
+
+@message
+@dataclasses.dataclass(frozen=True)
+class StageBlobs:
+    """Worker -> front-end, at most once per request, the first time the program needs a blob's
+    bytes (a GPU worker: before its first instruction, so the copy never runs under the lease).
+    Answered by the sealed memfd of JobRequest.blob_index as a passed file descriptor."""
 
 
 @message
@@ -814,12 +826,14 @@ def initialize_gpu() -> GpuInitialized:
 
 
 def serve_request(conn: Connection, request: JobRequest, runtime: Runtime) -> bool:
-    blobs = StagedBlobs(reduction.recv_handle(conn) if request.blob_index else None, request.blob_index)
+    blobs = StagedBlobs(conn, request.blob_index)
     capture = None
     if request.capture:
         out_fd = reduction.recv_handle(conn)
         err_fd = reduction.recv_handle(conn)
         capture = Capture(out_fd, err_fd)
+    if request.blob_index and runtime.device == "cuda":  # staged under the lease, the copy would keep peers waiting
+        blobs.stage()
     lease = GpuLease(conn, runtime) if runtime.device == "cuda" else NoLease()
     root_fd = os.open(request.workspace, NOFOLLOW_DIR)
     os.chdir(request.workspace)

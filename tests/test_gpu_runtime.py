@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 import types
+from multiprocessing import reduction
 
 import numpy
 import pytest
@@ -426,6 +427,30 @@ def test_a_returned_blob_the_job_does_not_hold_is_a_crash(name):
     assert (error["kind"], error["instruction_index"]) == ("runtime", 1)
 
 
+@pytest.mark.parametrize("blobs", [{}, {hashlib.sha256(b"one").hexdigest(): b"one"}], ids=["no-blobs", "twice"])
+def test_blobs_asked_for_twice_or_by_a_job_without_any_is_a_crash(blobs):
+    """StageBlobs is answered once per job that has blobs (with their memfd); a second one, or one
+    from a job without blobs, is a forged message: the worker is killed, nothing more is staged."""
+    pool, received = fake_pool(), []
+
+    def script(conn):
+        kcoral_worker.send_message(conn, kcoral_worker.InstructionStarted(1))
+        if blobs:
+            kcoral_worker.send_message(conn, kcoral_worker.StageBlobs())
+            fd = reduction.recv_handle(conn)
+            received.append(os.pread(fd, 16, 0))
+            os.close(fd)
+        kcoral_worker.send_message(conn, kcoral_worker.StageBlobs())
+        time.sleep(1)
+
+    started = time.monotonic()
+    outcome, retire, worker = execution(pool, script, blobs=blobs)
+    assert time.monotonic() - started < 5
+    assert retire and worker.killed
+    assert received == list(blobs.values())
+    error = outcome.body["error"]
+    assert (error["kind"], error["instruction_index"]) == ("runtime", 1)
+
 def test_a_poisoned_worker_is_retired():
     pool = fake_pool()
 
@@ -592,7 +617,7 @@ def run_cpu_only(source, cpu_only=True):
         {"op": "upload", "id": "m", "kind": "module", "source": source},
         {"op": "get_function", "id": "f", "module": {"$ref": "m"}, "name": "f", "cpu_only": cpu_only},
         {"op": "run", "id": "r", "fn": {"$ref": "f"}}])
-    program = kcoral_worker.ProgramRun(FakeConn(), request, kcoral_worker.StagedBlobs(None, {}), None,
+    program = kcoral_worker.ProgramRun(FakeConn(), request, kcoral_worker.StagedBlobs(FakeConn(), {}), None,
                                        kcoral_worker.NoLease(), kcoral_worker.Runtime("cuda"))
     return program.run(), program
 

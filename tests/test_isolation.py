@@ -324,6 +324,38 @@ def test_staged_blobs_cannot_be_altered_by_the_program(tmp_path, mode):
             assert intact is True
 
 
+STAGED_FDS = """
+import os
+def staged():
+    return sum("kcoral-blobs" in os.readlink(f"/proc/self/fd/{name}") for name in os.listdir("/proc/self/fd")
+               if os.path.islink(f"/proc/self/fd/{name}"))
+def length(data):
+    return len(data)
+"""
+
+
+def test_blobs_are_staged_only_once_the_program_reads_one(tmp_path):
+    """The worker asks for the memfd the first time it needs a blob's bytes: before that the
+    program holds no staged blobs, after it one memfd; a `bytes` upload only returned is sent
+    from the front-end's own copy without ever being staged."""
+    payload, kept = b"read " * 1000, b"only returned " * 1000
+    reads = prog(up_module("m", STAGED_FDS), get_fn("staged", "m", "staged"), get_fn("length", "m", "length"),
+                 up_blob("b", "bytes", payload), up_blob("kept", "bytes", kept),
+                 run_instruction("before", "staged"), run_instruction("n", "length", ref("b")),
+                 run_instruction("after", "staged"), ret("counts", "before"), ret("n", "n"), ret("after", "after"),
+                 ret("kept", "kept"))
+    returns = prog(up_module("m", STAGED_FDS), get_fn("staged", "m", "staged"), up_blob("kept", "bytes", kept),
+                   run_instruction("during", "staged"), ret("during", "during"), ret("kept", "kept"))
+    with ServerProcess("--sandbox", "none", workers=1, tmp_path=tmp_path) as srv:
+        body = execute_ok(srv.url, reads, (payload, kept))
+        assert body["status"] == "COMPLETED", body.get("error")
+        assert [plain(body["results"][k]) for k in ("counts", "n", "after")] == [0, len(payload), 1]
+        assert body["_parts"][body["results"]["kept"]["part"]] == kept
+        body = execute_ok(srv.url, returns)  # from the memory cache
+        assert body["status"] == "COMPLETED", body.get("error")
+        assert plain(body["results"]["during"]) == 0
+        assert body["_parts"][body["results"]["kept"]["part"]] == kept
+
 # --- no process outlives its request ---------------------------------------------------------------
 
 CHAIN = """
