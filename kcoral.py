@@ -78,7 +78,6 @@ import io
 import itertools
 import json
 import math
-import mmap
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -115,14 +114,13 @@ from kcoral_worker import (
     ValidationError,
     become_subreaper,
     is_ref,
-    large_buffer,
     normalize_path,
     recv_raw,
 )
 
 # the types this file's signatures share (Buffer, Instruction and ErrorObject are the worker's)
 Json = Any  # a decoded JSON value
-Body = bytes | bytearray | mmap.mmap  # a request body as read: searchable with find(), unlike a memoryview
+Body = bytes | bytearray  # a request body as read: searchable with find(), unlike a memoryview
 PartHeaders = dict[str, list[str]]  # a multipart part's headers: lower-cased name -> values
 Blobs = dict[str, Buffer]  # hash -> payload, for every blob a program references
 LeaseTicket = tuple[object, list[int] | None, int | None]  # (identity, the GPUs wanted, or how many of any)
@@ -534,7 +532,7 @@ class HashAhead:
     slots = threading.BoundedSemaphore(2)  # at most this many at once: slow clients cannot multiply threads
     BLOB_NAME = re.compile(rb'\bname="?blob:', re.IGNORECASE)  # only decides what is worth hashing
 
-    def __init__(self, body: bytearray | mmap.mmap, boundary: bytes) -> None:
+    def __init__(self, body: bytearray, boundary: bytes) -> None:
         self.body = body
         self.view = memoryview(body)
         self.delimiter = b"\r\n--" + boundary
@@ -546,7 +544,7 @@ class HashAhead:
         self.thread.start()
 
     @classmethod
-    def start(cls, body: bytearray | mmap.mmap, content_type: str | None) -> HashAhead | None:
+    def start(cls, body: bytearray, content_type: str | None) -> HashAhead | None:
         if len(body) < cls.MIN_BODY or not cls.slots.acquire(blocking=False):
             return None
         try:
@@ -925,7 +923,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
                 self.close_connection = not keep_open
             content_type = self.headers.get("Content-Type")
             digests: PartDigests = {}
-            body: bytearray | mmap.mmap | None
+            body: bytearray | None
             if chunked:
                 body = self.read_chunked(limit, reservation)
             else:
@@ -941,10 +939,10 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             reservation.release()
 
     def read_body(self, size: int, reservation: BodyReservation | None = None,
-                  content_type: str | None = None) -> tuple[bytearray | mmap.mmap, PartDigests]:
+                  content_type: str | None = None) -> tuple[bytearray, PartDigests]:
         """Read `size` body bytes under the guard's rate rule (and the body budget) -> (a new buffer,
         the digests of the blob parts a request's large body had hashed while it arrived: HashAhead)."""
-        body = large_buffer(size)
+        body = bytearray(size)  # plain pages, as kcoral_worker.recv_raw says why
         ahead = HashAhead.start(body, content_type) if content_type is not None else None
         self.watch("body")
         try:
@@ -954,12 +952,12 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             digests = ahead.finish() if ahead else {}
         return body, digests
 
-    def read_exact(self, size: int, reservation: BodyReservation | None) -> bytearray | mmap.mmap:
-        body = large_buffer(size)
+    def read_exact(self, size: int, reservation: BodyReservation | None) -> bytearray:
+        body = bytearray(size)
         self.read_into(body, reservation)
         return body
 
-    def read_into(self, body: bytearray | mmap.mmap, reservation: BodyReservation | None,
+    def read_into(self, body: bytearray, reservation: BodyReservation | None,
                   ahead: HashAhead | None = None) -> None:
         view = memoryview(body)
         while view:

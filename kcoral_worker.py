@@ -157,12 +157,17 @@ def send_raw(conn: Connection, data: Buffer) -> None:
         view = view[os.write(fd, view[:RAW_CHUNK * 8]):]
 
 
-def recv_raw(conn: Connection, size: int, deadline: float | None = None) -> bytearray | mmap.mmap:
-    """Read exactly `size` raw bytes from the pipe into a new buffer (see large_buffer).
+def recv_raw(conn: Connection, size: int, deadline: float | None = None) -> bytearray:
+    """Read exactly `size` raw bytes from the pipe into a new buffer.
+
+    A bytearray, on plain pages: huge pages were tried and are slower in a VM whose free
+    memory goes back to the host in 2 MiB blocks (free page reporting): a fresh huge page is
+    such a block, and touching it costs the host's faults after all (64 MiB received in
+    30-190 ms on huge pages here, 65-95 on plain ones, docs/performance.md).
 
     With a `deadline` (time.monotonic()), a peer that announces bytes and never sends them
     raises TimeoutError instead of blocking the reader forever."""
-    buf = large_buffer(size)
+    buf = bytearray(size)
     read_into(conn.fileno(), memoryview(buf), deadline)
     return buf
 
@@ -181,20 +186,6 @@ def wait_readable(fd: int, deadline: float) -> None:
     remaining = deadline - time.monotonic()
     if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
         raise TimeoutError
-
-
-def large_buffer(size: int) -> bytearray | mmap.mmap:
-    """A zeroed writable buffer of `size` bytes for receiving data.
-
-    Big ones are anonymous memory on transparent huge pages: filling a bytearray
-    takes a page fault every 4 KiB, about 40 ms per 64 MiB, five times the copy.
-    """
-    if size < RAW_CHUNK:
-        return bytearray(size)
-    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(AttributeError, OSError):  # no THP: plain pages, as a bytearray
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    return buf
 
 
 class StagedBlobs:
