@@ -2553,12 +2553,13 @@ class BlobStore:
         self.unwritten_bytes = 0
 
     def keep_file_blobs(self, program: ValidProgram, supplied: dict[str, memoryview]) -> threading.Thread | None:
-        """Start putting supplied file-upload blobs into the disk cache -> a thread for
-        `settle_file_blobs`, or None.
+        """Keep supplied file-upload blobs for the disk cache -> the thread that will write them,
+        for `settle_file_blobs`, or None.
 
-        Creating hundreds of small files can take a while on a busy disk; meanwhile the
-        request goes on, and its worker creates the workspace copies in parallel.  Until the
-        writes land, `resolve` finds the blobs in `unwritten`: a later request never misses them.
+        Until the writes land, `resolve` finds the blobs in `unwritten`: a later request never
+        misses them.  They start once the request has run (settle_file_blobs): creating hundreds
+        of small files takes a core for a while, which the request's worker, creating its own
+        copies in the workspace, needs more (500-file folder: 40 ms less per request on 2 cores).
         (Not a daemon: an exiting server finishes its writes rather than leaving staging files.)
         """
         items = [(digest, data) for digest, data in supplied.items() if "file" in program.blob_kinds[digest]]
@@ -2569,9 +2570,7 @@ class BlobStore:
             for digest, data in items:
                 self.unwritten[digest] = (data, self.unwritten.get(digest, (data, 0))[1] + 1)
             self.unwritten_bytes += charge
-        thread = threading.Thread(target=self.write_file_blobs, args=(self.disk, items, charge))
-        thread.start()
-        return thread
+        return threading.Thread(target=self.write_file_blobs, args=(self.disk, items, charge))
 
     def write_file_blobs(self, disk: DiskCache, items: list[tuple[str, Buffer]], charge: int) -> None:
         try:
@@ -2587,10 +2586,11 @@ class BlobStore:
                 self.unwritten_bytes -= charge
 
     def settle_file_blobs(self, writes: threading.Thread) -> None:
-        """Before a request is answered: its file blobs may still be on their way to the disk
-        (`resolve` serves them from `unwritten` meanwhile), unless the bodies kept alive for
-        that exceed UNWRITTEN_LIMIT: then the answer waits for its writes, and the disk, not
-        memory, sets the pace."""
+        """Once the request has run, before it is answered: start its disk writes.  Its file blobs
+        may still be on their way to the disk when the answer goes out (`resolve` serves them
+        from `unwritten` meanwhile), unless the bodies kept alive for that exceed UNWRITTEN_LIMIT:
+        then the answer waits for its writes, and the disk, not memory, sets the pace."""
+        writes.start()
         with self.lock:
             over = self.unwritten_bytes > UNWRITTEN_LIMIT
         if over:
