@@ -157,15 +157,15 @@ def send_raw(conn: Connection, *buffers: Buffer) -> None:
 
 
 WRITE_BATCH = 512  # buffers per writev/sendmsg call, well under Linux's IOV_MAX (1024)
-WRITE_SLICE = RAW_CHUNK * 8  # bytes of one buffer per call: one write stops short of 2 GiB
 
 
 def write_batches(write: Callable[[list[memoryview]], int], buffers: Iterable[Buffer]) -> None:
-    """Hand `buffers` to `write` (os.writev, socket.sendmsg: -> bytes written) up to WRITE_BATCH
-    at a time: a folder's 500 files take a few system calls instead of one each."""
+    """Hand `buffers` to `write` (os.writev, socket.sendmsg: -> bytes written, which may stop
+    anywhere, short of 2 GiB at most) up to WRITE_BATCH at a time: a folder's 500 files take a
+    few system calls instead of one each."""
     queue = collections.deque(view for view in (memoryview(b).cast("B") for b in buffers) if view.nbytes)
     while queue:
-        sent = write([view[:WRITE_SLICE] for view in itertools.islice(queue, WRITE_BATCH)])
+        sent = write(list(itertools.islice(queue, WRITE_BATCH)))
         while sent and sent >= queue[0].nbytes:
             sent -= queue.popleft().nbytes
         if sent:

@@ -18,6 +18,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -407,6 +408,46 @@ def test_a_staged_blob_returned_unchanged_is_answered_from_the_front_ends_copy()
     assert [bytes(p) for p in outcome.parts] == [b"abc", bytes(staged), b"de"]
     assert outcome.parts[1] is staged
 
+
+
+def test_write_batches_keeps_the_order_whatever_each_write_takes():
+    """Each call may write any prefix of what it is given (a pipe or socket with little room):
+    the bytes still go out once each, in order, buffers of any size mixed."""
+    rng = random.Random(7)
+    buffers = [os.urandom(n) for n in (0, 3, 5 << 20, 1, 0, 70_000, 2)] + [bytes([i % 256]) * 100 for i in range(600)]
+    out = bytearray()
+
+    def stingy(views):
+        room = rng.choice([1, 7, 4096, 1 << 20, 1 << 30])
+        taken = 0
+        for view in views:
+            piece = bytes(view[:room - taken])
+            out.extend(piece)
+            taken += len(piece)
+            if taken == room:
+                break
+        return taken
+
+    kcoral_worker.write_batches(stingy, buffers)
+    assert out == b"".join(buffers)
+
+
+def test_a_returned_values_parts_arrive_intact_in_one_read():
+    """The worker sends a value's raw parts back to back (send_raw batches them); the front-end
+    reads them at once and cuts them apart by the sizes announced."""
+    pool = fake_pool()
+    big, small = os.urandom((9 << 20) + 5), b"xyz"
+
+    def script(conn):
+        kcoral_worker.send_message(conn, kcoral_worker.InstructionStarted(0))
+        frame = kcoral_worker.encode_message(
+            kcoral_worker.ReturnValue("k", {"type": "array", "value": []}, [len(big), len(small), 0]))
+        kcoral_worker.send_raw(conn, frame, big, small, b"")
+        kcoral_worker.send_message(conn, kcoral_worker.RequestDone(None, False))
+
+    outcome, retire, worker = execution(pool, script)
+    assert outcome.body["status"] == "COMPLETED" and not retire and not worker.killed
+    assert [bytes(p) for p in outcome.parts] == [big, small, b""]
 
 @pytest.mark.parametrize("name", ["0" * 64, 12.5, ["list"]])
 def test_a_returned_blob_the_job_does_not_hold_is_a_crash(name):
