@@ -1721,6 +1721,20 @@ def test_instance_header_on_every_kind_of_response(server):
     assert [h["x-kcoral-instance"] for h in seen] == [instance] * len(seen)
 
 
+def test_large_parts_answer_intact_between_other_parts(server):
+    """Parts of several MiB, one the program computed (it crosses the worker's pipe) and one an
+    upload returned unchanged (the front-end's own copy), with small parts around them: every
+    byte arrives once, in its place."""
+    upload = os.urandom(9 << 20)
+    source = "def f(data):\n    return [b'head', data[::-1], b'', b'tail']\n"
+    program = prog(up_module("m", source), get_fn("fn", "m", "f"), up_blob("b", "bytes", upload),
+                   run("r", "fn", ref("b")), ret("out", "r"), ret("echo", "b"))
+    body = execute_ok(server.url, program, [upload])
+    results = assert_completed(body)
+    parts = [body["_parts"][item["part"]] for item in results["out"]["value"]]
+    assert parts == [b"head", upload[::-1], b"", b"tail"]
+    assert body["_parts"][results["echo"]["part"]] == upload
+
 def test_keep_alive_connection_serves_several_requests(server):
     conn = http.client.HTTPConnection(f"127.0.0.1:{server.port}", timeout=60)
     try:
