@@ -1417,12 +1417,14 @@ def cache_corruption(workdir, counts):
             expect_file_ok(server.url, program, blob, "resend")
             expect_file_ok(server.url, program, blob, "cached", supply=False)
             entry = os.path.join(server.disk_cache, "v1", digest[:2], digest)
+            # the answer does not wait for the disk write: the entry lands just after it
+            assert wait_for(lambda entry=entry: os.path.isfile(entry), 10), f"{how}: never written"
             corrupt_entry(entry, how)
             expect_miss(server.url, program, digest, f"after {how}")
             expect_file_ok(server.url, program, blob, f"resend after {how}")
             expect_file_ok(server.url, program, blob, f"cached again after {how}", supply=False)
-            with open(entry, "rb") as f:
-                assert sha256(f.read()) == digest, f"{how}: entry not repaired"
+            assert wait_for(lambda entry=entry: os.path.isfile(entry) and not os.path.islink(entry)
+                            and sha256(open(entry, "rb").read()) == digest, 10), f"{how}: entry not repaired"
             counts[f"corrupted entry ({how})"] += 1
             counts["requests"] += 6
     finally:

@@ -108,7 +108,8 @@ def test_probe_write_host_tmp(probed):
 def test_probe_read_cached_blobs_in_disk_cache(probed):
     data = os.urandom(64)
     execute_ok(probed.url, prog(up_blob("f", "file", data, path="cached.bin")), [data], headers=AUTH)
-    assert any(sha256(data) in names for _, _, names in os.walk(probed.disk_cache))  # the target exists
+    # the target exists once the disk write lands, which the answer does not wait for
+    assert wait_for(lambda: any(sha256(data) in names for _, _, names in os.walk(probed.disk_cache)), 10)
     source = """import json, os
 def probe(root):
     found = []
