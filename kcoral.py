@@ -2551,7 +2551,7 @@ class BlobStore:
         Until the writes land, `resolve` finds the blobs in `unwritten`: a later request never
         misses them.  They start once the request has run (settle_file_blobs): creating hundreds
         of small files takes a core for a while, which the request's worker, creating its own
-        copies in the workspace, needs more (500-file folder: 40 ms less per request on 2 cores).
+        copies in the workspace, needs more (on 2 cores they used to share it).
         (Not a daemon: an exiting server finishes its writes rather than leaving staging files.)
         """
         items = [(digest, data) for digest, data in supplied.items() if "file" in program.blob_kinds[digest]]
@@ -4523,7 +4523,7 @@ def spread_subdirectories(path: str) -> None:
     a group where none were freed lately.
 
     ext4 without a journal, common on VM disks, allocates an inode by stepping over every inode
-    of the group freed in the last seconds, reading its inode table block for each: after a few
+    of the group freed in the last minutes, reading its inode table block for each: after a few
     requests had removed 500-file workspaces, creating 500 more cost 0.45 ms a file instead of
     0.02 here (docs/performance.md).  Where the hint is unknown (tmpfs, XFS) nothing changes."""
     with contextlib.suppress(OSError):
