@@ -4384,7 +4384,8 @@ class SandboxTemplate:
             forked = expect(self.conn, kcoral_worker.WorkerForked, time.monotonic() + 60,
                             "the sandbox's template did not fork")
             holder = next((p for p in children_of(self.pid) if inner_pid(p) == forked.pid), None)
-            worker = next(iter(children_of(holder)), None) if holder is not None else None
+            init = next(iter(children_of(holder)), None) if holder is not None else None
+            worker = next(iter(children_of(init)), None) if init is not None else None
             if worker is None:
                 raise WorkerCrashed("the sandbox's new worker is gone")
         except WorkerCrashed:
@@ -4394,9 +4395,10 @@ class SandboxTemplate:
         return self.current
 
     def kill_requests(self, grace: float, worker_pid: int) -> bool:
-        """Kill the worker at once (PID 1 of its request's namespace: the kernel ends everything in
-        it with it), then everything else below the template, SIGTERM first, SIGKILL after `grace`,
-        sweep after sweep.  -> whether it is all gone; if not, the caller ends the container."""
+        """Kill the worker at once (its request's init ends with it, and the kernel ends everything
+        in their namespace with the init), then everything else below the template, SIGTERM first,
+        SIGKILL after `grace`, sweep after sweep.  -> whether it is all gone; if not, the caller
+        ends the container."""
         spared = [os.getpgid(self.pid)] if self.pid and is_live(self.pid) else []
         return kcoral_worker.terminate(lambda: descendants(self.pid), grace, KILL_SWEEP_SECONDS,
                                        keep_groups=spared, at_once=(worker_pid,))

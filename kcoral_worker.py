@@ -592,8 +592,8 @@ def escaped_descendants() -> list[int]:
     of them in a sandbox.
 
     The front-end kills and reports what is left in the group; these it cannot see.  A sandboxed
-    worker is PID 1 of its request's namespace, whose exit ends every process in it: it reports
-    them all itself, before it exits.
+    worker's exit ends its request's PID namespace and every process in it before the front-end
+    could look: it reports them all itself.
     """
     me, parents, groups = os.getpid(), {}, {}
     for pid, state, ppid, pgrp in process_table():
@@ -605,8 +605,7 @@ def escaped_descendants() -> list[int]:
         frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - tree
         tree |= frontier
     group = os.getpgid(0)
-    # a sandboxed worker is its PID namespace's init: its exit would end them all unnoticed
-    return sorted(pid for pid in tree if groups[pid] != group or me == 1)
+    return sorted(pid for pid in tree if groups[pid] != group or SANDBOXED["worker"])
 
 
 def has_children() -> bool:
@@ -785,9 +784,10 @@ def template_main(fd: int, preload: list[str], import_env: dict[str, str], space
         if not isinstance(message, ForkWorker):
             raise UnexpectedMessage(f"a sandbox template cannot serve {message!r}")
         pipe = reduction.recv_handle(conn)
-        holder = fork_request(conn, pipe, message, space)
+        holder, status_pipe = fork_request(conn, pipe, message, space)
         send_message(conn, WorkerForked(holder))
-        send_message(conn, WorkerExited(reap_until(holder)))
+        wait_for_child(holder)
+        send_message(conn, WorkerExited(worker_exit_code(status_pipe)))
 
 
 # Linux's constants (stable ABI) for what the os module lacks before Python 3.12
@@ -844,46 +844,71 @@ def become_sandbox_user(space: RequestSpace) -> None:
     set_capabilities(TEMPLATE_CAPS)
 
 
-def fork_request(conn: Connection, pipe: int, message: ForkWorker, space: RequestSpace) -> int:
-    """Fork the holder of a request's namespaces (mount, PID and IPC, all new), whose only child is
-    the request's worker, PID 1 there -> the holder's pid, once the worker exists.
+def fork_request(conn: Connection, pipe: int, message: ForkWorker, space: RequestSpace) -> tuple[int, int]:
+    """Fork the holder of a request's new mount, PID and IPC namespaces -> (its pid, once the
+    request's worker exists; the pipe on which the worker's wait status follows).  In them, an
+    init (PID 1) sets up the request's space (`enter_request_space`) and forks the worker (PID 2),
+    then only waits for it: when the worker ends, the init writes its status and ends too, and
+    the kernel with the init everything left in the namespace.  The worker is not the init
+    itself, since an init takes no signal it does not handle from inside its namespace: a
+    program's kill(getpid(), SIGKILL) would do nothing (and neither could the init pass on a
+    signal it died of: it reports the status instead).
 
-    The worker sees none of the container's processes, starts its PIDs at 1, and writes only to a
-    tmpfs of its own, sized by the limits; when it dies, the kernel kills everything in its PID
-    namespace, and the tmpfs and IPC objects go with the last process that used them."""
+    The worker sees none of the container's processes, starts its PIDs afresh, and writes only to
+    a tmpfs of its own, sized by the limits; the tmpfs and IPC objects go with the last process."""
     tasks = len(os.listdir("/proc/self/task"))  # the template's threads count against the uid too
-    ready_r, ready_w = os.pipe()
+    status_r, status_w = os.pipe()
     holder = os.fork()
     if holder == 0:
         try:
             conn.close()
-            os.close(ready_r)
+            os.close(status_r)
             libc_call("unshare", CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC)
-            worker = os.fork()
-            if worker == 0:
-                os.close(ready_w)
-                enter_request_space(space, tasks + 1)
-                set_dumpable(True)
-                worker_main(Connection(pipe), message.device, message.visible_gpus)
+            init = os.fork()
+            if init == 0:
+                enter_request_space(space, tasks + 2)  # + the holder and this init
+                worker = os.fork()
+                if worker == 0:
+                    os.close(status_w)
+                    set_dumpable(True)
+                    worker_main(Connection(pipe), message.device, message.visible_gpus)
+                os.close(pipe)
+                os.write(status_w, b"+")
+                os.write(status_w, WAIT_STATUS.pack(wait_for_child(worker)))
+                os._exit(0)
             os.close(pipe)
-            os.write(ready_w, b"+")
-            os.close(ready_w)
-            exit_like(os.waitpid(worker, 0)[1])
+            os.close(status_w)
+            wait_for_child(init)
+            os._exit(0)
         finally:
             os._exit(1)
     os.close(pipe)
-    os.close(ready_w)
-    os.read(ready_r, 1)  # the holder writes once the worker exists, or dies
-    os.close(ready_r)
-    return holder
+    os.close(status_w)
+    os.read(status_r, 1)  # written once the worker exists, or never if its set-up failed
+    return holder, status_r
+
+
+WAIT_STATUS = struct.Struct("=i")
+
+
+def worker_exit_code(status_pipe: int) -> int:
+    """The exit code (negative: the signal) of the worker whose init writes to `status_pipe`;
+    SIGKILL's when the init never could."""
+    with open(status_pipe, "rb") as pipe:
+        status = pipe.read(WAIT_STATUS.size)
+    return os.waitstatus_to_exitcode(WAIT_STATUS.unpack(status)[0]) if len(status) == 4 else -signal.SIGKILL
+
+
+SANDBOXED = {"worker": False}  # set in a request's init: its worker reports every descendant (escaped_descendants)
 
 
 def enter_request_space(space: RequestSpace, others: int) -> None:
-    """In a fresh worker, PID 1 of new mount, PID and IPC namespaces: a /proc of its own (what
-    changes the host read-only), no further user namespaces, a fresh tmpfs for everything it may
-    write (sized by --disk-limit-bytes and --file-limit), its own message queues; then no
-    capabilities, at most --process-limit processes and threads (counted per uid in the container's
-    user namespace, where `others` are the template's threads and the holder) and no core dumps."""
+    """In a request's init, PID 1 of new mount, PID and IPC namespaces: a /proc of its own (what
+    changes the host read-only), no further user namespaces, a fresh tmpfs for everything the
+    request may write (sized by --disk-limit-bytes and --file-limit), its own message queues; then
+    no capabilities, at most --process-limit processes and threads for what it forks (counted per
+    uid in the container's user namespace, where `others` are the template's threads, the holder
+    and the init) and no core dumps."""
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     with open("/proc/sys/user/max_user_namespaces", "w") as f:  # this user namespace's own limit
@@ -911,6 +936,7 @@ def enter_request_space(space: RequestSpace, others: int) -> None:
     if space.processes:
         resource_limit("RLIMIT_NPROC", space.processes + others)
     resource_limit("RLIMIT_CORE", 0)
+    SANDBOXED["worker"] = True
 
 
 def keep_mount(source: str, target: str) -> None:
@@ -940,23 +966,13 @@ def oom_score() -> int:
         return int(f.read())
 
 
-def exit_like(status: int) -> None:
-    """End this process as the child whose wait `status` this is ended: the same code, or the same
-    signal (its default action restored first), so that its parent sees what the child did."""
-    code = os.waitstatus_to_exitcode(status)
-    if code < 0:
-        signal.signal(-code, signal.SIG_DFL)
-        os.kill(os.getpid(), -code)
-    os._exit(code if code >= 0 else 1)
-
-
-def reap_until(pid: int) -> int:
-    """Wait for `pid` -> its exit code; as its PID namespace's init, the template also reaps every
-    orphan re-parented to it meanwhile."""
+def wait_for_child(pid: int) -> int:
+    """Wait for the child `pid` -> its wait status; an init also reaps every orphan re-parented
+    to it meanwhile."""
     while True:
         done, status = os.waitpid(-1, 0)
         if done == pid:
-            return os.waitstatus_to_exitcode(status)
+            return status
 
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
