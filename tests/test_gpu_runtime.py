@@ -254,6 +254,7 @@ class FakeWorker:
         self.process = FakeProcess()
         self.killed = False
         self.gone = True  # what kill_group reports
+        self.exiting = False  # not gone, yet killed: only its exit is left (a busy GPU's teardown)
 
     def kill(self, grace, orphans=False):
         self.killed = True
@@ -275,11 +276,11 @@ def fake_pool(gpus=(0,)):
     return pool
 
 
-def execution(pool, script, timeout=10.0, request_id="req-1", gpus=(0,), gone=True, blobs=None):
+def execution(pool, script, timeout=10.0, request_id="req-1", gpus=(0,), gone=True, blobs=None, exiting=False):
     """Run an Execution whose worker follows `script(conn)` in a thread -> (Outcome, retire, worker)."""
     ours, theirs = multiprocessing.Pipe()
     worker = FakeWorker(ours, list(gpus))
-    worker.gone = gone
+    worker.gone, worker.exiting = gone, exiting
     instructions = [{"op": "upload", "id": "m", "kind": "module", "source": ""},
                     {"op": "run", "id": "r", "fn": {"$ref": "m"}},
                     {"op": "return", "key": "k", "value": {"$ref": "r"}}]
@@ -1321,6 +1322,57 @@ def test_unconfirmed_kill_quarantines_the_gpu():
         pool.arbiter.acquire("next", [0])
 
 
+def test_a_killed_process_still_in_its_exit_runs_no_code_again(monkeypatch):
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        assert not kcoral.killed_already(sleeper.pid)  # alive, nothing pending
+        stat = kcoral_worker.proc_stat(sleeper.pid)
+        exiting = stat[:6] + [str(int(stat[6]) | kcoral.PF_EXITING).encode()] + stat[7:]
+        monkeypatch.setattr(kcoral_worker, "proc_stat", lambda pid: exiting)  # as the kernel shows one in its exit
+        assert kcoral.killed_already(sleeper.pid)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    monkeypatch.undo()
+    assert kcoral.killed_already(sleeper.pid)  # gone
+
+
+def spinning_kernel(conn):
+    kcoral_worker.send_message(conn, kcoral_worker.InstructionStarted(0))
+    time.sleep(1)  # busy past the timeout
+
+
+def test_a_worker_still_in_its_exit_after_the_kill_is_a_timeout_not_a_quarantine():
+    """A kernel spinning at the kill keeps the driver tearing the context down past kill_wait: the
+    request gets its 504 and the GPU stays in service (the replacement's start probes it)."""
+    pool = fake_pool()
+    outcome, retire, _ = execution(pool, spinning_kernel, timeout=0.2, gone=False, exiting=True)
+    assert (outcome.http_status, outcome.kind, retire) == (504, "timeout", True)
+    assert pool.quarantined == [] and pool.arbiter.acquire("next", [0])[0] == [0]
+
+
+@pytest.mark.parametrize("exiting, probe_fails, quarantined, replaced",
+                         [(True, False, [], True),  # slow exit, the GPU answers: the slot is replaced
+                          (True, True, [[0]], False),  # slow exit, the GPU fails its probe: quarantined
+                          (False, False, [[0]], False)])  # a tree that outlived SIGKILL: quarantined, no probe
+def test_after_a_slow_exit_the_next_workers_start_probes_the_gpu(monkeypatch, exiting, probe_fails, quarantined,
+                                                                  replaced):
+    pool, slot = spare_pool(monkeypatch)
+    pool.dispose = types.MethodType(kcoral.Pool.dispose, pool)
+    if probe_fails:
+        def initialize(self, expected_uuid, phase_timeout=60.0):
+            raise kcoral.WorkerCrashed("GPU worker failed to initialize: CUDA error: unknown error")
+        monkeypatch.setattr(FakeSlotWorker, "initialize", initialize)
+    retired = slot.worker
+    retired.gone, retired.exiting = False, exiting
+    pool.release(slot, True)
+    assert wait_for(lambda: slot in pool.idle, 5)
+    assert pool.quarantined == quarantined and retired.killed
+    assert (slot.worker is not None and slot.worker is not retired) == replaced
+    if replaced:  # its CUDA start ran under the GPU's lease
+        assert pool.inits == [{0: kcoral.STARTUP_OWNER}]
+
+
 def test_quarantine_refuses_waiters_already_queued():
     arbiter, refused = kcoral.LeaseArbiter([0, 1]), []
     arbiter.acquire("holder", [0])
@@ -1422,7 +1474,7 @@ class FakeSlotWorker:
 
     def __init__(self, pool, gpus, phase_timeout=60.0, template=None):
         self.pool, self.gpus, self.template, self.served, self.killed = pool, gpus, template, 0, False
-        self.gone = True
+        self.gone, self.exiting = True, False
 
     def initialize(self, expected_uuid, phase_timeout=60.0):
         self.pool.inits.append(dict(self.pool.arbiter.holder))
