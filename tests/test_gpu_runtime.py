@@ -18,6 +18,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import pathlib
 import random
 import shutil
 import subprocess
@@ -756,6 +757,82 @@ def test_gpu_workers_pin_before_torch_is_imported():
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == ["GPU-1234,GPU-5678", [], True]
+
+
+# --- the sandbox on a GPU host: what it shows of the driver, the server's import path ---------
+
+def fake_driver_folders(tmp_path, minors=(0, 1, 2)):
+    """A /proc/driver/nvidia/gpus stand-in: one folder per GPU, named by PCI address, with its minor."""
+    folder = tmp_path / "nvidia-gpus"
+    for minor in minors:
+        entry = folder / f"0000:{minor + 1:02x}:00.0"
+        entry.mkdir(parents=True)
+        (entry / "information").write_text(f"Model: \t\t NVIDIA H200\nDevice Minor: \t {minor}\n")
+    return folder
+
+
+def test_the_sandbox_command_hides_other_gpus_driver_folders(monkeypatch, tmp_path):
+    folder = fake_driver_folders(tmp_path)
+    monkeypatch.setattr(kcoral, "NVIDIA_PROC_GPUS", str(folder))
+    monkeypatch.setattr(kcoral, "gpu_device_node", lambda gpu: f"/dev/nvidia{gpu}")
+    args = kcoral.bwrap_command(kcoral.ServerConfig(), [1], str(tmp_path))
+    own = str(folder / "0000:02:00.0")
+    start = args.index("--tmpfs", args.index("--proc"))  # over the container's own /proc
+    assert args[start:start + 7] == ["--tmpfs", str(folder), "--ro-bind", own, own, "--remount-ro", str(folder)]
+    assert kcoral.nvidia_proc_args([]) == []  # CPU slots: nothing of the driver to hide
+    monkeypatch.setattr(kcoral, "NVIDIA_PROC_GPUS", str(tmp_path / "no-driver"))
+    assert kcoral.nvidia_proc_args([0]) == []
+
+
+@pytest.fixture
+def outside_the_sandboxs_mounts():
+    """A host folder that no later mount of the container covers (/tmp would: it is the slot's own)."""
+    folder = tempfile.mkdtemp(prefix=".test-driver-", dir=ROOT)
+    yield pathlib.Path(folder)
+    shutil.rmtree(folder)
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+def test_a_container_sees_only_its_gpus_driver_folder(monkeypatch, tmp_path, outside_the_sandboxs_mounts):
+    folder = fake_driver_folders(outside_the_sandboxs_mounts)
+    monkeypatch.setattr(kcoral, "NVIDIA_PROC_GPUS", str(folder))
+    monkeypatch.setattr(kcoral, "gpu_device_node", lambda gpu: f"/dev/nvidia{gpu}")
+    root = tmp_path / "slot"
+    for name in kcoral.SANDBOX_WRITABLE:
+        (root / name).mkdir(parents=True)
+    script = f"ls {folder}; cat {folder}/*/information; touch {folder}/new 2>/dev/null && echo WRITABLE || true"
+    seen = subprocess.run(kcoral.bwrap_command(kcoral.ServerConfig(), [2], str(root)) + ["/bin/sh", "-c", script],
+                          env=kcoral.sandbox_environment(), capture_output=True, text=True, timeout=60)
+    assert seen.returncode == 0, seen.stderr
+    assert seen.stdout.split("\n")[0] == "0000:03:00.0" and "Device Minor: \t 2" in seen.stdout, seen.stdout
+    assert "WRITABLE" not in seen.stdout and "Device Minor: \t 0" not in seen.stdout
+
+
+PYTHONPATH_PROBE = """
+import os
+import kcoral_pythonpath_probe
+def f():
+    here = os.path.dirname(kcoral_pythonpath_probe.__file__)
+    return [kcoral_pythonpath_probe.VALUE, os.access(here, os.W_OK)]
+"""
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+def test_a_sandboxed_worker_imports_from_the_servers_pythonpath(tmp_path):
+    """The sandbox's template runs `python -I`, which ignores PYTHONPATH: a server whose packages
+    (tvm_ffi, say) come from PYTHONPATH must still hand them to its workers, read-only."""
+    packages = tmp_path / "packages"
+    packages.mkdir()
+    (packages / "kcoral_pythonpath_probe.py").write_text("VALUE = 42\n")
+    with ServerProcess("--sandbox", "bubblewrap", tmp_path=tmp_path, workers=1,
+                       env={"PYTHONPATH": str(packages)}) as srv:
+        status, _, body = post(srv.url, {"instructions": [
+            {"op": "upload", "id": "m", "kind": "module", "source": PYTHONPATH_PROBE},
+            {"op": "get_function", "id": "fn", "module": {"$ref": "m"}, "name": "f"},
+            {"op": "run", "id": "r", "fn": {"$ref": "fn"}, "args": []},
+            {"op": "return", "key": "out", "value": {"$ref": "r"}}]}, [])
+    assert status == 200 and body["status"] == "COMPLETED", body.get("error")
+    assert plain(body["results"]["out"]) == [42, False]
 
 
 # --- bench/gpu_check.py --------------------------------------------------------------
