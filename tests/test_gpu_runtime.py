@@ -20,6 +20,7 @@ import multiprocessing
 import os
 import pathlib
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -851,6 +852,10 @@ def test_gpu_check_cpu_mode(tmp_path):
     assert all({"seconds", "budget_s"} <= set(phase) for phase in phases.values())  # soft budgets: timed, not enforced here
     fresh = phases["request_overhead"]["data"]["fresh_workers"]
     assert len(fresh["requests"]) == 20 and fresh["median_after_first"]["queue_ms"] >= 0
+    assert sorted(os.listdir(tmp_path)) == ["gpu_check.json", "servers.log"]  # a device brings back 8 files at most
+    headers = re.findall(r"^===== server (\w+) ", (tmp_path / "servers.log").read_text(), re.M)
+    sandboxed = [] if phases["sandboxed"]["result"] == "SKIP" else ["sandboxed"]  # no bwrap here
+    assert headers == ["fresh_workers", "reused_workers", "main", "cli", *sandboxed]
 
 
 def test_gpu_check_without_bwrap_skips_the_sandboxed_phase(tmp_path):
@@ -858,6 +863,31 @@ def test_gpu_check_without_bwrap_skips_the_sandboxed_phase(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     assert "SKIP phase sandboxed: no bwrap (--bwrap none)" in out.stdout.splitlines()
     assert out.stdout.splitlines()[-1] == "0 passed, 0 failed, 1 skipped"
+
+
+def test_gpu_check_builds_with_a_real_cuda_toolkit_where_nvcc_is_a_wrapper(tmp_path):
+    from bench.gpu_check import cuda_home
+
+    def executable(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("#!/bin/sh\n")
+        path.chmod(0o755)
+    wrapped = tmp_path / "wrapper" / "bin"
+    executable(wrapped / "nvcc")  # a script: the folder above it holds no CUDA libraries
+    toolkit = tmp_path / "cuda"
+    (toolkit / "lib64").mkdir(parents=True)
+    (toolkit / "lib64" / "libcudart.so.13").touch()
+    assert cuda_home({"PATH": str(wrapped)}, toolkits=(str(toolkit),)) == str(toolkit)
+    assert cuda_home({"PATH": str(wrapped)}, toolkits=()) is None  # tvm_ffi's guess would fail to link
+    assert cuda_home({"PATH": str(wrapped), "CUDA_HOME": "/opt/mine"}, toolkits=(str(toolkit),)) == "/opt/mine"
+    real = tmp_path / "real-cuda"  # nvcc reached through a link: the toolkit it lies in
+    executable(real / "bin" / "nvcc")
+    (real / "targets" / "x86_64-linux" / "lib").mkdir(parents=True)
+    (real / "targets" / "x86_64-linux" / "lib" / "libcudart.so").touch()
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "nvcc").symlink_to(real / "bin" / "nvcc")
+    assert cuda_home({"PATH": str(linked)}, toolkits=(str(tmp_path / "none"),)) == str(real)
 
 
 def test_gpu_check_refuses_an_unknown_phase(tmp_path):
