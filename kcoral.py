@@ -3740,8 +3740,8 @@ class Worker:
                 self.template.kill()
                 gone = not is_live(self.template.init_pid or 0)
                 self.exiting = self.exiting or not gone and killed_already(self.template.init_pid or 0)
-        else:
-            gone = kill_group(self.pid, grace, orphans=orphans)
+        else:  # a tree found in its exit before is not waited for again (its disposal after the answer)
+            gone = not self.exiting and kill_group(self.pid, grace, orphans=orphans)
             # still there past kill_wait, yet killed: a busy GPU's teardown, for the pool to probe (dispose)
             self.exiting = self.exiting or not gone and all(map(killed_already, tree_members(self.pid, (), orphans)))
         self.process.join(5)

@@ -1444,6 +1444,24 @@ def test_a_killed_process_still_in_its_exit_runs_no_code_again(monkeypatch):
     assert kcoral.killed_already(sleeper.pid)  # gone
 
 
+def test_a_worker_left_only_in_its_exit_is_marked_and_not_waited_for_twice(monkeypatch):
+    """Worker.kill: past kill_wait, survivors all killed already -> `exiting`; its disposal after
+    the answer then kills (and waits) no more."""
+    waits, survivors = [], [4194001]
+    monkeypatch.setattr(kcoral, "kill_group", lambda pgid, grace, orphans=False: waits.append(pgid) or False)
+    monkeypatch.setattr(kcoral, "tree_members", lambda pgid, exclude=(), orphans=False: survivors)
+    monkeypatch.setattr(kcoral, "killed_already", lambda pid: pid == 4194001)
+    worker = object.__new__(kcoral.Worker)
+    worker.pid, worker.template, worker.exiting, worker.process = 4194000, None, False, FakeProcess()
+    worker.conn = types.SimpleNamespace(close=lambda: None)
+    assert worker.kill(0.1, orphans=True) is False and worker.exiting
+    assert worker.kill(0) is False and waits == [4194000]  # the second kill did not wait again
+    survivors.append(4194002)  # one that could still run code: no slow exit, but a lost tree
+    fresh = object.__new__(kcoral.Worker)
+    fresh.pid, fresh.template, fresh.exiting, fresh.process, fresh.conn = 4194000, None, False, FakeProcess(), worker.conn
+    assert fresh.kill(0) is False and not fresh.exiting
+
+
 def spinning_kernel(conn):
     kcoral_worker.send_message(conn, kcoral_worker.InstructionStarted(0))
     time.sleep(1)  # busy past the timeout
