@@ -3,8 +3,8 @@ on a machine made to look like that one, so that every step before the first CUD
 proven before device time is spent.
 
 The simulated machine: a `python3` with torch and numpy preinstalled but neither tvm-ffi nor
-cupti-python (a virtual environment, built once and kept under ~/.cache), no `bwrap` on PATH,
-no network (its own network namespace where `unshare` allows, else pip told to use no index),
+cupti-python (a virtual environment, built once and kept under ~/.cache), no `bwrap` and no
+`ninja` on PATH, no network (its own network namespace where `unshare` allows, else pip told to use no index),
 pip's own configuration dropped, and the packages it lacks only from bench/wheels/.  The
 command is taken verbatim from docs/gpu-check.md; KCORAL_GPU_CHECK_DRY_RUN=1 makes its servers
 CPU ones and SKIPs each step that needs CUDA.  Fetching the wheels (bench/fetch_wheels.sh)
@@ -37,7 +37,8 @@ def documented_command():
 
 def carried_wheels():
     """bench/wheels with a wheel of each distribution for this Python, fetched if missing -> its path."""
-    wanted = [f"apache_tvm_ffi-*-{PYTHON_TAG}-*.whl", f"cupti_python-*-{PYTHON_TAG}-*.whl", "pytest-*.whl", *DEBS]
+    wanted = [f"apache_tvm_ffi-*-{PYTHON_TAG}-*.whl", f"cupti_python-*-{PYTHON_TAG}-*.whl", "pytest-*.whl",
+              "ninja-*.whl", *DEBS]
     if not all(glob.glob(os.path.join(WHEELS, pattern)) for pattern in wanted):
         version = f"{sys.version_info.major}.{sys.version_info.minor}"
         fetched = subprocess.run(["sh", "bench/fetch_wheels.sh"], cwd=ROOT, capture_output=True, text=True, timeout=600,
@@ -69,9 +70,12 @@ def machine_python():
     return os.path.dirname(python)
 
 
+ABSENT_PROGRAMS = ("bwrap", "ninja")  # what the device may lack and the check brings (the .deb, a wheel)
+
+
 def path_without_bwrap(folder):
-    """A PATH folder of links to every program on this PATH but `bwrap` (and this project's
-    virtual environment, whose python3 has tvm-ffi) -> its path."""
+    """A PATH folder of links to every program on this PATH but `bwrap` and `ninja` (and this
+    project's virtual environment, whose python3 has tvm-ffi) -> its path."""
     os.makedirs(folder)
     venv_bin = os.path.dirname(os.path.abspath(sys.executable))
     for directory in os.environ.get("PATH", "").split(os.pathsep):
@@ -79,7 +83,7 @@ def path_without_bwrap(folder):
             continue
         for name in os.listdir(directory):
             target, link = os.path.join(directory, name), os.path.join(folder, name)
-            if name != "bwrap" and os.access(target, os.X_OK) and not os.path.lexists(link):
+            if name not in ABSENT_PROGRAMS and os.access(target, os.X_OK) and not os.path.lexists(link):
                 os.symlink(target, link)
     return folder
 
@@ -105,7 +109,7 @@ def test_the_documented_gpu_run_goes_green_as_a_dry_run_on_cpu(tmp_path):
     env.update(PATH=machine_bin + os.pathsep + path_without_bwrap(str(tmp_path / "bin")), OUT=str(out),
                TMPDIR=str(tmp), KCORAL_GPU_CHECK_DRY_RUN="1", PIP_CONFIG_FILE=os.devnull, PIP_NO_INDEX="1",
                http_proxy="http://127.0.0.1:9", https_proxy="http://127.0.0.1:9")  # no index, no way out
-    assert shutil.which("bwrap", path=env["PATH"]) is None
+    assert not any(shutil.which(name, path=env["PATH"]) for name in ABSENT_PROGRAMS)
     assert shutil.which("python3", path=env["PATH"]) == os.path.join(machine_bin, "python3")
     command = documented_command()
     done = subprocess.run([*offline_prefix(), "bash", "-c", command], cwd=ROOT, env=env, capture_output=True,
@@ -124,6 +128,7 @@ def test_the_documented_gpu_run_goes_green_as_a_dry_run_on_cpu(tmp_path):
     versions = preflight["data"]["versions"]  # what the carried wheels installed, nothing else
     assert versions["apache-tvm-ffi"] and versions["cupti-python"] and versions["torch"], versions
     assert preflight["data"]["tools"]["bwrap"] is None
+    assert phases["main_server"]["cases"]["library"]["result"] == "PASS"  # built with the carried ninja
     for name in ("cpu_mode",):
         assert phases[name]["result"] == "SKIP" and "dry run: needs a CUDA device" in phases[name]["detail"]
     assert phases["examples"]["result"] == "SKIP" and "need a GPU" in phases["examples"]["detail"]
