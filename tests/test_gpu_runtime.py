@@ -774,39 +774,65 @@ def fake_driver_folders(tmp_path, minors=(0, 1, 2)):
 
 def test_the_sandbox_command_hides_other_gpus_driver_folders(monkeypatch, tmp_path):
     folder = fake_driver_folders(tmp_path)
-    monkeypatch.setattr(kcoral, "NVIDIA_PROC_GPUS", str(folder))
+    monkeypatch.setattr(kcoral_worker, "NVIDIA_PROC_GPUS", str(folder))
     monkeypatch.setattr(kcoral, "gpu_device_node", lambda gpu: f"/dev/nvidia{gpu}")
-    args = kcoral.bwrap_command(kcoral.ServerConfig(), [1], str(tmp_path))
+    args = kcoral.bwrap_command(kcoral.ServerConfig(), [1])
     own = str(folder / "0000:02:00.0")
     start = args.index("--tmpfs", args.index("--proc"))  # over the container's own /proc
     assert args[start:start + 7] == ["--tmpfs", str(folder), "--ro-bind", own, own, "--remount-ro", str(folder)]
     assert kcoral.nvidia_proc_args([]) == []  # CPU slots: nothing of the driver to hide
-    monkeypatch.setattr(kcoral, "NVIDIA_PROC_GPUS", str(tmp_path / "no-driver"))
+    monkeypatch.setattr(kcoral_worker, "NVIDIA_PROC_GPUS", str(tmp_path / "no-driver"))
     assert kcoral.nvidia_proc_args([0]) == []
 
 
 @pytest.fixture
 def outside_the_sandboxs_mounts():
-    """A host folder that no later mount of the container covers (/tmp would: it is the slot's own)."""
+    """A host folder that no later mount of the container covers (the temporary folder is hidden)."""
     folder = tempfile.mkdtemp(prefix=".test-driver-", dir=ROOT)
     yield pathlib.Path(folder)
     shutil.rmtree(folder)
 
 
 @pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
-def test_a_container_sees_only_its_gpus_driver_folder(monkeypatch, tmp_path, outside_the_sandboxs_mounts):
+def test_a_container_sees_only_its_gpus_driver_folder(monkeypatch, outside_the_sandboxs_mounts):
     folder = fake_driver_folders(outside_the_sandboxs_mounts)
-    monkeypatch.setattr(kcoral, "NVIDIA_PROC_GPUS", str(folder))
+    monkeypatch.setattr(kcoral_worker, "NVIDIA_PROC_GPUS", str(folder))
     monkeypatch.setattr(kcoral, "gpu_device_node", lambda gpu: f"/dev/nvidia{gpu}")
-    root = tmp_path / "slot"
-    for name in kcoral.SANDBOX_WRITABLE:
-        (root / name).mkdir(parents=True)
     script = f"ls {folder}; cat {folder}/*/information; touch {folder}/new 2>/dev/null && echo WRITABLE || true"
-    seen = subprocess.run(kcoral.bwrap_command(kcoral.ServerConfig(), [2], str(root)) + ["/bin/sh", "-c", script],
+    seen = subprocess.run(kcoral.bwrap_command(kcoral.ServerConfig(), [2]) + ["/bin/sh", "-c", script],
                           env=kcoral.sandbox_environment(), capture_output=True, text=True, timeout=60)
     assert seen.returncode == 0, seen.stderr
     assert seen.stdout.split("\n")[0] == "0000:03:00.0" and "Device Minor: \t 2" in seen.stdout, seen.stdout
     assert "WRITABLE" not in seen.stdout and "Device Minor: \t 0" not in seen.stdout
+
+
+HIDE_IN_A_FRESH_PROC = """
+import json, os, sys
+import kcoral_worker
+folder, own = sys.argv[1], sys.argv[2]
+kcoral_worker.hide_other_gpu_folders([own], folder)
+try:
+    open(os.path.join(folder, "new"), "w").close()
+    writable = True
+except OSError:
+    writable = False
+print(json.dumps([os.listdir(folder), open(os.path.join(folder, own, "information")).read(), writable]))
+"""
+
+
+def test_a_requests_fresh_proc_shows_only_the_gpu_folders_its_container_did(tmp_path):
+    """Each sandboxed request mounts a /proc of its own, where the driver lists every GPU again:
+    its worker covers the folder as the container's /proc had it (kcoral_worker.enter_request_space)."""
+    folder = fake_driver_folders(tmp_path)
+    unshare = shutil.which("unshare")
+    if unshare is None or subprocess.run([unshare, "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("no mount namespace for this user (unshare -m)")
+    seen = subprocess.run([unshare, "-m", "--propagation", "private", sys.executable, "-c", HIDE_IN_A_FRESH_PROC,
+                           str(folder), "0000:02:00.0"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert seen.returncode == 0, seen.stderr
+    names, information, writable = json.loads(seen.stdout)
+    assert names == ["0000:02:00.0"] and "Device Minor: \t 1" in information and not writable
+    assert len(os.listdir(folder)) == 3  # the host's folder is as it was
 
 
 PYTHONPATH_PROBE = """
