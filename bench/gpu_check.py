@@ -26,9 +26,10 @@ every phase, so a run cut short still reports) beside the servers' logs (all in
 
 What a machine lacks (a GPU, bwrap, examples) is a SKIP with its reason, never a
 FAIL.  With KCORAL_GPU_CHECK_DRY_RUN=1 a --device gpu run is a dry run on CPU
-servers (tests/test_gpu_dry_run.py): everything up to the first CUDA call.  Every request carries a bounded timeout_seconds and the whole run keeps
-to --budget-s.  Prints PASS/FAIL/SKIP lines and each phase's wall time as it goes
-and exits 1 when anything failed.
+servers (tests/test_gpu_dry_run.py): everything up to the first CUDA call.  Every
+request carries a bounded timeout_seconds and the whole run keeps to --budget-s.
+Prints PASS/FAIL/SKIP lines and each phase's wall time as it goes and exits 1 when
+anything failed.
 """
 
 import argparse
