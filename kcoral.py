@@ -3131,9 +3131,16 @@ class Pool:
 
     def dispose(self, worker: Worker, grace: float = 0, orphans: bool = False) -> bool:
         """Kill a worker's tree; its GPUs are quarantined when the kill cannot be confirmed.
-        -> whether it is confirmed gone."""
+        -> whether it is confirmed gone.  A tree still in its exit (Worker.exiting: a kernel
+        spinning at the kill keeps the driver busy) runs no program code any more: it counts as
+        gone, and the slot's next worker, whose CUDA start under the lease probes the GPU,
+        decides (replace)."""
         gone = worker.kill(grace, orphans=orphans)
         if not gone and self.arbiter is not None:
+            if worker.exiting:
+                self.log.event("worker_exit_slow", "WARNING", gpu_ids=list(worker.gpus),
+                               reason="killed, its process tree is still in its exit (the GPU's teardown)")
+                return True
             self.quarantine(worker.gpus, "a worker's process tree outlived SIGKILL")
         return gone
 
@@ -3157,6 +3164,8 @@ class Pool:
         except Exception as exc:
             slot.worker = None
             self.log.event("worker_replace_failed", "ERROR", worker_id=slot.name, error=str(exc))
+            if retired is not None and retired.exiting and self.arbiter is not None:  # the probe failed
+                self.quarantine(slot.gpus, f"after a worker's slow exit its GPU failed the probe: {exc}")
         with self.cond:
             self.idle.append(slot)
             self.replacing.discard(threading.current_thread())
@@ -3836,6 +3845,7 @@ class Worker:
         assert self.process.pid is not None  # started
         self.pid = self.process.pid
         self.served = 0
+        self.exiting = False  # killed, but its tree outlived kill_wait in its exit (kill)
         try:
             message = expect(self.conn, (kcoral_worker.WorkerReady, kcoral_worker.WorkerFailed),
                              time.monotonic() + phase_timeout, f"worker did not start within {phase_timeout:.0f} s")
@@ -3872,8 +3882,11 @@ class Worker:
                 self.log.event("sandbox_replaced", "WARNING", reason="processes outlived the request's kill sweeps")
                 self.template.kill()
                 gone = not is_live(self.template.pid or 0)
-        else:
-            gone = kill_group(self.pid, grace, orphans=orphans)
+                self.exiting = self.exiting or not gone and killed_already(self.template.pid or 0)
+        else:  # a tree found in its exit before is not waited for again (its disposal after the answer)
+            gone = not self.exiting and kill_group(self.pid, grace, orphans=orphans)
+            # still there past kill_wait, yet killed: a busy GPU's teardown, for the pool to probe (dispose)
+            self.exiting = self.exiting or not gone and all(map(killed_already, tree_members(self.pid, (), orphans)))
         self.process.join(5)
         self.conn.close()
         return gone
@@ -3935,11 +3948,33 @@ def kill_group(pgid: int, grace: float, exclude: Collection[int] = (), orphans: 
     """SIGTERM the group and its leader's descendants (with `orphans`, also every process
     started under it), SIGKILL what is left after the grace period, sweep after sweep for up to
     `kill_wait` seconds.  -> whether it is gone."""
-    def remaining() -> list[int]:
-        marked = [pid for pid in marked_processes(pgid) if pid not in exclude] if orphans else []
-        return group_members(pgid, exclude) + [pid for pid in marked if is_live(pid)]
+    return kcoral_worker.terminate(lambda: tree_members(pgid, exclude, orphans), grace, kill_wait, group=pgid,
+                                   at_once=(pgid,))
 
-    return kcoral_worker.terminate(remaining, grace, kill_wait, group=pgid, at_once=(pgid,))
+
+def tree_members(pgid: int, exclude: Collection[int] = (), orphans: bool = False) -> list[int]:
+    """What kill_group kills: the group and its leader's descendants (with `orphans`, every live
+    process started under it too)."""
+    marked = [pid for pid in marked_processes(pgid) if pid not in exclude] if orphans else []
+    return group_members(pgid, exclude) + [pid for pid in marked if is_live(pid)]
+
+
+PF_EXITING = 0x4  # /proc/PID/stat flags: the process is in its exit (include/linux/sched.h)
+
+
+def killed_already(pid: int) -> bool:
+    """Whether a process will never run a program's code again: it is gone, in its exit, or has
+    SIGKILL pending (waiting in the kernel, say for a driver that tears down a CUDA context whose
+    kernel still spins).  What is left of it is the kernel's work, not the program's."""
+    fields = kcoral_worker.proc_stat(pid)
+    if fields is None or int(fields[6]) & PF_EXITING:
+        return True
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            pending = [int(line.split()[1], 16) for line in f if line.startswith(("SigPnd:", "ShdPnd:"))]
+    except (OSError, ValueError, IndexError):
+        return kcoral_worker.proc_stat(pid) is None
+    return any(mask & 1 << (signal.SIGKILL - 1) for mask in pending)
 
 
 # --- 9. GPUs and the lease (docs/server.md §1-2) --------------------------------------------------
@@ -4337,7 +4372,7 @@ class SandboxTemplate:
         space = kcoral_worker.RequestSpace(uid, gid, config.disk_limit_bytes or 0, config.file_limit or 0,
                                            config.process_limit or 0, kept_mounts(config))
         frame = kcoral_worker.encode_message(space)[kcoral_worker.MESSAGE_HEADER.size:]
-        code = (f"import sys; sys.path.insert(0, {project!r}); import kcoral_worker; "
+        code = (f"import sys; sys.path[:] = {[project, *server_import_path()]!r}; import kcoral_worker; "
                 f"kcoral_worker.template_main({child.fileno()}, {preload!r}, {import_env!r}, {frame!r})")
         # -I: no start directory, user site or PYTHON* variables on the import path
         try:
@@ -4491,6 +4526,7 @@ def bwrap_command(config: ServerConfig, gpus: list[int]) -> list[str]:
     args += ["--ro-bind", "/sys", "/sys", "--proc", "/proc", "--dev", "/dev", "--dir", "/dev/mqueue"]
     for node in [gpu_device_node(g) for g in gpus] + list(GPU_CONTROL_NODES if gpus else ()):
         args += ["--dev-bind-try", node, node]
+    args += nvidia_proc_args(gpus)
     for addon, inside in addons.items():
         args += ["--ro-bind", addon, inside]
     for directory in SANDBOX_DIRECTORIES:
@@ -4536,11 +4572,18 @@ def shown_inside(directory: str) -> bool:
 def python_paths() -> list[str]:
     """What the interpreter needs to run our worker: its prefixes and import path, minus the
     server's working directory (only the project's own files are shown from there)."""
+    paths = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix] + server_import_path()
+    return sorted(set(map(os.path.abspath, paths)))
+
+
+def server_import_path() -> list[str]:
+    """The server's import path, in order, minus its working directory and ours.  A sandbox's
+    `python -I` would drop what PYTHONPATH or the user site added to it (where the server's own
+    torch or tvm_ffi may come from), so its template is handed this path; each entry is shown
+    read-only (python_paths)."""
     project = os.path.dirname(os.path.abspath(kcoral_worker.__file__))
     skipped = {"", os.getcwd(), project}
-    paths = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]
-    paths += [p for p in sys.path if p not in skipped and os.path.exists(p)]
-    return sorted(set(map(os.path.abspath, paths)))
+    return [os.path.abspath(p) for p in sys.path if p not in skipped and os.path.exists(p)]
 
 
 def project_files() -> tuple[str, list[str]]:
@@ -4591,6 +4634,31 @@ def gpu_device_node(gpu_id: int) -> str:
     except OSError:
         pass
     return f"/dev/nvidia{gpu_id}"
+
+
+def nvidia_proc_args(gpus: list[int]) -> list[str]:
+    """bwrap arguments showing only these GPUs' folders in the container's /proc/driver/nvidia/gpus,
+    as the NVIDIA container runtime does: a read-only tmpfs over it, with their own folders (matched
+    by the device minor number their nodes have) bound back read-only."""
+    folder = kcoral_worker.NVIDIA_PROC_GPUS
+    if not gpus or not os.path.isdir(folder):
+        return []
+    minors = {gpu_device_node(g).removeprefix("/dev/nvidia") for g in gpus}
+    args = ["--tmpfs", folder]
+    for name in sorted(os.listdir(folder)):
+        entry = os.path.join(folder, name)
+        if device_minor(entry) in minors:
+            args += ["--ro-bind", entry, entry]
+    return args + ["--remount-ro", folder]
+
+
+def device_minor(entry: str) -> str | None:
+    """The `Device Minor:` of a /proc/driver/nvidia/gpus folder's information file."""
+    try:
+        with open(os.path.join(entry, "information")) as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("Device Minor:")), None)
+    except OSError:
+        return None
 
 
 def ensure_gpu_control_nodes(log: EventLog) -> list[str]:

@@ -800,6 +800,7 @@ CAP_SETGID, CAP_SETUID, CAP_SETPCAP, CAP_SYS_ADMIN, CAP_SYS_RESOURCE = 6, 7, 8, 
 TEMPLATE_CAPS = (CAP_SETPCAP, CAP_SYS_ADMIN, CAP_SYS_RESOURCE)
 ROOT_TEMPLATE_CAPS = (CAP_SETGID, CAP_SETUID)
 PROC_COVERED = ("sys", "sysrq-trigger", "irq", "bus")  # read-only in every /proc a request sees
+NVIDIA_PROC_GPUS = "/proc/driver/nvidia/gpus"  # the driver's folder per GPU: a request sees its own only
 SANDBOX_ROOT = "/kcoral"  # inside a sandbox: the request's writable space (work/, home/, cache/, tmp/, shm/)
 SANDBOX_SPACES = {"/tmp": "tmp", "/var/tmp": "tmp", "/dev/shm": "shm"}  # where else it shows
 
@@ -910,7 +911,9 @@ def enter_request_space(space: RequestSpace, others: int) -> None:
     uid in the container's user namespace, where `others` are the template's threads, the holder
     and the init) and no core dumps."""
     mount(None, "/", None, MS_REC | MS_PRIVATE)
+    own_gpus = os.listdir(NVIDIA_PROC_GPUS) if os.path.isdir(NVIDIA_PROC_GPUS) else []  # the container shows its own
     mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    hide_other_gpu_folders(own_gpus)
     with open("/proc/sys/user/max_user_namespaces", "w") as f:  # this user namespace's own limit
         f.write("0")
     for name in PROC_COVERED:
@@ -937,6 +940,23 @@ def enter_request_space(space: RequestSpace, others: int) -> None:
         resource_limit("RLIMIT_NPROC", space.processes + others)
     resource_limit("RLIMIT_CORE", 0)
     SANDBOXED["worker"] = True
+
+
+def hide_other_gpu_folders(own: list[str], folder: str = NVIDIA_PROC_GPUS) -> None:
+    """In a fresh /proc, which shows every GPU's driver folder again: a read-only tmpfs over `folder`
+    with only the `own` ones (those the container showed) bound back, as the container's /proc has."""
+    if not os.path.isdir(folder):
+        return
+    kept = {name: os.open(os.path.join(folder, name), os.O_PATH | os.O_DIRECTORY) for name in own}
+    try:
+        mount("tmpfs", folder, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=0755")  # read-only below
+        for name, fd in kept.items():
+            os.mkdir(os.path.join(folder, name))
+            mount(f"/proc/self/fd/{fd}", os.path.join(folder, name), None, MS_BIND)
+        mount(None, folder, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    finally:
+        for fd in kept.values():
+            os.close(fd)
 
 
 def keep_mount(source: str, target: str) -> None:
