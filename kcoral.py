@@ -1843,6 +1843,7 @@ METRIC_HELP = {
     "kcoral_request_body_bytes_total": ("counter", "Bytes of request bodies read"),
     "kcoral_response_body_bytes_total": ("counter", "Bytes of response bodies sent"),
     "kcoral_events_total": ("counter", "Event log records, by event and level"),
+    "kcoral_reads_refused_total": ("counter", "GET /health and /metrics refused for their token (probes, scrapes)"),
     "kcoral_requests_in_progress": ("gauge", "POST requests being read, run or answered"),
     "kcoral_requests_waiting": ("gauge", "Requests waiting for a free worker"),
     "kcoral_capacity": ("gauge", "Requests this node runs at once (0 while draining)"),
@@ -1861,6 +1862,36 @@ DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5
 KNOWN_KINDS = kcoral_worker.ERROR_KINDS | {"busy", "timeout", "request_too_large", "response_too_large",
                                            "unauthorized"}
 Labels = tuple[tuple[str, str], ...]
+# Every (status, code, kind) a node answers a POST with, and the ERROR events an operator alerts on:
+# their series exist at 0 from the start, so that a ratio or increase() over them has a value on a
+# node that never had one (Prometheus sees no increase in a series that first appears at 1).
+ANSWERS = ((("COMPLETED", "200", ""), ("CACHE_MISS", "200", ""))
+           + tuple(("FAILED", "200", kind) for kind in sorted(kcoral_worker.ERROR_KINDS))
+           + tuple(("ERROR", code, kind) for code, kind in (
+               ("400", "parse"), ("401", "unauthorized"), ("408", "parse"), ("413", "request_too_large"),
+               ("431", "parse"), ("500", "engine"), ("500", "response_too_large"), ("503", "busy"),
+               ("504", "timeout"))))
+ALERTED_EVENTS = ("gpu_quarantined", "worker_replace_failed", "cleanup_failed", "tokens_reload_failed", "server_error")
+
+
+@dataclasses.dataclass
+class Histogram:
+    """Observations per bucket of DURATION_BUCKETS, the last one +Inf's (not cumulative: rendering adds them up)."""
+    counts: list[int] = dataclasses.field(default_factory=lambda: [0] * (len(DURATION_BUCKETS) + 1))
+    total: float = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bucket_index(DURATION_BUCKETS, value)] += 1
+        self.total += value
+
+    def lines(self, name: str) -> list[str]:
+        """The exposition's cumulative buckets (each counts every observation at or below its bound,
+        so +Inf's equals _count), then _sum and _count."""
+        lines, running = [], 0
+        for bound, count in zip(DURATION_BUCKETS + (math.inf,), self.counts):
+            running += count
+            lines.append(f'{name}_bucket{{le="{"+Inf" if bound == math.inf else f"{bound:g}"}"}} {running}')
+        return lines + [f"{name}_sum {sample_value(self.total)}", f"{name}_count {running}"]
 
 
 class Metrics:
@@ -1874,7 +1905,15 @@ class Metrics:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.counters: dict[tuple[str, Labels], float] = collections.defaultdict(float)
-        self.histograms: dict[str, list[float]] = {}  # name -> bucket counts, then sum and count
+        for status, code, kind in ANSWERS:
+            self.counters["kcoral_requests_total", (("status", status), ("code", code), ("kind", kind))] = 0
+        for event in ALERTED_EVENTS:
+            self.counters["kcoral_events_total", (("event", event), ("level", "ERROR"))] = 0
+        for name in ("kcoral_reads_refused_total", "kcoral_request_body_bytes_total",
+                     "kcoral_response_body_bytes_total", "kcoral_worker_starts_total",
+                     "kcoral_worker_crashes_total", "kcoral_worker_replacements_total"):
+            self.counters[name, ()] = 0
+        self.histograms = {name: Histogram() for name, (kind, _) in METRIC_HELP.items() if kind == "histogram"}
 
     def add(self, name: str, value: float = 1.0) -> None:
         with self.lock:
@@ -1892,6 +1931,10 @@ class Metrics:
             event == "client_disconnected" and fields.get("phase") == "response")
         if not answered or fields.get("http_status") is None:
             return
+        if event == "request_refused" and fields.get("request_id") == "":
+            # a GET (/health, /metrics) without the token: a probe or a scrape, not a client's request
+            self.counters["kcoral_reads_refused_total", ()] += 1
+            return
         kind = fields.get("error_kind") or ""
         labels = (("status", str(fields.get("status", "ERROR"))), ("code", str(fields["http_status"])),
                   ("kind", kind if kind in KNOWN_KINDS or not kind else "other"))
@@ -1903,28 +1946,21 @@ class Metrics:
                             ("kcoral_request_lease_held_seconds", "lease_held_ms"),
                             ("kcoral_request_duration_seconds", "total_ms")):
             if isinstance(fields.get(field), (int, float)):
-                self.observe(name, fields[field] / 1e3)
-
-    def observe(self, name: str, seconds: float) -> None:
-        """Called with the lock held."""
-        histogram = self.histograms.setdefault(name, [0.0] * (len(DURATION_BUCKETS) + 2))
-        histogram[bucket_index(DURATION_BUCKETS, seconds)] += 1
-        histogram[-2] += seconds
-        histogram[-1] += 1
+                self.histograms[name].observe(fields[field] / 1e3)
 
     def render(self, gauges: list[tuple[str, Labels, float]]) -> str:
         """The exposition text: this node's counters and histograms, then `gauges` (name,
         labels, value: read from the pool, caches and lease just now)."""
         with self.lock:
             series = [(name, labels, value) for (name, labels), value in self.counters.items()]
-            histograms = {name: list(values) for name, values in self.histograms.items()}
+            histograms = {name: histogram.lines(name) for name, histogram in self.histograms.items()}
         series += gauges
         lines = []
         for name, (kind, text) in METRIC_HELP.items():
             lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
-            if kind == "histogram":
-                lines += histogram_lines(name, histograms.get(name, [0.0] * (len(DURATION_BUCKETS) + 2)))
-            lines += [f"{name}{label_text(labels)} {value:g}" for n, labels, value in sorted(series) if n == name]
+            lines += histograms.get(name, [])
+            lines += [f"{name}{label_text(labels)} {sample_value(value)}" for n, labels, value in sorted(series)
+                      if n == name]
         return "\n".join(lines) + "\n"
 
 
@@ -1933,12 +1969,9 @@ def bucket_index(bounds: tuple[float, ...], value: float) -> int:
     return next((i for i, bound in enumerate(bounds) if value <= bound), len(bounds))
 
 
-def histogram_lines(name: str, values: list[float]) -> list[str]:
-    lines, running = [], 0.0
-    for bound, count in zip(DURATION_BUCKETS + (math.inf,), values):
-        running += count
-        lines.append(f'{name}_bucket{{le="{"+Inf" if bound == math.inf else f"{bound:g}"}"}} {running:g}')
-    return lines + [f"{name}_sum {values[-2]:g}", f"{name}_count {values[-1]:g}"]
+def sample_value(value: float) -> str:
+    """Exact: a byte counter past a million must not lose digits (`:g` keeps six)."""
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
 def label_text(labels: Labels) -> str:
