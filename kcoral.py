@@ -694,6 +694,8 @@ class HTTPServer(http.server.ThreadingHTTPServer):
 CONTROL_CHARS = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 DRAIN_LIMIT = 1 << 16  # unread bodies up to this size are skipped to keep the connection
 STREAM_HEADER = "X-KCoral-Stream"  # our client's opt-in to the streamed answer (docs/protocol.md §13)
+# one id for all attempts of a client's execute(), or HAProxy's for the request: logged, and on the answer
+CLIENT_REQUEST_ID_HEADER = "X-KCoral-Client-Request-ID"
 STREAM_MEDIA_TYPE = "application/x-kcoral-stream"
 SEND_SLICE = 1 << 20  # the send timeout applies to each slice: a slow reader is fine, a stalled one is not
 
@@ -719,6 +721,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         self.cut_reason: str | None = None  # set by the ConnectionGuard when it cuts this connection
         self.stream: OutputStream | None = None  # the answer of a POST that asked for streamed output
         self.body_done = True
+        self.client_request_id: str | None = None  # of the POST being answered (CLIENT_REQUEST_ID_HEADER)
         # of the request being read: its events' total_ms counts from the first, a proxy's wait up to the second
         self.head_started, self.head_arrived = time.monotonic(), time.time()
 
@@ -736,6 +739,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             return
         self.watch("header")
         self.head_started, self.head_arrived = time.monotonic(), time.time()
+        self.client_request_id = None
         head = self.read_head()
         self.unwatch()
         if head is None:
@@ -837,6 +841,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         request_id = self.request_id()
+        self.client_request_id = self.canonical_uuid(CLIENT_REQUEST_ID_HEADER)
         if not self.authorized(request_id):
             return
         if self.path != "/execute":
@@ -846,7 +851,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         with self.app.request_in_flight():  # a graceful shutdown waits until the answer is out
             outcome = self.outcome_of_post(request_id)
             outcome, size, lost = self.send_outcome(request_id, outcome)
-        fields = {"client_request_id": self.canonical_uuid("X-KCoral-Client-Request-ID"),
+        fields = {"client_request_id": self.client_request_id,
                   "request_bytes": self.request_bytes, **request_fields(request_id, outcome, started)}
         if size is None:
             self.disconnected("response", error=lost, **fields)
@@ -1107,11 +1112,17 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(length))
         self.send_header("X-KCoral-Instance", self.app.instance_id)
+        self.send_client_request_id()
         for name, value in headers.items():
             self.send_header(name, value)
         if self.close_connection:
             self.send_header("Connection", "close")
         self.end_headers()
+
+    def send_client_request_id(self) -> None:
+        """Every answer to a POST names the client's id (docs/operations.md, "Trace a failed request")."""
+        if self.client_request_id:
+            self.send_header(CLIENT_REQUEST_ID_HEADER, self.client_request_id)
 
     def route_error(self) -> None:
         self.drain_body()
@@ -1232,6 +1243,7 @@ class OutputStream:
                                 (STREAM_HEADER, "output"), ("X-KCoral-Instance", handler.app.instance_id),
                                 ("X-Request-ID", self.request_id)):
                 handler.send_header(name, value)
+            handler.send_client_request_id()
             if handler.close_connection:
                 handler.send_header("Connection", "close")
             handler.end_headers()
@@ -1511,7 +1523,8 @@ class KCoralServer:
     def health(self) -> dict[str, Any]:
         return {"status": "ok", "instance_id": self.instance_id, "started_at": self.started_at,
                 "gpu_count": self.gpu_count, "load": self.pool.load(),
-                "target": self.target, "versions": self.versions, "sandbox": self.config.sandbox}
+                "target": self.target, "versions": self.versions, "sandbox": self.config.sandbox,
+                "version": __version__}
 
     @contextlib.contextmanager
     def request_in_flight(self) -> Iterator[None]:
@@ -2961,7 +2974,8 @@ class Pool:
         self.idle = []
         self.waiters: collections.deque[object] = collections.deque()
         self.in_progress = 0
-        self.closing = False
+        self.closing = False  # draining: no new request is queued
+        self.refusing = False  # nor does a queued one get a slot (quarantine: its GPUs may still be in use)
         self.replacing: set[threading.Thread] = set()  # each leaves when done: nothing stays per request
         if config.sandbox == "bubblewrap":  # probed by resolve_sandbox
             if device == "cuda":
@@ -3054,18 +3068,21 @@ class Pool:
             slot.spare = SpareWorker(self, slot)
 
     def acquire(self, timeout: float) -> Slot | None:
-        """Wait (FIFO) for an idle slot; None when closing or after `timeout` seconds."""
+        """Wait (FIFO) for an idle slot; None after `timeout` seconds, when the pool was draining
+        already, or once it refuses the queued (`drain`)."""
         deadline = time.monotonic() + timeout
         ticket = object()
         with self.cond:
+            if self.closing:
+                return None
             self.waiters.append(ticket)
             try:
-                while not self.closing and not (self.idle and self.waiters[0] is ticket):
+                while not self.refusing and not (self.idle and self.waiters[0] is ticket):
                     remaining = deadline - time.monotonic()
                     if remaining <= 0 or not self.cond.wait(remaining):
                         if not (self.idle and self.waiters[0] is ticket):
                             return None
-                if self.closing:
+                if self.refusing:
                     return None
                 slot = min(self.idle, key=self.gpu_load)
                 self.idle.remove(slot)
@@ -3145,7 +3162,7 @@ class Pool:
         self.log.event("gpu_quarantined", "ERROR", gpu_ids=list(gpus), reason=reason)
         assert self.arbiter is not None  # only GPU pools quarantine (dispose)
         self.arbiter.quarantine(gpus)
-        self.drain()
+        self.drain(refuse_queued=True)
 
     def run_multi_gpu(self, slot: Slot, job: Job, count: int, queue_ms: float) -> Outcome:
         """docs/protocol.md §8.9: a dedicated worker that sees `count` GPUs, started under all their leases.
@@ -3207,12 +3224,16 @@ class Pool:
             return {"request_capacity": capacity, "requests_in_progress": self.in_progress,
                     "requests_waiting": len(self.waiters)}
 
-    def drain(self) -> None:
-        """Capacity 0: new requests are refused, those admitted run to the end."""
+    def drain(self, refuse_queued: bool = False) -> None:
+        """Capacity 0: new requests are refused; those admitted run to the end, the queued ones
+        too (a graceful shutdown shows no client a 503 for a request it took: docs/server.md §8),
+        unless `refuse_queued` (a quarantine, whose GPUs may never be free again: 503 busy, which
+        a balancer retries elsewhere)."""
         with self.cond:
             self.closing = True
+            self.refusing = self.refusing or refuse_queued
             self.cond.notify_all()
-        if self.arbiter is not None:
+        if self.arbiter is not None and refuse_queued:
             self.arbiter.drain()
 
     def stop(self) -> None:
@@ -4041,7 +4062,8 @@ class LeaseArbiter:
             self.cond.notify_all()
 
     def drain(self) -> None:
-        """Shutdown: requests still waiting for "any n" GPUs are refused (docs/server.md §8)."""
+        """A quarantine's drain: requests still waiting for "any n" GPUs are refused (a graceful
+        shutdown lets them run: the leases they wait for are released as the requests before finish)."""
         with self.cond:
             self.closing = True
             self.cond.notify_all()
@@ -4811,11 +4833,11 @@ defaults
     retry-on conn-failure 503
     option redispatch 1           # every retry goes to another node
     # HAProxy's own answers keep the KCoral error shape, so clients report them clearly.
-    http-error status 502 content-type application/json lf-string '{{"status":"ERROR","request_id":"%[uuid]",\
+    http-error status 502 content-type application/json lf-string '{{"status":"ERROR","request_id":"%[unique-id]",\
 "error":{{"kind":"engine","message":"the node failed before answering (it may have run the program); not retried"}}}}'
-    http-error status 503 content-type application/json lf-string '{{"status":"ERROR","request_id":"%[uuid]",\
+    http-error status 503 content-type application/json lf-string '{{"status":"ERROR","request_id":"%[unique-id]",\
 "error":{{"kind":"busy","message":"no node of the cohort could take the request in time"}}}}' hdr Retry-After 1
-    http-error status 504 content-type application/json lf-string '{{"status":"ERROR","request_id":"%[uuid]",\
+    http-error status 504 content-type application/json lf-string '{{"status":"ERROR","request_id":"%[unique-id]",\
 "error":{{"kind":"timeout","message":"the node did not answer within the proxy server timeout"}}}}'
     # Health: GET /health must answer 200 with a non-zero request_capacity (a node that has
     # begun a graceful shutdown reports 0, so HAProxy stops sending it work while it drains).
@@ -4839,8 +4861,8 @@ frontend kcoral
     stick-table type ipv6 size 100k expire 60s store conn_cur,http_req_rate(10s)
     tcp-request connection track-sc0 src
     tcp-request connection reject if {{ sc_conn_cur(0) gt {source_connections} }}
-    http-request return status 429 content-type application/json lf-string '{{"status":"ERROR",\
-"request_id":"%[uuid]","error":{{"kind":"busy","message":"more than {source_requests} requests in 10 s from this \
+{request_id}    http-request return status 429 content-type application/json lf-string '{{"status":"ERROR",\
+"request_id":"%[unique-id]","error":{{"kind":"busy","message":"more than {source_requests} requests in 10 s from this \
 address"}}}}' hdr Retry-After 10 if {{ sc_http_req_rate(0) gt {source_requests} }}
 {token_check}    # When HAProxy had the request's headers, in microseconds since the epoch: the time from then
     # to a node's reading it is the wait in HAProxy (its queue, retries).  set-header replaces
@@ -4951,8 +4973,24 @@ HAPROXY_TOKEN_CHECK = """\
     # without it never reaches a node, nor waits in the queue.  During a token rotation two are
     # accepted (docs/operations.md); the health checks send the first.
     http-request return status 401 content-type application/json lf-string '{{"status":"ERROR",\
-"request_id":"%[uuid]","error":{{"kind":"unauthorized","message":"missing or invalid bearer token"}}}}' \
+"request_id":"%[unique-id]","error":{{"kind":"unauthorized","message":"missing or invalid bearer token"}}}}' \
 hdr WWW-Authenticate Bearer unless {{ req.fhdr(authorization,1) -m str {accepted} }}
+"""
+# docs/operations.md, "Trace a failed request".  {{-m reg}} is HAProxy's, the rest str.format's.
+HAPROXY_REQUEST_ID = """\
+    # One id per request, end to end: the client's X-KCoral-Client-Request-ID when it sent exactly
+    # one canonical UUID (the same for every attempt of one execute()), else a new one.  HAProxy
+    # logs it beside the node it chose, passes it on in that header (the node logs it as
+    # client_request_id) and puts it on every answer, its own errors included.
+    http-request set-var(txn.request_id) req.hdr({header}) if {{ req.hdr_cnt({header}) eq 1 }} \
+{{ req.hdr({header}) -m reg ^[0-9a-f]{{8}}-[0-9a-f]{{4}}-[0-9a-f]{{4}}-[0-9a-f]{{4}}-[0-9a-f]{{12}}$ }}
+    http-request set-var(txn.request_id) uuid unless {{ var(txn.request_id) -m found }}
+    http-request del-header {header}
+    unique-id-format %[var(txn.request_id)]
+    unique-id-header {header}
+    http-after-response set-header {header} %[unique-id]
+    log-format "%ci:%cp [%tr] %ft %b/%s %TR/%Tw/%Tc/%Tr/%Ta %ST %B %CC %CS %tsc %ac/%fc/%bc/%sc/%rc %sq/%bq \
+%hr %hs %{{+Q}}r request_id=%ID"
 """
 HAPROXY_STATS = """
 frontend kcoral_stats
@@ -5012,6 +5050,7 @@ def haproxy_config(listen: str, nodes: list[CohortNode], tokens: list[str], queu
         server_timeout=haproxy_time(server_timeout), header_timeout=haproxy_time(limits.header_timeout),
         keepalive_timeout=haproxy_time(ServerConfig.keepalive_timeout_seconds),
         source_connections=limits.source_connections, source_requests=limits.source_requests,
+        request_id=HAPROXY_REQUEST_ID.format(header=CLIENT_REQUEST_ID_HEADER),
         token_check=HAPROXY_TOKEN_CHECK.format(accepted=" ".join(f'"Bearer {t}"' for t in tokens)) if tokens else "",
         check_auth=f' hdr Authorization "Bearer {tokens[0]}"' if tokens else "",
         user_group=user_group, pidfile=runtime.pidfile, stats_socket=runtime.stats_socket,

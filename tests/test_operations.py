@@ -28,6 +28,7 @@ from tests.support import (
     ServerProcess,
     assert_completed,
     free_port,
+    join_threads,
     log_records,
     post,
     request,
@@ -448,6 +449,31 @@ def test_a_stop_signal_to_the_whole_tree_finishes_the_requests_in_flight(tmp_pat
     srv.stderr.close()
     survivors = lambda: [pid for pid in tree if is_alive(pid)]  # noqa: E731
     assert wait_for(lambda: not survivors(), timeout=10), f"processes of the tree outlived the server: {survivors()}"
+
+
+@pytest.mark.parametrize("whole_tree", [False, True], ids=["SIGINT to the server", "SIGTERM to the whole tree"])
+def test_a_stop_signal_runs_the_queued_requests_too(tmp_path, whole_tree):
+    """Requests the node took but had no worker for yet are run, not answered 503: a client sees no
+    503 for a request a stopping node had admitted (docs/server.md §8).  One worker, three requests
+    of 1 s: one running and two queued when the signal comes."""
+    srv = ServerProcess("--drain-seconds", "0.5", workers=1, tmp_path=tmp_path)
+    slow = simple_program("import time\ndef f(x):\n    time.sleep(1)\n    return x\n", args=[41])
+    answers, threads = [], []
+    for _ in range(3):
+        thread = threading.Thread(target=lambda: answers.append(post(srv.url, slow)))
+        thread.start()
+        threads.append(thread)
+    assert wait_for(lambda: srv.health()["load"]["requests_waiting"] == 2, timeout=20)
+    if whole_tree:
+        for pid in tree_of(srv.proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+    else:
+        srv.proc.send_signal(signal.SIGINT)
+    join_threads(threads, 60)
+    assert [(status, body["status"]) for status, _, body in answers] == [(200, "COMPLETED")] * 3, answers
+    assert srv.proc.wait(60) == 0, srv.log()
+    srv.stderr.close()
 
 
 def is_alive(pid):
