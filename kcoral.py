@@ -832,7 +832,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             return
         if self.path == "/health":
             self.drain_body()
-            self.send_json(200, self.app.health())
+            self.send_json(200, self.app.health(BALANCER_CHECK_HEADER in self.headers))
         elif self.path == "/metrics":
             self.drain_body()
             self.send_metrics(self.app.metrics_text().encode())
@@ -1428,6 +1428,8 @@ class KCoralServer:
         self.in_flight_cond = threading.Condition()
         self.bodies = BodyBudget(config.max_body_bytes_in_flight)
         self.last_post = -math.inf  # time.monotonic() of the latest POST, for the drain's quiet period
+        self.last_health_check = -math.inf  # time.monotonic() of a balancer's latest health check
+        self.drain_health_checks: list[float] = []  # when they were answered capacity 0, since the signal
         self.drain_started = math.inf
         self.closing = False
         self.pool: Pool  # from start() on
@@ -1520,7 +1522,14 @@ class KCoralServer:
             gauges += [("kcoral_gpu_lease_busy_seconds_total", (("gpu", str(g)),), s) for g, s in busy.items()]
         return self.log.metrics.render(gauges)
 
-    def health(self) -> dict[str, Any]:
+    def health(self, balancer_check: bool = False) -> dict[str, Any]:
+        """GET /health; `balancer_check`: read by the health check of the HAProxy configuration that
+        haproxy-config writes (BALANCER_CHECK_HEADER), which refuse_while_draining waits for."""
+        if balancer_check:
+            with self.in_flight_cond:
+                self.last_health_check = time.monotonic()
+                if self.closing:
+                    self.drain_health_checks.append(self.last_health_check)
         return {"status": "ok", "instance_id": self.instance_id, "started_at": self.started_at,
                 "gpu_count": self.gpu_count, "load": self.pool.load(),
                 "target": self.target, "versions": self.versions, "sandbox": self.config.sandbox,
@@ -1591,12 +1600,28 @@ class KCoralServer:
 
     def refuse_while_draining(self) -> Outcome:
         """503 busy for a request that arrived during shutdown: nothing of it ran, so a load
-        balancer may retry it on another node.  The answer waits until `drain_seconds` after the
-        signal: by then the balancer's health check has seen capacity 0 and taken this node out,
-        so its retry goes elsewhere instead of straight back here (least connections would pick
-        this node again, the one with the fewest connections)."""
-        time.sleep(max(0.0, self.drain_started + self.config.drain_seconds - time.monotonic()))
+        balancer may retry it on another node, provided it has taken this node out by then (least
+        connections would pick this node again, the one with the fewest connections; a retry
+        comes straight back while the other nodes are full).  So the answer waits `drain_seconds`
+        after the signal and, on a node that the generated HAProxy configuration was checking,
+        until it has answered capacity 0 to TAKEN_OUT_AFTER_CHECKS of its checks, plus
+        CHECK_MARGIN_SECONDS (HAProxy marks a node down at its second failed check); at most ten
+        times `drain_seconds`."""
+        drain = self.config.drain_seconds
+        checked = self.drain_started - self.last_health_check < HEALTH_CHECKED_WITHIN_SECONDS
+        give_up = self.drain_started + 10 * drain
+        with self.in_flight_cond:
+            while time.monotonic() < give_up and not self.taken_out(checked):
+                self.in_flight_cond.wait(0.05)
         return Outcome(503, "busy", "server is shutting down")
+
+    def taken_out(self, checked: bool) -> bool:
+        """Whether a balancer has stopped choosing this draining node (refuse_while_draining)."""
+        now, reads = time.monotonic(), self.drain_health_checks
+        if now < self.drain_started + self.config.drain_seconds:
+            return False
+        return not checked or (len(reads) >= TAKEN_OUT_AFTER_CHECKS
+                               and now >= reads[TAKEN_OUT_AFTER_CHECKS - 1] + CHECK_MARGIN_SECONDS)
 
     def stop(self) -> None:
         """Graceful shutdown: capacity 0, new programs 503, in-flight ones finish."""
@@ -1626,6 +1651,14 @@ class KCoralServer:
         give_up = time.monotonic() + 10 * quiet
         while self.in_flight or time.monotonic() < min(self.last_post + quiet, give_up):
             self.in_flight_cond.wait(0.05)
+
+
+# The generated HAProxy configuration checks /health every second with this header (`fall 2`): it takes
+# a node that answers capacity 0 out at the second such answer; the margin covers its handling of it.
+BALANCER_CHECK_HEADER = "X-KCoral-Health-Check"
+HEALTH_CHECKED_WITHIN_SECONDS = 5.0
+TAKEN_OUT_AFTER_CHECKS = 2
+CHECK_MARGIN_SECONDS = 0.2
 
 
 def create_app(config: ServerConfig | None = None) -> KCoralServer:
@@ -4841,8 +4874,10 @@ defaults
 "error":{{"kind":"timeout","message":"the node did not answer within the proxy server timeout"}}}}'
     # Health: GET /health must answer 200 with a non-zero request_capacity (a node that has
     # begun a graceful shutdown reports 0, so HAProxy stops sending it work while it drains).
+    # The header tells the node a balancer checks it: it holds the 503s of its drain until two
+    # checks have taken it out here, so that their retries go to other nodes.
     option httpchk
-    http-check send meth GET uri /health{check_auth}
+    http-check send meth GET uri /health hdr {check_header} haproxy{check_auth}
     http-check expect status 200
     http-check expect ! rstring \\"request_capacity\\":0[,}}]
     # check: every second (every 250 ms while changing state); down after 2 failed checks, back
@@ -5052,7 +5087,7 @@ def haproxy_config(listen: str, nodes: list[CohortNode], tokens: list[str], queu
         source_connections=limits.source_connections, source_requests=limits.source_requests,
         request_id=HAPROXY_REQUEST_ID.format(header=CLIENT_REQUEST_ID_HEADER),
         token_check=HAPROXY_TOKEN_CHECK.format(accepted=" ".join(f'"Bearer {t}"' for t in tokens)) if tokens else "",
-        check_auth=f' hdr Authorization "Bearer {tokens[0]}"' if tokens else "",
+        check_auth=f' hdr Authorization "Bearer {tokens[0]}"' if tokens else "", check_header=BALANCER_CHECK_HEADER,
         user_group=user_group, pidfile=runtime.pidfile, stats_socket=runtime.stats_socket,
         tls=f" ssl crt {runtime.tls_cert}" if runtime.tls_cert else "", local_edits=runtime.local_edits,
         stats=HAPROXY_STATS.format(stats_listen=runtime.stats_listen) if runtime.stats_listen else "")
