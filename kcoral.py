@@ -1471,10 +1471,12 @@ class KCoralServer:
             signal.signal(sig, lambda *_: stop.set())
         signal.signal(signal.SIGHUP, lambda *_: hangup.set())  # its default would end the server
         self.start()
+        notify_systemd("READY=1")  # listening, workers up: /health answers
         while not stop.wait(0.5):
             if hangup.is_set():  # here, not in the handler: the handler may interrupt a thread holding the log
                 hangup.clear()
                 self.reload()
+        notify_systemd("STOPPING=1")
         self.stop()
 
     def reload(self) -> None:
@@ -1659,6 +1661,22 @@ BALANCER_CHECK_HEADER = "X-KCoral-Health-Check"
 HEALTH_CHECKED_WITHIN_SECONDS = 5.0
 TAKEN_OUT_AFTER_CHECKS = 2
 CHECK_MARGIN_SECONDS = 0.2
+
+
+def notify_systemd(state: str) -> None:
+    """sd_notify(3) with the standard library: under `Type=notify` (docs/kcoral.service) systemd
+    counts the service started at READY=1, so units ordered after it and `systemctl start` wait
+    until the node answers.  Nothing outside systemd (no NOTIFY_SOCKET)."""
+    address = os.environ.get("NOTIFY_SOCKET", "")
+    if not address:
+        return
+    if address.startswith("@"):  # an abstract socket
+        address = "\0" + address[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.sendto(state.encode(), address)
+    except OSError as exc:  # systemd then fails the start at its timeout: say why
+        print(f"kcoral: cannot notify systemd ({state}) at {address!r}: {exc}", file=sys.stderr)
 
 
 def create_app(config: ServerConfig | None = None) -> KCoralServer:

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -205,6 +206,43 @@ def test_a_real_prometheus_scrapes_the_node_with_its_token(node, tmp_path):
         assert wait_for(lambda: scalar(query, promql) == expected, timeout=60), \
             f"PromQL gave {scalar(query, promql)}, expected {expected}: {query.log()}"
         assert [v for _, v in query("up")] == [1]  # scraped with the token
+
+
+@needs_prometheus
+def test_prometheus_keeps_scraping_through_a_token_rotation(tmp_path):
+    """docs/operations.md's token rotation, Prometheus's step: once the node accepts NEW and OLD,
+    Prometheus's credentials file gets NEW (read at every scrape: no reload), then the node drops
+    OLD.  No scrape is refused: `up` stays 1 and kcoral_reads_refused_total does not move."""
+    node_tokens = tmp_path / "node-tokens"
+
+    def node_accepts(*tokens):
+        with open(os.open(node_tokens, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write("\n".join(tokens) + "\n")
+
+    node_accepts(TOKEN)
+    with ServerProcess("--token-file", str(node_tokens), workers=1, tmp_path=tmp_path / "node") as fresh, \
+            prometheus_scraping(fresh.url, tmp_path) as query:
+        def reload_tokens():
+            reloaded = fresh.log().count("tokens_reloaded")
+            fresh.proc.send_signal(signal.SIGHUP)
+            assert wait_for(lambda: fresh.log().count("tokens_reloaded") > reloaded, 10)
+
+        assert wait_for(lambda: [v for _, v in query("up") or []] == [1], 60), query.log()
+        refused = scalar(query, "kcoral_reads_refused_total")  # the start-up probe's, without a token
+        node_accepts("rotated-token-9c2e", TOKEN)
+        reload_tokens()
+        (tmp_path / "token").write_text("rotated-token-9c2e")  # prometheus_scraping's credentials file
+        time.sleep(3)
+        node_accepts("rotated-token-9c2e")
+        reload_tokens()
+        started = time.monotonic()
+        time.sleep(4)
+        assert request("GET", fresh.url + "/metrics", headers=AUTH)[0] == 401  # OLD is refused now
+        window = f"{int(time.monotonic() - started) + 8}s"
+        assert scalar(query, f"min_over_time(up[{window}])") == 1
+        assert scalar(query, f"count_over_time(up[{window}])") >= 5  # scraped all along
+        # the OLD-token request above, once scraped, and nothing else
+        assert wait_for(lambda: scalar(query, "kcoral_reads_refused_total") == refused + 1, 10)
 
 
 def bucket_of(value):

@@ -400,6 +400,49 @@ def test_the_systemd_unit_verifies_and_uses_the_real_flags(tmp_path):
     for breaks_the_sandbox in ("RestrictNamespaces", "PrivateUsers", "SystemCallFilter", "ProtectKernelTunables",
                                "ProcSubset", "ProtectProc"):
         assert breaks_the_sandbox not in settings, breaks_the_sandbox
+    # ready when /health answers (sd_notify, below); a broken GPU driver fails the start, never serves on CPU;
+    # one OOM-killed worker does not stop the node; its cgroup subtree is its own, and writable
+    assert settings["Type"] == ["notify"] and exec_start[exec_start.index("--device") + 1] == "gpu"
+    assert settings["OOMPolicy"] == ["continue"] and settings["Delegate"] == ["yes"]
+    assert "ProtectControlGroups" not in settings and "MemoryMax" in settings and "TasksMax" in settings
+    # logrotate rotates (docs/operations.md's one recipe, whose postrotate is the unit's reload): not the node too
+    assert exec_start[exec_start.index("--log-max-bytes") + 1] == "0"
+    assert settings["ExecReload"] == ["/bin/kill -HUP $MAINPID"]
+
+
+def test_the_one_logrotate_recipe_reloads_through_the_unit():
+    """docs/operations.md holds the recipe; server.md points to it rather than giving another."""
+    recipes = {}
+    for name in ("operations.md", "server.md"):
+        with open(os.path.join(ROOT, "docs", name)) as f:
+            recipes[name] = re.findall(r"^ */var/log/kcoral/runs/\*/events\.jsonl \{\n(.*?)^ *\}", f.read(), re.M | re.S)
+    assert len(recipes["operations.md"]) == 1 and recipes["server.md"] == []
+    assert "systemctl reload kcoral" in recipes["operations.md"][0]
+
+
+def test_the_node_tells_systemd_it_is_ready_once_health_answers(tmp_path):
+    """sd_notify over $NOTIFY_SOCKET, as systemd runs a Type=notify unit: READY=1 comes when /health
+    already answers (its first try), STOPPING=1 when a stop begins."""
+    path = str(tmp_path / "notify")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as listener:
+        listener.bind(path)
+        listener.settimeout(120)
+        port = free_port()
+        server = subprocess.Popen([PYTHON, "-m", "kcoral", "--port", str(port), "--device", "cpu", "--num-workers", "1",
+                                   "--log-dir", "", "--disk-cache-dir", str(tmp_path / "cache"), "--sandbox", "none"],
+                                  cwd=ROOT, env={**os.environ, "NOTIFY_SOCKET": path},
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            assert listener.recv(4096) == b"READY=1"
+            status, _, body = request("GET", f"http://127.0.0.1:{port}/health", timeout=10)
+            assert status == 200 and json.loads(body)["load"]["request_capacity"] == 1
+            server.send_signal(signal.SIGTERM)
+            assert listener.recv(4096) == b"STOPPING=1"
+            assert server.wait(60) == 0
+        finally:
+            if server.poll() is None:
+                server.kill()
+                server.wait()
 
 
 # --- a stop signal to every process of the tree -----------------------------------------------------
