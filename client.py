@@ -733,7 +733,8 @@ class ProgramResult:
     stderr_truncated: bool
     error: dict[str, Any] | None = None
     gpu_ids: tuple[int, ...] = ()
-    client_request_id: str | None = dataclasses.field(default=None, init=False)  # Client.execute: its attempts' id
+    # set by Client.execute: the id its attempts were sent under (about the call, not the answer: not compared)
+    client_request_id: str | None = dataclasses.field(default=None, init=False, compare=False)
 
     @property
     def completed(self) -> bool:

@@ -12,7 +12,17 @@ import uuid
 import pytest
 
 from client import Client, KCoralError, Program
-from tests.support import HAPROXY, HAProxyProcess, ServerProcess, join_threads, post, request, simple_program, wait_for
+from tests.support import (
+    HAPROXY,
+    HAProxyProcess,
+    ServerProcess,
+    free_port,
+    join_threads,
+    post,
+    request,
+    simple_program,
+    wait_for,
+)
 
 pytestmark = pytest.mark.skipif(HAPROXY is None, reason="haproxy is not installed")
 
@@ -121,3 +131,17 @@ def test_a_nodes_503_is_traced(cohort):
     refusals = node_lines(node, error.client_request_id)  # one per attempt: HAProxy retried each on the node
     assert refusals and all("http_status=503" in line for line in refusals), refusals
     assert error.request_id in {re.search(r" request_id=(\S+)", line)[1] for line in refusals}
+
+
+def test_the_proxys_own_503_carries_the_id(tmp_path):
+    """No node up: HAProxy answers 503 itself (its http-error body), with the request's id."""
+    proxy = HAProxyProcess([f"http://127.0.0.1:{free_port()}=1"], tmp_path, token=TOKEN)
+    try:
+        sent = str(uuid.uuid4())
+        status, headers, body = request("POST", proxy.url + "/execute", b"{}",
+                                        {**AUTH, "X-KCoral-Client-Request-ID": sent}, timeout=60)
+        assert status == 503 and json.loads(body)["error"]["kind"] == "busy"
+        assert headers["x-kcoral-client-request-id"] == json.loads(body)["request_id"] == sent
+        assert " 503 " in proxy_line(proxy, sent)
+    finally:
+        proxy.stop()
