@@ -1619,7 +1619,7 @@ def test_health_fields_and_types(server):
     assert UUID_RE.fullmatch(headers["x-kcoral-instance"])
     health = json.loads(data)
     assert set(health) == {"status", "instance_id", "started_at", "gpu_count", "load", "target", "versions",
-                           "sandbox", "version"}
+                           "sandbox", "version", "limits"}
     assert health["status"] == "ok" and health["sandbox"] == server.sandbox
     assert health["version"] == kcoral.__version__  # our extension: which kcoral answered (upgrades)
     assert UUID_RE.fullmatch(health["instance_id"]) and health["instance_id"] == headers["x-kcoral-instance"]
