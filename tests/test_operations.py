@@ -393,7 +393,8 @@ def test_the_systemd_unit_verifies_and_uses_the_real_flags(tmp_path):
     credential = settings["LoadCredential"][0].split(":")[0]
     assert exec_start[exec_start.index("--token-file") + 1] == f"%d/{credential}"
     defaults = kcoral.ServerConfig()
-    drain = defaults.max_timeout_seconds + defaults.worker_termination_grace_seconds + 10 * defaults.drain_seconds
+    # a running and a queued request per slot behind the generated HAProxy config (docs/operations.md)
+    drain = 2 * (defaults.max_timeout_seconds + defaults.worker_termination_grace_seconds) + 10 * defaults.drain_seconds
     assert int(settings["TimeoutStopSec"][0]) >= drain
     assert settings["KillMode"] == ["mixed"] and settings["Restart"] == ["on-failure"]
     assert settings["User"] == ["kcoral"] and "RestartSec" in settings
