@@ -1543,20 +1543,34 @@ def test_quarantine_refuses_waiters_already_queued():
     assert arbiter.acquire("other", [1])[0] == [1]  # the healthy GPU still serves
 
 
-def test_waits_for_n_gpus_end_at_shutdown():
-    pool = object.__new__(kcoral.Pool)
-    pool.arbiter, pool.cond, pool.closing = kcoral.LeaseArbiter([0, 1]), threading.Condition(), False
-    pool.config = kcoral.ServerConfig()
-    pool.arbiter.acquire("busy", [0])
-    job = kcoral.Job("big", kcoral.ValidProgram([], {"gpu_count": 2}, {}, []), {}, timeout=10.0, output_limit=0)
-    outcomes = []
-    thread = threading.Thread(target=lambda: outcomes.append(pool.run_multi_gpu(None, job, 2, 0.0)), daemon=True)
-    thread.start()
-    assert wait_for(lambda: queued(pool.arbiter) == 1, 5)
-    pool.drain()
-    join_threads([thread], 5)
-    assert (outcomes[0].http_status, outcomes[0].kind) == (503, "busy")
-    assert pool.arbiter.acquire("in-flight", [1])[0] == [1]  # a running request's own lease still works
+def test_waits_for_n_gpus_run_at_shutdown_and_end_at_a_quarantine(monkeypatch):
+    """A graceful shutdown lets an admitted request waiting for "any n" GPUs run once the leases
+    before it are released (no client sees a 503 for a request the node took); a quarantine's
+    drain refuses such a wait (503 busy: its GPUs may never be free again)."""
+    for refuse_queued in (False, True):
+        pool = object.__new__(kcoral.Pool)
+        pool.arbiter, pool.cond = kcoral.LeaseArbiter([0, 1]), threading.Condition()
+        pool.closing = pool.refusing = False
+        pool.config = kcoral.ServerConfig()
+        monkeypatch.setattr(pool, "run_dedicated_worker",
+                            lambda job, gpus, wait_ms, queue_ms, template: kcoral.Outcome(body={"gpus": gpus}))
+        pool.arbiter.acquire("busy", [0])
+        job = kcoral.Job("big", kcoral.ValidProgram([], {"gpu_count": 2}, {}, []), {}, timeout=10.0, output_limit=0)
+        outcomes = []
+        thread = threading.Thread(target=lambda: outcomes.append(pool.run_multi_gpu(None, job, 2, 0.0)), daemon=True)
+        thread.start()
+        assert wait_for(lambda: queued(pool.arbiter) == 1, 5)
+        pool.drain(refuse_queued=refuse_queued)
+        if refuse_queued:
+            join_threads([thread], 5)
+            assert (outcomes[0].http_status, outcomes[0].kind) == (503, "busy")
+            assert pool.arbiter.acquire("in-flight", [1])[0] == [1]  # a running request's own lease still works
+        else:
+            time.sleep(0.3)
+            assert thread.is_alive() and not outcomes  # still waiting, not refused
+            pool.arbiter.release("busy", [0])
+            join_threads([thread], 5)
+            assert (outcomes[0].http_status, sorted(outcomes[0].body["gpus"])) == (200, [0, 1])
 
 
 @pytest.mark.parametrize("failure, status, kind", [(kcoral.WorkerStartTimeout, 504, "timeout"),
