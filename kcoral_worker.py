@@ -2578,17 +2578,15 @@ class KernelProcess:
             os.killpg(self.proc.pid, sig)
 
     @contextlib.contextmanager
-    def stopped(self, stop: bool) -> Iterator[None]:
+    def stopped(self) -> Iterator[None]:
         """SIGSTOP to the whole group while the other kernel runs: nothing of this one (a spinning
         thread, a helper process) competes with it for the CPU meanwhile."""
-        if stop:
-            self.signal(signal.SIGSTOP)
-            self.wait_stopped()
+        self.signal(signal.SIGSTOP)
+        self.wait_stopped()
         try:
             yield
         finally:
-            if stop:
-                self.signal(signal.SIGCONT)
+            self.signal(signal.SIGCONT)
 
     def wait_stopped(self) -> None:
         """Until the process has stopped: a signal is delivered when the process next runs, and
@@ -2702,12 +2700,13 @@ class Evaluation:
         before = gpu_conditions() if self.device == "cuda" else None
         samples: dict[str, list[float]] = {"reference": [], "candidate": [], "echo": []}
         warm, start = 0, time.perf_counter()
+        warming: dict[str, list[float]] = {k: [] for k in samples}
         while warm < 2 or time.perf_counter() - start < opts["warmup_ms"] / 1e3:
-            self.round(warm, flush, {k: [] for k in samples})  # same protocol: a warm-up call looks like any other
             warm += 1
+            self.round(f"warm-up round {warm}", flush, warming)  # the same protocol: it looks like a timed one
         start, stopped = time.perf_counter(), "max_rounds"
         for index in range(opts["max_rounds"]):
-            self.round(index, flush, samples)
+            self.round(f"timed round {index + 1}", flush, samples)
             rse = {role: relative_standard_error(samples[role], samples["echo"]) for role in ("reference", "candidate")}
             if index + 1 >= opts["min_rounds"] and max(rse.values()) <= opts["target_rse"]:
                 stopped = "target_rse"
@@ -2726,23 +2725,26 @@ class Evaluation:
             self.report["flags"].update(gpu_flags(result["gpu"]["before"], result["gpu"]["after"]))
         return result
 
-    def round(self, index: int, flush: Callable[[], None], samples: dict[str, list[float]]) -> None:
-        """One A/B round on fresh inputs: each kernel's call timed here while the candidate's process
-        group is stopped if it is not the one running, then the reference's echo; the candidate's
-        outputs checked against the reference's on the same inputs, and its inputs unchanged."""
+    def round(self, label: str, flush: Callable[[], None], samples: dict[str, list[float]]) -> None:
+        """One A/B round on fresh inputs: each kernel's call timed here while the other's process
+        group is stopped, then the reference's echo; the candidate's outputs checked against the
+        reference's on the same inputs, and its inputs unchanged."""
         sent = self.inputs(random_seed())
         outputs = {}
-        for role in ("reference", "candidate") if index % 2 == 0 else ("candidate", "reference"):
-            with self.candidate.stopped(role == "reference"):
+        for role in ("reference", "candidate") if len(samples["echo"]) % 2 == 0 else ("candidate", "reference"):
+            # the other one stopped, either way round: each call starts alike, just after a SIGCONT
+            with self.processes["candidate" if role == "reference" else "reference"].stopped():
                 flush()
                 outputs[role], elapsed = timed_call(self.processes[role], sent)
                 samples[role].append(elapsed)
                 if role == "reference":  # the exchange alone, in the trusted process: both kernels' baseline
                     flush()
                     samples["echo"].append(timed_call(self.reference, sent, echo=True)[1])
+                else:  # one more exchange each after its call, so that neither starts a round fresher
+                    inputs_after = self.candidate.inputs_now()
         compare_outputs(outputs["candidate"], outputs["reference"], self.options,
-                        f"in timed round {index + 1}, against the reference on the same inputs")
-        check_unchanged(self.candidate.inputs_now(), sent)
+                        f"in {label}, against the reference on the same inputs")
+        check_unchanged(inputs_after, sent)
 
 
 def random_seed() -> int:
