@@ -10,15 +10,17 @@ and benchmark), where they do fool it."""
 import json
 import math
 import os
+import re
 import socket
 import struct
+import subprocess
 from multiprocessing.connection import Connection
 
 import pytest
 
 import kcoral_worker
 from kcoral import Client, Program
-from tests.support import ServerProcess
+from tests.support import PYTHON, ROOT, ServerProcess
 
 HARNESS = '''
 import numpy
@@ -238,6 +240,7 @@ FORGES_A_FRAME = """
 import json
 import os
 import struct
+import subprocess
 import sys
 import time
 
@@ -254,10 +257,15 @@ HANGS = "import time\n\ndef kernel(x, y):\n    time.sleep(60)\n"
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
+def server(tmp_path_factory):
     with ServerProcess("--sandbox", "none", workers=2, tmp_path=tmp_path_factory.mktemp("evaluate")) as srv:
-        with Client(srv.url) as client:
-            yield client
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with Client(server.url) as client:
+        yield client
 
 
 def call(client, name, *args):
@@ -419,6 +427,26 @@ def test_in_the_sandbox(tmp_path):
     with ServerProcess("--sandbox", "bubblewrap", workers=1, tmp_path=tmp_path) as srv, Client(srv.url) as sandboxed:
         assert judge(sandboxed, HONEST)["status"] == "correct"
         assert judge(sandboxed, READS_THE_REFERENCE)["status"] == "incorrect"
+
+
+def judge_script():
+    """The script docs/cli.md shows for `kcoral run python`, as it is written there."""
+    with open(os.path.join(ROOT, "docs", "cli.md"), encoding="utf-8") as f:
+        return re.search(r"```\n(# judge\.py, run on the server\n.*?)```", f.read(), re.S).group(1)
+
+
+@pytest.mark.parametrize("candidate, status, code", [
+    ("import numpy\n\ndef kernel(x):\n    return numpy.sort(x, kind='mergesort')\n", "correct", 0),
+    ("import numpy\n\ndef kernel(x):\n    return x\n", "incorrect", 1),
+], ids=["honest", "unsorted"])
+def test_from_a_kcoral_run_script(server, tmp_path, candidate, status, code):
+    (tmp_path / "judge.py").write_text(judge_script())
+    (tmp_path / "candidate.py").write_text(candidate)
+    done = subprocess.run([PYTHON, os.path.join(ROOT, "client.py"), "run", "python", "--url", server.url,
+                           "--send", "judge.py", "--send", "candidate.py", "--fetch", "verdict.json", "--out", "results",
+                           "--", "judge.py", "candidate.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == code and done.stdout.startswith(f"{status} "), done.stdout + done.stderr
+    assert json.loads((tmp_path / "results" / "verdict.json").read_text())["status"] == status
 
 
 # --- the pure parts, in this process ------------------------------------------------------------
