@@ -2423,7 +2423,7 @@ def kernel_process_main(fd: int) -> None:
         try:
             if isinstance(msg, EvalCall):
                 kernel.set_inputs([v.build(copy=False) for v in read_values(conn, msg.values, None, arguments=True)])
-                send_values(conn, kernel.outputs if msg.echo else kernel.call())
+                send_values(conn, kernel.outputs() if msg.echo else kernel.call())
             elif isinstance(msg, EvalSendInputs):
                 send_values(conn, [eval_value(v, f"argument {i}", copy=False) for i, v in enumerate(kernel.inputs)])
             else:
@@ -2457,7 +2457,7 @@ def error_line(exc: BaseException) -> str:
 
 
 class KernelUnderTest:
-    """A kernel process's side: the loaded function, its last inputs and outputs; with `cuda_graph`,
+    """A kernel process's side: the loaded function, its last inputs and results; with `cuda_graph`,
     one graph captured at the first call and replayed on static input buffers the inputs are copied into."""
 
     def __init__(self, load: EvalLoad) -> None:
@@ -2465,7 +2465,7 @@ class KernelUnderTest:
         self.cuda_graph = load.cuda_graph
         self.graph: Any = None
         self.inputs: list[Any] = []
-        self.outputs: list[EvalValue] = []
+        self.results: list[Any] = []
         self.graph_outputs: Any = None
 
     def set_inputs(self, inputs: list[Any]) -> None:
@@ -2480,12 +2480,17 @@ class KernelUnderTest:
                                  "which a captured graph cannot follow")
 
     def call(self) -> list[EvalValue]:
-        """Call the kernel; its outputs, read out of the device once all its work is done
-        (tensor_bytes synchronises the device: every stream's work, and nothing can finish later)."""
         result = self.replay() if self.cuda_graph else self.fn(*self.inputs)
-        items = list(result) if type(result) in (tuple, list) else [result]
-        self.outputs = [eval_value(v, f"output {i}", copy=False) for i, v in enumerate(items)]
-        return self.outputs
+        self.results = list(result) if type(result) in (tuple, list) else [result]
+        return self.outputs()
+
+    def outputs(self) -> list[EvalValue]:
+        """The last results read out, once the device has finished all its work (every stream's:
+        nothing can finish after the clock stops).  An echo reads them again, device copies included."""
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        return [eval_value(v, f"output {i}", copy=False) for i, v in enumerate(self.results)]
 
     def replay(self) -> Any:
         torch = sys.modules.get("torch")
@@ -2591,6 +2596,8 @@ class KernelProcess:
     def wait_stopped(self) -> None:
         """Until the process has stopped: a signal is delivered when the process next runs, and
         a process woken to stop would compete with the other kernel at the start of its call."""
+        if self.proc.returncode is not None:
+            return
         pid, status = os.waitpid(self.proc.pid, os.WUNTRACED)
         if pid and not os.WIFSTOPPED(status):  # it died meanwhile: reaped here, so Popen learns it here
             self.proc.returncode = os.waitstatus_to_exitcode(status)
@@ -2641,8 +2648,12 @@ class Evaluation:
         self.reference_fn = module_function(reference, entry)  # trusted: it may run here
         set_dumpable(False)  # the kernel processes, running as our user, cannot ptrace or read this one
         self.processes: dict[str, KernelProcess] = {}
-        for role, source in (("reference", reference), ("candidate", candidate)):
-            self.processes[role] = KernelProcess(role, source, entry, options["cuda_graph"], timeout)
+        try:
+            for role, source in (("reference", reference), ("candidate", candidate)):
+                self.processes[role] = KernelProcess(role, source, entry, options["cuda_graph"], timeout)
+        except BaseException:
+            self.close()
+            raise
         self.candidate, self.reference = self.processes["candidate"], self.processes["reference"]
         self.device = "cpu"
         self.report: dict[str, Any] = {"status": "correct", "correct": True, "message": "", "seeds": [],
