@@ -521,3 +521,16 @@ def test_the_worst_element_is_where_the_error_is_largest():
     worst = kcoral_worker.worst_element(numpy.array([1.0, 2.5, numpy.nan, 4.0]), numpy.array([1.0, 2.0, 3.0, 4.0]))
     assert worst == {"index": [2], "actual": "nan", "expected": 3.0, "abs_error": "inf"}
     assert kcoral_worker.worst_element(numpy.array([[1.0, 5.0]]), numpy.array([[1.0, 2.0]]))["index"] == [0, 1]
+
+
+def test_a_captured_graph_takes_new_tensors_but_not_new_python_values():
+    """cuda_graph's input handling, with tensors on the CPU standing in for the captured buffers."""
+    import torch
+    kernel = kcoral_worker.KernelUnderTest(kcoral_worker.EvalLoad("def kernel(x, s):\n    return x * s\n", "kernel", True))
+    static = torch.zeros(3)
+    kernel.set_inputs([static, 2.0])
+    kernel.graph = "captured"  # from now on the inputs are copied into the captured buffers
+    kernel.set_inputs([torch.ones(3), 2.0])
+    assert kernel.inputs[0] is static and static.tolist() == [1.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match="argument 1 changed from 2.0 to 3.0"):
+        kernel.set_inputs([torch.ones(3), 3.0])
