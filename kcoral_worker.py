@@ -38,7 +38,8 @@ Sections, top-down: the shared contract (types, errors, path rules; raw bytes an
 blobs; the messages) and the process helpers, which kcoral.py imports too; the worker process
 (`worker_main` -> `serve_request` per request); one program (`ProgramRun`, output capture,
 workspace files, value encoding); the runtimes (tensors and libraries per device, the GPU lease,
-CUDA's guards); last, `kcoral.builtins` and `kcoral.errors`, what uploaded code imports.
+CUDA's guards); last, `kcoral.builtins` and `kcoral.errors`, what uploaded code imports, with
+`evaluate`'s kernel processes (a fresh interpreter per kernel under test, its own messages).
 
 A worker's device is fixed when it starts: `worker_main` builds one `Runtime` and hands it
 down to each request; nothing module-level changes per process or per request.
