@@ -14,6 +14,7 @@ import re
 import socket
 import struct
 import subprocess
+import sys
 from multiprocessing.connection import Connection
 
 import pytest
@@ -534,3 +535,19 @@ def test_a_captured_graph_takes_new_tensors_but_not_new_python_values():
     assert kernel.inputs[0] is static and static.tolist() == [1.0, 1.0, 1.0]
     with pytest.raises(ValueError, match="argument 1 changed from 2.0 to 3.0"):
         kernel.set_inputs([torch.ones(3), 3.0])
+
+
+def test_the_gpu_flush_zeroes_twice_the_l2_then_waits(monkeypatch):
+    """evaluate's flush on CUDA, with test_gpu_runtime's fake torch: benchmark's buffer, zeroed by
+    the evaluating process (the L2 is the device's, shared with the kernel processes), then a
+    synchronisation so the clock starts on an idle device.  Without flush_l2, nothing at all."""
+    from tests.test_gpu_runtime import fake_torch
+    log = []
+    torch, clock = fake_torch(log, flush_ms=0.04)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    flush = kcoral_worker.cache_flush("cuda", True)
+    assert log == [("flush buffer", 2 * (60 << 20))]
+    flush()
+    assert clock.now == pytest.approx(0.04) and log[-1] == ("synchronize", None)
+    kcoral_worker.cache_flush("cuda", False)()
+    assert len(log) == 2
