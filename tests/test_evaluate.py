@@ -298,7 +298,9 @@ def test_an_honest_candidate_passes(client):
     assert len(verdict["seeds"]) == len(verdict["checks"]) == 3 and len(set(verdict["seeds"])) == 3
     assert all(check["ok"] and check["outputs"][0]["mismatches"] == 0 for check in verdict["checks"])
     assert verdict["checks"][0]["outputs"][0]["rtol"] == 1.3e-6  # float32's default tolerance
-    assert verdict["timing"]["rounds"] >= 5 and verdict["timing"]["speedup"] > 0
+    timing = verdict["timing"]  # microsecond kernels: the speedup may be below the harness's resolution (None)
+    assert timing["rounds"] >= 3 and len(timing["samples_ms"]["reference"]) == timing["rounds"]
+    assert (timing["speedup"] is None) == ("below_resolution" in verdict["flags"])
 
 
 def test_replaying_the_previous_output_is_caught(client):
@@ -324,10 +326,10 @@ def test_patching_the_timers_forges_nothing(client):
     """It fools the naive harness (benchmark reads the patched clock: 0 ms); evaluate's clock is in
     another process, so the 3 ms sleep shows."""
     assert call(client, "naive", PATCHES_THE_TIMERS) == {"ok": True, "latency_ms": 0.0}
-    verdict = judge(client, PATCHES_THE_TIMERS)
+    verdict = judge(client, PATCHES_THE_TIMERS, budget_ms=1000, min_rounds=10)
     assert verdict["status"] == "correct", verdict
     timing = verdict["timing"]  # the reference takes microseconds: on a loaded machine, below the echo's noise
-    assert timing["candidate_ms"] > 2 and (timing["speedup"] is None or timing["speedup_ci"][1] < 1), timing
+    assert timing["candidate_ms"] > 2 and (timing["speedup"] is None or timing["speedup"] < 1), timing
 
 
 def test_finishing_on_a_background_thread_is_caught(client):
@@ -340,10 +342,11 @@ def test_finishing_on_a_background_thread_is_caught(client):
         assert verdict["status"] == "incorrect" and "elements differ" in verdict["message"], verdict
 
 
-@pytest.mark.parametrize("honest_calls", [3, 8], ids=["after-the-checks", "after-the-warm-up"])
+@pytest.mark.parametrize("honest_calls", [3, 6], ids=["after-the-checks", "in-the-race"])
 def test_behaving_differently_when_timed_is_caught(client, honest_calls):
     """Every call of the race is checked against the reference's on the same inputs, and a warm-up
-    call is indistinguishable from a timed one."""
+    call is indistinguishable from a timed one.  (A race has at least 2 warm-up and 3 timed rounds:
+    the 7th call is in it.)"""
     verdict = judge(client, DETECTS_TIMING.format(honest_calls=honest_calls))
     assert verdict["status"] == "incorrect" and verdict["timing"] is None, verdict
     assert " round " in verdict["message"] and "against the reference on the same inputs" in verdict["message"]
