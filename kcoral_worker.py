@@ -2007,9 +2007,7 @@ def benchmark(mod: Callable[..., Any], *args: Any) -> dict[str, Any]:
     except RuntimeError as exc:
         raise ExecutionError("runtime", shorten(f"{type(exc).__name__}: {exc}")) from exc
     samples.sort()
-    mid = len(samples) // 2
-    median = samples[mid] if len(samples) % 2 else (samples[mid - 1] + samples[mid]) / 2
-    result: dict[str, Any] = {"latency_ms_median": median, "latency_ms_mean": sum(samples) / len(samples),
+    result: dict[str, Any] = {"latency_ms_median": median(samples), "latency_ms_mean": sum(samples) / len(samples),
               "latency_ms_min": samples[0], "latency_ms_max": samples[-1],
               "activities_stable": stable, "flush_l2": flush_l2,
               "warmup": warmup, "repeat": repeat}
@@ -2355,19 +2353,22 @@ class EvalValue:
         return f"a {self.device} {self.kind} {self.dtype} of shape {self.shape}"
 
 
-def eval_value(value: Any, where: str, copy: bool = True) -> EvalValue:
+def eval_value(value: Any, where: str, copy: bool = True, output: bool = False) -> EvalValue:
     """A kernel's argument or output as an EvalValue, over a copy of its bytes or (`copy=False`)
-    a view of them; TypeError for anything else.  Exact types: a subclass, or an object that
+    a view of them: a tensor, an array, a JSON scalar (an argument) or a number (an output, as a
+    0-d NumPy array); TypeError for anything else.  Exact types: a subclass, or an object that
     only converts to a tensor, could compute when it is read."""
     torch, numpy = sys.modules.get("torch"), sys.modules.get("numpy")
-    if value is None or type(value) in (bool, int, float, str):
+    if output and numpy is not None and type(value) in (bool, int, float):
+        value = numpy.asarray(value)
+    elif not output and (value is None or type(value) in (bool, int, float, str)):
         return EvalValue("json", data=value)
     exact = ((torch is not None and type(value) is torch.Tensor)
              or (numpy is not None and (type(value) is numpy.ndarray or isinstance(value, numpy.generic))))
     encoded = tensor_bytes(value) if exact else None
     if encoded is None:
         raise TypeError(f"{where} is {article(type(value).__name__)} {type(value).__name__}, "
-                        "not a torch.Tensor, a numpy.ndarray or a JSON scalar")
+                        f"not a torch.Tensor, a numpy.ndarray or {'a number' if output else 'a JSON scalar'}")
     dtype, shape, data = encoded
     is_torch = torch is not None and type(value) is torch.Tensor
     return EvalValue("torch" if is_torch else "numpy", dtype, shape, value.device.type if is_torch else "cpu",
@@ -2491,7 +2492,7 @@ class KernelUnderTest:
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():
             torch.cuda.synchronize()
-        return [eval_value(v, f"output {i}", copy=False) for i, v in enumerate(self.results)]
+        return [eval_value(v, f"output {i}", copy=False, output=True) for i, v in enumerate(self.results)]
 
     def replay(self) -> Any:
         torch = sys.modules.get("torch")
@@ -2697,7 +2698,7 @@ class Evaluation:
         self.report["seeds"].append(seed)
         sent = self.inputs(seed)
         result = self.reference_fn(*[v.build() for v in sent])
-        expected = [eval_value(v, f"reference output {i}")
+        expected = [eval_value(v, f"reference output {i}", output=True)
                     for i, v in enumerate(list(result) if type(result) in (tuple, list) else [result])]
         self.report["flags"].update(nonfinite_flag(expected))
         reports = compare_outputs(self.candidate.call(sent), expected, self.options,

@@ -516,8 +516,12 @@ def test_values_round_trip_with_their_bytes():
         back = kcoral_worker.read_values(Connection(os.dup(ours.fileno())), frame["values"], None)
     assert numpy.array_equal(back[0].build(), values[0]) and torch.equal(back[1].build(), values[1])
     assert encoded[2].spec() == {"kind": "json", "value": 2.5}
-    with pytest.raises(TypeError, match="value is a list, not a torch.Tensor"):
+    with pytest.raises(TypeError, match="value is a list, not a torch.Tensor, a numpy.ndarray or a JSON scalar"):
         kcoral_worker.eval_value([1.0], "value")
+    number = kcoral_worker.eval_value(3.5, "output 0", output=True)  # a kernel may return a Python number
+    assert (number.kind, number.dtype, number.shape, number.build()) == ("numpy", "float64", [], 3.5)
+    with pytest.raises(TypeError, match="output 0 is a str, not a torch.Tensor, a numpy.ndarray or a number"):
+        kcoral_worker.eval_value("3.5", "output 0", output=True)
 
 
 def test_the_worst_element_is_where_the_error_is_largest():
