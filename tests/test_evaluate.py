@@ -15,6 +15,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 from multiprocessing.connection import Connection
 
 import pytest
@@ -558,3 +559,60 @@ def test_the_gpu_flush_zeroes_twice_the_l2_then_waits(monkeypatch):
     assert clock.now == pytest.approx(0.04) and log[-1] == ("synchronize", None)
     kcoral_worker.cache_flush("cuda", False)()
     assert len(log) == 2
+
+
+SPAWNS_A_SPINNER = """
+import subprocess
+import sys
+
+spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # would eat a core while the reference runs
+
+def kernel(x):
+    return x
+"""
+
+
+def test_the_other_kernels_whole_group_is_stopped_while_one_runs():
+    """What keeps a candidate's busy helper from slowing the reference: its process group is
+    stopped (the helper too, waited for) while the reference runs, and continued afterwards."""
+    process = kcoral_worker.KernelProcess("candidate", SPAWNS_A_SPINNER, "kernel", False, 30)
+    try:
+        process.loaded()
+        with open(f"/proc/{process.proc.pid}/task/{process.proc.pid}/children") as f:
+            (spinner,) = map(int, f.read().split())
+
+        def states():
+            return [kcoral_worker.proc_stat(pid)[0] for pid in (process.proc.pid, spinner)]
+        assert states()[1] in (b"R", b"S")
+        with process.stopped():
+            assert states()[0] == b"T"
+            deadline = time.monotonic() + 5  # the helper's stop is delivered, not awaited: it follows at once
+            while states()[1] != b"T" and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert states()[1] == b"T"
+        assert b"T" not in states()
+    finally:
+        process.close()
+    assert kcoral_worker.proc_stat(spinner) is None or kcoral_worker.proc_stat(spinner)[0] in (b"Z", b"X")
+
+
+def test_gpu_conditions_read_nvml_for_the_workers_device(monkeypatch):
+    """NVML found by the UUID torch reports for cuda:0 (the worker's GPU, whatever its index on the
+    host); the readings the verdict records.  Without NVML: None, never an error."""
+    import types
+    calls = []
+    nvml = types.SimpleNamespace(
+        NVML_CLOCK_SM=0, NVML_CLOCK_MEM=1, NVML_TEMPERATURE_GPU=0, nvmlInit=lambda: calls.append("init"),
+        nvmlDeviceGetHandleByUUID=lambda uuid: calls.append(uuid) or "handle",
+        nvmlDeviceGetClockInfo=lambda handle, clock: (1980, 2619)[clock],
+        nvmlDeviceGetTemperature=lambda handle, sensor: 41,
+        nvmlDeviceGetCurrentClocksThrottleReasons=lambda handle: 0x1)
+    torch = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        get_device_properties=lambda index: types.SimpleNamespace(uuid="8f2e-01")))
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    assert kcoral_worker.gpu_conditions() == {"sm_clock_mhz": 1980, "memory_clock_mhz": 2619, "temperature_c": 41,
+                                              "throttle_reasons": 1}
+    assert calls == ["init", "GPU-8f2e-01"]
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed
+    assert kcoral_worker.gpu_conditions() is None
