@@ -11,7 +11,7 @@ import pytest
 
 from tests.support import EXAMPLES_DIR, ROOT, ServerProcess, example_paths, python_blocks, requires_gpu, run_python
 
-GPU_ONLY = {"kernel_loop_cuda.py", "multi_gpu.py"}
+GPU_ONLY = {"evaluate_kernel_cuda.py", "kernel_loop_cuda.py", "multi_gpu.py"}
 SKILL = os.path.join(ROOT, "skills", "kcoral-client", "SKILL.md")
 SKILL_BLOCKS = python_blocks(SKILL)
 
