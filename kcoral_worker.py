@@ -2426,8 +2426,9 @@ def kernel_process_main(fd: int) -> None:
             if isinstance(msg, EvalCall):
                 kernel.set_inputs([v.build(copy=False) for v in read_values(conn, msg.values, None, arguments=True)])
                 send_values(conn, kernel.outputs() if msg.echo else kernel.call())
-            elif isinstance(msg, EvalSendInputs):
-                send_values(conn, [eval_value(v, f"argument {i}", copy=False) for i, v in enumerate(kernel.inputs)])
+            elif isinstance(msg, EvalSendInputs):  # the tensors: a JSON argument cannot be written to
+                arguments = [eval_value(v, f"argument {i}", copy=False) for i, v in enumerate(kernel.inputs)]
+                send_values(conn, [v for v in arguments if v.kind != "json"])
             else:
                 raise UnexpectedMessage(f"a kernel process cannot serve {msg!r}")
         except UnexpectedMessage:

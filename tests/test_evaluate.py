@@ -58,6 +58,15 @@ def naive(candidate):
     return {"ok": check_close(out, expected)["ok"], "latency_ms": timing["latency_ms_median"]}
 
 
+SUM_REFERENCE = "def kernel(x, scale):\\n    return float((x * scale).sum())\\n"
+
+
+def judge_sum(candidate):
+    """A kernel of a tensor and a JSON number that returns a Python number."""
+    return evaluate(candidate, SUM_REFERENCE, lambda seed: (make_inputs(seed)[0].astype(numpy.float64), 2.5),
+                    budget_ms=300, min_rounds=5)
+
+
 def repeated(times):
     """A kernel of `times` units of work, ~0.5 ms each here: compute-bound on 16K floats, so its
     inputs and outputs (64 KiB) cost little to exchange next to it."""
@@ -377,6 +386,14 @@ def test_a_candidate_that_dies_or_hangs_is_an_error_and_the_server_carries_on(cl
     assert_fails(judge(client, KILLS_ITSELF), "error", "the candidate's process died (killed by signal 9)")
     assert_fails(judge(client, HANGS, call_timeout_s=1), "error", "the candidate did not answer within 1 s")
     assert judge(client, HONEST, timing=False)["status"] == "correct"
+
+
+def test_json_arguments_and_a_number_returned(client):
+    honest = call(client, "judge_sum", "import numpy\n\ndef kernel(x, scale):\n    return float(numpy.sum(x) * scale)\n")
+    assert honest["status"] == "correct", honest
+    assert honest["checks"][0]["outputs"][0]["shape"] == [] and honest["checks"][0]["outputs"][0]["dtype"] == "float64"
+    off = call(client, "judge_sum", "def kernel(x, scale):\n    return float(x.sum() * scale) + 1.0\n")
+    assert off["status"] == "incorrect" and "1 of 1 elements differ" in off["message"], off
 
 
 def test_a_candidate_that_does_not_load_is_an_error(client):
