@@ -2748,6 +2748,8 @@ class Evaluation:
         for role in ("reference", "candidate") if len(samples["echo"]) % 2 == 0 else ("candidate", "reference"):
             # the other one stopped, either way round: each call starts alike, just after a SIGCONT
             with self.processes["candidate" if role == "reference" else "reference"].stopped():
+                if role == "reference":
+                    self.report["flags"].update(foreign_flag(self.processes.values()))
                 flush()
                 outputs[role], elapsed = timed_call(self.processes[role], sent)
                 samples[role].append(elapsed)
@@ -2759,6 +2761,19 @@ class Evaluation:
         compare_outputs(outputs["candidate"], outputs["reference"], self.options,
                         f"in {label}, against the reference on the same inputs")
         check_unchanged(inputs_after, sent)
+
+
+def foreign_flag(kernels: Iterable[KernelProcess]) -> dict[str, str]:
+    """Descendants of this process outside its own process group and the kernels' while the
+    reference is about to run: nothing stops them meanwhile (a helper the candidate moved to a
+    session of its own, say), so they could compete with it or signal it."""
+    groups = {str(group).encode() for group in (os.getpgid(0), *(kernel.proc.pid for kernel in kernels))}
+    foreign = [pid for pid in escaped_descendants()
+               if (fields := proc_stat(pid)) is not None and fields[2] not in groups]
+    if not foreign:
+        return {}
+    return {"foreign_processes": f"processes {foreign} outside the kernels' process groups ran during the race, "
+                                "unstopped: the timing may be skewed"}
 
 
 def random_seed() -> int:

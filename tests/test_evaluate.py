@@ -311,6 +311,7 @@ def test_an_honest_candidate_passes(client):
     timing = verdict["timing"]  # microsecond kernels: the speedup may be below the harness's resolution (None)
     assert timing["rounds"] >= 3 and len(timing["samples_ms"]["reference"]) == timing["rounds"]
     assert (timing["speedup"] is None) == ("below_resolution" in verdict["flags"])
+    assert "foreign_processes" not in verdict["flags"]  # the worker's own descendants are the two kernels
 
 
 def test_replaying_the_previous_output_is_caught(client):
@@ -448,7 +449,8 @@ def test_in_the_sandbox(tmp_path):
     """Kernel processes start inside a request's container too (python -I, the server's files
     read-only), and catch what they catch unsandboxed."""
     with ServerProcess("--sandbox", "bubblewrap", workers=1, tmp_path=tmp_path) as srv, Client(srv.url) as sandboxed:
-        assert judge(sandboxed, HONEST)["status"] == "correct"
+        honest = judge(sandboxed, HONEST)
+        assert honest["status"] == "correct" and "foreign_processes" not in honest["flags"], honest
         assert judge(sandboxed, READS_THE_REFERENCE)["status"] == "incorrect"
 
 
@@ -636,3 +638,38 @@ def test_gpu_conditions_read_nvml_for_the_workers_device(monkeypatch):
     assert calls == ["init", "GPU-8f2e-01"]
     monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed
     assert kcoral_worker.gpu_conditions() is None
+
+
+LEAVES_ITS_SESSION = """
+import subprocess
+import sys
+
+import numpy
+
+helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+with open({pid_file!r}, "w") as f:
+    f.write(str(helper.pid))
+
+def kernel(x, y):
+    return numpy.sqrt(x) * y + 1.0
+"""
+
+
+def test_a_helper_outside_the_candidates_group_is_flagged(tmp_path):
+    """A process the candidate moved to a session of its own is not stopped while the reference
+    runs (it could spin, or signal the reference): the verdict flags the race.  Run here, in the
+    test's process, since the server would fail the request for the helper left behind."""
+    import numpy
+    pid_file = tmp_path / "helper"
+
+    def make_inputs(seed):
+        rng = numpy.random.default_rng(seed)
+        return rng.random(256), rng.random(256)
+    verdict = kcoral_worker.evaluate(LEAVES_ITS_SESSION.format(pid_file=str(pid_file)), HONEST, make_inputs,
+                                     warmup_ms=0, budget_ms=50, min_rounds=3)
+    helper = int(pid_file.read_text())
+    try:
+        assert verdict["status"] == "correct", verdict
+        assert str(helper) in verdict["flags"]["foreign_processes"], verdict["flags"]
+    finally:
+        os.kill(helper, 9)
