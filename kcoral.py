@@ -1434,8 +1434,10 @@ def token_file_tenants(text: str, source: str) -> dict[str, str]:
             raise ValueError(f"{source}, line {number}: expected TOKEN or NAME TOKEN (a name is a letter, then "
                              "up to 63 letters, digits and _.-)")
         if words:
-            name = words[0] if len(words) == 2 else ""
-            token = split_tokens(words[-1], f"{source}, line {number}")[0]
+            name, token = words[0] if len(words) == 2 else "", words[-1]
+            if not BEARER_TOKEN.fullmatch(token):
+                raise ValueError(f"{source}, line {number}: not a bearer token (letters, digits and -._~+/, "
+                                 "then optional '=')")
             if tenants.setdefault(token, name) != name:
                 raise ValueError(f"{source}, line {number}: the token is given twice, with different names")
     if not tenants:
