@@ -182,6 +182,33 @@ def test_lease_waiters_are_served_in_arrival_order():
     assert [owner for owner, _ in order] == ["b", "c", "d"]
 
 
+def test_a_lease_waiter_whose_client_left_leaves_the_queue():
+    """client_gone turns true while a request waits for the lease: ClientGone("lease") within the
+    check interval, its ticket gone, so the next waiter is served at the release."""
+    arbiter, order, gone, raised = kcoral.LeaseArbiter([0]), [], threading.Event(), []
+
+    def abandoned():
+        try:
+            arbiter.acquire("left", [0], client_gone=gone.is_set)
+        except kcoral.ClientGone as exc:
+            raised.append((exc.phase, time.monotonic()))
+
+    arbiter.acquire("holder", [0])
+    waiter = threading.Thread(target=abandoned)
+    waiter.start()
+    assert wait_for(lambda: queued(arbiter) == 1, 5)
+    threads = [acquire_in_thread(arbiter, "next", order, gpus=[0])]
+    assert wait_for(lambda: queued(arbiter) == 2, 5)
+    left_at = time.monotonic()
+    gone.set()
+    join_threads([waiter], 5)
+    assert raised and raised[0][0] == "lease" and raised[0][1] - left_at < 1.0, raised
+    assert queued(arbiter) == 1
+    arbiter.release("holder", [0])
+    join_threads(threads, 5)
+    assert [owner for owner, _ in order] == ["next"]
+
+
 def test_identical_waiters_do_not_lose_their_tickets():
     arbiter, order = kcoral.LeaseArbiter([0]), []
     arbiter.acquire(kcoral.STARTUP_OWNER, [0])

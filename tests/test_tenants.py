@@ -304,7 +304,50 @@ def test_per_tenant_limits(tmp_path):
         assert b'kcoral_requests_total{status="ERROR",code="429",kind="busy",tenant="alice"} 1' in metrics
 
 
+@pytest.mark.skipif(HAPROXY is None, reason="haproxy is not installed")
+def test_generated_proxy_config_orders_tenants_only_when_named(tmp_path):
+    def generate(text):
+        result = subprocess.run([PYTHON, "-m", "kcoral", "haproxy-config", "--listen", "127.0.0.1:8080",
+                                 "--token-file", token_file(tmp_path, text), "http://10.0.0.5:8000=2"],
+                                cwd=ROOT, capture_output=True, text=True, timeout=60, check=True)
+        path = tmp_path / "haproxy.cfg"
+        path.write_text(result.stdout)
+        check = subprocess.run([HAPROXY, "-c", "-f", str(path)], capture_output=True, text=True, check=False)
+        assert check.returncode == 0, check.stdout + check.stderr
+        return result.stdout
+    named = generate(TOKENS)
+    for line in (f'set-var(txn.tenant) str(alice) if {{ req.fhdr(authorization,1) -m str "Bearer {ALICE}" }}',
+                 f'set-var(txn.tenant) str(bob) if {{ req.fhdr(authorization,1) -m str "Bearer {BOB}" }}',
+                 "set-var(txn.tenant) str(-) unless { var(txn.tenant) -m found }",
+                 "track-sc1 var(txn.tenant) table kcoral_tenants", "set-priority-class sc1_trackers",
+                 "backend kcoral_tenants", "option abortonclose"):
+        assert line in named, line
+    assert f'"Bearer {ANON}"' in named  # accepted, anonymous
+    bare = generate(f"{ALICE}\n{BOB}\n")
+    assert "option abortonclose" in bare and "tenant" not in bare
+
+
 # --- 3. fair order, measured ---------------------------------------------------------------
+
+def test_fair_queue_order():
+    """The pool's queue on its own: a backlog's later requests wait behind a newcomer's first ones,
+    each tenant stays first come, first served, and a tenant at its running limit is passed over."""
+    from kcoral import FairQueue
+    queue, running = FairQueue(), {"a": 2, "b": 0}
+    a = [queue.add("a", running["a"]) for _ in range(5)]  # ranks 2..6
+    b = [queue.add("b", running["b"]) for _ in range(3)]  # ranks 0..2
+    served = []
+    while len(queue):
+        ticket = queue.first(lambda tenant: True)
+        served.append(ticket)
+        queue.remove(ticket)
+    assert served == [b[0], b[1], a[0], b[2], *a[1:]]
+    queue = FairQueue()
+    c = queue.add("c", 0)
+    d = queue.add("d", 1)
+    assert queue.first(lambda tenant: True) is c and queue.first(lambda tenant: tenant != "c") is d
+    assert (queue.waiting("c"), queue.waiting("e"), len(queue)) == (1, 0, 2)
+
 
 class Submitter:
     """Requests of one tenant, each on a connection of its own, timed from submission to answer."""
