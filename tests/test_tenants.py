@@ -25,12 +25,15 @@ from tests.support import (
     ROOT,
     HAProxyProcess,
     ServerProcess,
+    documented_log_events,
     join_threads,
+    log_records,
     multipart,
     post,
     program_parts,
     proxy_in_front,
     request,
+    run_directories,
     simple_program,
     wait_for,
 )
@@ -247,10 +250,19 @@ def test_named_tokens_tenant_counts_and_labels(tmp_path):
         _, _, metrics = request("GET", server.url + "/metrics", headers=auth(BOB))
         assert b'kcoral_requests_total{status="COMPLETED",code="200",kind="",tenant="alice"} 1' in metrics
         assert b'kcoral_requests_total{status="COMPLETED",code="200",kind=""} 1' in metrics  # the anonymous one
-        [run_dir] = os.listdir(log_dir / "runs")
-        with open(log_dir / "runs" / run_dir / "events.jsonl") as f:
-            finished = [json.loads(line) for line in f if '"request_finished"' in line]
-        assert [record["tenant"] for record in finished] == ["alice", None]
+        left = open_post(server.url, simple_program(NAP, args=[30]), auth(BOB))
+        assert wait_for(lambda: load(server)["tenant"]["requests_running"] == 1, 10)
+        hang_up(left)
+        [run_dir] = run_directories(log_dir)
+        assert wait_for(lambda: [r for r in log_records(run_dir) if r["event"] == "request_cancelled"], 5)
+    records = {event: [r for r in log_records(run_dir) if r["event"] == event]
+               for event in ("request_finished", "request_cancelled")}
+    assert [record["tenant"] for record in records["request_finished"]] == ["alice", None]
+    assert [(r["tenant"], r["phase"]) for r in records["request_cancelled"]] == [("bob", "running")]
+    documented = documented_log_events(os.path.join(ROOT, "docs", "server.md"))
+    for record in records["request_finished"] + records["request_cancelled"]:
+        levels, fields, optional = documented[record["event"]]
+        assert record["level"] in levels and fields <= set(record) - {"timestamp", "level", "event"} <= fields | optional
 
 
 def test_bare_token_file_serves_as_before(tmp_path):
