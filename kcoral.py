@@ -924,6 +924,8 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
     def cancelled(self, request_id: str, phase: str, started: float) -> None:
         """The one log line for a request stopped because its client left; nothing is answered."""
         self.close_connection = True
+        if self.stream is not None:  # its sender thread ends with the frames it has
+            self.stream.close()
         self.app.log.event("request_cancelled", "WARNING", request_id=request_id, tenant=self.tenant or None,
                            phase=phase, peer=self.client_address[0], request_bytes=self.request_bytes,
                            total_ms=(time.monotonic() - started) * 1e3)

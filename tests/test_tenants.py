@@ -213,7 +213,9 @@ def test_kcoral_run_interrupted_stops_the_remote_program(tmp_path):
         script = tmp_path / "job.py"
         script.write_text(f"import os, subprocess, time\nchild = subprocess.Popen(['sleep', '120'])\n"
                           f"open({marker!r} + '.tmp', 'w').write(f'{{os.getpid()}} {{child.pid}}')\n"
+                          f"print('started', flush=True)\n"  # the streamed answer has begun
                           f"os.rename({marker!r} + '.tmp', {marker!r})\ntime.sleep(60)\n")
+        threads = len(os.listdir(f"/proc/{server.proc.pid}/task"))
         run = subprocess.Popen([PYTHON, "-m", "kcoral", "run", "python", "--url", server.url, "--send", str(script),
                                 "--", "job.py"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         pids = started_pids(marker)
@@ -225,6 +227,8 @@ def test_kcoral_run_interrupted_stops_the_remote_program(tmp_path):
         print(f"remote processes gone {time.monotonic() - interrupted:.2f} s after kcoral run exited")
         assert time.monotonic() - interrupted < 1.5
         assert wait_for(lambda: events(server, "request_cancelled"), 5)
+        # the streamed answer's sender thread, among others, is gone too
+        assert wait_for(lambda: len(os.listdir(f"/proc/{server.proc.pid}/task")) <= threads, 10)
 
 
 # --- 2. tenants: named tokens, their counts and limits ------------------------------------------
