@@ -14,6 +14,7 @@ CUDA's last error, memory freed before the lease, quarantine, multi-GPU start-up
 and shutdown.  Finally bench/gpu_check.py in CPU mode.
 """
 
+import collections
 import hashlib
 import json
 import multiprocessing
@@ -1465,7 +1466,7 @@ def spare_pool(monkeypatch):
     pool.config = kcoral.ServerConfig(sandbox="none")
     pool.arbiter, pool.gpu_names, pool.inits, pool.closing = kcoral.LeaseArbiter([0]), {0: "0"}, [], False
     pool.cond, pool.idle, pool.replacing, pool.quarantined = threading.Condition(), [], set(), []
-    pool.in_progress = 1
+    pool.in_progress, pool.running = 1, collections.Counter({"": 1})  # the request whose slot is released
     pool.log = types.SimpleNamespace(event=lambda *a, **k: None, metrics=kcoral.Metrics())
     pool.quarantine = lambda gpus, reason: pool.quarantined.append(list(gpus))
     slot = kcoral.Slot("gpu0/w0", [0])
