@@ -5495,7 +5495,8 @@ def haproxy_config_parser() -> argparse.ArgumentParser:
                         "refuses requests without one (401) and sends the first with its health checks; also "
                         "for reading /health here [env KCORAL_TOKEN]")
     p.add_argument("--token-file", help="file of bearer tokens, one a line, as the nodes' --token-file "
-                                        "(with --token, both sets are accepted)")
+                                        "(with --token, both sets are accepted); tenant names there "
+                                        "(NAME TOKEN) order the queue fairly across tenants")
     p.add_argument("-o", "--output", metavar="FILE",
                    help="write the configuration to FILE, mode 0600, replacing it in one step (default: stdout)")
     p.add_argument("--tls-cert", metavar="PEM", help="terminate TLS with this certificate (followed by its "
