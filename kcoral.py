@@ -84,6 +84,7 @@ import queue
 import re
 import resource
 import secrets
+import select
 import selectors
 import shutil
 import signal
@@ -307,9 +308,13 @@ class ServerConfig:
                                "tokens separated by commas or white space are all accepted.  On the command "
                                "line it is visible to every local user (ps): prefer KCORAL_TOKEN or "
                                "--token-file", env="KCORAL_TOKEN")
-    token_file: str | None = option(None, "file of accepted bearer tokens, one a line (with --token, both "
-                                    "sets are accepted); it must not be readable by group or others; "
-                                    "read again on SIGHUP")
+    token_file: str | None = option(None, "file of accepted bearer tokens, one a line, each alone (anonymous) or "
+                                    "after its tenant's name (NAME TOKEN); with --token, both sets are "
+                                    "accepted; it must not be readable by group or others; read again on SIGHUP")
+    max_running_per_tenant: int = option(0, "requests one tenant runs at once on this node; its others wait "
+                                         "while other tenants' run (0: no limit)")
+    max_waiting_per_tenant: int = option(0, "requests one tenant may have waiting for a worker on this node; "
+                                         "more are answered 429 with Retry-After (0: no limit)")
 
 
 DEFAULT_LIMITS = ServerConfig()  # the limits of the wire rules' functions called without a server's settings
@@ -338,6 +343,8 @@ def validate_config(config: ServerConfig) -> None:
                "timeouts must be positive"),
               (1 <= config.port <= 65535 or config.port == 0, "port must be 1-65535"),
               (0 <= config.drain_seconds <= 3600, "drain_seconds must be 0-3600"),
+              (min(config.max_running_per_tenant, config.max_waiting_per_tenant) >= 0,
+               "the per-tenant limits must be >= 0"),
               (min(config.log_max_bytes, config.log_backups, config.log_programs_max_bytes,
                    config.log_programs_max_count) >= 0, "the log limits must be >= 0"),
               (all((getattr(config, name) or 0) >= 0 for name in QUOTA_NAMES), "the request limits must be >= 0"),
@@ -761,6 +768,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         self.timeout = self.server.app.config.send_timeout_seconds  # type: ignore[misc]  # typeshed: a ClassVar
         super().setup()
         self.cut_reason: str | None = None  # set by the ConnectionGuard when it cuts this connection
+        self.tenant = ""  # the name of the request's token in --token-file, once authorized ("": anonymous)
         self.stream: OutputStream | None = None  # the answer of a POST that asked for streamed output
         self.body_done = True
         self.client_request_id: str | None = None  # of the POST being answered (CLIENT_REQUEST_ID_HEADER)
@@ -874,7 +882,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             return
         if self.path == "/health":
             self.drain_body()
-            self.send_json(200, self.app.health(BALANCER_CHECK_HEADER in self.headers))
+            self.send_json(200, self.app.health(self.tenant, BALANCER_CHECK_HEADER in self.headers))
         elif self.path == "/metrics":
             self.drain_body()
             self.send_metrics(self.app.metrics_text().encode())
@@ -891,14 +899,41 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         started, self.request_bytes = time.monotonic(), 0
         self.stream = OutputStream(self, request_id) if self.wants_stream() else None
         with self.app.request_in_flight():  # a graceful shutdown waits until the answer is out
-            outcome = self.outcome_of_post(request_id)
+            try:
+                outcome = self.outcome_of_post(request_id)
+            except ClientGone as gone:
+                return self.cancelled(request_id, gone.phase, started)
             outcome, size, lost = self.send_outcome(request_id, outcome)
         fields = {"client_request_id": self.client_request_id,
-                  "request_bytes": self.request_bytes, **request_fields(request_id, outcome, started)}
+                  "request_bytes": self.request_bytes, "tenant": self.tenant or None,
+                  **request_fields(request_id, outcome, started)}
         if size is None:
             self.disconnected("response", error=lost, **fields)
         else:
             self.app.log.event("request_finished", response_bytes=size, **fields)
+
+    def client_gone(self) -> bool:
+        """Whether the client closed its side of the connection (end of file, or a reset).  Bytes
+        waiting to be read are a pipelined next request, not a goodbye; nothing is read here."""
+        poller = select.poll()
+        poller.register(self.connection, select.POLLIN)
+        if not poller.poll(0):
+            return False
+        try:
+            return not self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+
+    def cancelled(self, request_id: str, phase: str, started: float) -> None:
+        """The one log line for a request stopped because its client left; nothing is answered."""
+        self.close_connection = True
+        if self.stream is not None:  # its sender thread ends with the frames it has
+            self.stream.close()
+        self.app.log.event("request_cancelled", "WARNING", request_id=request_id, tenant=self.tenant or None,
+                           phase=phase, peer=self.client_address[0], request_bytes=self.request_bytes,
+                           total_ms=(time.monotonic() - started) * 1e3)
 
     def wants_stream(self) -> bool:
         """docs/protocol.md §13: exactly one `X-KCoral-Stream: output` on an HTTP/1.1 request (chunked needs 1.1)."""
@@ -921,7 +956,9 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         return None
 
     def authorized(self, request_id: str) -> bool:
-        if self.app.token_accepted(self.headers.get("Authorization", "")):
+        tenant = self.app.tenant_of(self.headers.get("Authorization", ""))
+        if tenant is not None:
+            self.tenant = tenant
             return True
         self.drain_body()
         self.refuse(Outcome(401, "unauthorized", "missing or invalid bearer token"), request_id,
@@ -937,6 +974,8 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         except BodyCut as cut:
             self.close_connection = True
             return self.cut_outcome(cut.reason)
+        except ClientGone:
+            raise  # do_POST logs it; nobody is answered
         except (ConnectionError, TimeoutError):  # body cut short; a half-closed client can still read this
             self.close_connection = True
             return Outcome(400, "parse", "request body ended before Content-Length bytes arrived")
@@ -979,7 +1018,8 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             self.request_bytes = len(body)
             return self.app.handle_execute(request_id, body, content_type,
                                            proxy_queue_ms(self.headers.get("X-Request-Start"), self.head_arrived),
-                                           self.stream.feed if self.stream else None, digests)
+                                           self.stream.feed if self.stream else None, digests,
+                                           tenant=self.tenant, client_gone=self.client_gone)
         finally:
             reservation.release()
 
@@ -1087,7 +1127,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             return self.stream.finish(*self.answer_pieces(request_id, outcome))
         if outcome.http_status != 200:
             return self.send_error_body(outcome.http_status, request_id, outcome.kind, outcome.message,
-                                        {"Retry-After": "1"} if outcome.http_status == 503 else {}, outcome)
+                                        {"Retry-After": "1"} if outcome.http_status in (429, 503) else {}, outcome)
         if not outcome.parts:
             encoded = json_bytes(outcome.body)
             if len(encoded) > self.app.config.max_response_bytes:
@@ -1416,9 +1456,10 @@ def split_tokens(text: str, source: str) -> list[str]:
     return tokens
 
 
-def read_token_file(path: str) -> list[str]:
-    """The tokens of --token-file; ValueError if it is not a regular file of at most 64 KiB that
-    only its owner may access (a secret that group or others can read, or add to, is none)."""
+def read_token_file(path: str) -> dict[str, str]:
+    """The tokens of --token-file, each with its tenant's name ("": anonymous); ValueError if it is
+    not a regular file of at most 64 KiB that only its owner may access (a secret that group or
+    others can read, or add to, is none)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not hang the start
         with open(fd, "rb") as f:
@@ -1433,15 +1474,50 @@ def read_token_file(path: str) -> list[str]:
         raise ValueError(f"--token-file {path}: {exc.strerror}") from None
     if len(data) > TOKEN_FILE_LIMIT:
         raise ValueError(f"--token-file {path} is larger than {TOKEN_FILE_LIMIT} bytes")
-    return split_tokens(data.decode("ascii", "replace"), f"--token-file {path}")
+    return token_file_tenants(data.decode("ascii", "replace"), f"--token-file {path}")
 
 
-def accepted_credentials(config: ServerConfig) -> tuple[bytes, ...]:
-    """Every `Authorization` value let in: `Bearer <token>` for each configured token; () for no check."""
-    tokens = split_tokens(config.token, "--token") if config.token is not None else []
-    if config.token_file:
-        tokens += read_token_file(config.token_file)
-    return tuple(f"Bearer {token}".encode() for token in dict.fromkeys(tokens))
+TENANT_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")  # safe as a metrics label, a log field, an HAProxy word
+
+
+def token_file_tenants(text: str, source: str) -> dict[str, str]:
+    """A token file's lines, `TOKEN` (anonymous) or `NAME TOKEN` -> {token: name or ""}.  A name is
+    only a label: it is never accepted as a token, so a name that is also a token is refused."""
+    tenants: dict[str, str] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        words = line.split()
+        if len(words) > 2 or (len(words) == 2 and not TENANT_NAME.fullmatch(words[0])):
+            raise ValueError(f"{source}, line {number}: expected TOKEN or NAME TOKEN (a name is a letter, then "
+                             "up to 63 letters, digits and _.-)")
+        if words:
+            name, token = words[0] if len(words) == 2 else "", words[-1]
+            if not BEARER_TOKEN.fullmatch(token):
+                raise ValueError(f"{source}, line {number}: not a bearer token (letters, digits and -._~+/, "
+                                 "then optional '=')")
+            if tenants.setdefault(token, name) != name:
+                raise ValueError(f"{source}, line {number}: the token is given twice, with different names")
+    if not tenants:
+        raise ValueError(f"{source} holds no token")
+    return tenants
+
+
+def configured_tenants(token: str | None, token_file: str | None) -> dict[str, str]:
+    """--token's tokens (anonymous) and --token-file's -> {token: tenant name or ""}, in that order."""
+    tenants = dict.fromkeys(split_tokens(token, "--token"), "") if token is not None else {}
+    if token_file:
+        for accepted, name in read_token_file(token_file).items():
+            if tenants.setdefault(accepted, name) != name:
+                raise ValueError(f"--token-file {token_file}: a token of --token is given a name there")
+    if set(tenants.values()) & set(tenants):
+        raise ValueError("a tenant's name in --token-file is also a token; names are labels, never tokens")
+    return tenants
+
+
+def accepted_credentials(config: ServerConfig) -> dict[bytes, str]:
+    """Every `Authorization` value let in: `Bearer <token>` for each configured token, with its
+    tenant's name ("": anonymous); {} for no check."""
+    tenants = configured_tenants(config.token, config.token_file)
+    return {f"Bearer {token}".encode(): name for token, name in tenants.items()}
 
 
 class KCoralServer:
@@ -1450,7 +1526,7 @@ class KCoralServer:
     Callers use: `start()` (workers up, listening on a background thread; embedding, tests),
     `url`, `serve_forever()` (blocks until SIGTERM/SIGINT, then `stop()`; SIGHUP: `reload()`),
     `stop()` (graceful: drain, wait for requests in flight, release everything).
-    The handler calls: `token_accepted`, `health`, `request_in_flight`, `handle_execute`,
+    The handler calls: `tenant_of`, `health`, `request_in_flight`, `handle_execute`,
     `refuse_while_draining`.
     """
 
@@ -1543,13 +1619,15 @@ class KCoralServer:
             except ValueError as exc:
                 self.log.event("tokens_reload_failed", "ERROR", error=str(exc))
 
-    def token_accepted(self, authorization: str) -> bool:
+    def tenant_of(self, authorization: str) -> str | None:
         """Our extension: with tokens configured, every endpoint needs `Authorization: Bearer <token>`
-        with one of them.  Each comparison takes constant time, and every token is compared."""
+        with one of them -> its tenant's name ("": anonymous, or no tokens configured); None: refused.
+        Each comparison takes constant time, and every token is compared."""
         credentials = self.credentials
         given = authorization.encode("utf-8", "replace")
-        matches = [hmac.compare_digest(given, accepted) for accepted in credentials]  # no early exit
-        return not credentials or any(matches)
+        matches = [name for accepted, name in credentials.items()
+                   if hmac.compare_digest(given, accepted)]  # no early exit
+        return matches[0] if matches else None if credentials else ""
 
     def metrics_text(self) -> str:
         """GET /metrics: the event-fed counters plus the gauges read now (docs/operations.md)."""
@@ -1570,22 +1648,27 @@ class KCoralServer:
             size, entries = (cache.size, len(cache)) if isinstance(cache, MemoryCache) else (cache.total, cache.files)
             gauges += [("kcoral_cache_evictions_total", labels, cache.evictions),
                        ("kcoral_cache_bytes", labels, size), ("kcoral_cache_entries", labels, entries)]
+        names = sorted(set(self.credentials.values()) - {""})
+        for name, (running, waiting) in self.pool.tenant_load(names).items():
+            gauges += [("kcoral_tenant_requests_running", (("tenant", name),), running),
+                       ("kcoral_tenant_requests_waiting", (("tenant", name),), waiting)]
         if self.pool.arbiter is not None:
             with self.pool.arbiter.cond:
                 busy = dict(self.pool.arbiter.busy_seconds)
             gauges += [("kcoral_gpu_lease_busy_seconds_total", (("gpu", str(g)),), s) for g, s in busy.items()]
         return self.log.metrics.render(gauges)
 
-    def health(self, balancer_check: bool = False) -> dict[str, Any]:
-        """GET /health; `balancer_check`: read by the health check of the HAProxy configuration that
-        haproxy-config writes (BALANCER_CHECK_HEADER), which refuse_while_draining waits for."""
+    def health(self, tenant: str = "", balancer_check: bool = False) -> dict[str, Any]:
+        """GET /health, with the caller's `tenant`'s counts; `balancer_check`: read by the health
+        check of the HAProxy configuration that haproxy-config writes (BALANCER_CHECK_HEADER),
+        which refuse_while_draining waits for."""
         if balancer_check:
             with self.in_flight_cond:
                 self.last_health_check = time.monotonic()
                 if self.closing:
                     self.drain_health_checks.append(self.last_health_check)
         return {"status": "ok", "instance_id": self.instance_id, "started_at": self.started_at,
-                "gpu_count": self.gpu_count, "load": self.pool.load(),
+                "gpu_count": self.gpu_count, "load": self.pool.load(tenant),
                 "target": self.target, "versions": self.versions, "sandbox": self.config.sandbox,
                 "version": __version__,
                 "limits": {name: {"value": getattr(self.config, name), "enforced": how}
@@ -1606,9 +1689,11 @@ class KCoralServer:
 
     def handle_execute(self, request_id: str, body: Body, content_type: str | None,
                        proxy_queue_ms: float = 0.0, on_output: Callable[[str, bytes], None] | None = None,
-                       digests: PartDigests | None = None) -> Outcome:
+                       digests: PartDigests | None = None, tenant: str = "",
+                       client_gone: Callable[[], bool] | None = None) -> Outcome:
         """A request body, read -> Outcome.  The checks run in protocol order (docs/protocol.md §4.7): the first
-        that fails decides the answer.  `digests`: blob parts hashed while the body arrived (HashAhead)."""
+        that fails decides the answer.  `digests`: blob parts hashed while the body arrived (HashAhead).
+        ClientGone when `client_gone` says the client left while the program waited or ran."""
         try:
             parts = split_request(body, content_type, self.config, digests)  # envelope and parts
             data, supplied = parts.program_json, parts.blobs
@@ -1623,7 +1708,8 @@ class KCoralServer:
                     return Outcome(body={"status": "CACHE_MISS", "request_id": request_id,
                                          "missing_blobs": missing})
                 self.check_gpu_count(program)
-                return self.run_program(request_id, data, program, blobs, proxy_queue_ms, on_output)
+                return self.run_program(request_id, data, program, blobs, proxy_queue_ms, on_output,
+                                        tenant, client_gone)
             finally:
                 if disk_writes is not None:  # once answered, the client may count on its file blobs being cached
                     self.blobs.settle_file_blobs(disk_writes)
@@ -1638,7 +1724,8 @@ class KCoralServer:
             raise ValidationError("gpu_count exceeds this GPU server's configured capacity")
 
     def run_program(self, request_id: str, data: memoryview, program: ValidProgram, blobs: Blobs,
-                    proxy_queue_ms: float = 0.0, on_output: Callable[[str, bytes], None] | None = None) -> Outcome:
+                    proxy_queue_ms: float = 0.0, on_output: Callable[[str, bytes], None] | None = None,
+                    tenant: str = "", client_gone: Callable[[], bool] | None = None) -> Outcome:
         """A valid program with all its blobs -> a worker's Outcome (or 503 busy: nothing ran)."""
         if self.closing:
             return self.refuse_while_draining()
@@ -1649,7 +1736,7 @@ class KCoralServer:
                               config.max_timeout_seconds),
                   output_limit=min(options.get("output_limit_bytes", config.output_limit_bytes),
                                    config.max_output_limit_bytes),
-                  proxy_queue_ms=proxy_queue_ms, on_output=on_output)
+                  proxy_queue_ms=proxy_queue_ms, on_output=on_output, tenant=tenant, client_gone=client_gone)
         with self.blobs.pinned(program):
             outcome = self.pool.run_job(job)
         return self.refuse_while_draining() if outcome.http_status == 503 and self.closing else outcome
@@ -1985,6 +2072,10 @@ METRIC_HELP = {
     "kcoral_cache_bytes": ("gauge", "Bytes the cache holds (the disk cache: blocks its files occupy)"),
     "kcoral_cache_entries": ("gauge", "Entries the cache holds"),
     "kcoral_gpu_lease_busy_seconds_total": ("counter", "Seconds of released GPU leases, by GPU"),
+    "kcoral_requests_cancelled_total": ("counter", "Requests stopped because their client left, by phase "
+                                                   "(queue, lease, running) and tenant"),
+    "kcoral_tenant_requests_running": ("gauge", "Requests running, per tenant named in --token-file"),
+    "kcoral_tenant_requests_waiting": ("gauge", "Requests waiting for a worker, per tenant named in --token-file"),
     "kcoral_info": ("gauge", "This node's version, device and sandbox mode (always 1)"),
 }
 DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0)
@@ -2052,6 +2143,9 @@ class Metrics:
         with self.lock:
             self.counters["kcoral_events_total", (("event", event), ("level", level))] += 1
             self.count_request(event, fields)
+            if event == "request_cancelled":
+                self.counters["kcoral_requests_cancelled_total", (("phase", fields["phase"]),
+                                                                  *tenant_label(fields))] += 1
 
     def count_request(self, event: str, fields: dict[str, Any]) -> None:
         """A request's answer (sent, refused, or lost with the client), from its event's fields.
@@ -2066,7 +2160,7 @@ class Metrics:
             return
         kind = fields.get("error_kind") or ""
         labels = (("status", str(fields.get("status", "ERROR"))), ("code", str(fields["http_status"])),
-                  ("kind", kind if kind in KNOWN_KINDS or not kind else "other"))
+                  ("kind", kind if kind in KNOWN_KINDS or not kind else "other"), *tenant_label(fields))
         self.counters["kcoral_requests_total", labels] += 1
         self.counters["kcoral_request_body_bytes_total", ()] += fields.get("request_bytes") or 0
         self.counters["kcoral_response_body_bytes_total", ()] += fields.get("response_bytes") or 0
@@ -2091,6 +2185,12 @@ class Metrics:
             lines += [f"{name}{label_text(labels)} {sample_value(value)}" for n, labels, value in sorted(series)
                       if n == name]
         return "\n".join(lines) + "\n"
+
+
+def tenant_label(fields: dict[str, Any]) -> Labels:
+    """A request event's tenant as a label: a name from --token-file (the server puts no other in its
+    events), none for anonymous requests, so a server without named tokens keeps its series."""
+    return (("tenant", fields["tenant"]),) if fields.get("tenant") else ()
 
 
 def bucket_index(bounds: tuple[float, ...], value: float) -> int:
@@ -2999,6 +3099,67 @@ class ResponseTooLarge(Exception):
     """A worker announced more returned bytes or parts than the response may carry."""
 
 
+class ClientGone(Exception):
+    """The request's client closed its connection while the request waited or ran: nobody is
+    left to answer, so it is stopped.  `phase`: "queue" (waiting for a worker), "lease" (for the GPU)
+    or "running"."""
+
+    def __init__(self, phase: str) -> None:
+        super().__init__(phase)
+        self.phase = phase
+
+
+class TenantLimit(Exception):
+    """A tenant's request over --max-waiting-per-tenant: answered 429 before it waits."""
+
+
+CLIENT_CHECK_SECONDS = 0.25  # how often a waiting or running request checks that its client is still there
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # eq=False: tickets are told apart by identity
+class Ticket:
+    """A request waiting for a slot: its tenant's requests in flight when it arrived (its rank), then
+    its arrival number."""
+    rank: int
+    number: int
+    tenant: str
+
+
+class FairQueue:
+    """The requests waiting for a slot, one FIFO queue per tenant.  The next slot goes to the head with
+    the lowest (rank, arrival): a request's rank is how many of its tenant's requests were in flight
+    (running or waiting) when it arrived, so every tenant's k-th request goes before anyone's (k+1)-th,
+    and one tenant's backlog delays another's first request by at most one request per slot.  One
+    tenant alone is served first come, first served, as before tenants existed."""
+
+    def __init__(self) -> None:
+        self.tenants: dict[str, collections.deque[Ticket]] = {}
+        self.arrivals = 0
+
+    def __len__(self) -> int:
+        return sum(len(queue) for queue in self.tenants.values())
+
+    def waiting(self, tenant: str) -> int:
+        return len(self.tenants.get(tenant, ()))
+
+    def add(self, tenant: str, running: int) -> Ticket:
+        self.arrivals += 1
+        ticket = Ticket(running + self.waiting(tenant), self.arrivals, tenant)
+        self.tenants.setdefault(tenant, collections.deque()).append(ticket)
+        return ticket
+
+    def remove(self, ticket: Ticket) -> None:
+        queue = self.tenants[ticket.tenant]
+        queue.remove(ticket)
+        if not queue:
+            del self.tenants[ticket.tenant]
+
+    def first(self, eligible: Callable[[str], bool]) -> Ticket | None:
+        """The ticket served next among the tenants `eligible` says may take a slot now."""
+        heads = [queue[0] for tenant, queue in self.tenants.items() if eligible(tenant)]
+        return min(heads, key=lambda t: (t.rank, t.number), default=None)
+
+
 class Slot:
     def __init__(self, name: str, gpus: list[int]) -> None:
         self.name = name
@@ -3006,6 +3167,7 @@ class Slot:
         self.worker: Worker | None = None
         self.template: SandboxTemplate | None = None  # under --sandbox bubblewrap
         self.spare: SpareWorker | None = None  # the next worker, starting while `worker` serves its last request
+        self.tenant = ""  # whose request holds the slot
 
 
 class SpareWorker:
@@ -3043,6 +3205,8 @@ class Job:
     output_limit: int
     proxy_queue_ms: float = 0.0  # waited in HAProxy before reaching us: part of the queue_ms answered
     on_output: Callable[[str, bytes], None] | None = None  # ("stdout"|"stderr", bytes kept) as captured
+    tenant: str = ""  # the name its token has in --token-file ("": anonymous)
+    client_gone: Callable[[], bool] | None = None  # whether its client closed the connection (ClientGone)
 
 
 @dataclasses.dataclass
@@ -3088,8 +3252,9 @@ class Pool:
             self.slots = [Slot(f"cpu/w{i}", []) for i in range(config.num_workers)]
         self.cond = threading.Condition()
         self.idle = []
-        self.waiters: collections.deque[object] = collections.deque()
+        self.waiters = FairQueue()
         self.in_progress = 0
+        self.running: collections.Counter[str] = collections.Counter()  # requests holding a slot, per tenant
         self.closing = False  # draining: no new request is queued
         self.refusing = False  # nor does a queued one get a slot (quarantine: its GPUs may still be in use)
         self.replacing: set[threading.Thread] = set()  # each leaves when done: nothing stays per request
@@ -3138,7 +3303,10 @@ class Pool:
     def run_job(self, job: Job) -> Outcome:
         """Run a job on the next free slot -> Outcome (503 when none frees up in time)."""
         start = time.monotonic()
-        slot = self.acquire(self.config.worker_wait_timeout_seconds)
+        try:
+            slot = self.acquire(self.config.worker_wait_timeout_seconds, job.tenant, job.client_gone)
+        except TenantLimit as exc:
+            return Outcome(429, "busy", str(exc))
         if slot is None:  # nothing ran: a cohort's HAProxy retries a 503 on another node
             return Outcome(503, "busy", "server saturated" if not self.closing else "server is shutting down")
         queue_ms = job.proxy_queue_ms + (time.monotonic() - start) * 1e3
@@ -3183,30 +3351,44 @@ class Pool:
                 and worker.served + 1 >= limit and not self.closing):
             slot.spare = SpareWorker(self, slot)
 
-    def acquire(self, timeout: float) -> Slot | None:
-        """Wait (FIFO) for an idle slot; None after `timeout` seconds, when the pool was draining
-        already, or once it refuses the queued (`drain`)."""
+    def acquire(self, timeout: float, tenant: str = "", client_gone: Callable[[], bool] | None = None) -> Slot | None:
+        """Wait for an idle slot, in the FairQueue's order; None after `timeout` seconds, when the
+        pool was draining already, or once it refuses the queued (`drain`).  TenantLimit when the
+        tenant has --max-waiting-per-tenant waiting already; ClientGone when `client_gone` says so
+        (checked every CLIENT_CHECK_SECONDS)."""
         deadline = time.monotonic() + timeout
-        ticket = object()
+        limit = self.config.max_waiting_per_tenant
         with self.cond:
             if self.closing:
                 return None
-            self.waiters.append(ticket)
+            if limit and self.waiters.waiting(tenant) >= limit:
+                raise TenantLimit(f"tenant {tenant or '(anonymous)'} has {limit} requests waiting already, the "
+                                  "most it may (--max-waiting-per-tenant); retry once one has started")
+            ticket = self.waiters.add(tenant, self.running[tenant])
             try:
-                while not self.refusing and not (self.idle and self.waiters[0] is ticket):
+                while not self.refusing and not (self.idle and self.waiters.first(self.may_start) is ticket):
+                    if client_gone is not None and client_gone():
+                        raise ClientGone("queue")
                     remaining = deadline - time.monotonic()
-                    if remaining <= 0 or not self.cond.wait(remaining):
-                        if not (self.idle and self.waiters[0] is ticket):
-                            return None
+                    if remaining <= 0:
+                        return None
+                    self.cond.wait(remaining if client_gone is None else min(remaining, CLIENT_CHECK_SECONDS))
                 if self.refusing:
                     return None
                 slot = min(self.idle, key=self.gpu_load)
                 self.idle.remove(slot)
                 self.in_progress += 1
+                self.running[tenant] += 1
+                slot.tenant = tenant
                 return slot
             finally:
                 self.waiters.remove(ticket)
                 self.cond.notify_all()
+
+    def may_start(self, tenant: str) -> bool:
+        """Whether the tenant is under --max-running-per-tenant.  Called with the lock held."""
+        limit = self.config.max_running_per_tenant
+        return not limit or self.running[tenant] < limit
 
     def gpu_load(self, slot: Slot) -> tuple[int, int]:
         """Prefer the GPU with the fewest assigned requests (ties: configured order)."""
@@ -3222,11 +3404,13 @@ class Pool:
                                       name=f"kcoral-replace-{slot.name}", daemon=True)
             with self.cond:
                 self.in_progress -= 1
+                self.running[slot.tenant] -= 1
                 self.replacing.add(thread)
             thread.start()
         else:
             with self.cond:
                 self.in_progress -= 1
+                self.running[slot.tenant] -= 1
                 self.idle.append(slot)
                 self.cond.notify_all()
 
@@ -3300,7 +3484,7 @@ class Pool:
         template = SandboxTemplate(self.config, self.device, expected) if sandboxed else None
         try:
             try:
-                gpus, wait_ms = self.arbiter.acquire(job.request_id, count=count)
+                gpus, wait_ms = self.arbiter.acquire(job.request_id, count=count, client_gone=job.client_gone)
             except LeaseRefused as exc:
                 return Outcome(503, "busy", str(exc))
             if template is not None and set(gpus) != set(expected):
@@ -3340,14 +3524,23 @@ class Pool:
             outcome.body["gpu_count"] = len(gpus)
         return outcome
 
-    def load(self) -> dict[str, int]:
+    def load(self, tenant: str = "") -> dict[str, Any]:
         # A slot whose worker is being replaced still counts: it is back within tens of ms, and
         # with one request per worker a 1-worker node would otherwise read as full after every
         # request (a load balancer sizing or checking on it would take it out of rotation).
         with self.cond:
             capacity = 0 if self.closing else len(self.slots)
-            return {"request_capacity": capacity, "requests_in_progress": self.in_progress,
-                    "requests_waiting": len(self.waiters)}
+            load: dict[str, Any] = {"request_capacity": capacity, "requests_in_progress": self.in_progress,
+                                    "requests_waiting": len(self.waiters)}
+            if tenant:  # a named tenant's caller also sees its own share
+                load["tenant"] = {"name": tenant, "requests_running": self.running[tenant],
+                                  "requests_waiting": self.waiters.waiting(tenant)}
+            return load
+
+    def tenant_load(self, tenants: Iterable[str]) -> dict[str, tuple[int, int]]:
+        """{tenant: (requests running, requests waiting)} for /metrics."""
+        with self.cond:
+            return {name: (self.running[name], self.waiters.waiting(name)) for name in tenants}
 
     def drain(self, refuse_queued: bool = False) -> None:
         """Capacity 0: new requests are refused; those admitted run to the end, the queued ones
@@ -3454,6 +3647,9 @@ class Execution:
         except LeaseRefused as exc:  # its GPU was quarantined while it waited
             self.worker.kill(self.config.worker_termination_grace_seconds, orphans=True)
             return Outcome(503, "busy", str(exc)), True
+        except ClientGone:  # nobody waits for the answer: the worker goes as a timed-out one does
+            self.kill_worker()
+            raise
         finally:
             self.memory.stop()
             self.release_lease()
@@ -3567,6 +3763,7 @@ class Execution:
         not held, sizes within the response budget): anything else is WorkerCrashed."""
         conn = self.worker.conn
         while True:
+            self.wait_for_worker()
             room, sizes = self.config.max_response_bytes - self.response_bytes, list[int]()
             try:
                 message = expect(conn, WORKER_MESSAGES, self.deadline, "", CONTROL_MESSAGE_BYTES + max(room, 0), sizes)
@@ -3584,7 +3781,7 @@ class Execution:
                 case kcoral_worker.AcquireLease():
                     if self.pool.arbiter is None or self.lease_since is not None:
                         raise WorkerCrashed("protocol violation: a lease asked for while held, or on a CPU worker")
-                    self.hold_lease()
+                    self.hold_lease(client_gone=self.job.client_gone)
                     try:
                         kcoral_worker.send_message(conn, kcoral_worker.LeaseGranted())
                     except OSError as exc:
@@ -3596,6 +3793,19 @@ class Execution:
                 case kcoral_worker.RequestDone():
                     self.retiring = self.retiring or message.poisoned
                     return self.attribute_gpu_access(self.checked_error(message.error))
+
+    def wait_for_worker(self) -> None:
+        """Wait until the worker has something to say (or the deadline passes: `expect` then raises the
+        timeout), checking every CLIENT_CHECK_SECONDS that the client is still there (ClientGone)."""
+        client_gone = self.job.client_gone
+        while client_gone is not None and time.monotonic() < self.deadline:
+            try:
+                kcoral_worker.wait_readable(self.worker.conn.fileno(),
+                                            min(self.deadline, time.monotonic() + CLIENT_CHECK_SECONDS))
+                return
+            except TimeoutError:
+                if client_gone():
+                    raise ClientGone("running") from None
 
     def receive_return(self, message: kcoral_worker.ReturnValue, frame_bytes: int) -> None:
         """Take one returned value and its parts off the pipe, counting every announced byte
@@ -3634,13 +3844,14 @@ class Execution:
             offset += size
         self.results[message.key] = message.encoded
 
-    def hold_lease(self, deadline: float | None = None) -> None:
+    def hold_lease(self, deadline: float | None = None, client_gone: Callable[[], bool] | None = None) -> None:
         """Wait for the lease, until `deadline` (default: the request's last moment).  Lease waits
         do not consume the timeout, up to one timeout's worth in all: a request waiting behind
         others still ends by twice its timeout (docs/server.md §2.3)."""
         assert self.pool.arbiter is not None  # callers checked: only GPU workers ask for the lease
         asked_at = time.monotonic()
-        _, wait_ms = self.pool.arbiter.acquire(self.job.request_id, self.gpus, deadline=deadline or self.last_moment)
+        _, wait_ms = self.pool.arbiter.acquire(self.job.request_id, self.gpus, deadline=deadline or self.last_moment,
+                                               client_gone=client_gone)
         self.lease_wait_ms += wait_ms
         self.deadline = min(self.deadline + time.monotonic() - asked_at, self.last_moment)
         self.lease_since = time.monotonic()
@@ -4246,10 +4457,11 @@ class LeaseArbiter:
         self.cond = threading.Condition()
 
     def acquire(self, owner: str, gpus: list[int] | None = None, count: int | None = None,
-                deadline: float | None = None) -> tuple[list[int], float]:
+                deadline: float | None = None, client_gone: Callable[[], bool] | None = None
+                ) -> tuple[list[int], float]:
         """Block until `gpus` (or any `count` GPUs) are ours; returns (granted GPUs, wait ms).
         LeaseRefused when that can no longer happen (quarantine; "any n" waits at shutdown);
-        TimeoutError once time.monotonic() passes `deadline`."""
+        TimeoutError once time.monotonic() passes `deadline`; ClientGone when `client_gone` says so."""
         start = time.monotonic()
         ticket = (object(), gpus, count)  # unique: queue.remove() must not take an equal twin
         with self.cond:
@@ -4262,7 +4474,12 @@ class LeaseArbiter:
                         break
                     if deadline is not None and deadline <= time.monotonic():
                         raise TimeoutError
-                    self.cond.wait(None if deadline is None else deadline - time.monotonic())
+                    if client_gone is not None and client_gone():
+                        raise ClientGone("lease")
+                    wait = None if deadline is None else deadline - time.monotonic()
+                    if client_gone is not None:
+                        wait = CLIENT_CHECK_SECONDS if wait is None else min(wait, CLIENT_CHECK_SECONDS)
+                    self.cond.wait(wait)
             finally:
                 self.queue.remove(ticket)
                 self.cond.notify_all()
@@ -5106,6 +5323,8 @@ defaults
     option httplog
     option http-server-close      # a fresh node connection per request: a drained or restarted node
                                   # is never sent a request over a connection it has given up
+    option abortonclose           # a client gone: its request leaves the queue, and the node sees the
+                                  # connection close, so it stops the program (docs/scaling.md)
     timeout connect 3s
     # A client has this long for a request's line and headers (408 and close beyond it), and an
     # idle kept-alive connection is closed after the second: as the nodes' own limits, so that a
@@ -5163,9 +5382,9 @@ frontend kcoral
 {request_id}    http-request return status 429 content-type application/json lf-string '{{"status":"ERROR",\
 "request_id":"%[unique-id]","error":{{"kind":"busy","message":"more than {source_requests} requests in 10 s from this \
 address"}}}}' hdr Retry-After 10 if {{ sc_http_req_rate(0) gt {source_requests} }}
-{token_check}    # When HAProxy had the request's headers, in microseconds since the epoch: the time from then
-    # to a node's reading it is the wait in HAProxy (its queue, retries).  set-header replaces
-    # any value a client sent.
+{token_check}{tenant_order}    # When HAProxy had the request's headers, in microseconds since the epoch: the time
+    # from then to a node's reading it is the wait in HAProxy (its queue, retries).  set-header
+    # replaces any value a client sent.
     http-request set-header X-Request-Start t=%[date(0,us)]
 {local_edits}    # Requests carrying blobs (the client sends {header}) go where their largest blob is cached.
     use_backend kcoral_affinity if {{ req.hdr({header}) -m found }}
@@ -5183,7 +5402,7 @@ backend kcoral_affinity
     balance hdr({header})
     hash-type consistent
     hash-balance-factor 150
-{servers}{stats}"""
+{servers}{tenant_table}{stats}"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -5302,6 +5521,19 @@ frontend kcoral_stats
     stats uri /
     stats refresh 10s
 """
+HAPROXY_TENANT_ORDER = """\
+    # Fair order across tenants (docs/scaling.md): a request's priority class is the number of its
+    # tenant's requests in flight here, itself included, so the queue takes every tenant's k-th
+    # request before anyone's (k+1)-th; bare tokens share the tenant "-".
+{tenant_names}    http-request set-var(txn.tenant) str(-) unless {{ var(txn.tenant) -m found }}
+    http-request track-sc1 var(txn.tenant) table kcoral_tenants
+    http-request set-priority-class sc1_trackers
+"""
+HAPROXY_TENANT_TABLE = """
+backend kcoral_tenants
+    # requests in flight per tenant (its trackers), for the priority class set in frontend kcoral
+    stick-table type string len 64 size 10k expire 1h
+"""
 # The keywords that open a section: an --include file's lines all belong to frontend kcoral.
 HAPROXY_SECTIONS = frozenset({"global", "defaults", "frontend", "backend", "listen", "resolvers", "peers",
                               "userlist", "mailers", "program", "http-errors", "ring", "cache"})
@@ -5330,8 +5562,9 @@ class ProxyRuntime:
 
 def haproxy_config(listen: str, nodes: list[CohortNode], tokens: list[str], queue_timeout: float,
                    server_timeout: float, limits: ProxyLimits = ProxyLimits(),
-                   runtime: ProxyRuntime = ProxyRuntime()) -> str:
-    """The commented haproxy.cfg text for a cohort whose slots are all known."""
+                   runtime: ProxyRuntime = ProxyRuntime(), tenants: Mapping[str, str] | None = None) -> str:
+    """The commented haproxy.cfg text for a cohort whose slots are all known; `tenants` ({token: name})
+    orders its queue fairly across named tenants."""
     if len({n.address for n in nodes}) != len(nodes):
         raise ValueError("a node is listed twice")
     if len({server_id(n.address) for n in nodes}) != len(nodes):
@@ -5354,7 +5587,18 @@ def haproxy_config(listen: str, nodes: list[CohortNode], tokens: list[str], queu
         check_auth=f' hdr Authorization "Bearer {tokens[0]}"' if tokens else "", check_header=BALANCER_CHECK_HEADER,
         user_group=user_group, pidfile=runtime.pidfile, stats_socket=runtime.stats_socket,
         tls=f" ssl crt {runtime.tls_cert}" if runtime.tls_cert else "", local_edits=runtime.local_edits,
-        stats=HAPROXY_STATS.format(stats_listen=runtime.stats_listen) if runtime.stats_listen else "")
+        stats=HAPROXY_STATS.format(stats_listen=runtime.stats_listen) if runtime.stats_listen else "",
+        **tenant_order(tenants or {}))
+
+
+def tenant_order(tenants: Mapping[str, str]) -> dict[str, str]:
+    """The frontend's tenant rules and their table, for a cohort with named tenants ({token: name});
+    none without, so a cohort of bare tokens keeps its plain first-come queue."""
+    if not tenants:
+        return {"tenant_order": "", "tenant_table": ""}
+    names = "".join(f'    http-request set-var(txn.tenant) str({name}) if {{ req.fhdr(authorization,1) -m str '
+                    f'"Bearer {token}" }}\n' for token, name in tenants.items())
+    return {"tenant_order": HAPROXY_TENANT_ORDER.format(tenant_names=names), "tenant_table": HAPROXY_TENANT_TABLE}
 
 
 def local_edits(paths: list[str]) -> str:
@@ -5385,13 +5629,10 @@ def haproxy_word(value: str, flag: str) -> str:
     return value
 
 
-def proxy_tokens(args: argparse.Namespace) -> list[str]:
-    """--token (several separated by commas or white space) then --token-file's: the proxy accepts
-    each, and its health checks (and reading /health here) send the first."""
-    tokens = split_tokens(args.token, "--token") if args.token else []
-    if args.token_file:
-        tokens += read_token_file(args.token_file)
-    return list(dict.fromkeys(tokens))
+def proxy_tokens(args: argparse.Namespace) -> dict[str, str]:
+    """--token (several separated by commas or white space) then --token-file's, each with its tenant's
+    name: the proxy accepts each, and its health checks (and reading /health here) send the first."""
+    return configured_tenants(args.token or None, args.token_file)
 
 
 def write_private(path: str, text: str) -> None:
@@ -5424,7 +5665,8 @@ def haproxy_config_parser() -> argparse.ArgumentParser:
                         "refuses requests without one (401) and sends the first with its health checks; also "
                         "for reading /health here [env KCORAL_TOKEN]")
     p.add_argument("--token-file", help="file of bearer tokens, one a line, as the nodes' --token-file "
-                                        "(with --token, both sets are accepted)")
+                                        "(with --token, both sets are accepted); tenant names there "
+                                        "(NAME TOKEN) order the queue fairly across tenants")
     p.add_argument("-o", "--output", metavar="FILE",
                    help="write the configuration to FILE, mode 0600, replacing it in one step (default: stdout)")
     p.add_argument("--tls-cert", metavar="PEM", help="terminate TLS with this certificate (followed by its "
@@ -5488,11 +5730,13 @@ def haproxy_config_main(argv: list[str]) -> None:
     if args.max_connections_per_source < 1 or args.max_requests_per_source < 1:
         p.error("--max-connections-per-source and --max-requests-per-source must be at least 1")
     try:
-        tokens = proxy_tokens(args)
+        tenants = proxy_tokens(args)
+        tokens = list(tenants)
         runtime = proxy_runtime(args)
         nodes = with_slots([parse_node(text) for text in args.nodes], tokens[0] if tokens else None)
         limits = ProxyLimits(args.header_timeout, args.max_connections_per_source, args.max_requests_per_source)
-        text = haproxy_config(args.listen, nodes, tokens, args.queue_timeout, args.server_timeout, limits, runtime)
+        text = haproxy_config(args.listen, nodes, tokens, args.queue_timeout, args.server_timeout, limits, runtime,
+                              {token: name for token, name in tenants.items() if name})
     except ValueError as exc:
         p.error(str(exc))
     if not tokens:

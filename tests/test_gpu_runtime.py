@@ -14,6 +14,7 @@ CUDA's last error, memory freed before the lease, quarantine, multi-GPU start-up
 and shutdown.  Finally bench/gpu_check.py in CPU mode.
 """
 
+import collections
 import hashlib
 import json
 import multiprocessing
@@ -182,6 +183,33 @@ def test_lease_waiters_are_served_in_arrival_order():
     arbiter.release("d", [0])
     join_threads(threads, 5)
     assert [owner for owner, _ in order] == ["b", "c", "d"]
+
+
+def test_a_lease_waiter_whose_client_left_leaves_the_queue():
+    """client_gone turns true while a request waits for the lease: ClientGone("lease") within the
+    check interval, its ticket gone, so the next waiter is served at the release."""
+    arbiter, order, gone, raised = kcoral.LeaseArbiter([0]), [], threading.Event(), []
+
+    def abandoned():
+        try:
+            arbiter.acquire("left", [0], client_gone=gone.is_set)
+        except kcoral.ClientGone as exc:
+            raised.append((exc.phase, time.monotonic()))
+
+    arbiter.acquire("holder", [0])
+    waiter = threading.Thread(target=abandoned)
+    waiter.start()
+    assert wait_for(lambda: queued(arbiter) == 1, 5)
+    threads = [acquire_in_thread(arbiter, "next", order, gpus=[0])]
+    assert wait_for(lambda: queued(arbiter) == 2, 5)
+    left_at = time.monotonic()
+    gone.set()
+    join_threads([waiter], 5)
+    assert raised and raised[0][0] == "lease" and raised[0][1] - left_at < 1.0, raised
+    assert queued(arbiter) == 1
+    arbiter.release("holder", [0])
+    join_threads(threads, 5)
+    assert [owner for owner, _ in order] == ["next"]
 
 
 def test_identical_waiters_do_not_lose_their_tickets():
@@ -1655,7 +1683,7 @@ def spare_pool(monkeypatch):
     pool.config = kcoral.ServerConfig(sandbox="none")
     pool.arbiter, pool.gpu_names, pool.inits, pool.closing = kcoral.LeaseArbiter([0]), {0: "0"}, [], False
     pool.cond, pool.idle, pool.replacing, pool.quarantined = threading.Condition(), [], set(), []
-    pool.in_progress = 1
+    pool.in_progress, pool.running = 1, collections.Counter({"": 1})  # the request whose slot is released
     pool.log = types.SimpleNamespace(event=lambda *a, **k: None, metrics=kcoral.Metrics())
     pool.quarantine = lambda gpus, reason: pool.quarantined.append(list(gpus))
     slot = kcoral.Slot("gpu0/w0", [0])
