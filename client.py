@@ -2210,7 +2210,7 @@ def _run_remote(args: Any, tool_args: list[str]) -> int:
 def _timeout_message(args: Any, exc: KCoralError) -> str:
     """A 504 in the words of the command line: the tool and --timeout, not the program's instructions."""
     if exc.instruction_op == "run" and "teardown" not in exc.message:
-        return f"{args.tool} was still running after --timeout {args.timeout:g} s (its output so far is above)"
+        return f"{args.tool} timed out: still running after --timeout {args.timeout:g} s (its output so far is above)"
     return f"timed out after --timeout {args.timeout:g} s, outside {args.tool} itself ({exc.message})"
 
 

@@ -213,7 +213,7 @@ def test_kcoral_run_names_the_tool_and_the_timeout(front_end_server, tmp_path):
                       "slow.py")
     assert done.returncode == 1 and done.stdout == "started\n"
     assert done.stderr.strip().splitlines()[-1] == \
-        "kcoral run python: python was still running after --timeout 2 s (its output so far is above)"
+        "kcoral run python: python timed out: still running after --timeout 2 s (its output so far is above)"
     assert "run_" not in done.stderr
 
 
