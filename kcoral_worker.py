@@ -2015,7 +2015,7 @@ def compile_tirx(fn: Any, bindings: dict[str, Any] | None = None) -> Any:
 COMPILER_DIAGNOSTIC_CHARS = 6000  # the end of a compiler's output: where its errors and their count are
 
 
-def build_library(sources: str | Sequence[str], *, arch: str | None = None, options: Sequence[str] = (),
+def build_library(sources: str | Sequence[str], arch: str | None = None, *, options: Sequence[str] = (),
                   output: str | None = None, load: bool = True) -> Any:
     """Compile C++ (g++) or CUDA (nvcc, when a source ends in .cu) files of the working directory
     into a TVM-FFI library and load it (docs/server.md §5.4) -> the loaded module, whose exports
