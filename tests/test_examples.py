@@ -33,7 +33,7 @@ PROMISES = {
                              r"summary of 2 files:", r"notes/todo\.txt: 6 words", r"readme\.txt: 6 words"],
     "build_and_load.py": [r"scale\(2, \[0, 1, 2, 3\]\) = \[0\.0, 2\.0, 4\.0, 6\.0\]",
                           r"compile error at instruction 3 \(build\):",
-                          r"kernel\.cc:6:\d+: error: .*data_pointer"],
+                          r"kernel\.cc:7:\d+: error: .*data_pointer"],
     "kernel_loop.py": [r"built axpy for the host CPU: \d+ bytes, n=65536",
                        r"check: check_close: 0 of 65536 elements differ",
                        r"benchmark: median [\d.]+ us, min [\d.]+ us over 100 calls"],
