@@ -981,7 +981,10 @@ def _copy_and_hash(data: memoryview, copy: Callable[[memoryview], T]) -> tuple[T
 
 def _numpy_dtype(name: str) -> np.dtype:
     if name in _ML_DTYPES:
-        import ml_dtypes  # only needed for these dtypes; keeps the import-time deps to NumPy
+        try:
+            import ml_dtypes  # only needed for these dtypes; keeps the import-time deps to NumPy
+        except ImportError:
+            raise ImportError(f"a returned {name} tensor needs ml_dtypes to decode: pip install ml_dtypes") from None
         return np.dtype(getattr(ml_dtypes, name))
     return np.dtype(_NUMPY_DTYPES[name])
 
