@@ -229,3 +229,13 @@ def test_kcoral_run_keeps_the_end_of_cut_output_and_names_the_cap(front_end_serv
     assert "kcoral: output cut: stdout produced 100011 bytes: the first 1000 and the last 1000 are kept " \
            f"(output_limit_bytes 1000, this server allows up to {16 << 20}; " in done.stderr
 
+
+
+def test_a_vendored_client_without_ml_dtypes_says_what_a_bfloat16_result_needs(front_end_server, monkeypatch):
+    program = Program()
+    module = program.upload(kind="module", source="import torch\ndef f():\n    return torch.ones(2, dtype=torch.bfloat16)\n")
+    program.return_(key="x", value=program.run(fn=program.get_function(module=module, name="f")))
+    monkeypatch.setitem(sys.modules, "ml_dtypes", None)  # as in a numpy-only environment: the import fails
+    with Client(front_end_server.url) as client, pytest.raises(ImportError) as caught:
+        client.execute(program)
+    assert str(caught.value) == "a returned bfloat16 tensor needs ml_dtypes to decode: pip install ml_dtypes"
