@@ -115,6 +115,7 @@ from kcoral_worker import (
     is_ref,
     normalize_path,
     recv_raw,
+    wait_readable,
 )
 
 # the types this file's signatures share (Buffer, Instruction and ErrorObject are the worker's)
@@ -288,6 +289,20 @@ class ServerConfig:
                           choices=("auto", "none", "bubblewrap"))
     sandbox_readonly_paths: tuple = option((), "extra path mounted read-only in the sandbox (repeatable)",
                                            flag="--sandbox-readonly-path")
+    sandbox_uid: int = option(2_000_000_000, "host uid and gid sandboxed programs run as when the server runs "
+                              "as root (pick one no account uses); an unprivileged server runs them as itself")
+    memory_limit_bytes: int | None = option(None, "memory of all of one request's processes together, sampled "
+                                            "every 0.1 s; beyond it the request is stopped (0: no limit; "
+                                            "default: half the machine's memory shared among the slots)")
+    process_limit: int | None = option(None, "processes and threads one request may have alive at once; "
+                                       "a fork beyond it fails with EAGAIN (sandbox only; 0: no limit; "
+                                       "default: 16 per CPU, at least 1024)")
+    disk_limit_bytes: int | None = option(None, "bytes one request may write to its workspace, /tmp and "
+                                          "/dev/shm together, a tmpfs in memory; beyond it writes fail with "
+                                          "ENOSPC (sandbox only; 0: no limit; default: a quarter of the "
+                                          "machine's memory shared among the slots)")
+    file_limit: int | None = option(None, "files and directories one request may create (ENOSPC beyond it; "
+                                    "sandbox only; 0: no limit; default: 100000)")
     token: str | None = option(None, "require 'Authorization: Bearer <token>' on every endpoint; several "
                                "tokens separated by commas or white space are all accepted.  On the command "
                                "line it is visible to every local user (ps): prefer KCORAL_TOKEN or "
@@ -324,10 +339,37 @@ def validate_config(config: ServerConfig) -> None:
               (1 <= config.port <= 65535 or config.port == 0, "port must be 1-65535"),
               (0 <= config.drain_seconds <= 3600, "drain_seconds must be 0-3600"),
               (min(config.log_max_bytes, config.log_backups, config.log_programs_max_bytes,
-                   config.log_programs_max_count) >= 0, "the log limits must be >= 0")]
+                   config.log_programs_max_count) >= 0, "the log limits must be >= 0"),
+              (all((getattr(config, name) or 0) >= 0 for name in QUOTA_NAMES), "the request limits must be >= 0"),
+              (0 < config.sandbox_uid < 0xFFFFFFFF, "sandbox_uid must be a uid other than 0")]
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
+
+
+QUOTA_NAMES = ("memory_limit_bytes", "process_limit", "disk_limit_bytes", "file_limit")
+FILE_LIMIT = 100_000  # --file-limit's default: a pip install of a large package, many times over
+
+
+def machine_quotas(config: ServerConfig, slots: int) -> dict[str, Any]:
+    """The request limits left at their defaults, derived from this machine: all slots together
+    may use three quarters of its memory (processes half, their tmpfs a quarter), which leaves the
+    front-end and the host a quarter."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    derived = {"memory_limit_bytes": memory // 2 // slots, "disk_limit_bytes": memory // 4 // slots,
+               "process_limit": max(1024, 16 * (os.cpu_count() or 1)), "file_limit": FILE_LIMIT}
+    return {name: derived[name] if getattr(config, name) is None else getattr(config, name) for name in QUOTA_NAMES}
+
+
+def quota_enforcement(config: ServerConfig) -> dict[str, str]:
+    """How each request limit is enforced here, or why it is not (for /health and the start-up line)."""
+    sandboxed = config.sandbox == "bubblewrap"
+    how = {"memory_limit_bytes": "front-end, PSS of the request's processes every 0.1 s",
+           "process_limit": "RLIMIT_NPROC in the request's user namespace" if sandboxed else "",
+           "disk_limit_bytes": "size of the request's tmpfs" if sandboxed else "",
+           "file_limit": "inodes of the request's tmpfs" if sandboxed else ""}
+    return {name: ("off (0)" if not getattr(config, name) else how[name] or "not enforced without the sandbox")
+            for name in QUOTA_NAMES}
 
 
 # --- 1. HTTP front-end: connection limits, body budget, framing, the request handler --------------
@@ -1434,6 +1476,14 @@ class KCoralServer:
             self.log.event("sandbox_off", "WARNING", reason=why_not)
         self.config = dataclasses.replace(self.config, sandbox=sandbox)
         device, gpu_ids, gpu_names = resolve_device(self.config)
+        slots = len(gpu_ids) * self.config.workers_per_gpu if device == "cuda" else self.config.num_workers
+        self.config = dataclasses.replace(self.config, **machine_quotas(self.config, slots))
+        if sandbox == "none" and os.getuid() == 0:
+            self.log.event("unsandboxed_as_root", "WARNING",
+                           effect="every program runs as root with every capability: any request can take "
+                                  "over this machine",
+                           remedy="use --sandbox bubblewrap, or run as an unprivileged user")
+        kcoral_worker.set_oom_score(-900)  # the kernel's last choice (needs root; else it stays as it was)
         self.device = device
         self.pool = Pool(self.config, device, gpu_ids, gpu_names, self.log)
         self.target, self.versions = describe_runtime(device, self.pool)
@@ -1442,7 +1492,8 @@ class KCoralServer:
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
         self.log.event("server_started", url=self.url, device=device, sandbox=self.config.sandbox,
-                       workers=len(self.pool.slots), run_dir=run_dir, instance_id=self.instance_id)
+                       workers=len(self.pool.slots), run_dir=run_dir, instance_id=self.instance_id,
+                       **{name: getattr(self.config, name) for name in QUOTA_NAMES})
         return self
 
     @property
@@ -1511,7 +1562,9 @@ class KCoralServer:
     def health(self) -> dict[str, Any]:
         return {"status": "ok", "instance_id": self.instance_id, "started_at": self.started_at,
                 "gpu_count": self.gpu_count, "load": self.pool.load(),
-                "target": self.target, "versions": self.versions, "sandbox": self.config.sandbox}
+                "target": self.target, "versions": self.versions, "sandbox": self.config.sandbox,
+                "limits": {name: {"value": getattr(self.config, name), "enforced": how}
+                           for name, how in quota_enforcement(self.config).items()}}
 
     @contextlib.contextmanager
     def request_in_flight(self) -> Iterator[None]:
@@ -1629,6 +1682,18 @@ PRIVATE_FILE_MODE = 0o600
 EVENTS_NAME = "events.jsonl"
 NEW_FILE_FLAGS = os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
 DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+
+
+def console_value(value: Any) -> str:
+    """A field as the console line shows it: floats rounded, and text that is not one plain word
+    quoted and escaped as in JSON, so that no value (a program's message, say) can break the line
+    or forge a field or a line of its own."""
+    if isinstance(value, float):
+        return str(round(value, 1))
+    text = str(value)
+    if text and text.isprintable() and not any(c in text for c in ' ="\\'):
+        return text
+    return json.dumps(text)
 
 
 def utc_now() -> datetime.datetime:
@@ -1770,8 +1835,7 @@ class EventLog:
             if self.fd is not None:
                 self.append((json.dumps(record, default=str) + "\n").encode())
             if self.config.log_console and event not in ("request_received",):
-                shown = " ".join(f"{k}={round(v, 1) if isinstance(v, float) else v}"
-                                 for k, v in fields.items()
+                shown = " ".join(f"{k}={console_value(v)}" for k, v in fields.items()
                                  if v is not None and k not in ("traceback", "versions", "config"))
                 print(f"{record['timestamp']} {level} {event} {shown}"[:600], file=sys.stderr, flush=True)
 
@@ -3226,7 +3290,6 @@ class Execution:
     parts: list[Buffer]  # the raw parts those values refer to
     output: tuple[str, str, bool, bool] | None  # (stdout, stderr, truncated flags), once collected
     truncation: dict[str, Json]  # with `output`: OutputDrain.truncation_fields
-    oom_kills: int | None  # oom_kill_count() when the request started
 
     def __init__(self, pool: Pool, worker: Worker, gpus: list[int], job: Job, queue_ms: float) -> None:
         self.pool = pool
@@ -3247,21 +3310,22 @@ class Execution:
         self.response_bytes = 0  # announced so far: returned parts and the frames describing them
         self.return_keys = {ins["key"] for ins in job.program.instructions if ins["op"] == "return"}
         # <root>/work is the program's working directory (its blobs are staged in a memfd: stage_blobs).
-        # In a sandbox the root is the slot's private directory, which the worker sees as SANDBOX_ROOT.
+        # In a sandbox it is in the worker's own tmpfs, SANDBOX_ROOT, which no host path reaches.
         if worker.template is None:
-            self.root = self.inside = tempfile.mkdtemp(prefix=workspace_prefix())
+            self.root: str | None = tempfile.mkdtemp(prefix=workspace_prefix())
             spread_subdirectories(self.root)
-        else:  # emptied by the template before it forks the next worker, once this one's tree is gone
-            self.root, self.inside = worker.template.private, SANDBOX_ROOT
-        self.workspace = os.path.join(self.root, "work")
+        else:
+            self.root = None
+        self.inside = self.root or SANDBOX_ROOT
 
     def run(self) -> tuple[Outcome, bool]:
         """-> (Outcome, whether the worker must be retired)."""
         started = time.monotonic()
-        self.oom_kills = oom_kill_count()
         self.deadline = started + self.job.timeout
         self.last_moment = started + 2 * self.job.timeout
         self.drain, self.output, self.program_done = None, None, False
+        self.oom_kills = oom_kill_count()
+        self.memory = MemoryWatch(self.worker.pid, self.config.memory_limit_bytes or 0)
         try:
             self.send_job()
             error, retire = self.converse(), False
@@ -3281,7 +3345,7 @@ class Execution:
             if not self.kill_worker():
                 return Outcome(500, "engine", "the crashed worker could not be confirmed gone"), True
             if self.last_index is None:
-                return Outcome(500, "engine", "worker crashed"), True
+                return Outcome(500, "engine", f"worker crashed: {self.crash_cause(exit_code)}"), True
             error, retire = self.crash_error(exit_code), True
         except ResponseTooLarge:  # the program ran; what it returned is dropped (docs/protocol.md §11)
             if not self.kill_worker():
@@ -3291,6 +3355,7 @@ class Execution:
             self.worker.kill(self.config.worker_termination_grace_seconds, orphans=True)
             return Outcome(503, "busy", str(exc)), True
         finally:
+            self.memory.stop()
             self.release_lease()
             output = self.captured_output()
             if not self.keep_workspace:
@@ -3329,7 +3394,8 @@ class Execution:
     def send_job(self) -> None:
         program = self.job.program
         limit = self.config.max_requests_per_worker
-        make_spread_directory(self.workspace)
+        if self.root is not None:
+            make_spread_directory(os.path.join(self.root, "work"))
         request = kcoral_worker.JobRequest(
             instructions=program.instructions,
             retire=self.single_use or (bool(limit) and self.worker.served + 1 >= limit),
@@ -3546,12 +3612,21 @@ class Execution:
         self.worker.process.join(CRASH_STATUS_WAIT_SECONDS)
         return self.worker.process.exitcode
 
-    def crash_error(self, exit_code: int | None = None) -> ErrorObject:
-        """docs/protocol.md §10: blamed on the instruction running, the message naming the cause."""
-        oom = exit_code == -signal.SIGKILL and (oom_kill_count() or 0) > (self.oom_kills or 0)
-        error = self.teardown_error(f"worker exited while executing the instruction{worker_exit_cause(exit_code, oom)}")
+    def crash_error(self, exit_code: int | None) -> ErrorObject:
+        error = self.teardown_error(self.crash_cause(exit_code))
         error["instruction_index"] = self.last_index
         return error
+
+    def crash_cause(self, exit_code: int | None) -> str:
+        """Why the worker died, as far as the front-end can tell: over its memory limit, the kernel's
+        OOM killer (a SIGKILL nobody here sent while the kernel counted an OOM kill), or its own
+        status (`worker_exit_cause`)."""
+        if self.memory.exceeded:
+            return (f"the request's processes used {self.memory.exceeded} bytes of memory, over the "
+                    f"{self.memory.limit} of --memory-limit-bytes; they were stopped")
+        if exit_code == -signal.SIGKILL and oom_kill_count() > self.oom_kills:
+            return "worker killed by the kernel's OOM killer: the machine ran out of memory"
+        return "worker exited while executing the instruction" + worker_exit_cause(exit_code)
 
     def teardown_error(self, message: str) -> ErrorObject:
         index = self.last_index or 0
@@ -3579,6 +3654,7 @@ class Execution:
             threading.Thread(target=self.remove_root, name="remove-workspace").start()
 
     def remove_root(self) -> None:
+        assert self.root is not None  # unsandboxed: the caller checked
         failed = remove_tree(self.root)
         if failed:
             self.pool.log.event("cleanup_failed", "ERROR", path=self.root, error=str(failed))
@@ -3588,10 +3664,10 @@ CRASH_STATUS_WAIT_SECONDS = 1.0  # Execution.exit_code_of_crashed_worker
 FAULT_SIGNALS = (signal.SIGSEGV, signal.SIGFPE, signal.SIGABRT, signal.SIGBUS, signal.SIGILL)  # faulthandler's
 
 
-def worker_exit_cause(exit_code: int | None, oom_killed: bool = False) -> str:
+def worker_exit_cause(exit_code: int | None) -> str:
     """": <the cause>" for a worker that died mid-instruction ("" when unknown): the signal by number,
-    name and meaning, out of memory when the OOM killer sent it, where faulthandler left the Python
-    frames (kcoral_worker.worker_main), or the exit status."""
+    name and meaning and where faulthandler left the Python frames (kcoral_worker.worker_main), or
+    the exit status."""
     if exit_code is None:
         return ""
     if exit_code >= 0:
@@ -3602,28 +3678,72 @@ def worker_exit_cause(exit_code: int | None, oom_killed: bool = False) -> str:
     except ValueError:
         name = f"signal {number}"
     cause = f": killed by signal {number} ({name}, {signal.strsignal(number) or 'unknown'})"
-    if oom_killed:
-        cause += ": out of memory, the kernel's OOM killer ended it"
     if number in FAULT_SIGNALS:
         cause += "; the Python frames it crashed in are at the end of stderr"
     return cause
 
 
-def oom_kill_count() -> int | None:
-    """OOM kills so far in the server's memory cgroup (v2, else v1 mounted at our cgroup's root,
-    as in a container), or None where unreadable: a SIGKILL while it rose was most likely one."""
-    try:
-        with open("/proc/self/cgroup") as f:
-            v2 = next((line.split(":", 2)[2].strip() for line in f if line.startswith("0::")), "/")
-    except OSError:
-        return None
-    for path in (f"/sys/fs/cgroup{v2.rstrip('/')}/memory.events", "/sys/fs/cgroup/memory/memory.oom_control"):
-        try:
-            with open(path) as f:
-                return next(int(line.split()[1]) for line in f if line.startswith("oom_kill "))
-        except (OSError, StopIteration, ValueError, IndexError):
-            continue
-    return None
+class MemoryWatch:
+    """Samples the memory of a running request's processes (its worker and every descendant) every
+    MEMORY_SAMPLE_SECONDS and SIGKILLs the worker when they use more than `limit` bytes together
+    (0: no limit); `exceeded` is then what it measured.  A sampled limit can be overshot for a
+    moment; the kernel's OOM killer, which takes workers first (oom_score_adj), covers that moment.
+
+    Resident anonymous memory (statm) is cheap to read but counts the pages a fork shares with
+    its template once per process; only when that sum is over the limit are the shares weighed
+    (PSS, smaps_rollup), so that forked helpers are not charged for torch's pages over and over."""
+
+    def __init__(self, pid: int, limit: int) -> None:
+        self.pid, self.limit = pid, limit
+        self.exceeded = 0
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self.watch, name="memory-watch", daemon=True) if limit else None
+        if self.thread is not None:
+            self.thread.start()
+
+    def watch(self) -> None:
+        while not self.stopped.wait(MEMORY_SAMPLE_SECONDS):
+            used = request_memory([self.pid] + descendants(self.pid), self.limit)
+            if used > self.limit:
+                self.exceeded = used
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(self.pid, signal.SIGKILL)
+                return
+
+    def stop(self) -> None:
+        self.stopped.set()
+        if self.thread is not None:
+            self.thread.join()
+
+
+MEMORY_SAMPLE_SECONDS = 0.1
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+
+
+def request_memory(pids: list[int], limit: int) -> int:
+    """Bytes the processes use: anonymous resident memory, weighed by sharing once it is over `limit`."""
+    cheap = 0
+    for pid in pids:
+        with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{pid}/statm", "rb") as f:
+            fields = f.read().split()
+            cheap += (int(fields[1]) - int(fields[2])) * PAGE_BYTES  # resident minus file-backed and shared
+    if cheap <= limit:
+        return cheap
+    weighed = 0
+    for pid in pids:
+        with contextlib.suppress(OSError, ValueError), open(f"/proc/{pid}/smaps_rollup", "rb") as f:
+            weighed += sum(int(line.split()[1]) * 1024 for line in f
+                           if line.startswith((b"Pss_Anon:", b"Pss_Shmem:")))
+    return weighed
+
+
+def oom_kill_count() -> int:
+    """How many processes the kernel's OOM killer has ended since boot (/proc/vmstat)."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/vmstat", "rb") as f:
+        for line in f:
+            if line.startswith(b"oom_kill "):
+                return int(line.split()[1])
+    return 0
 
 
 # what a worker may send mid-request
@@ -3824,7 +3944,7 @@ class Worker:
             if not gone:
                 self.log.event("sandbox_replaced", "WARNING", reason="processes outlived the request's kill sweeps")
                 self.template.kill()
-                gone = not is_live(self.template.init_pid or 0)
+                gone = not is_live(self.template.pid or 0)
         else:
             gone = kill_group(self.pid, grace, orphans=orphans)
         self.process.join(5)
@@ -4165,10 +4285,12 @@ def resolve_sandbox(config: ServerConfig) -> tuple[str, str | None]:
     return "bubblewrap", None
 
 
-SANDBOX_ROOT = "/kcoral"  # inside a sandbox: the slot's private directory (work/, blobs, home/, cache/)
-# A slot's host directory (0700, invisible inside) holds the three directories a container may write,
-# each a mount point inside, so a program can change what they hold but never rename or replace them:
-SANDBOX_WRITABLE = {"private": (SANDBOX_ROOT,), "tmp": ("/tmp", "/var/tmp"), "shm": ("/dev/shm",)}
+SANDBOX_ROOT = kcoral_worker.SANDBOX_ROOT  # inside: the request's own tmpfs (work/, home/, cache/)
+# empty mount points in the container: each request's worker mounts its own writable space on them
+SANDBOX_DIRECTORIES = (SANDBOX_ROOT, *kcoral_worker.SANDBOX_SPACES)
+CAPABILITY_NAMES = {kcoral_worker.CAP_SETGID: "CAP_SETGID", kcoral_worker.CAP_SETUID: "CAP_SETUID",
+                    kcoral_worker.CAP_SETPCAP: "CAP_SETPCAP", kcoral_worker.CAP_SYS_ADMIN: "CAP_SYS_ADMIN",
+                    kcoral_worker.CAP_SYS_RESOURCE: "CAP_SYS_RESOURCE"}
 SANDBOX_ETC = ("alternatives", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "passwd", "group", "nsswitch.conf",
                "hosts", "localtime", "ssl", "ca-certificates", "os-release", "debian_version", "gitconfig")
 SYSTEM_TOPS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
@@ -4183,6 +4305,7 @@ SANDBOX_ENV_NAMES = (
     "PYTORCH_NVML_BASED_CUDA_CHECK", "TRITON_PTXAS_PATH", "TVM_FFI_CUDA_ARCH_LIST")
 SANDBOX_ADDONS = "/opt/kcoral-tvm-ffi"  # inside: the tvm_ffi torch add-on the server built (read-only)
 KILL_SWEEP_SECONDS = 2.0  # SIGKILL sweeps over a container's request processes before it is ended whole
+OUTPUT_TAIL_BYTES = 2048  # of what a sandbox's template printed, kept for the error that says why it failed
 GPU_CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-caps")
 # the control nodes CUDA cannot do without, and what breaks inside a container started without them
 REQUIRED_GPU_NODES = {"/dev/nvidiactl": "CUDA cannot initialise inside the sandbox",
@@ -4194,84 +4317,132 @@ def probe_bubblewrap(config: ServerConfig) -> None:
     """--sandbox bubblewrap without a working bwrap stops the start-up; it never runs unsandboxed."""
     if shutil.which("bwrap") is None:
         raise SystemExit("kcoral: --sandbox bubblewrap needs bwrap on PATH (Debian: apt-get install bubblewrap)")
-    root = tempfile.mkdtemp(prefix="kcoral-sandbox-probe-")
+    project, _ = project_files()
+    code = f"import sys; sys.path.insert(0, {project!r}); import kcoral_worker"
     try:
-        for name in SANDBOX_WRITABLE:
-            os.mkdir(os.path.join(root, name), 0o700)
-        project, _ = project_files()
-        code = f"import sys; sys.path.insert(0, {project!r}); import kcoral_worker"
-        result = subprocess.run(bwrap_command(config, [], root) + [sys.executable, "-I", "-c", code], check=False,
-                                env=sandbox_environment(), stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as exc:
+        process = start_container(config, [], [sys.executable, "-I", "-c", code], ())
+        output = process.communicate(timeout=60)[0]
+    except (OSError, subprocess.TimeoutExpired, WorkerCrashed) as exc:
         raise SystemExit(f"kcoral: --sandbox bubblewrap: bwrap does not work here: {exc}") from None
-    finally:
-        remove_tree(root)
-    if result.returncode != 0:
-        lines = result.stderr.decode(errors="replace").strip().splitlines() or [f"exit code {result.returncode}"]
+    if process.returncode != 0:
+        lines = output.decode(errors="replace").strip().splitlines() or [f"exit code {process.returncode}"]
         raise SystemExit(f"kcoral: --sandbox bubblewrap: bwrap does not work here: {lines[-1]}")
 
 
+def sandbox_ids(config: ServerConfig) -> tuple[int, int]:
+    """(uid, gid) sandboxed programs run as: --sandbox-uid when the server is root, else the server's own."""
+    if os.getuid() == 0:
+        return config.sandbox_uid, config.sandbox_uid
+    return os.getuid(), os.getgid()
+
+
+def start_container(config: ServerConfig, gpus: list[int], command: list[str], pass_fds: Iterable[int]
+                    ) -> subprocess.Popen:
+    """bwrap running `command` as PID 1 of a new container, stdin /dev/null, stdout and stderr one
+    pipe the caller reads.  As root, bwrap's own set-up needs the host's root mapped in the
+    container's user namespace, and bwrap cannot map another uid: so the namespace waits, blocked,
+    until we have mapped root (as its uid 0, for bwrap's set-up only) and the sandbox uid (as
+    itself); the template leaves uid 0 before anything else runs (kcoral_worker.become_sandbox_user)."""
+    args = IGNORING_TREE_SIGNALS + bwrap_command(config, gpus)
+    popen: dict[str, Any] = {"env": sandbox_environment(), "stdin": subprocess.DEVNULL, "stdout": subprocess.PIPE,
+                             "stderr": subprocess.STDOUT}
+    if os.getuid() != 0:
+        return lasting_popen(args + command, pass_fds=tuple(pass_fds), **popen)
+    info_r, info_w = os.pipe()
+    block_r, block_w = os.pipe()
+    try:
+        process = lasting_popen(args + ["--userns-block-fd", str(block_r), "--info-fd", str(info_w)] + command,
+                                pass_fds=(*pass_fds, block_r, info_w), **popen)
+    finally:
+        os.close(block_r)
+        os.close(info_w)
+    try:
+        uid, gid = sandbox_ids(config)
+        child = container_pid(info_r, time.monotonic() + 30)
+        for name, host in (("uid_map", uid), ("gid_map", gid)):
+            with open(f"/proc/{child}/{name}", "w") as f:
+                f.write(f"0 0 1\n{host} {host} 1\n")
+        os.write(block_w, b"+")
+    except (OSError, ValueError) as exc:
+        process.kill()
+        process.wait()
+        raise WorkerCrashed(f"the sandbox's user namespace could not be set up: {exc}") from None
+    finally:
+        os.close(info_r)
+        os.close(block_w)
+    return process
+
+
+def container_pid(info: int, deadline: float) -> int:
+    """The host pid of a container's first process, from bwrap's --info-fd JSON."""
+    text = b""
+    while b"}" not in text:
+        wait_readable(info, deadline)
+        chunk = os.read(info, 4096)
+        if not chunk or len(text) > 1 << 16:
+            raise ValueError(f"bwrap said {text[:200]!r} about its container")
+        text += chunk
+    pid = json.loads(text).get("child-pid")
+    if type(pid) is not int:
+        raise ValueError("bwrap named no container process")
+    return pid
+
+
 class SandboxTemplate:
-    """A slot's bubblewrap container, and in it a warm template that forks one worker at a time.
+    """A slot's bubblewrap container, whose PID 1 is a warm template that forks one worker at a time.
 
     Starting a container and importing torch takes seconds; forking a worker from a template
-    that did both once takes milliseconds.  So a slot keeps its container: each request gets a
-    fresh process in it, a private directory emptied after the request, and everything the
-    request started is killed (the container's PID namespace holds nothing else).
+    that did both once takes milliseconds.  So a slot keeps its container, and each request gets
+    a fresh process in namespaces of its own (kcoral_worker.fork_request): its own PIDs, /proc,
+    writable tmpfs and IPC objects, all gone with it.  The template takes no signal from inside
+    and cannot be traced or read (it is not dumpable); nothing but it lasts between requests.
     """
-    init_pid: int | None  # the container's PID 1 and our template in it, host pids, once ready()
-    pid: int | None
+    pid: int | None  # the template, the container's PID 1, as a host pid, once ready()
     current: SandboxedProcess | None  # the worker it forked last
 
     def __init__(self, config: ServerConfig, device: str, gpus: list[int]) -> None:
-        self.root = tempfile.mkdtemp(prefix=workspace_prefix("sandbox"))  # 0700, never shown inside
-        self.private = os.path.join(self.root, "private")  # the container's SANDBOX_ROOT
-        self.identity = {}  # name -> (st_dev, st_ino): what clear() empties is what was mounted
-        for name in SANDBOX_WRITABLE:
-            os.mkdir(os.path.join(self.root, name), 0o700)
-            info = os.stat(os.path.join(self.root, name), follow_symlinks=False)
-            self.identity[name] = (info.st_dev, info.st_ino)
-        spread_subdirectories(self.private)  # each request's work/ in a block group of its own
-        self.mount_points = {name: mount_points_within(config, name) for name in SANDBOX_WRITABLE}
         self.conn, child = multiprocessing.Pipe()
         project, _ = project_files()
         # as the unsandboxed template: GPU workers pin their device after the fork, before CUDA starts
         preload = ["numpy"] + [m for m in ("torch", "tvm_ffi") if importlib.util.find_spec(m)]
         import_env = {"TVM_FFI_CACHE_DIR": SANDBOX_ADDONS} if torch_addons() else {}
+        uid, gid = sandbox_ids(config)
+        space = kcoral_worker.RequestSpace(uid, gid, config.disk_limit_bytes or 0, config.file_limit or 0,
+                                           config.process_limit or 0, kept_mounts(config))
+        frame = kcoral_worker.encode_message(space)[kcoral_worker.MESSAGE_HEADER.size:]
         code = (f"import sys; sys.path.insert(0, {project!r}); import kcoral_worker; "
-                f"kcoral_worker.template_main({child.fileno()}, {preload!r}, {import_env!r})")
-        # bwrap's own processes get the clean environment too: the container's PID 1 is one of them;
+                f"kcoral_worker.template_main({child.fileno()}, {preload!r}, {import_env!r}, {frame!r})")
         # -I: no start directory, user site or PYTHON* variables on the import path
-        self.process = lasting_popen(IGNORING_TREE_SIGNALS + bwrap_command(config, gpus, self.root)
-                                     + [sys.executable, "-I", "-c", code],
-                                     env=sandbox_environment(), pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
-        child.close()
-        self.init_pid = self.pid = self.current = None
+        try:
+            self.process = start_container(config, gpus, [sys.executable, "-I", "-c", code], (child.fileno(),))
+        finally:
+            child.close()
+        assert isinstance(self.process.stdout, io.BufferedReader)  # start_container pipes it
+        self.output = OutputTail(self.process.stdout)
+        self.pid = self.current = None
 
     def ready(self, timeout: float) -> None:
-        """Wait for the template's first message; find its init and template processes."""
+        """Wait for the template's first message; find its host pid."""
         if self.pid is not None:
             return
         try:
             template_pid = expect(self.conn, kcoral_worker.WorkerReady, time.monotonic() + timeout,
                                   f"the sandbox did not start within {timeout:.0f} s").pid
-        except WorkerCrashed:
+            self.pid = next((p for p in children_of(self.process.pid) if inner_pid(p) == template_pid), None)
+            if self.pid is None:
+                raise WorkerCrashed("the sandbox's template is gone")
+        except WorkerCrashed as exc:
             self.kill()
-            raise
-        self.init_pid = next(iter(children_of(self.process.pid)), None)
-        self.pid = next((p for p in children_of(self.init_pid) if inner_pid(p) == template_pid), None)
-        if self.pid is None:
-            self.kill()
-            raise WorkerCrashed("the sandbox's template is gone")
+            raise WorkerCrashed(f"{exc}{self.output.said()}") from None
 
     def alive(self) -> bool:
         return self.process.poll() is None and (self.pid is None or is_live(self.pid))
 
     def fork(self, conn: Connection, device: str, visible: list[str], timeout: float) -> SandboxedProcess:
-        """A fresh worker for `conn` in a freshly emptied private directory -> its SandboxedProcess.
+        """A fresh worker for `conn` -> its SandboxedProcess.
 
-        A template that does not answer (a program may have stopped it) takes its container
-        down with it, so that the slot's next worker comes from a new one."""
+        A template that does not answer takes its container down with it, so that the slot's
+        next worker comes from a new one."""
         self.ready(timeout)
         try:
             if self.current is not None:  # its exit status comes first on the pipe
@@ -4279,69 +4450,61 @@ class SandboxTemplate:
                 if self.current.exitcode is None:
                     raise WorkerCrashed("the sandbox's previous worker did not exit")
             try:
-                self.clear()
-            except OSError as exc:
-                raise WorkerCrashed(f"the sandbox's directories could not be emptied: {exc}") from exc
-            try:
                 kcoral_worker.send_message(self.conn, kcoral_worker.ForkWorker(device, visible))
                 reduction.send_handle(self.conn, conn.fileno(), self.pid)
             except OSError as exc:
                 raise WorkerCrashed("the sandbox's template is gone") from exc
             forked = expect(self.conn, kcoral_worker.WorkerForked, time.monotonic() + 60,
                             "the sandbox's template did not fork")
-            host_pid = next((p for p in children_of(self.pid) if inner_pid(p) == forked.pid), None)
-            if host_pid is None:
+            holder = next((p for p in children_of(self.pid) if inner_pid(p) == forked.pid), None)
+            worker = next(iter(children_of(holder)), None) if holder is not None else None
+            if worker is None:
                 raise WorkerCrashed("the sandbox's new worker is gone")
         except WorkerCrashed:
             self.kill()
             raise
-        self.current = SandboxedProcess(self, host_pid)
+        self.current = SandboxedProcess(self, worker)
         return self.current
 
     def kill_requests(self, grace: float, worker_pid: int) -> bool:
-        """SIGTERM everything in the container but its init and template, then SIGKILL what is
-        left after `grace`, sweep after sweep: a fork chain that outruns one snapshot is caught
-        by the next.  -> whether it is all gone; if not, the caller ends the container (the
-        kernel then kills its whole PID namespace at once)."""
-        spared = [os.getpgid(p) for p in (self.init_pid, self.pid) if p and is_live(p)]
-        return kcoral_worker.terminate(lambda: [p for p in descendants(self.init_pid) if p != self.pid], grace,
-                                       KILL_SWEEP_SECONDS, keep_groups=spared, at_once=(worker_pid,))
-
-    def clear(self) -> None:
-        """Empty the three directories the container can write, through descriptors that follow
-        no link (empty_directory_at), and make each 0700 again; the mount points of read-only
-        paths inside /tmp stay.  OSError when one is not the directory that was mounted."""
-        root_fd = os.open(self.root, NOFOLLOW_DIR)
-        try:
-            for name in SANDBOX_WRITABLE:
-                fd = os.open(name, NOFOLLOW_DIR, dir_fd=root_fd)
-                try:
-                    info = os.fstat(fd)
-                    if (info.st_dev, info.st_ino) != self.identity[name]:
-                        raise OSError(errno.EXDEV, f"the sandbox's {name} directory was replaced")
-                    empty_directory_at(fd, self.mount_points[name])
-                    if name == "private":
-                        for sub in ("home", "cache"):
-                            os.mkdir(sub, 0o700, dir_fd=fd)
-                finally:
-                    os.close(fd)
-        finally:
-            os.close(root_fd)
+        """Kill the worker at once (PID 1 of its request's namespace: the kernel ends everything in
+        it with it), then everything else below the template, SIGTERM first, SIGKILL after `grace`,
+        sweep after sweep.  -> whether it is all gone; if not, the caller ends the container."""
+        spared = [os.getpgid(self.pid)] if self.pid and is_live(self.pid) else []
+        return kcoral_worker.terminate(lambda: descendants(self.pid), grace, KILL_SWEEP_SECONDS,
+                                       keep_groups=spared, at_once=(worker_pid,))
 
     def kill(self) -> None:
-        """End the container: its init is SIGKILLed, which takes down every process in its PID
-        namespace at once (whatever forked, hid or ignored signals), and bwrap exits with it."""
+        """End the container: its init, the template, is SIGKILLed, which takes down every process
+        in its PID namespace at once (whatever forked, hid or ignored signals), and bwrap exits with it."""
         with contextlib.suppress(OSError):
             self.conn.close()
-        if self.init_pid is not None:
+        if self.pid is not None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(self.init_pid, signal.SIGKILL)
+                os.kill(self.pid, signal.SIGKILL)
         try:
             self.process.wait(5)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
-        remove_tree(self.root)
+
+
+class OutputTail:
+    """What a container's template writes to stdout and stderr: read as it comes, so that it never
+    blocks, and only the last OUTPUT_TAIL_BYTES kept, for the error that says why a sandbox failed."""
+
+    def __init__(self, stream: io.BufferedReader) -> None:
+        self.tail = b""
+        threading.Thread(target=self.follow, args=(stream,), name="sandbox-output", daemon=True).start()
+
+    def follow(self, stream: io.BufferedReader) -> None:
+        with stream:
+            while chunk := stream.read1(1 << 16):
+                self.tail = (self.tail + chunk)[-OUTPUT_TAIL_BYTES:]
+
+    def said(self) -> str:
+        text = self.tail.decode(errors="replace").strip()
+        return f"; it said: {text[-OUTPUT_TAIL_BYTES:]}" if text else ""
 
 
 class SandboxedProcess:
@@ -4367,15 +4530,21 @@ class SandboxedProcess:
         return self.exitcode is None
 
 
-def bwrap_command(config: ServerConfig, gpus: list[int], root: str) -> list[str]:
-    """The bubblewrap command line of a slot whose private directory is `root` (docs/server.md §3.1).
+def bwrap_command(config: ServerConfig, gpus: list[int]) -> list[str]:
+    """The bubblewrap command line of a slot's container (docs/server.md §3.1).
 
-    Every namespace is new (no network, own PIDs), no capabilities, no nested user namespaces;
-    the system, the Python environment, our files and --sandbox-readonly-path entries read-only;
-    the log directory, disk cache and the server's temporary directory hidden where they would
-    otherwise show through one of those."""
-    args = [shutil.which("bwrap") or "bwrap", "--die-with-parent", "--unshare-all", "--unshare-user",
-            "--disable-userns", "--cap-drop", "ALL", "--new-session", "--clearenv"]
+    Every namespace is new (no network, own PIDs), the template its PID 1 with only the
+    capabilities it needs to give each request namespaces of its own (which drop them all); the
+    system, the Python environment, our files and --sandbox-readonly-path entries read-only; the
+    log directory, disk cache and the server's temporary directory hidden where they would
+    otherwise show through one of those.  Nothing is writable: each request mounts its own tmpfs."""
+    caps = kcoral_worker.TEMPLATE_CAPS + (kcoral_worker.ROOT_TEMPLATE_CAPS if os.getuid() == 0 else ())
+    args = [shutil.which("bwrap") or "bwrap", "--die-with-parent", "--unshare-all", "--unshare-user", "--as-pid-1",
+            "--cap-drop", "ALL", "--new-session", "--clearenv"]
+    for cap in caps:
+        args += ["--cap-add", CAPABILITY_NAMES[cap]]
+    if os.getuid() != 0:  # as root, incompatible with mapping the uid ourselves; the worker's set-up forbids them
+        args += ["--disable-userns"]
     for name, value in sandbox_environment().items():
         args += ["--setenv", name, value]
     for top in SYSTEM_TOPS:
@@ -4385,15 +4554,16 @@ def bwrap_command(config: ServerConfig, gpus: list[int], root: str) -> list[str]
             args += ["--ro-bind", top, top]
     for name in SANDBOX_ETC:
         args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
-    args += ["--ro-bind", "/sys", "/sys", "--proc", "/proc", "--dev", "/dev", "--mqueue", "/dev/mqueue"]
+    args += ["--ro-bind", "/sys", "/sys", "--proc", "/proc", "--dev", "/dev", "--dir", "/dev/mqueue"]
     for node in [gpu_device_node(g) for g in gpus] + list(GPU_CONTROL_NODES if gpus else ()):
         args += ["--dev-bind-try", node, node]
     for addon in torch_addons():
         args += ["--ro-bind", addon, os.path.join(SANDBOX_ADDONS, os.path.basename(addon))]
-    for name, places in SANDBOX_WRITABLE.items():
-        for place in places:
-            args += ["--bind", os.path.join(root, name), place]
+    for directory in SANDBOX_DIRECTORIES:
+        args += ["--dir", directory]
     shown = shown_paths(config)
+    for parent in parent_directories(shown):  # bwrap would make them 0700: the sandbox's uid could not pass
+        args += ["--perms", "0755", "--dir", parent]
     hidden = [os.path.abspath(p) for p in (config.log_dir, config.disk_cache_dir, tempfile.gettempdir(),
                                            os.path.expanduser("~")) if p]
     hidden = [p for p in hidden if any(is_under(p, s) for s in shown)]
@@ -4401,8 +4571,7 @@ def bwrap_command(config: ServerConfig, gpus: list[int], root: str) -> list[str]
     for path, kind in sorted([(p, "--ro-bind") for p in shown] + [(p, "--tmpfs") for p in hidden]):
         args += [kind, path] if kind == "--tmpfs" else [kind, path, path]
     # Last, everything bwrap itself made writable becomes read-only (its root, /dev, the hiding
-    # tmpfs mounts): a file a request leaves anywhere but the three directories above would
-    # otherwise be there for the next request in the same container.
+    # tmpfs mounts): a file left anywhere would otherwise be there for the next request.
     for path in ["/", "/dev", *hidden]:
         args += ["--remount-ro", path]
     return args + ["--chdir", "/"]
@@ -4455,11 +4624,19 @@ def shown_paths(config: ServerConfig) -> list[str]:
     return python_paths() + files + [os.path.abspath(p) for p in config.sandbox_readonly_paths]
 
 
-def mount_points_within(config: ServerConfig, name: str) -> list[str]:
-    """Where read-only mounts sit inside the writable directory `name` (a checkout or a
-    --sandbox-readonly-path under /tmp, say), relative to it: emptying must leave their way."""
-    return [os.path.relpath(path, top) for path in shown_paths(config)
-            for top in SANDBOX_WRITABLE[name] if is_under(path, top) and path != top]
+def parent_directories(paths: list[str]) -> list[str]:
+    """Every directory above `paths` that a container's root lacks (outside the system's), parents first."""
+    parents = {os.path.dirname(path) for path in paths}
+    while (more := {os.path.dirname(p) for p in parents} - parents):
+        parents |= more
+    return sorted(p for p in parents if p != "/" and not any(is_under(p, top) for top in SYSTEM_TOPS))
+
+
+def kept_mounts(config: ServerConfig) -> list[str]:
+    """The read-only paths a container shows inside /tmp, /var/tmp or /dev/shm (a checkout or a
+    --sandbox-readonly-path under /tmp, say): each request's own writable space there keeps them."""
+    return [path for path in shown_paths(config)
+            if any(is_under(path, place) and path != place for place in kcoral_worker.SANDBOX_SPACES)]
 
 
 def torch_addons() -> list[str]:
@@ -4574,7 +4751,7 @@ def serve_spawns(requests: queue.SimpleQueue) -> None:
 
 # --- 11. workspaces: private directories, removed without following a link -----------------------
 
-WORKSPACE = re.compile(r"kcoral-(?:program|sandbox)-(\d+)\.(\d+)-")
+WORKSPACE = re.compile(r"kcoral-program-(\d+)\.(\d+)-")
 
 
 def process_start_ticks(pid: int) -> int | None:
@@ -4587,10 +4764,10 @@ def process_start_ticks(pid: int) -> int | None:
         return None
 
 
-def workspace_prefix(kind: str = "program") -> str:
-    """`kcoral-<program|sandbox>-<server pid>.<its start ticks>-`: the owner is in the name, so
-    the next start can tell the directories of a killed server from a live one's."""
-    return f"kcoral-{kind}-{os.getpid()}.{process_start_ticks(os.getpid())}-"
+def workspace_prefix() -> str:
+    """`kcoral-program-<server pid>.<its start ticks>-`: the owner is in the name, so the next
+    start can tell the directories of a killed server from a live one's."""
+    return f"kcoral-program-{os.getpid()}.{process_start_ticks(os.getpid())}-"
 
 
 def remove_dead_workspaces(directory: str) -> int:
@@ -4775,7 +4952,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         else:
             if isinstance(default, tuple):  # parsed from its string form like an env value
                 default = ",".join(map(str, default))
-            kind = types_of[field.name] if types_of[field.name] in (int, float) else str
+            kind = next((t for t in (int, float) if types_of[field.name] in (t, t | None)), str)
             parser.add_argument(flag, type=kind, default=default, choices=meta["choices"],
                                 help=meta["help"] + env_note + " (default: %(default)s)")
 

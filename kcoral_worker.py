@@ -497,6 +497,20 @@ class RequestDone:
 
 @message
 @dataclasses.dataclass(frozen=True)
+class RequestSpace:
+    """Front-end -> sandbox template, once, as its start-up argument: who its workers run as and
+    the limits each request gets (0: none).  `kept` lists the read-only paths the container shows
+    under /tmp, /var/tmp or /dev/shm, which each request's fresh writable space must keep showing."""
+    uid: int
+    gid: int
+    disk_bytes: int
+    files: int
+    processes: int
+    kept: list[str]
+
+
+@message
+@dataclasses.dataclass(frozen=True)
 class ForkWorker:
     """Front-end -> sandbox template: fork one worker; the worker's pipe follows as a passed file
     descriptor.  Answered by WorkerForked, then WorkerExited once that worker is gone."""
@@ -507,7 +521,8 @@ class ForkWorker:
 @message
 @dataclasses.dataclass(frozen=True)
 class WorkerForked:
-    """Sandbox template -> front-end: the new worker's pid inside the sandbox."""
+    """Sandbox template -> front-end: the pid, inside the container, of the process holding the new
+    worker's namespaces (its only child is the worker, PID 1 of a namespace of its own)."""
     pid: int
 
 
@@ -671,28 +686,6 @@ def terminate(remaining: Callable[[], list[int]], grace: float, kill_for: float,
         pids = remaining()
 
 
-IPC_RMID = 0
-
-
-def remove_ipc_objects() -> None:
-    """Remove the System V shared memory, semaphores and message queues and the POSIX message
-    queues of the container's IPC namespace: they are not files, so emptying its directories
-    would leave them for the next request (/dev/mqueue is the namespace's own mqueue mount)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    removers = {"shm": lambda i: libc.shmctl(i, IPC_RMID, None), "msg": lambda i: libc.msgctl(i, IPC_RMID, None),
-                "sem": lambda i: libc.semctl(i, 0, IPC_RMID)}
-    for name, remove in removers.items():
-        with contextlib.suppress(OSError), open(f"/proc/sysvipc/{name}") as table:
-            for line in list(table)[1:]:  # after the header: key, id, ...
-                fields = line.split()
-                if len(fields) > 1 and fields[1].isdigit():
-                    remove(int(fields[1]))
-    with contextlib.suppress(OSError):
-        for queue in os.listdir("/dev/mqueue"):
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join("/dev/mqueue", queue))
-
-
 # --- the worker process: start, serve requests, exit ----------------------------------------------
 
 def worker_main(conn: Connection, device: str, visible_gpus: list[str]) -> None:
@@ -705,6 +698,8 @@ def worker_main(conn: Connection, device: str, visible_gpus: list[str]) -> None:
     ignore_tree_signals()
     die_with_parent()
     become_subreaper()
+    detach_standard_streams()
+    set_oom_score(1000)  # when the host runs out of memory, a worker goes first, never the front-end
     os.environ[WORKER_MARK] = str(os.getpid())  # inherited: finds what escapes after a crash
     # a native crash prints the Python frames it happened under into fd 2, the request's captured stderr
     faulthandler.enable(file=2, all_threads=False)
@@ -739,6 +734,15 @@ def worker_main(conn: Connection, device: str, visible_gpus: list[str]) -> None:
                 raise UnexpectedMessage(f"a worker cannot serve {message!r}")
 
 
+def detach_standard_streams() -> None:
+    """stdin, stdout and stderr on /dev/null: a program writes to its request's capture pipes
+    (`Capture`) or nowhere, never to the server's own log or console."""
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.close(null)
+
+
 def messages(conn: Connection) -> Iterator[object]:
     """What the front-end sends, one message at a time; when it closes the pipe, this process
     (a worker or a sandbox template) has nothing left to do and exits quietly."""
@@ -749,14 +753,20 @@ def messages(conn: Connection) -> Iterator[object]:
             os._exit(0)
 
 
-def template_main(fd: int, preload: list[str], import_env: dict[str, str]) -> None:
-    """Entry point of a slot's template inside its bubblewrap sandbox (kcoral.py SandboxTemplate).
+def template_main(fd: int, preload: list[str], import_env: dict[str, str], space_frame: bytes) -> None:
+    """Entry point of a slot's template: PID 1 of its bubblewrap container (kcoral.py SandboxTemplate).
 
-    It imports once (with `import_env` set meanwhile), then per `ForkWorker` (plus the worker's
-    pipe, passed as a handle) forks one worker, answers `WorkerForked` and, once that worker is
-    gone, `WorkerExited`.
+    It becomes the sandbox's user (`become_sandbox_user`), imports once (with `import_env` set
+    meanwhile), then per `ForkWorker` (plus the worker's pipe, passed as a handle) starts one worker
+    in namespaces of its own (`fork_request`), answers `WorkerForked` and, once that worker is gone,
+    `WorkerExited`.  It is never dumpable and, as its PID namespace's init, takes no signal it does
+    not handle: no request can trace, read or stop it.
     """
     import importlib
+    space = decode_message(space_frame)
+    if not isinstance(space, RequestSpace):
+        raise UnexpectedMessage(f"a sandbox template cannot start with {space!r}")
+    become_sandbox_user(space)
     ignore_tree_signals()
     set_dumpable(False)  # a request may not ptrace or read the process that forks the next one
     saved = {name: os.environ.get(name) for name in import_env}
@@ -774,19 +784,173 @@ def template_main(fd: int, preload: list[str], import_env: dict[str, str]) -> No
         if not isinstance(message, ForkWorker):
             raise UnexpectedMessage(f"a sandbox template cannot serve {message!r}")
         pipe = reduction.recv_handle(conn)
-        pid = os.fork()
-        if pid == 0:
-            try:
-                conn.close()
+        holder = fork_request(conn, pipe, message, space)
+        send_message(conn, WorkerForked(holder))
+        send_message(conn, WorkerExited(reap_until(holder)))
+
+
+# Linux's constants (stable ABI) for what the os module lacks before Python 3.12
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWPID = 0x00020000, 0x08000000, 0x20000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
+CAP_SETGID, CAP_SETUID, CAP_SETPCAP, CAP_SYS_ADMIN, CAP_SYS_RESOURCE = 6, 7, 8, 21, 24
+# what the template keeps to give each request fresh namespaces, and what it needs only to become
+# the sandbox's user when the server runs as root (kcoral.py's bwrap_command adds exactly these)
+TEMPLATE_CAPS = (CAP_SETPCAP, CAP_SYS_ADMIN, CAP_SYS_RESOURCE)
+ROOT_TEMPLATE_CAPS = (CAP_SETGID, CAP_SETUID)
+PROC_COVERED = ("sys", "sysrq-trigger", "irq", "bus")  # read-only in every /proc a request sees
+SANDBOX_ROOT = "/kcoral"  # inside a sandbox: the request's writable space (work/, home/, cache/, tmp/, shm/)
+SANDBOX_SPACES = {"/tmp": "tmp", "/var/tmp": "tmp", "/dev/shm": "shm"}  # where else it shows
+
+
+def libc_call(name: str, *args: Any) -> int:
+    """A libc call that sets errno -> its result; OSError naming the call when it fails."""
+    result = getattr(ctypes.CDLL(None, use_errno=True), name)(*args)
+    if result == -1:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{name}: {os.strerror(err)}")
+    return result
+
+
+def mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    libc_call("mount", source and source.encode(), target.encode(), fstype and fstype.encode(), flags,
+              data and data.encode())
+
+
+def set_capabilities(keep: Collection[int]) -> None:
+    """Make `keep` this process's effective and permitted capabilities, nothing inheritable."""
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+    bits = sum(1 << cap for cap in keep)
+    data = (Data * 2)(Data(bits & 0xFFFFFFFF, bits & 0xFFFFFFFF, 0), Data(bits >> 32, bits >> 32, 0))
+    libc_call("capset", ctypes.byref(Header(0x20080522, 0)), data)  # _LINUX_CAPABILITY_VERSION_3
+
+
+def become_sandbox_user(space: RequestSpace) -> None:
+    """Started by a root server, the template runs as the container's uid 0, which is the host's
+    root: it switches to the sandbox's unprivileged uid, keeping only TEMPLATE_CAPS (within the
+    container's user namespace) to give each request its namespaces.  A no-op otherwise."""
+    if os.getuid() == space.uid:
+        return
+    libc_call("prctl", 8, 1, 0, 0, 0)  # PR_SET_KEEPCAPS: the switch must not clear the permitted set
+    os.setgroups([])
+    os.setresgid(space.gid, space.gid, space.gid)
+    os.setresuid(space.uid, space.uid, space.uid)
+    set_capabilities(TEMPLATE_CAPS)
+
+
+def fork_request(conn: Connection, pipe: int, message: ForkWorker, space: RequestSpace) -> int:
+    """Fork the holder of a request's namespaces (mount, PID and IPC, all new), whose only child is
+    the request's worker, PID 1 there -> the holder's pid, once the worker exists.
+
+    The worker sees none of the container's processes, starts its PIDs at 1, and writes only to a
+    tmpfs of its own, sized by the limits; when it dies, the kernel kills everything in its PID
+    namespace, and the tmpfs and IPC objects go with the last process that used them."""
+    tasks = len(os.listdir("/proc/self/task"))  # the template's threads count against the uid too
+    ready_r, ready_w = os.pipe()
+    holder = os.fork()
+    if holder == 0:
+        try:
+            conn.close()
+            os.close(ready_r)
+            libc_call("unshare", CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC)
+            worker = os.fork()
+            if worker == 0:
+                os.close(ready_w)
+                enter_request_space(space, tasks + 1)
                 set_dumpable(True)
                 worker_main(Connection(pipe), message.device, message.visible_gpus)
-            finally:
-                os._exit(1)
-        os.close(pipe)
-        send_message(conn, WorkerForked(pid))
-        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-        remove_ipc_objects()  # the front-end kills what the request left before it asks for the next worker
-        send_message(conn, WorkerExited(code))
+            os.close(pipe)
+            os.write(ready_w, b"+")
+            os.close(ready_w)
+            exit_like(os.waitpid(worker, 0)[1])
+        finally:
+            os._exit(1)
+    os.close(pipe)
+    os.close(ready_w)
+    os.read(ready_r, 1)  # the holder writes once the worker exists, or dies
+    os.close(ready_r)
+    return holder
+
+
+def enter_request_space(space: RequestSpace, others: int) -> None:
+    """In a fresh worker, PID 1 of new mount, PID and IPC namespaces: a /proc of its own (what
+    changes the host read-only), no further user namespaces, a fresh tmpfs for everything it may
+    write (sized by --disk-limit-bytes and --file-limit), its own message queues; then no
+    capabilities, at most --process-limit processes and threads (counted per uid in the container's
+    user namespace, where `others` are the template's threads and the holder) and no core dumps."""
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    with open("/proc/sys/user/max_user_namespaces", "w") as f:  # this user namespace's own limit
+        f.write("0")
+    for name in PROC_COVERED:
+        path = f"/proc/{name}"
+        if os.path.exists(path):
+            mount(path, path, None, MS_BIND)
+            mount(None, path, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    mount("tmpfs", SANDBOX_ROOT, "tmpfs", MS_NOSUID | MS_NODEV,
+          f"size={space.disk_bytes},nr_inodes={space.files},mode=0700")
+    for sub in ("work", "home", "cache", "tmp", "shm"):
+        os.mkdir(f"{SANDBOX_ROOT}/{sub}", 0o700)
+    for place, sub in SANDBOX_SPACES.items():
+        for path in space.kept:  # a read-only mount inside it (a checkout under /tmp, say) keeps its way
+            if path.startswith(place + "/"):
+                keep_mount(path, f"{SANDBOX_ROOT}/{sub}{path[len(place):]}")
+        mount(f"{SANDBOX_ROOT}/{sub}", place, None, MS_BIND | MS_REC)
+    mount("mqueue", "/dev/mqueue", "mqueue", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    for cap in range(64):  # the bounding set too: nothing can be regained by an exec
+        with contextlib.suppress(OSError):
+            libc_call("prctl", 24, cap, 0, 0, 0)  # PR_CAPBSET_DROP
+    libc_call("prctl", 47, 4, 0, 0, 0)  # PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL
+    set_capabilities(())
+    if space.processes:
+        resource_limit("RLIMIT_NPROC", space.processes + others)
+    resource_limit("RLIMIT_CORE", 0)
+
+
+def keep_mount(source: str, target: str) -> None:
+    """Show the read-only mount at `source` at `target` too (made in the fresh tmpfs), read-only."""
+    if os.path.isdir(source):
+        os.makedirs(target, 0o700, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(target), 0o700, exist_ok=True)
+        os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o600))
+    mount(source, target, None, MS_BIND | MS_REC)
+    mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY)
+
+
+def resource_limit(name: str, value: int) -> None:
+    import resource
+    resource.setrlimit(getattr(resource, name), (value, value))
+
+
+def set_oom_score(value: int) -> None:
+    """This process's oom_score_adj (-1000..1000): raising it needs no privilege, lowering it does."""
+    with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as f:
+        f.write(str(value))
+
+
+def exit_like(status: int) -> None:
+    """End this process as the child whose wait `status` this is ended: the same code, or the same
+    signal (its default action restored first), so that its parent sees what the child did."""
+    code = os.waitstatus_to_exitcode(status)
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code if code >= 0 else 1)
+
+
+def reap_until(pid: int) -> int:
+    """Wait for `pid` -> its exit code; as its PID namespace's init, the template also reaps every
+    orphan re-parented to it meanwhile."""
+    while True:
+        done, status = os.waitpid(-1, 0)
+        if done == pid:
+            return os.waitstatus_to_exitcode(status)
 
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
