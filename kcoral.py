@@ -3780,12 +3780,12 @@ STAGED_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fc
 PIPE_BYTES = 1 << 20  # capture pipe capacity (Linux's default pipe-max-size) and drain read size
 
 
-OUTPUT_TAIL_BYTES = 64 << 10  # of a truncated stream, its end kept beside its head: where the error usually is
+CAPTURED_TAIL_BYTES = 64 << 10  # of a truncated stream, its end kept beside its head: where the error usually is
 
 
 class OutputDrain:
     """Reads a worker's stdout/stderr pipes, keeping the first `limit` bytes of each and, past
-    them, the last min(limit, OUTPUT_TAIL_BYTES); what it keeps within `limit` also goes to
+    them, the last min(limit, CAPTURED_TAIL_BYTES); what it keeps within `limit` also goes to
     `on_output` as it arrives (a streamed answer, docs/protocol.md §13)."""
 
     def __init__(self, out_fd: int, err_fd: int, limit: int,
@@ -3801,7 +3801,7 @@ class OutputDrain:
         self.thread.start()
 
     def drain(self) -> None:
-        tail_bytes = min(self.limit, OUTPUT_TAIL_BYTES)
+        tail_bytes = min(self.limit, CAPTURED_TAIL_BYTES)
         with selectors.DefaultSelector() as sel:
             for fd in self.fds:
                 sel.register(fd, selectors.EVENT_READ)
@@ -3843,7 +3843,7 @@ class OutputDrain:
         for fd in self.fds:
             if self.produced[fd] > self.limit:
                 name = self.names[fd]
-                tail = bytes(self.tails[fd][-min(self.limit, OUTPUT_TAIL_BYTES):])
+                tail = bytes(self.tails[fd][-min(self.limit, CAPTURED_TAIL_BYTES):])
                 start = next((i for i, byte in enumerate(tail[:4]) if byte & 0xC0 != 0x80), 0)  # whole characters
                 fields[f"{name}_bytes"] = self.produced[fd]
                 fields[f"{name}_tail"] = tail[start:].decode("utf-8", "replace")
