@@ -1483,7 +1483,7 @@ class KCoralServer:
                            effect="every program runs as root with every capability: any request can take "
                                   "over this machine",
                            remedy="use --sandbox bubblewrap, or run as an unprivileged user")
-        kcoral_worker.set_oom_score(-900)  # the kernel's last choice (needs root; else it stays as it was)
+        kcoral_worker.set_oom_score(-900)  # the kernel's last choice (needs CAP_SYS_RESOURCE; else it stays)
         self.device = device
         self.pool = Pool(self.config, device, gpu_ids, gpu_names, self.log)
         self.target, self.versions = describe_runtime(device, self.pool)
@@ -1493,6 +1493,7 @@ class KCoralServer:
         self.thread.start()
         self.log.event("server_started", url=self.url, device=device, sandbox=self.config.sandbox,
                        workers=len(self.pool.slots), run_dir=run_dir, instance_id=self.instance_id,
+                       oom_score_adj=kcoral_worker.oom_score(),
                        **{name: getattr(self.config, name) for name in QUOTA_NAMES})
         return self
 
@@ -4365,8 +4366,8 @@ def start_container(config: ServerConfig, gpus: list[int], command: list[str], p
         os.write(block_w, b"+")
     except (OSError, ValueError) as exc:
         process.kill()
-        process.wait()
-        raise WorkerCrashed(f"the sandbox's user namespace could not be set up: {exc}") from None
+        said = process.communicate()[0].decode(errors="replace").strip().splitlines()
+        raise WorkerCrashed(said[-1] if said else f"the sandbox's user namespace could not be set up: {exc}") from None
     finally:
         os.close(info_r)
         os.close(block_w)
@@ -4552,18 +4553,20 @@ def bwrap_command(config: ServerConfig, gpus: list[int]) -> list[str]:
             args += ["--symlink", os.readlink(top), top]
         elif os.path.isdir(top):
             args += ["--ro-bind", top, top]
+    shown = shown_paths(config)
+    addons = {addon: os.path.join(SANDBOX_ADDONS, os.path.basename(addon)) for addon in torch_addons()}
+    # bwrap would make the directories above what it binds 0700: the sandbox's uid could not pass
+    for parent in parent_directories([*shown, *addons.values(), *(f"/etc/{name}" for name in SANDBOX_ETC)]):
+        args += ["--perms", "0755", "--dir", parent]
     for name in SANDBOX_ETC:
         args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
     args += ["--ro-bind", "/sys", "/sys", "--proc", "/proc", "--dev", "/dev", "--dir", "/dev/mqueue"]
     for node in [gpu_device_node(g) for g in gpus] + list(GPU_CONTROL_NODES if gpus else ()):
         args += ["--dev-bind-try", node, node]
-    for addon in torch_addons():
-        args += ["--ro-bind", addon, os.path.join(SANDBOX_ADDONS, os.path.basename(addon))]
+    for addon, inside in addons.items():
+        args += ["--ro-bind", addon, inside]
     for directory in SANDBOX_DIRECTORIES:
         args += ["--dir", directory]
-    shown = shown_paths(config)
-    for parent in parent_directories(shown):  # bwrap would make them 0700: the sandbox's uid could not pass
-        args += ["--perms", "0755", "--dir", parent]
     hidden = [os.path.abspath(p) for p in (config.log_dir, config.disk_cache_dir, tempfile.gettempdir(),
                                            os.path.expanduser("~")) if p]
     hidden = [p for p in hidden if any(is_under(p, s) for s in shown)]
@@ -4751,7 +4754,7 @@ def serve_spawns(requests: queue.SimpleQueue) -> None:
 
 # --- 11. workspaces: private directories, removed without following a link -----------------------
 
-WORKSPACE = re.compile(r"kcoral-program-(\d+)\.(\d+)-")
+WORKSPACE = re.compile(r"kcoral-(?:program|sandbox)-(\d+)\.(\d+)-")  # sandbox: left by earlier versions
 
 
 def process_start_ticks(pid: int) -> int | None:

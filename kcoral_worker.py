@@ -51,6 +51,7 @@ import collections
 import contextlib
 import ctypes
 import dataclasses
+import errno
 import faulthandler
 import functools
 import hashlib
@@ -589,9 +590,12 @@ def process_table() -> Iterator[tuple[int, bytes, int, int]]:
 
 
 def escaped_descendants() -> list[int]:
-    """Live descendants outside our process group (started with a new session or group).
+    """Live descendants outside our process group (started with a new session or group), or all
+    of them in a sandbox.
 
-    The front-end kills and reports what is left in the group; these it cannot see.
+    The front-end kills and reports what is left in the group; these it cannot see.  A sandboxed
+    worker is PID 1 of its request's namespace, whose exit ends every process in it: it reports
+    them all itself, before it exits.
     """
     me, parents, groups = os.getpid(), {}, {}
     for pid, state, ppid, pgrp in process_table():
@@ -603,7 +607,8 @@ def escaped_descendants() -> list[int]:
         frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - tree
         tree |= frontier
     group = os.getpgid(0)
-    return sorted(pid for pid in tree if groups[pid] != group)
+    # a sandboxed worker is its PID namespace's init: its exit would end them all unnoticed
+    return sorted(pid for pid in tree if groups[pid] != group or me == 1)
 
 
 def has_children() -> bool:
@@ -934,6 +939,11 @@ def set_oom_score(value: int) -> None:
         f.write(str(value))
 
 
+def oom_score() -> int:
+    with open("/proc/self/oom_score_adj") as f:
+        return int(f.read())
+
+
 def exit_like(status: int) -> None:
     """End this process as the child whose wait `status` this is ended: the same code, or the same
     signal (its default action restored first), so that its parent sees what the child did."""
@@ -1246,7 +1256,8 @@ class ProgramRun:
                 return error
             except Exception as exc:
                 ours = ins["op"] != "run" and not passes_through_uploaded_code(exc)
-                return error_object("engine", f"{type(exc).__name__}: {exc}", index, ins, traceback_text(exc, ours))
+                return error_object("engine", f"{type(exc).__name__}: {exc}{limit_hint(exc)}", index, ins,
+                                    traceback_text(exc, ours))
         return None
 
     def ref(self, value: dict[str, str]) -> Any:
@@ -1384,6 +1395,26 @@ def drop_server_frames(report: traceback.TracebackException) -> None:
             [frame for frame in current.stack if os.path.basename(frame.filename) not in SERVER_FILES])
         grouped = getattr(current, "exceptions", None) or ()  # an exception group's members (3.11)
         pending += [e for e in (current.__cause__, current.__context__, *grouped) if e]
+
+
+def limit_hint(exc: BaseException) -> str:
+    """Which request limit a failure ran into, when one plausibly did (docs/sandbox.md): a write
+    that found the sandbox's tmpfs full of bytes or of files, a fork or thread refused."""
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and len(chain) < 16:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    errnos = {e.errno for e in chain if isinstance(e, OSError)}
+    if errnos & {errno.ENOSPC, errno.EDQUOT} and os.getcwd().startswith(SANDBOX_ROOT):
+        space = os.statvfs(SANDBOX_ROOT)
+        if space.f_files and not space.f_ffree:
+            return f" (the request's file limit, {space.f_files} files and directories, is reached: --file-limit)"
+        return (f" (the request's disk limit, {space.f_blocks * space.f_frsize} bytes in its workspace, /tmp "
+                "and /dev/shm together, is reached: --disk-limit-bytes)")
+    if errno.EAGAIN in errnos or any("can't start new thread" in str(e) for e in chain):
+        return " (the request may have reached its limit of processes and threads: --process-limit)"
+    return ""
 
 
 def passes_through_uploaded_code(exc: BaseException) -> bool:

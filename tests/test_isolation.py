@@ -15,6 +15,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 
@@ -27,6 +28,7 @@ from tests.support import (
     call_program,
     execute_ok,
     get_fn,
+    marked_pids,
     plain,
     post,
     prog,
@@ -512,3 +514,422 @@ def test_emptying_follows_no_link_survives_any_depth_and_mode_and_keeps_the_ways
     assert sorted(os.listdir(top)) == ["mnt"] and sorted(os.listdir(top / "mnt")) == ["a", "file.py"]
     assert not os.listdir(top / "mnt" / "a")
     assert (outside / "precious").read_text() == "keep" and stat.S_IMODE(outside.stat().st_mode) != 0o700
+
+
+# --- round 3: never host root, nothing that outlives a request, none of the server's streams -------
+
+ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="the attack needs the server to run as root")
+
+KNOB_PROBE = """
+import os
+def knobs():
+    '''Every file under /proc/sys, /proc's other host-wide files and /sys that opens for writing
+    (opened and closed at once: nothing is written), and the real uid.'''
+    writable = []
+    for top in ("/proc/sys", "/sys/kernel", "/sys/fs", "/sys/module", "/sys/power"):
+        for folder, _, names in os.walk(top):
+            for name in names:
+                path = os.path.join(folder, name)
+                try:
+                    os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+                    writable.append(path)
+                except OSError:
+                    pass
+    for path in ("/proc/sysrq-trigger", "/proc/kcore", "/proc/kmsg"):
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            writable.append(path)
+        except OSError:
+            pass
+    return {"writable": writable, "uid": os.getuid()}
+"""
+
+
+@ROOT_ONLY
+def test_no_request_runs_as_host_root_or_can_open_a_kernel_knob(sandboxed):
+    """core_pattern, drop_caches, sysrq-trigger: the attack opened them for writing and so ran its
+    code as host root.  Now nothing under /proc or /sys that changes the host opens for writing,
+    and the worker's real uid on the host is not 0."""
+    # the probe is real: run as root on the host, it finds the knobs (core_pattern among them)
+    namespace = {}
+    exec(textwrap.dedent(KNOB_PROBE), namespace)
+    assert "/proc/sys/kernel/core_pattern" in namespace["knobs"]()["writable"]
+    mark = f"knob-{uuid.uuid4().hex}"
+    source = KNOB_PROBE + f"""
+import subprocess, sys
+def f():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)", {mark!r}])
+    found = knobs()
+    child.wait()
+    return found
+"""
+    result = {}
+    request = threading.Thread(target=lambda: result.update(run(sandboxed, source)))
+    request.start()
+    assert wait_for(lambda: marked_pids(mark), 30)
+    host_uids = {pid: host_uid(pid) for pid in marked_pids(mark)}
+    request.join(60)
+    assert result["writable"] == [], result["writable"]
+    assert result["uid"] != 0 and 0 not in host_uids.values(), host_uids
+
+
+def host_uid(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Uid:"))
+
+
+TRACE_PROBE = """
+import ctypes, os, signal
+def f():
+    '''Which processes this one can see, and which of them it can trace, or whose memory or
+    environment it can open; its own child first, to show the probe works.'''
+    libc = ctypes.CDLL(None, use_errno=True)
+    child = os.fork()
+    if child == 0:
+        signal.pause()
+        os._exit(0)
+    def reachable(pid):
+        ways = []
+        if libc.ptrace(0x4206, pid, None, None) == 0:  # PTRACE_SEIZE
+            ways.append("ptrace")
+            libc.ptrace(17, pid, None, None)  # PTRACE_DETACH
+        for name, flags in (("mem", os.O_RDWR), ("environ", os.O_RDONLY)):
+            try:
+                os.close(os.open(f"/proc/{pid}/{name}", flags))
+                ways.append(name)
+            except OSError:
+                pass
+        return ways
+    seen = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
+    found = {str(pid): reachable(pid) for pid in seen if pid not in (os.getpid(), child)}
+    own_child = reachable(child)
+    os.kill(child, signal.SIGKILL)
+    os.waitpid(child, 0)
+    return {"self": os.getpid(), "seen": seen, "reachable": found, "own_child": own_child}
+"""
+
+
+def test_no_process_the_request_sees_can_be_traced_or_read(sandboxed):
+    """The attack traced the container's long-lived init and planted a spy in it.  Now a request
+    sees only its own processes: no init, template or forkserver to trace or read."""
+    result = run(sandboxed, TRACE_PROBE)
+    assert result["own_child"] == ["ptrace", "mem", "environ"]  # the probe works
+    assert result["self"] == 1 and result["seen"] == [1, result["seen"][-1]], result  # itself and its child
+    assert result["reachable"] == {}, result
+
+
+def test_the_probe_does_trace_the_init_of_a_container_without_these_defences(tmp_path):
+    """The weakened set-up: a plain bubblewrap container whose PID 1 is bwrap's own init."""
+    script = tmp_path / "probe.py"
+    script.write_text(textwrap.dedent(TRACE_PROBE) + "\nprint(f())\n")
+    result = subprocess.run(["bwrap", "--unshare-all", "--unshare-user", "--die-with-parent", "--ro-bind", "/", "/",
+                             "--proc", "/proc", "--dev", "/dev", sys.executable, str(script)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    found = eval(result.stdout)  # our own probe's repr of plain values
+    assert "ptrace" in found["reachable"].get("1", []), found
+
+
+def test_the_next_request_sees_fresh_pids_and_nothing_the_last_one_started(sandboxed):
+    """A request forks 300 processes and leaves a daemon: the next one is PID 1 again, its first
+    child PID 2, and it sees no process but its own."""
+    source = """
+    import os, subprocess
+    def f():
+        for _ in range(300):
+            pid = os.fork()
+            if pid == 0:
+                os._exit(0)
+            os.waitpid(pid, 0)
+        subprocess.Popen(["sleep", "60"], start_new_session=True)
+        return os.getpid()
+    """
+    body = execute_ok(sandboxed.url, call_program(textwrap.dedent(source), "f"))
+    assert "background processes" in body["error"]["message"], body
+    probe = """
+    import os
+    def f():
+        child = os.fork()
+        if child == 0:
+            os._exit(0)
+        os.waitpid(child, 0)
+        return [os.getpid(), child, sorted(int(p) for p in os.listdir("/proc") if p.isdigit())]
+    """
+    assert run(sandboxed, probe) == [1, 2, [1]]
+
+
+def test_stopping_or_killing_everything_it_can_signal_leaves_the_slot_serving(sandboxed):
+    """SIGSTOP to the template (pid 2) made the slot's next request wait 15 s.  Now a request can
+    signal only its own processes: the next request is served at once."""
+    source = """
+    import os, signal
+    def f(sig):
+        for pid in range(2, 400):
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        os.kill(-1, sig)  # every process it may signal
+        return 0
+    """
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        post(sandboxed.url, call_program(textwrap.dedent(source), "f", int(sig)))
+        started = time.monotonic()
+        assert run(sandboxed, "def f():\n    return 3\n") == 3
+        assert time.monotonic() - started < 2.0
+
+
+def stream_targets(pid):
+    """Where a process's fds 0-2 point, as the host sees them."""
+    targets = {}
+    for fd in (0, 1, 2):
+        with contextlib.suppress(OSError):
+            targets[fd] = os.readlink(f"/proc/{pid}/fd/{fd}")
+    return targets
+
+
+def test_templates_and_workers_hold_none_of_the_servers_streams(sandboxed):
+    """The template inherited the server's stdout and stderr: a request appended 64 MiB to the
+    server's log and read it back by reopening /proc/self/fd/N.  Now no fd a request holds is the
+    server's, and what it writes anywhere outside its capture reaches no log."""
+    log_file = os.path.realpath(sandboxed.stderr_path)
+    assert stream_targets(sandboxed.proc.pid)[2] == log_file  # what the check would catch
+    mark = f"streams-{uuid.uuid4().hex}"
+    source = f"""
+    import os, sys
+    def f():
+        targets = {{}}
+        for name in os.listdir("/proc/self/fd"):
+            try:
+                targets[name] = os.readlink("/proc/self/fd/" + name)
+            except OSError:
+                pass
+        written = []
+        for name in ("0", "1", "2"):
+            try:
+                fd = os.open("/proc/self/fd/" + name, os.O_WRONLY | os.O_APPEND)
+                os.write(fd, b"{mark}\\n")
+                os.close(fd)
+                written.append(name)
+            except OSError:
+                pass
+        sys.__stdout__.write("{mark}\\n")
+        sys.__stdout__.flush()
+        return targets
+    """
+    targets = run(sandboxed, source)
+    templates = [pid for pid in marked_pids("kcoral_worker.template_main") if host_uid(pid) != os.geteuid()
+                 or os.geteuid() != 0]
+    assert templates, "no sandbox template found"
+    for pid in templates:
+        assert log_file not in stream_targets(pid).values(), stream_targets(pid)
+    paths = [t for t in targets.values() if t.startswith("/")]
+    assert all(t == "/dev/null" or t.startswith("/kcoral/") for t in paths), targets
+    time.sleep(0.5)  # the server's own lines about this request are written by now
+    assert mark not in sandboxed.log()
+
+
+def test_a_field_the_program_controls_cannot_forge_a_console_line(sandboxed):
+    """A raw newline in a logged field (a gpu_access error's cuda_call) printed a forged
+    `server_stopping` line on the console.  Now every field is escaped as in the JSON log."""
+    forged = "2026-12-03T00:00:00.000Z INFO server_stopping forged=yes"
+    source = f"""
+    from kcoral.errors import ExecutionError
+    def f():
+        error = ExecutionError("gpu_access", "touched the GPU")
+        error.fields = {{"cuda_call": "cudaMalloc\\n{forged}", "location": "x.py:1\\r\\n{forged}"}}
+        raise error
+    """
+    body = execute_ok(sandboxed.url, call_program(textwrap.dedent(source), "f"))
+    assert body["error"]["kind"] == "gpu_access", body
+    assert wait_for(lambda: "gpu_access_violation" in sandboxed.log(), 5)
+    lines = sandboxed.log().splitlines()
+    assert not [line for line in lines if line.startswith(forged)], lines[-5:]
+    assert any("cuda_call=\"cudaMalloc\\n" in line for line in lines), lines[-5:]
+
+
+def test_console_values_are_one_plain_word_or_quoted():
+    import kcoral
+    assert kcoral.console_value("abc-1") == "abc-1"
+    assert kcoral.console_value(1.26) == "1.3"
+    assert kcoral.console_value("a\nb") == '"a\\nb"'
+    assert kcoral.console_value("a b=c") == '"a b=c"'
+    assert "\n" not in kcoral.console_value("x\r\n\x1b[2J")
+
+
+# --- round 3: per-request limits -----------------------------------------------------------------
+
+LIMITS = {"--memory-limit-bytes": 512 << 20, "--process-limit": 64, "--disk-limit-bytes": 32 << 20,
+          "--file-limit": 500}
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory):
+    base = tmp_path_factory.mktemp("limits")
+    flags = [str(x) for pair in LIMITS.items() for x in pair]
+    with ServerProcess("--sandbox", "bubblewrap", *flags, workers=1, tmp_path=base) as srv:
+        yield srv
+
+
+def rss_kib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def assert_served_at_once(srv, seconds=2.0):
+    """The slot's next request: answered within `seconds` of asking."""
+    started = time.monotonic()
+    assert run(srv, "def f():\n    return 11\n") == 11
+    took = time.monotonic() - started
+    assert took < seconds, f"the next request took {took:.1f} s"
+
+
+def over_limit(srv, source, flag):
+    """Run an attack that must fail on the limit `flag`: -> its error message."""
+    body = execute_ok(srv.url, call_program(textwrap.dedent(source), "f"))
+    assert body["status"] == "FAILED", body
+    assert flag in body["error"]["message"], body["error"]
+    assert_served_at_once(srv)
+    return body["error"]["message"]
+
+
+def test_memory_beyond_the_limit_stops_the_request(limited):
+    """4 then 8 GiB were accepted, host memory 19.9 -> 12.5 GiB.  Now the request is stopped near
+    its 512 MiB, and neither the front-end nor the next request notices."""
+    assert run(limited, "def f():\n    return 1\n") == 1
+    front_end = rss_kib(limited.proc.pid)
+    available = host_available_kib()
+    source = """
+    def f():
+        hold = []
+        for _ in range(64):  # 4 GiB in 64 MiB steps, every page written
+            hold.append(bytearray(b"x") * (64 << 20))
+        return len(hold)
+    """
+    message = over_limit(limited, source, "--memory-limit-bytes")
+    used = int(message.split(" used ")[1].split()[0])
+    assert (512 << 20) < used < (1 << 30), message  # stopped within a sample of the limit
+    assert host_available_kib() > available - (512 << 10)  # nothing of it left behind (others share the host)
+    assert rss_kib(limited.proc.pid) < front_end + (32 << 10)
+
+
+def host_available_kib():
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+
+
+@pytest.mark.parametrize("kind", ["processes", "threads"])
+def test_processes_and_threads_beyond_the_limit_are_refused(limited, kind):
+    """3 000 processes were accepted, and the next tenant's first pid told how many.  Now a fork
+    or thread beyond --process-limit fails with EAGAIN, named in the answer."""
+    source = f"""
+    import os, threading, time
+    def f():
+        started, stop = [], threading.Event()
+        try:
+            for _ in range(3000):
+                if {kind!r} == "threads":
+                    thread = threading.Thread(target=stop.wait, daemon=True)
+                    thread.start()
+                    started.append(thread)
+                else:
+                    pid = os.fork()
+                    if pid == 0:
+                        time.sleep(30)
+                        os._exit(0)
+                    started.append(pid)
+        except (OSError, RuntimeError) as exc:
+            error = exc
+        stop.set()
+        for child in started:
+            if isinstance(child, int):
+                os.kill(child, 9)
+                os.waitpid(child, 0)
+        raise RuntimeError(f"started {{len(started)}}") from error
+    """
+    message = over_limit(limited, source, "--process-limit")
+    count = int(message.split("started ")[1].split()[0])
+    assert 32 < count < LIMITS["--process-limit"], message
+
+
+def test_disk_beyond_the_limit_fails_the_write(limited, tmp_path):
+    """5 GiB landed on the host's / through the workspace, /tmp and /dev/shm.  Now they share one
+    tmpfs of --disk-limit-bytes: a write beyond it fails with ENOSPC, and nothing reaches the host."""
+    free = os.statvfs(str(tmp_path)).f_bavail * os.statvfs(str(tmp_path)).f_frsize
+    source = """
+    import os
+    def f():
+        chunk, written = b"x" * (1 << 20), 0
+        try:
+            for place in ("/kcoral/work/a", "/tmp/b", "/dev/shm/c", "/var/tmp/d"):
+                with open(place, "wb") as out:
+                    for _ in range(16):
+                        written += out.write(chunk)
+                        out.flush()
+        except OSError as exc:
+            raise RuntimeError(f"wrote {written}") from exc
+    """
+    message = over_limit(limited, source, "--disk-limit-bytes")
+    written = int(message.split("wrote ")[1].split()[0])
+    assert (16 << 20) < written <= LIMITS["--disk-limit-bytes"], message  # shared by all four places
+    assert os.statvfs(str(tmp_path)).f_bavail * os.statvfs(str(tmp_path)).f_frsize > free - (16 << 20)
+
+
+def test_files_beyond_the_limit_fail_to_be_created(limited):
+    """500 000 empty files were accepted, and the slot served nothing for 10 s after.  Now the
+    request's tmpfs has --file-limit inodes: the next file fails with ENOSPC."""
+    source = """
+    import os
+    def f():
+        made = 0
+        try:
+            for i in range(500_000):
+                os.close(os.open(f"/tmp/{i}", os.O_CREAT | os.O_WRONLY))
+                made += 1
+        except OSError as exc:
+            raise RuntimeError(f"made {made}") from exc
+    """
+    message = over_limit(limited, source, "--file-limit")
+    made = int(message.split("made ")[1].split()[0])
+    assert 400 < made < LIMITS["--file-limit"], message
+
+
+def test_limits_are_reported_with_how_they_are_enforced(limited, tmp_path):
+    limits = limited.health()["limits"]
+    assert {name: limits[name]["value"] for name in limits} == {
+        "memory_limit_bytes": 512 << 20, "process_limit": 64, "disk_limit_bytes": 32 << 20, "file_limit": 500}
+    assert "tmpfs" in limits["disk_limit_bytes"]["enforced"]
+    with ServerProcess("--sandbox", "none", workers=1, tmp_path=tmp_path) as srv:
+        limits = srv.health()["limits"]
+        log = srv.log()
+    assert limits["memory_limit_bytes"]["value"] > 0 and "PSS" in limits["memory_limit_bytes"]["enforced"]
+    assert limits["file_limit"]["enforced"] == "not enforced without the sandbox"
+    if os.geteuid() == 0:
+        assert "WARNING unsandboxed_as_root" in log
+
+
+def test_the_front_end_is_the_oom_killers_last_choice_and_workers_its_first(limited):
+    """Workers at 1000; the front-end at -900 where it may lower its own score (CAP_SYS_RESOURCE),
+    else as it started, and the start-up line says which."""
+    with open(f"/proc/{limited.proc.pid}/status") as f:
+        may_lower = int(next(line for line in f if line.startswith("CapEff:")).split()[1], 16) >> 24 & 1
+    with open(f"/proc/{limited.proc.pid}/oom_score_adj") as f:
+        front_end = int(f.read())
+    assert front_end == -900 if may_lower else front_end <= 0
+    assert f"oom_score_adj={front_end}" in limited.log()
+    mark = f"oom-{uuid.uuid4().hex}"
+    source = f"""
+    import subprocess, sys
+    def f():
+        subprocess.run([sys.executable, "-c", "import time; time.sleep(2)", {mark!r}])
+        return 0
+    """
+    request = threading.Thread(target=run, args=(limited, source))
+    request.start()
+    assert wait_for(lambda: marked_pids(mark), 30)
+    scores = []
+    for pid in marked_pids(mark):
+        with open(f"/proc/{pid}/oom_score_adj") as f:
+            scores.append(int(f.read()))
+    request.join(30)
+    assert scores and set(scores) == {1000}, scores

@@ -207,11 +207,14 @@ def probe(name, tmpdir):
             found += [os.path.join(folder, name)] if name in names else []
     return json.dumps(found)
 """
-    on_the_host = os.path.join(glob.escape(probed.tmpdir), "**", "work", name)
+    # unsandboxed the workspace is a host directory; sandboxed, a tmpfs the host sees through the
+    # worker's /proc/PID/root
+    on_the_host = [os.path.join(glob.escape(probed.tmpdir), "**", "work", name), f"/proc/[0-9]*/root/kcoral/work/{name}"]
     first = threading.Thread(target=post, args=(probed.url, slow, [data]), kwargs={"headers": AUTH})
     first.start()
-    try:  # the premise: the first request runs, its file in its workspace (which the host sees)
-        assert wait_for(lambda: glob.glob(on_the_host, recursive=True), 30), "the first request's file never appeared"
+    try:  # the premise: the first request runs, its file in its workspace
+        assert wait_for(lambda: any(glob.glob(p, recursive=True) for p in on_the_host), 30), \
+            "the first request's file never appeared"
         seen = probe(probed, source, name, probed.tmpdir)
     finally:
         join_threads([first], 60)
