@@ -75,6 +75,7 @@ class KCoralError(Exception):
         self.message = message
         self.kind = kind
         self.request_id = request_id
+        self.client_request_id: str | None = None  # set by Client.execute (docs/client.md §8)
         details = details or {}
         self.instruction_index: int | None = details.get("instruction_index")
         self.instruction_op: str | None = details.get("instruction_op")
@@ -91,9 +92,13 @@ class KCoralError(Exception):
 class TransportError(Exception):
     """No HTTP response could be obtained; an execute may or may not have run."""
 
+    client_request_id: str | None = None  # set by Client.execute (docs/client.md §8)
+
 
 class ProtocolError(Exception):
     """The server's response violates the protocol."""
+
+    client_request_id: str | None = None  # set by Client.execute (docs/client.md §8)
 
 
 class ValidationError(ValueError):
@@ -738,6 +743,8 @@ class ProgramResult:
     stdout_tail: str = ""
     stderr_tail: str = ""
     truncation: str = ""
+    # set by Client.execute: the id its attempts were sent under (about the call, not the answer: not compared)
+    client_request_id: str | None = dataclasses.field(default=None, init=False, compare=False)
 
     @property
     def completed(self) -> bool:
@@ -1387,11 +1394,26 @@ class Client:
                 on_output: Callable[[str, bytes], None] | None = None) -> ProgramResult:
         """Run ``program``; returns its COMPLETED or FAILED result. Blobs the server lacks
         are negotiated with at most three attempts (docs/client.md §4.2), all of them sent under
-        one client request id so that the server's log links them.
+        one client request id so that the server's log links them: the result and any
+        KCoralError, TransportError or ProtocolError raised carry it as ``client_request_id``
+        (docs/operations.md, "Trace a failed request": HAProxy logs it too).
 
         ``on_output("stdout" | "stderr", data)``, if given, receives the captured output while the
         program runs, from a server that streams it (ours, docs/protocol.md §13); the result still
         holds all of it. A server that does not stream calls it never."""
+        client_request_id = str(uuid.uuid4())
+        try:
+            result = self._execute(program, client_request_id, timeout_seconds=timeout_seconds, gpu_count=gpu_count,
+                                   output_limit_bytes=output_limit_bytes, on_output=on_output)
+        except (KCoralError, TransportError, ProtocolError) as exc:
+            exc.client_request_id = client_request_id
+            raise
+        result.client_request_id = client_request_id
+        return result
+
+    def _execute(self, program: Program, client_request_id: str, *, timeout_seconds: float | None,
+                 gpu_count: int | None, output_limit_bytes: int | None,
+                 on_output: Callable[[str, bytes], None] | None) -> ProgramResult:
         if not isinstance(program, Program):
             raise TypeError("execute expects a Program")
         if gpu_count is not None and (type(gpu_count) is not int or not 1 <= gpu_count <= 8):
@@ -1412,7 +1434,6 @@ class Client:
         send = [h for h in blobs if h in unknown] if eager and unknown is not None else []
         node = None
         affinity = _affinity_key(blobs)
-        client_request_id = str(uuid.uuid4())
         seconds = _execution_seconds(timeout_seconds) + self._response_margin
         for attempt in (1, 2, 3):
             deadline = _Deadline(seconds, "the request's timeout plus response_margin_seconds")

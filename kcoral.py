@@ -736,6 +736,8 @@ class HTTPServer(http.server.ThreadingHTTPServer):
 CONTROL_CHARS = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 DRAIN_LIMIT = 1 << 16  # unread bodies up to this size are skipped to keep the connection
 STREAM_HEADER = "X-KCoral-Stream"  # our client's opt-in to the streamed answer (docs/protocol.md §13)
+# one id for all attempts of a client's execute(), or HAProxy's for the request: logged, and on the answer
+CLIENT_REQUEST_ID_HEADER = "X-KCoral-Client-Request-ID"
 STREAM_MEDIA_TYPE = "application/x-kcoral-stream"
 SEND_SLICE = 1 << 20  # the send timeout applies to each slice: a slow reader is fine, a stalled one is not
 
@@ -761,6 +763,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         self.cut_reason: str | None = None  # set by the ConnectionGuard when it cuts this connection
         self.stream: OutputStream | None = None  # the answer of a POST that asked for streamed output
         self.body_done = True
+        self.client_request_id: str | None = None  # of the POST being answered (CLIENT_REQUEST_ID_HEADER)
         # of the request being read: its events' total_ms counts from the first, a proxy's wait up to the second
         self.head_started, self.head_arrived = time.monotonic(), time.time()
 
@@ -778,6 +781,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             return
         self.watch("header")
         self.head_started, self.head_arrived = time.monotonic(), time.time()
+        self.client_request_id = None
         head = self.read_head()
         self.unwatch()
         if head is None:
@@ -870,7 +874,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             return
         if self.path == "/health":
             self.drain_body()
-            self.send_json(200, self.app.health())
+            self.send_json(200, self.app.health(BALANCER_CHECK_HEADER in self.headers))
         elif self.path == "/metrics":
             self.drain_body()
             self.send_metrics(self.app.metrics_text().encode())
@@ -879,6 +883,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         request_id = self.request_id()
+        self.client_request_id = self.canonical_uuid(CLIENT_REQUEST_ID_HEADER)
         if not self.authorized(request_id):
             return
         if self.path != "/execute":
@@ -888,7 +893,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         with self.app.request_in_flight():  # a graceful shutdown waits until the answer is out
             outcome = self.outcome_of_post(request_id)
             outcome, size, lost = self.send_outcome(request_id, outcome)
-        fields = {"client_request_id": self.canonical_uuid("X-KCoral-Client-Request-ID"),
+        fields = {"client_request_id": self.client_request_id,
                   "request_bytes": self.request_bytes, **request_fields(request_id, outcome, started)}
         if size is None:
             self.disconnected("response", error=lost, **fields)
@@ -1149,11 +1154,17 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(length))
         self.send_header("X-KCoral-Instance", self.app.instance_id)
+        self.send_client_request_id()
         for name, value in headers.items():
             self.send_header(name, value)
         if self.close_connection:
             self.send_header("Connection", "close")
         self.end_headers()
+
+    def send_client_request_id(self) -> None:
+        """Every answer to a POST names the client's id (docs/operations.md, "Trace a failed request")."""
+        if self.client_request_id:
+            self.send_header(CLIENT_REQUEST_ID_HEADER, self.client_request_id)
 
     def route_error(self) -> None:
         self.drain_body()
@@ -1274,6 +1285,7 @@ class OutputStream:
                                 (STREAM_HEADER, "output"), ("X-KCoral-Instance", handler.app.instance_id),
                                 ("X-Request-ID", self.request_id)):
                 handler.send_header(name, value)
+            handler.send_client_request_id()
             if handler.close_connection:
                 handler.send_header("Connection", "close")
             handler.end_headers()
@@ -1458,6 +1470,8 @@ class KCoralServer:
         self.in_flight_cond = threading.Condition()
         self.bodies = BodyBudget(config.max_body_bytes_in_flight)
         self.last_post = -math.inf  # time.monotonic() of the latest POST, for the drain's quiet period
+        self.last_health_check = -math.inf  # time.monotonic() of a balancer's latest health check
+        self.drain_health_checks: list[float] = []  # when they were answered capacity 0, since the signal
         self.drain_started = math.inf
         self.closing = False
         self.pool: Pool  # from start() on
@@ -1509,10 +1523,12 @@ class KCoralServer:
             signal.signal(sig, lambda *_: stop.set())
         signal.signal(signal.SIGHUP, lambda *_: hangup.set())  # its default would end the server
         self.start()
+        notify_systemd("READY=1")  # listening, workers up: /health answers
         while not stop.wait(0.5):
             if hangup.is_set():  # here, not in the handler: the handler may interrupt a thread holding the log
                 hangup.clear()
                 self.reload()
+        notify_systemd("STOPPING=1")
         self.stop()
 
     def reload(self) -> None:
@@ -1560,10 +1576,18 @@ class KCoralServer:
             gauges += [("kcoral_gpu_lease_busy_seconds_total", (("gpu", str(g)),), s) for g, s in busy.items()]
         return self.log.metrics.render(gauges)
 
-    def health(self) -> dict[str, Any]:
+    def health(self, balancer_check: bool = False) -> dict[str, Any]:
+        """GET /health; `balancer_check`: read by the health check of the HAProxy configuration that
+        haproxy-config writes (BALANCER_CHECK_HEADER), which refuse_while_draining waits for."""
+        if balancer_check:
+            with self.in_flight_cond:
+                self.last_health_check = time.monotonic()
+                if self.closing:
+                    self.drain_health_checks.append(self.last_health_check)
         return {"status": "ok", "instance_id": self.instance_id, "started_at": self.started_at,
                 "gpu_count": self.gpu_count, "load": self.pool.load(),
                 "target": self.target, "versions": self.versions, "sandbox": self.config.sandbox,
+                "version": __version__,
                 "limits": {name: {"value": getattr(self.config, name), "enforced": how}
                            for name, how in quota_enforcement(self.config).items()}}
 
@@ -1632,12 +1656,28 @@ class KCoralServer:
 
     def refuse_while_draining(self) -> Outcome:
         """503 busy for a request that arrived during shutdown: nothing of it ran, so a load
-        balancer may retry it on another node.  The answer waits until `drain_seconds` after the
-        signal: by then the balancer's health check has seen capacity 0 and taken this node out,
-        so its retry goes elsewhere instead of straight back here (least connections would pick
-        this node again, the one with the fewest connections)."""
-        time.sleep(max(0.0, self.drain_started + self.config.drain_seconds - time.monotonic()))
+        balancer may retry it on another node, provided it has taken this node out by then (least
+        connections would pick this node again, the one with the fewest connections; a retry
+        comes straight back while the other nodes are full).  So the answer waits `drain_seconds`
+        after the signal and, on a node that the generated HAProxy configuration was checking,
+        until it has answered capacity 0 to TAKEN_OUT_AFTER_CHECKS of its checks, plus
+        CHECK_MARGIN_SECONDS (HAProxy marks a node down at its second failed check); at most ten
+        times `drain_seconds`."""
+        drain = self.config.drain_seconds
+        checked = self.drain_started - self.last_health_check < HEALTH_CHECKED_WITHIN_SECONDS
+        give_up = self.drain_started + 10 * drain
+        with self.in_flight_cond:
+            while time.monotonic() < give_up and not self.taken_out(checked):
+                self.in_flight_cond.wait(0.05)
         return Outcome(503, "busy", "server is shutting down")
+
+    def taken_out(self, checked: bool) -> bool:
+        """Whether a balancer has stopped choosing this draining node (refuse_while_draining)."""
+        now, reads = time.monotonic(), self.drain_health_checks
+        if now < self.drain_started + self.config.drain_seconds:
+            return False
+        return not checked or (len(reads) >= TAKEN_OUT_AFTER_CHECKS
+                               and now >= reads[TAKEN_OUT_AFTER_CHECKS - 1] + CHECK_MARGIN_SECONDS)
 
     def stop(self) -> None:
         """Graceful shutdown: capacity 0, new programs 503, in-flight ones finish."""
@@ -1667,6 +1707,30 @@ class KCoralServer:
         give_up = time.monotonic() + 10 * quiet
         while self.in_flight or time.monotonic() < min(self.last_post + quiet, give_up):
             self.in_flight_cond.wait(0.05)
+
+
+# The generated HAProxy configuration checks /health every second with this header (`fall 2`): it takes
+# a node that answers capacity 0 out at the second such answer; the margin covers its handling of it.
+BALANCER_CHECK_HEADER = "X-KCoral-Health-Check"
+HEALTH_CHECKED_WITHIN_SECONDS = 5.0
+TAKEN_OUT_AFTER_CHECKS = 2
+CHECK_MARGIN_SECONDS = 0.2
+
+
+def notify_systemd(state: str) -> None:
+    """sd_notify(3) with the standard library: under `Type=notify` (docs/kcoral.service) systemd
+    counts the service started at READY=1, so units ordered after it and `systemctl start` wait
+    until the node answers.  Nothing outside systemd (no NOTIFY_SOCKET)."""
+    address = os.environ.get("NOTIFY_SOCKET", "")
+    if not address:
+        return
+    if address.startswith("@"):  # an abstract socket
+        address = "\0" + address[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.sendto(state.encode(), address)
+    except OSError as exc:  # systemd then fails the start at its timeout: say why
+        print(f"kcoral: cannot notify systemd ({state}) at {address!r}: {exc}", file=sys.stderr)
 
 
 def create_app(config: ServerConfig | None = None) -> KCoralServer:
@@ -1908,6 +1972,7 @@ METRIC_HELP = {
     "kcoral_request_body_bytes_total": ("counter", "Bytes of request bodies read"),
     "kcoral_response_body_bytes_total": ("counter", "Bytes of response bodies sent"),
     "kcoral_events_total": ("counter", "Event log records, by event and level"),
+    "kcoral_reads_refused_total": ("counter", "GET /health and /metrics refused for their token (probes, scrapes)"),
     "kcoral_requests_in_progress": ("gauge", "POST requests being read, run or answered"),
     "kcoral_requests_waiting": ("gauge", "Requests waiting for a free worker"),
     "kcoral_capacity": ("gauge", "Requests this node runs at once (0 while draining)"),
@@ -1926,6 +1991,36 @@ DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5
 KNOWN_KINDS = kcoral_worker.ERROR_KINDS | {"busy", "timeout", "request_too_large", "response_too_large",
                                            "unauthorized"}
 Labels = tuple[tuple[str, str], ...]
+# Every (status, code, kind) a node answers a POST with, and the ERROR events an operator alerts on:
+# their series exist at 0 from the start, so that a ratio or increase() over them has a value on a
+# node that never had one (Prometheus sees no increase in a series that first appears at 1).
+ANSWERS = ((("COMPLETED", "200", ""), ("CACHE_MISS", "200", ""))
+           + tuple(("FAILED", "200", kind) for kind in sorted(kcoral_worker.ERROR_KINDS))
+           + tuple(("ERROR", code, kind) for code, kind in (
+               ("400", "parse"), ("401", "unauthorized"), ("408", "parse"), ("413", "request_too_large"),
+               ("431", "parse"), ("500", "engine"), ("500", "response_too_large"), ("503", "busy"),
+               ("504", "timeout"))))
+ALERTED_EVENTS = ("gpu_quarantined", "worker_replace_failed", "cleanup_failed", "tokens_reload_failed", "server_error")
+
+
+@dataclasses.dataclass
+class Histogram:
+    """Observations per bucket of DURATION_BUCKETS, the last one +Inf's (not cumulative: rendering adds them up)."""
+    counts: list[int] = dataclasses.field(default_factory=lambda: [0] * (len(DURATION_BUCKETS) + 1))
+    total: float = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bucket_index(DURATION_BUCKETS, value)] += 1
+        self.total += value
+
+    def lines(self, name: str) -> list[str]:
+        """The exposition's cumulative buckets (each counts every observation at or below its bound,
+        so +Inf's equals _count), then _sum and _count."""
+        lines, running = [], 0
+        for bound, count in zip(DURATION_BUCKETS + (math.inf,), self.counts):
+            running += count
+            lines.append(f'{name}_bucket{{le="{"+Inf" if bound == math.inf else f"{bound:g}"}"}} {running}')
+        return lines + [f"{name}_sum {sample_value(self.total)}", f"{name}_count {running}"]
 
 
 class Metrics:
@@ -1939,7 +2034,15 @@ class Metrics:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.counters: dict[tuple[str, Labels], float] = collections.defaultdict(float)
-        self.histograms: dict[str, list[float]] = {}  # name -> bucket counts, then sum and count
+        for status, code, kind in ANSWERS:
+            self.counters["kcoral_requests_total", (("status", status), ("code", code), ("kind", kind))] = 0
+        for event in ALERTED_EVENTS:
+            self.counters["kcoral_events_total", (("event", event), ("level", "ERROR"))] = 0
+        for name in ("kcoral_reads_refused_total", "kcoral_request_body_bytes_total",
+                     "kcoral_response_body_bytes_total", "kcoral_worker_starts_total",
+                     "kcoral_worker_crashes_total", "kcoral_worker_replacements_total"):
+            self.counters[name, ()] = 0
+        self.histograms = {name: Histogram() for name, (kind, _) in METRIC_HELP.items() if kind == "histogram"}
 
     def add(self, name: str, value: float = 1.0) -> None:
         with self.lock:
@@ -1957,6 +2060,10 @@ class Metrics:
             event == "client_disconnected" and fields.get("phase") == "response")
         if not answered or fields.get("http_status") is None:
             return
+        if event == "request_refused" and fields.get("request_id") == "":
+            # a GET (/health, /metrics) without the token: a probe or a scrape, not a client's request
+            self.counters["kcoral_reads_refused_total", ()] += 1
+            return
         kind = fields.get("error_kind") or ""
         labels = (("status", str(fields.get("status", "ERROR"))), ("code", str(fields["http_status"])),
                   ("kind", kind if kind in KNOWN_KINDS or not kind else "other"))
@@ -1968,28 +2075,21 @@ class Metrics:
                             ("kcoral_request_lease_held_seconds", "lease_held_ms"),
                             ("kcoral_request_duration_seconds", "total_ms")):
             if isinstance(fields.get(field), (int, float)):
-                self.observe(name, fields[field] / 1e3)
-
-    def observe(self, name: str, seconds: float) -> None:
-        """Called with the lock held."""
-        histogram = self.histograms.setdefault(name, [0.0] * (len(DURATION_BUCKETS) + 2))
-        histogram[bucket_index(DURATION_BUCKETS, seconds)] += 1
-        histogram[-2] += seconds
-        histogram[-1] += 1
+                self.histograms[name].observe(fields[field] / 1e3)
 
     def render(self, gauges: list[tuple[str, Labels, float]]) -> str:
         """The exposition text: this node's counters and histograms, then `gauges` (name,
         labels, value: read from the pool, caches and lease just now)."""
         with self.lock:
             series = [(name, labels, value) for (name, labels), value in self.counters.items()]
-            histograms = {name: list(values) for name, values in self.histograms.items()}
+            histograms = {name: histogram.lines(name) for name, histogram in self.histograms.items()}
         series += gauges
         lines = []
         for name, (kind, text) in METRIC_HELP.items():
             lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
-            if kind == "histogram":
-                lines += histogram_lines(name, histograms.get(name, [0.0] * (len(DURATION_BUCKETS) + 2)))
-            lines += [f"{name}{label_text(labels)} {value:g}" for n, labels, value in sorted(series) if n == name]
+            lines += histograms.get(name, [])
+            lines += [f"{name}{label_text(labels)} {sample_value(value)}" for n, labels, value in sorted(series)
+                      if n == name]
         return "\n".join(lines) + "\n"
 
 
@@ -1998,12 +2098,9 @@ def bucket_index(bounds: tuple[float, ...], value: float) -> int:
     return next((i for i, bound in enumerate(bounds) if value <= bound), len(bounds))
 
 
-def histogram_lines(name: str, values: list[float]) -> list[str]:
-    lines, running = [], 0.0
-    for bound, count in zip(DURATION_BUCKETS + (math.inf,), values):
-        running += count
-        lines.append(f'{name}_bucket{{le="{"+Inf" if bound == math.inf else f"{bound:g}"}"}} {running:g}')
-    return lines + [f"{name}_sum {values[-2]:g}", f"{name}_count {values[-1]:g}"]
+def sample_value(value: float) -> str:
+    """Exact: a byte counter past a million must not lose digits (`:g` keeps six)."""
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
 def label_text(labels: Labels) -> str:
@@ -3006,7 +3103,8 @@ class Pool:
         self.idle = []
         self.waiters: collections.deque[object] = collections.deque()
         self.in_progress = 0
-        self.closing = False
+        self.closing = False  # draining: no new request is queued
+        self.refusing = False  # nor does a queued one get a slot (quarantine: its GPUs may still be in use)
         self.replacing: set[threading.Thread] = set()  # each leaves when done: nothing stays per request
         if config.sandbox == "bubblewrap":  # probed by resolve_sandbox
             if device == "cuda":
@@ -3099,18 +3197,21 @@ class Pool:
             slot.spare = SpareWorker(self, slot)
 
     def acquire(self, timeout: float) -> Slot | None:
-        """Wait (FIFO) for an idle slot; None when closing or after `timeout` seconds."""
+        """Wait (FIFO) for an idle slot; None after `timeout` seconds, when the pool was draining
+        already, or once it refuses the queued (`drain`)."""
         deadline = time.monotonic() + timeout
         ticket = object()
         with self.cond:
+            if self.closing:
+                return None
             self.waiters.append(ticket)
             try:
-                while not self.closing and not (self.idle and self.waiters[0] is ticket):
+                while not self.refusing and not (self.idle and self.waiters[0] is ticket):
                     remaining = deadline - time.monotonic()
                     if remaining <= 0 or not self.cond.wait(remaining):
                         if not (self.idle and self.waiters[0] is ticket):
                             return None
-                if self.closing:
+                if self.refusing:
                     return None
                 slot = min(self.idle, key=self.gpu_load)
                 self.idle.remove(slot)
@@ -3144,9 +3245,16 @@ class Pool:
 
     def dispose(self, worker: Worker, grace: float = 0, orphans: bool = False) -> bool:
         """Kill a worker's tree; its GPUs are quarantined when the kill cannot be confirmed.
-        -> whether it is confirmed gone."""
+        -> whether it is confirmed gone.  A tree still in its exit (Worker.exiting: a kernel
+        spinning at the kill keeps the driver busy) runs no program code any more: it counts as
+        gone, and the slot's next worker, whose CUDA start under the lease probes the GPU,
+        decides (replace)."""
         gone = worker.kill(grace, orphans=orphans)
         if not gone and self.arbiter is not None:
+            if worker.exiting:
+                self.log.event("worker_exit_slow", "WARNING", gpu_ids=list(worker.gpus),
+                               reason="killed, its process tree is still in its exit (the GPU's teardown)")
+                return True
             self.quarantine(worker.gpus, "a worker's process tree outlived SIGKILL")
         return gone
 
@@ -3170,6 +3278,8 @@ class Pool:
         except Exception as exc:
             slot.worker = None
             self.log.event("worker_replace_failed", "ERROR", worker_id=slot.name, error=str(exc))
+            if retired is not None and retired.exiting and self.arbiter is not None:  # the probe failed
+                self.quarantine(slot.gpus, f"after a worker's slow exit its GPU failed the probe: {exc}")
         with self.cond:
             self.idle.append(slot)
             self.replacing.discard(threading.current_thread())
@@ -3190,7 +3300,7 @@ class Pool:
         self.log.event("gpu_quarantined", "ERROR", gpu_ids=list(gpus), reason=reason)
         assert self.arbiter is not None  # only GPU pools quarantine (dispose)
         self.arbiter.quarantine(gpus)
-        self.drain()
+        self.drain(refuse_queued=True)
 
     def run_multi_gpu(self, slot: Slot, job: Job, count: int, queue_ms: float) -> Outcome:
         """docs/protocol.md §8.9: a dedicated worker that sees `count` GPUs, started under all their leases.
@@ -3252,12 +3362,16 @@ class Pool:
             return {"request_capacity": capacity, "requests_in_progress": self.in_progress,
                     "requests_waiting": len(self.waiters)}
 
-    def drain(self) -> None:
-        """Capacity 0: new requests are refused, those admitted run to the end."""
+    def drain(self, refuse_queued: bool = False) -> None:
+        """Capacity 0: new requests are refused; those admitted run to the end, the queued ones
+        too (a graceful shutdown shows no client a 503 for a request it took: docs/server.md §8),
+        unless `refuse_queued` (a quarantine, whose GPUs may never be free again: 503 busy, which
+        a balancer retries elsewhere)."""
         with self.cond:
             self.closing = True
+            self.refusing = self.refusing or refuse_queued
             self.cond.notify_all()
-        if self.arbiter is not None:
+        if self.arbiter is not None and refuse_queued:
             self.arbiter.drain()
 
     def stop(self) -> None:
@@ -3910,6 +4024,7 @@ class Worker:
         assert self.process.pid is not None  # started
         self.pid = self.process.pid
         self.served = 0
+        self.exiting = False  # killed, but its tree outlived kill_wait in its exit (kill)
         try:
             message = expect(self.conn, (kcoral_worker.WorkerReady, kcoral_worker.WorkerFailed),
                              time.monotonic() + phase_timeout, f"worker did not start within {phase_timeout:.0f} s")
@@ -3946,8 +4061,11 @@ class Worker:
                 self.log.event("sandbox_replaced", "WARNING", reason="processes outlived the request's kill sweeps")
                 self.template.kill()
                 gone = not is_live(self.template.pid or 0)
-        else:
-            gone = kill_group(self.pid, grace, orphans=orphans)
+                self.exiting = self.exiting or not gone and killed_already(self.template.pid or 0)
+        else:  # a tree found in its exit before is not waited for again (its disposal after the answer)
+            gone = not self.exiting and kill_group(self.pid, grace, orphans=orphans)
+            # still there past kill_wait, yet killed: a busy GPU's teardown, for the pool to probe (dispose)
+            self.exiting = self.exiting or not gone and all(map(killed_already, tree_members(self.pid, (), orphans)))
         self.process.join(5)
         self.conn.close()
         return gone
@@ -4009,11 +4127,33 @@ def kill_group(pgid: int, grace: float, exclude: Collection[int] = (), orphans: 
     """SIGTERM the group and its leader's descendants (with `orphans`, also every process
     started under it), SIGKILL what is left after the grace period, sweep after sweep for up to
     `kill_wait` seconds.  -> whether it is gone."""
-    def remaining() -> list[int]:
-        marked = [pid for pid in marked_processes(pgid) if pid not in exclude] if orphans else []
-        return group_members(pgid, exclude) + [pid for pid in marked if is_live(pid)]
+    return kcoral_worker.terminate(lambda: tree_members(pgid, exclude, orphans), grace, kill_wait, group=pgid,
+                                   at_once=(pgid,))
 
-    return kcoral_worker.terminate(remaining, grace, kill_wait, group=pgid, at_once=(pgid,))
+
+def tree_members(pgid: int, exclude: Collection[int] = (), orphans: bool = False) -> list[int]:
+    """What kill_group kills: the group and its leader's descendants (with `orphans`, every live
+    process started under it too)."""
+    marked = [pid for pid in marked_processes(pgid) if pid not in exclude] if orphans else []
+    return group_members(pgid, exclude) + [pid for pid in marked if is_live(pid)]
+
+
+PF_EXITING = 0x4  # /proc/PID/stat flags: the process is in its exit (include/linux/sched.h)
+
+
+def killed_already(pid: int) -> bool:
+    """Whether a process will never run a program's code again: it is gone, in its exit, or has
+    SIGKILL pending (waiting in the kernel, say for a driver that tears down a CUDA context whose
+    kernel still spins).  What is left of it is the kernel's work, not the program's."""
+    fields = kcoral_worker.proc_stat(pid)
+    if fields is None or int(fields[6]) & PF_EXITING:
+        return True
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            pending = [int(line.split()[1], 16) for line in f if line.startswith(("SigPnd:", "ShdPnd:"))]
+    except (OSError, ValueError, IndexError):
+        return kcoral_worker.proc_stat(pid) is None
+    return any(mask & 1 << (signal.SIGKILL - 1) for mask in pending)
 
 
 # --- 9. GPUs and the lease (docs/server.md §1-2) --------------------------------------------------
@@ -4225,7 +4365,8 @@ class LeaseArbiter:
             self.cond.notify_all()
 
     def drain(self) -> None:
-        """Shutdown: requests still waiting for "any n" GPUs are refused (docs/server.md §8)."""
+        """A quarantine's drain: requests still waiting for "any n" GPUs are refused (a graceful
+        shutdown lets them run: the leases they wait for are released as the requests before finish)."""
         with self.cond:
             self.closing = True
             self.cond.notify_all()
@@ -4411,7 +4552,7 @@ class SandboxTemplate:
         space = kcoral_worker.RequestSpace(uid, gid, config.disk_limit_bytes or 0, config.file_limit or 0,
                                            config.process_limit or 0, kept_mounts(config))
         frame = kcoral_worker.encode_message(space)[kcoral_worker.MESSAGE_HEADER.size:]
-        code = (f"import sys; sys.path.insert(0, {project!r}); import kcoral_worker; "
+        code = (f"import sys; sys.path[:] = {[project, *server_import_path()]!r}; import kcoral_worker; "
                 f"kcoral_worker.template_main({child.fileno()}, {preload!r}, {import_env!r}, {frame!r})")
         # -I: no start directory, user site or PYTHON* variables on the import path
         try:
@@ -4458,7 +4599,8 @@ class SandboxTemplate:
             forked = expect(self.conn, kcoral_worker.WorkerForked, time.monotonic() + 60,
                             "the sandbox's template did not fork")
             holder = next((p for p in children_of(self.pid) if inner_pid(p) == forked.pid), None)
-            worker = next(iter(children_of(holder)), None) if holder is not None else None
+            init = next(iter(children_of(holder)), None) if holder is not None else None
+            worker = next(iter(children_of(init)), None) if init is not None else None
             if worker is None:
                 raise WorkerCrashed("the sandbox's new worker is gone")
         except WorkerCrashed:
@@ -4468,9 +4610,10 @@ class SandboxTemplate:
         return self.current
 
     def kill_requests(self, grace: float, worker_pid: int) -> bool:
-        """Kill the worker at once (PID 1 of its request's namespace: the kernel ends everything in
-        it with it), then everything else below the template, SIGTERM first, SIGKILL after `grace`,
-        sweep after sweep.  -> whether it is all gone; if not, the caller ends the container."""
+        """Kill the worker at once (its request's init ends with it, and the kernel ends everything
+        in their namespace with the init), then everything else below the template, SIGTERM first,
+        SIGKILL after `grace`, sweep after sweep.  -> whether it is all gone; if not, the caller
+        ends the container."""
         spared = [os.getpgid(self.pid)] if self.pid and is_live(self.pid) else []
         return kcoral_worker.terminate(lambda: descendants(self.pid), grace, KILL_SWEEP_SECONDS,
                                        keep_groups=spared, at_once=(worker_pid,))
@@ -4563,6 +4706,7 @@ def bwrap_command(config: ServerConfig, gpus: list[int]) -> list[str]:
     args += ["--ro-bind", "/sys", "/sys", "--proc", "/proc", "--dev", "/dev", "--dir", "/dev/mqueue"]
     for node in [gpu_device_node(g) for g in gpus] + list(GPU_CONTROL_NODES if gpus else ()):
         args += ["--dev-bind-try", node, node]
+    args += nvidia_proc_args(gpus)
     for addon, inside in addons.items():
         args += ["--ro-bind", addon, inside]
     for directory in SANDBOX_DIRECTORIES:
@@ -4608,11 +4752,18 @@ def shown_inside(directory: str) -> bool:
 def python_paths() -> list[str]:
     """What the interpreter needs to run our worker: its prefixes and import path, minus the
     server's working directory (only the project's own files are shown from there)."""
+    paths = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix] + server_import_path()
+    return sorted(set(map(os.path.abspath, paths)))
+
+
+def server_import_path() -> list[str]:
+    """The server's import path, in order, minus its working directory and ours.  A sandbox's
+    `python -I` would drop what PYTHONPATH or the user site added to it (where the server's own
+    torch or tvm_ffi may come from), so its template is handed this path; each entry is shown
+    read-only (python_paths)."""
     project = os.path.dirname(os.path.abspath(kcoral_worker.__file__))
     skipped = {"", os.getcwd(), project}
-    paths = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]
-    paths += [p for p in sys.path if p not in skipped and os.path.exists(p)]
-    return sorted(set(map(os.path.abspath, paths)))
+    return [os.path.abspath(p) for p in sys.path if p not in skipped and os.path.exists(p)]
 
 
 def project_files() -> tuple[str, list[str]]:
@@ -4663,6 +4814,31 @@ def gpu_device_node(gpu_id: int) -> str:
     except OSError:
         pass
     return f"/dev/nvidia{gpu_id}"
+
+
+def nvidia_proc_args(gpus: list[int]) -> list[str]:
+    """bwrap arguments showing only these GPUs' folders in the container's /proc/driver/nvidia/gpus,
+    as the NVIDIA container runtime does: a read-only tmpfs over it, with their own folders (matched
+    by the device minor number their nodes have) bound back read-only."""
+    folder = kcoral_worker.NVIDIA_PROC_GPUS
+    if not gpus or not os.path.isdir(folder):
+        return []
+    minors = {gpu_device_node(g).removeprefix("/dev/nvidia") for g in gpus}
+    args = ["--tmpfs", folder]
+    for name in sorted(os.listdir(folder)):
+        entry = os.path.join(folder, name)
+        if device_minor(entry) in minors:
+            args += ["--ro-bind", entry, entry]
+    return args + ["--remount-ro", folder]
+
+
+def device_minor(entry: str) -> str | None:
+    """The `Device Minor:` of a /proc/driver/nvidia/gpus folder's information file."""
+    try:
+        with open(os.path.join(entry, "information")) as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("Device Minor:")), None)
+    except OSError:
+        return None
 
 
 def ensure_gpu_control_nodes(log: EventLog) -> list[str]:
@@ -5054,16 +5230,18 @@ defaults
     retry-on conn-failure 503
     option redispatch 1           # every retry goes to another node
     # HAProxy's own answers keep the KCoral error shape, so clients report them clearly.
-    http-error status 502 content-type application/json lf-string '{{"status":"ERROR","request_id":"%[uuid]",\
+    http-error status 502 content-type application/json lf-string '{{"status":"ERROR","request_id":"%[unique-id]",\
 "error":{{"kind":"engine","message":"the node failed before answering (it may have run the program); not retried"}}}}'
-    http-error status 503 content-type application/json lf-string '{{"status":"ERROR","request_id":"%[uuid]",\
+    http-error status 503 content-type application/json lf-string '{{"status":"ERROR","request_id":"%[unique-id]",\
 "error":{{"kind":"busy","message":"no node of the cohort could take the request in time"}}}}' hdr Retry-After 1
-    http-error status 504 content-type application/json lf-string '{{"status":"ERROR","request_id":"%[uuid]",\
+    http-error status 504 content-type application/json lf-string '{{"status":"ERROR","request_id":"%[unique-id]",\
 "error":{{"kind":"timeout","message":"the node did not answer within the proxy server timeout"}}}}'
     # Health: GET /health must answer 200 with a non-zero request_capacity (a node that has
     # begun a graceful shutdown reports 0, so HAProxy stops sending it work while it drains).
+    # The header tells the node a balancer checks it: it holds the 503s of its drain until two
+    # checks have taken it out here, so that their retries go to other nodes.
     option httpchk
-    http-check send meth GET uri /health{check_auth}
+    http-check send meth GET uri /health hdr {check_header} haproxy{check_auth}
     http-check expect status 200
     http-check expect ! rstring \\"request_capacity\\":0[,}}]
     # check: every second (every 250 ms while changing state); down after 2 failed checks, back
@@ -5082,8 +5260,8 @@ frontend kcoral
     stick-table type ipv6 size 100k expire 60s store conn_cur,http_req_rate(10s)
     tcp-request connection track-sc0 src
     tcp-request connection reject if {{ sc_conn_cur(0) gt {source_connections} }}
-    http-request return status 429 content-type application/json lf-string '{{"status":"ERROR",\
-"request_id":"%[uuid]","error":{{"kind":"busy","message":"more than {source_requests} requests in 10 s from this \
+{request_id}    http-request return status 429 content-type application/json lf-string '{{"status":"ERROR",\
+"request_id":"%[unique-id]","error":{{"kind":"busy","message":"more than {source_requests} requests in 10 s from this \
 address"}}}}' hdr Retry-After 10 if {{ sc_http_req_rate(0) gt {source_requests} }}
 {token_check}    # When HAProxy had the request's headers, in microseconds since the epoch: the time from then
     # to a node's reading it is the wait in HAProxy (its queue, retries).  set-header replaces
@@ -5194,8 +5372,24 @@ HAPROXY_TOKEN_CHECK = """\
     # without it never reaches a node, nor waits in the queue.  During a token rotation two are
     # accepted (docs/operations.md); the health checks send the first.
     http-request return status 401 content-type application/json lf-string '{{"status":"ERROR",\
-"request_id":"%[uuid]","error":{{"kind":"unauthorized","message":"missing or invalid bearer token"}}}}' \
+"request_id":"%[unique-id]","error":{{"kind":"unauthorized","message":"missing or invalid bearer token"}}}}' \
 hdr WWW-Authenticate Bearer unless {{ req.fhdr(authorization,1) -m str {accepted} }}
+"""
+# docs/operations.md, "Trace a failed request".  {{-m reg}} is HAProxy's, the rest str.format's.
+HAPROXY_REQUEST_ID = """\
+    # One id per request, end to end: the client's X-KCoral-Client-Request-ID when it sent exactly
+    # one canonical UUID (the same for every attempt of one execute()), else a new one.  HAProxy
+    # logs it beside the node it chose, passes it on in that header (the node logs it as
+    # client_request_id) and puts it on every answer, its own errors included.
+    http-request set-var(txn.request_id) req.hdr({header}) if {{ req.hdr_cnt({header}) eq 1 }} \
+{{ req.hdr({header}) -m reg ^[0-9a-f]{{8}}-[0-9a-f]{{4}}-[0-9a-f]{{4}}-[0-9a-f]{{4}}-[0-9a-f]{{12}}$ }}
+    http-request set-var(txn.request_id) uuid unless {{ var(txn.request_id) -m found }}
+    http-request del-header {header}
+    unique-id-format %[var(txn.request_id)]
+    unique-id-header {header}
+    http-after-response set-header {header} %[unique-id]
+    log-format "%ci:%cp [%tr] %ft %b/%s %TR/%Tw/%Tc/%Tr/%Ta %ST %B %CC %CS %tsc %ac/%fc/%bc/%sc/%rc %sq/%bq \
+%hr %hs %{{+Q}}r request_id=%ID"
 """
 HAPROXY_STATS = """
 frontend kcoral_stats
@@ -5255,8 +5449,9 @@ def haproxy_config(listen: str, nodes: list[CohortNode], tokens: list[str], queu
         server_timeout=haproxy_time(server_timeout), header_timeout=haproxy_time(limits.header_timeout),
         keepalive_timeout=haproxy_time(ServerConfig.keepalive_timeout_seconds),
         source_connections=limits.source_connections, source_requests=limits.source_requests,
+        request_id=HAPROXY_REQUEST_ID.format(header=CLIENT_REQUEST_ID_HEADER),
         token_check=HAPROXY_TOKEN_CHECK.format(accepted=" ".join(f'"Bearer {t}"' for t in tokens)) if tokens else "",
-        check_auth=f' hdr Authorization "Bearer {tokens[0]}"' if tokens else "",
+        check_auth=f' hdr Authorization "Bearer {tokens[0]}"' if tokens else "", check_header=BALANCER_CHECK_HEADER,
         user_group=user_group, pidfile=runtime.pidfile, stats_socket=runtime.stats_socket,
         tls=f" ssl crt {runtime.tls_cert}" if runtime.tls_cert else "", local_edits=runtime.local_edits,
         stats=HAPROXY_STATS.format(stats_listen=runtime.stats_listen) if runtime.stats_listen else "")

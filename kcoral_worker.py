@@ -38,7 +38,8 @@ Sections, top-down: the shared contract (types, errors, path rules; raw bytes an
 blobs; the messages) and the process helpers, which kcoral.py imports too; the worker process
 (`worker_main` -> `serve_request` per request); one program (`ProgramRun`, output capture,
 workspace files, value encoding); the runtimes (tensors and libraries per device, the GPU lease,
-CUDA's guards); last, `kcoral.builtins` and `kcoral.errors`, what uploaded code imports.
+CUDA's guards); last, `kcoral.builtins` and `kcoral.errors`, what uploaded code imports, with
+`evaluate`'s kernel processes (a fresh interpreter per kernel under test, its own messages).
 
 A worker's device is fixed when it starts: `worker_main` builds one `Runtime` and hands it
 down to each request; nothing module-level changes per process or per request.
@@ -594,8 +595,8 @@ def escaped_descendants() -> list[int]:
     of them in a sandbox.
 
     The front-end kills and reports what is left in the group; these it cannot see.  A sandboxed
-    worker is PID 1 of its request's namespace, whose exit ends every process in it: it reports
-    them all itself, before it exits.
+    worker's exit ends its request's PID namespace and every process in it before the front-end
+    could look: it reports them all itself.
     """
     me, parents, groups = os.getpid(), {}, {}
     for pid, state, ppid, pgrp in process_table():
@@ -607,8 +608,7 @@ def escaped_descendants() -> list[int]:
         frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - tree
         tree |= frontier
     group = os.getpgid(0)
-    # a sandboxed worker is its PID namespace's init: its exit would end them all unnoticed
-    return sorted(pid for pid in tree if groups[pid] != group or me == 1)
+    return sorted(pid for pid in tree if groups[pid] != group or SANDBOXED["worker"])
 
 
 def has_children() -> bool:
@@ -789,9 +789,10 @@ def template_main(fd: int, preload: list[str], import_env: dict[str, str], space
         if not isinstance(message, ForkWorker):
             raise UnexpectedMessage(f"a sandbox template cannot serve {message!r}")
         pipe = reduction.recv_handle(conn)
-        holder = fork_request(conn, pipe, message, space)
+        holder, status_pipe = fork_request(conn, pipe, message, space)
         send_message(conn, WorkerForked(holder))
-        send_message(conn, WorkerExited(reap_until(holder)))
+        wait_for_child(holder)
+        send_message(conn, WorkerExited(worker_exit_code(status_pipe)))
 
 
 # Linux's constants (stable ABI) for what the os module lacks before Python 3.12
@@ -804,6 +805,7 @@ CAP_SETGID, CAP_SETUID, CAP_SETPCAP, CAP_SYS_ADMIN, CAP_SYS_RESOURCE = 6, 7, 8, 
 TEMPLATE_CAPS = (CAP_SETPCAP, CAP_SYS_ADMIN, CAP_SYS_RESOURCE)
 ROOT_TEMPLATE_CAPS = (CAP_SETGID, CAP_SETUID)
 PROC_COVERED = ("sys", "sysrq-trigger", "irq", "bus")  # read-only in every /proc a request sees
+NVIDIA_PROC_GPUS = "/proc/driver/nvidia/gpus"  # the driver's folder per GPU: a request sees its own only
 SANDBOX_ROOT = "/kcoral"  # inside a sandbox: the request's writable space (work/, home/, cache/, tmp/, shm/)
 SANDBOX_SPACES = {"/tmp": "tmp", "/var/tmp": "tmp", "/dev/shm": "shm"}  # where else it shows
 
@@ -848,48 +850,75 @@ def become_sandbox_user(space: RequestSpace) -> None:
     set_capabilities(TEMPLATE_CAPS)
 
 
-def fork_request(conn: Connection, pipe: int, message: ForkWorker, space: RequestSpace) -> int:
-    """Fork the holder of a request's namespaces (mount, PID and IPC, all new), whose only child is
-    the request's worker, PID 1 there -> the holder's pid, once the worker exists.
+def fork_request(conn: Connection, pipe: int, message: ForkWorker, space: RequestSpace) -> tuple[int, int]:
+    """Fork the holder of a request's new mount, PID and IPC namespaces -> (its pid, once the
+    request's worker exists; the pipe on which the worker's wait status follows).  In them, an
+    init (PID 1) sets up the request's space (`enter_request_space`) and forks the worker (PID 2),
+    then only waits for it: when the worker ends, the init writes its status and ends too, and
+    the kernel with the init everything left in the namespace.  The worker is not the init
+    itself, since an init takes no signal it does not handle from inside its namespace: a
+    program's kill(getpid(), SIGKILL) would do nothing (and neither could the init pass on a
+    signal it died of: it reports the status instead).
 
-    The worker sees none of the container's processes, starts its PIDs at 1, and writes only to a
-    tmpfs of its own, sized by the limits; when it dies, the kernel kills everything in its PID
-    namespace, and the tmpfs and IPC objects go with the last process that used them."""
+    The worker sees none of the container's processes, starts its PIDs afresh, and writes only to
+    a tmpfs of its own, sized by the limits; the tmpfs and IPC objects go with the last process."""
     tasks = len(os.listdir("/proc/self/task"))  # the template's threads count against the uid too
-    ready_r, ready_w = os.pipe()
+    status_r, status_w = os.pipe()
     holder = os.fork()
     if holder == 0:
         try:
             conn.close()
-            os.close(ready_r)
+            os.close(status_r)
             libc_call("unshare", CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC)
-            worker = os.fork()
-            if worker == 0:
-                os.close(ready_w)
-                enter_request_space(space, tasks + 1)
-                set_dumpable(True)
-                worker_main(Connection(pipe), message.device, message.visible_gpus)
+            init = os.fork()
+            if init == 0:
+                enter_request_space(space, tasks + 2)  # + the holder and this init
+                worker = os.fork()
+                if worker == 0:
+                    os.close(status_w)
+                    set_dumpable(True)
+                    worker_main(Connection(pipe), message.device, message.visible_gpus)
+                os.close(pipe)
+                os.write(status_w, b"+")
+                os.write(status_w, WAIT_STATUS.pack(wait_for_child(worker)))
+                os._exit(0)
             os.close(pipe)
-            os.write(ready_w, b"+")
-            os.close(ready_w)
-            exit_like(os.waitpid(worker, 0)[1])
+            os.close(status_w)
+            wait_for_child(init)
+            os._exit(0)
         finally:
             os._exit(1)
     os.close(pipe)
-    os.close(ready_w)
-    os.read(ready_r, 1)  # the holder writes once the worker exists, or dies
-    os.close(ready_r)
-    return holder
+    os.close(status_w)
+    os.read(status_r, 1)  # written once the worker exists, or never if its set-up failed
+    return holder, status_r
+
+
+WAIT_STATUS = struct.Struct("=i")
+
+
+def worker_exit_code(status_pipe: int) -> int:
+    """The exit code (negative: the signal) of the worker whose init writes to `status_pipe`;
+    SIGKILL's when the init never could."""
+    with open(status_pipe, "rb") as pipe:
+        status = pipe.read(WAIT_STATUS.size)
+    return os.waitstatus_to_exitcode(WAIT_STATUS.unpack(status)[0]) if len(status) == 4 else -signal.SIGKILL
+
+
+SANDBOXED = {"worker": False}  # set in a request's init: its worker reports every descendant (escaped_descendants)
 
 
 def enter_request_space(space: RequestSpace, others: int) -> None:
-    """In a fresh worker, PID 1 of new mount, PID and IPC namespaces: a /proc of its own (what
-    changes the host read-only), no further user namespaces, a fresh tmpfs for everything it may
-    write (sized by --disk-limit-bytes and --file-limit), its own message queues; then no
-    capabilities, at most --process-limit processes and threads (counted per uid in the container's
-    user namespace, where `others` are the template's threads and the holder) and no core dumps."""
+    """In a request's init, PID 1 of new mount, PID and IPC namespaces: a /proc of its own (what
+    changes the host read-only), no further user namespaces, a fresh tmpfs for everything the
+    request may write (sized by --disk-limit-bytes and --file-limit), its own message queues; then
+    no capabilities, at most --process-limit processes and threads for what it forks (counted per
+    uid in the container's user namespace, where `others` are the template's threads, the holder
+    and the init) and no core dumps."""
     mount(None, "/", None, MS_REC | MS_PRIVATE)
+    own_gpus = os.listdir(NVIDIA_PROC_GPUS) if os.path.isdir(NVIDIA_PROC_GPUS) else []  # the container shows its own
     mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    hide_other_gpu_folders(own_gpus)
     with open("/proc/sys/user/max_user_namespaces", "w") as f:  # this user namespace's own limit
         f.write("0")
     for name in PROC_COVERED:
@@ -915,6 +944,24 @@ def enter_request_space(space: RequestSpace, others: int) -> None:
     if space.processes:
         resource_limit("RLIMIT_NPROC", space.processes + others)
     resource_limit("RLIMIT_CORE", 0)
+    SANDBOXED["worker"] = True
+
+
+def hide_other_gpu_folders(own: list[str], folder: str = NVIDIA_PROC_GPUS) -> None:
+    """In a fresh /proc, which shows every GPU's driver folder again: a read-only tmpfs over `folder`
+    with only the `own` ones (those the container showed) bound back, as the container's /proc has."""
+    if not os.path.isdir(folder):
+        return
+    kept = {name: os.open(os.path.join(folder, name), os.O_PATH | os.O_DIRECTORY) for name in own}
+    try:
+        mount("tmpfs", folder, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=0755")  # read-only below
+        for name, fd in kept.items():
+            os.mkdir(os.path.join(folder, name))
+            mount(f"/proc/self/fd/{fd}", os.path.join(folder, name), None, MS_BIND)
+        mount(None, folder, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    finally:
+        for fd in kept.values():
+            os.close(fd)
 
 
 def keep_mount(source: str, target: str) -> None:
@@ -944,23 +991,13 @@ def oom_score() -> int:
         return int(f.read())
 
 
-def exit_like(status: int) -> None:
-    """End this process as the child whose wait `status` this is ended: the same code, or the same
-    signal (its default action restored first), so that its parent sees what the child did."""
-    code = os.waitstatus_to_exitcode(status)
-    if code < 0:
-        signal.signal(-code, signal.SIG_DFL)
-        os.kill(os.getpid(), -code)
-    os._exit(code if code >= 0 else 1)
-
-
-def reap_until(pid: int) -> int:
-    """Wait for `pid` -> its exit code; as its PID namespace's init, the template also reaps every
-    orphan re-parented to it meanwhile."""
+def wait_for_child(pid: int) -> int:
+    """Wait for the child `pid` -> its wait status; an init also reaps every orphan re-parented
+    to it meanwhile."""
     while True:
         done, status = os.waitpid(-1, 0)
         if done == pid:
-            return os.waitstatus_to_exitcode(status)
+            return status
 
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
@@ -2154,8 +2191,8 @@ def install_kcoral_modules() -> tuple[types.ModuleType, types.ModuleType]:
     vars(errors).update(ExecutionError=ExecutionError, ValidationError=ValidationError)
     builtins_mod = types.ModuleType("kcoral.builtins")
     vars(builtins_mod).update(benchmark=benchmark, build_library=build_library, check_close=check_close,
-                              compile_tirx=compile_tirx,
-                              __all__=["benchmark", "build_library", "check_close", "compile_tirx"])
+                              compile_tirx=compile_tirx, evaluate=evaluate,
+                              __all__=["benchmark", "build_library", "check_close", "compile_tirx", "evaluate"])
     sys.modules["kcoral.errors"] = errors
     sys.modules["kcoral.builtins"] = builtins_mod
     return errors, builtins_mod
@@ -2213,7 +2250,7 @@ COMPILER_DIAGNOSTIC_CHARS = 6000  # the end of a compiler's output: where its er
 def build_library(sources: str | Sequence[str], arch: str | None = None, *, options: Sequence[str] = (),
                   output: str | None = None, load: bool = True) -> Any:
     """Compile C++ (g++) or CUDA (nvcc, when a source ends in .cu) files of the working directory
-    into a TVM-FFI library and load it (docs/server.md §5.4) -> the loaded module, whose exports
+    into a TVM-FFI library and load it (docs/server.md §5.5) -> the loaded module, whose exports
     `get_function` (or `module.get_function(name)`) binds; with `load=False`, the library's path.
 
     `arch`: the CUDA target, `sm_90a` say; by default the worker's own GPU.  `options`: more
@@ -2287,9 +2324,7 @@ def benchmark(mod: Callable[..., Any], *args: Any) -> dict[str, Any]:
     except RuntimeError as exc:
         raise ExecutionError("runtime", shorten(f"{type(exc).__name__}: {exc}")) from exc
     samples.sort()
-    mid = len(samples) // 2
-    median = samples[mid] if len(samples) % 2 else (samples[mid - 1] + samples[mid]) / 2
-    result: dict[str, Any] = {"latency_ms_median": median, "latency_ms_mean": sum(samples) / len(samples),
+    result: dict[str, Any] = {"latency_ms_median": median(samples), "latency_ms_mean": sum(samples) / len(samples),
               "latency_ms_min": samples[0], "latency_ms_max": samples[-1],
               "activities_stable": stable, "flush_l2": flush_l2,
               "warmup": warmup, "repeat": repeat}
@@ -2478,8 +2513,7 @@ class CuptiTimer(HostTimer):
         self.torch = torch
         self.scratch = None
         if flush_l2:
-            l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 64 << 20)
-            self.scratch = torch.empty(2 * l2, dtype=torch.int8, device="cuda")
+            self.scratch = cuda_flush_buffer(torch)
         self.cupti = cupti
         self.kinds = [int(getattr(cupti.ActivityKind, k)) for k in self.API_KINDS + self.GPU_KINDS]
 
@@ -2534,6 +2568,12 @@ class CuptiTimer(HostTimer):
         self.cupti.finalize()
 
 
+def cuda_flush_buffer(torch: Any) -> Any:
+    """A device buffer twice the L2's size, zeroed to flush it (benchmark's and evaluate's flush)."""
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 64 << 20)
+    return torch.empty(2 * l2, dtype=torch.int8, device="cuda")
+
+
 @contextlib.contextmanager
 def cupti_unavailable(what: str) -> Iterator[None]:
     """CUPTI failures answer `unavailable` (docs/server.md §5.2, §6)."""
@@ -2583,3 +2623,722 @@ def activity_spans(records: list[Activity], windows: list[tuple[int, int]],
     if min(samples) <= 0:
         raise ExecutionError("unavailable", "CUPTI reported a non-positive activity span")
     return samples, all(activities == spans[0][2] for _, _, activities in spans)
+
+
+# --- kcoral.builtins.evaluate: a verdict the kernel under test cannot forge (docs/evaluate.md) ----
+#
+# The candidate, and for a fair race the reference, each run in a kernel process of their own,
+# started afresh (`python -I`: nothing of this process's memory), that receives every call's
+# inputs as raw bytes and answers with its outputs as raw bytes.  The seeds, the clock, the
+# comparison and the verdict stay in the process that called evaluate, which never runs the
+# candidate's code: what the candidate patches, reads or leaves running is in its own process.
+
+@message
+@dataclasses.dataclass(frozen=True)
+class EvalLoad:
+    """evaluate -> kernel process, once: run `source` as a module and call its `entry` from now on
+    (through one captured CUDA graph with `cuda_graph`); answered by an empty EvalOutputs."""
+    source: str
+    entry: str
+    cuda_graph: bool
+
+
+@message
+@dataclasses.dataclass(frozen=True)
+class EvalCall:
+    """evaluate -> kernel process: a call's arguments as value specs, their bytes after the frame in
+    order.  The process builds them on the device and calls the kernel, or with `echo` answers its
+    last outputs again without calling it (what the exchange alone costs); answered by EvalOutputs.
+    The inputs travel with the call, so a kernel cannot compute its answer before the clock starts."""
+    values: list[dict]
+    echo: bool
+
+
+@message
+@dataclasses.dataclass(frozen=True)
+class EvalSendInputs:
+    """evaluate -> kernel process: answer the last inputs as they are now (did the call write them?)."""
+
+
+@message
+@dataclasses.dataclass(frozen=True)
+class EvalOutputs:
+    """kernel process -> evaluate: value specs, their bytes after the frame; or what went wrong."""
+    values: list[dict]
+    error: str | None
+
+
+EVAL_SPEC_KEYS = {"kind", "dtype", "shape", "device"}
+EVAL_MAX_BYTES = 1 << 30  # one answer's tensors: far above a kernel test's, far below a worker's memory
+EVAL_FRAME_BYTES = 1 << 20  # one answer's frame: specs only, the bytes follow it
+# rtol, atol per output dtype when the caller sets none: torch.testing.assert_close's defaults,
+# float8's from its mantissa (3 and 2 bits); integers and bool compare exactly
+EVAL_TOLERANCES = {"float64": (1e-7, 1e-7), "float32": (1.3e-6, 1e-5), "float16": (1e-3, 1e-5),
+                   "bfloat16": (1.6e-2, 1e-5), "float8_e4m3fn": (1.25e-1, 1e-2), "float8_e5m2": (2.5e-1, 1e-2)}
+# NVML clock throttle reasons that slow a measurement down (idle, application clocks and the
+# display clock do not): nvmlClocksThrottleReason* bits
+THROTTLE_REASONS = {0x4: "power cap", 0x8: "hardware slowdown", 0x20: "software thermal slowdown",
+                    0x40: "hardware thermal slowdown", 0x80: "power brake"}
+
+
+@dataclasses.dataclass
+class EvalValue:
+    """One argument or output as it crosses between processes: a JSON value, or a tensor's bytes."""
+    kind: str  # "torch", "numpy" or "json" (arguments only)
+    dtype: str = ""
+    shape: list[int] = dataclasses.field(default_factory=list)
+    device: str = "cpu"
+    data: Any = None  # the bytes, or the JSON value
+
+    def spec(self) -> dict[str, Any]:
+        if self.kind == "json":
+            return {"kind": "json", "value": self.data}
+        return {"kind": self.kind, "dtype": self.dtype, "shape": self.shape, "device": self.device}
+
+    def build(self, device: str | None = None, copy: bool = True) -> Any:
+        """This value as an object, on `device` or its own: over a private copy of the bytes, or
+        (`copy=False`, for bytes nothing else holds) over the bytes themselves."""
+        if self.kind == "json":
+            return self.data
+        data = bytearray(self.data) if copy else self.data
+        if self.kind == "numpy":
+            return numpy_dtype_array(data, self.dtype, self.shape)
+        import torch
+        dtype = torch_dtype(self.dtype)
+        flat = torch.frombuffer(data, dtype=dtype) if len(data) else torch.empty(0, dtype=dtype)
+        return flat.reshape(self.shape).to(device or self.device)
+
+    def describe(self) -> str:
+        return f"a {self.device} {self.kind} {self.dtype} of shape {self.shape}"
+
+
+def eval_value(value: Any, where: str, copy: bool = True, output: bool = False) -> EvalValue:
+    """A kernel's argument or output as an EvalValue, over a copy of its bytes or (`copy=False`)
+    a view of them: a tensor, an array, a JSON scalar (an argument) or a number (an output, as a
+    0-d NumPy array); TypeError for anything else.  Exact types: a subclass, or an object that
+    only converts to a tensor, could compute when it is read."""
+    torch, numpy = sys.modules.get("torch"), sys.modules.get("numpy")
+    if output and numpy is not None and type(value) in (bool, int, float):
+        value = numpy.asarray(value)
+    elif not output and (value is None or type(value) in (bool, int, float, str)):
+        return EvalValue("json", data=value)
+    exact = ((torch is not None and type(value) is torch.Tensor)
+             or (numpy is not None and (type(value) is numpy.ndarray or isinstance(value, numpy.generic))))
+    encoded = tensor_bytes(value) if exact else None
+    if encoded is None:
+        raise TypeError(f"{where} is {article(type(value).__name__)} {type(value).__name__}, "
+                        f"not a torch.Tensor, a numpy.ndarray or {'a number' if output else 'a JSON scalar'}")
+    dtype, shape, data = encoded
+    is_torch = torch is not None and type(value) is torch.Tensor
+    return EvalValue("torch" if is_torch else "numpy", dtype, shape, value.device.type if is_torch else "cpu",
+                     bytearray(data) if copy else data)
+
+
+def send_values(conn: Connection, values: list[EvalValue]) -> None:
+    send_message(conn, EvalOutputs([v.spec() for v in values], None))
+    send_raw(conn, *(v.data for v in values if v.kind != "json"))
+
+
+def read_values(conn: Connection, specs: list[dict], deadline: float | None,
+                arguments: bool = False) -> list[EvalValue]:
+    """The values a frame announced, their bytes read off the channel; every spec is checked
+    first (UnexpectedMessage), so a hostile answer cannot make this process allocate at will."""
+    values, budget = [], EVAL_MAX_BYTES
+    for spec in specs:
+        if arguments and spec.get("kind") == "json" and set(spec) == {"kind", "value"}:
+            values.append(EvalValue("json", data=spec["value"]))
+            continue
+        shape = spec.get("shape")
+        if (set(spec) != EVAL_SPEC_KEYS or spec["kind"] not in ("torch", "numpy") or spec["dtype"] not in DTYPE_SIZES
+                or type(spec["device"]) is not str or type(shape) is not list or len(shape) > 64
+                or not all(type(n) is int and 0 <= n < 1 << 48 for n in shape)):
+            raise UnexpectedMessage(f"a value described as {spec!r:.200}")
+        size = DTYPE_SIZES[spec["dtype"]]
+        for n in shape:
+            size *= n
+        if size > budget:
+            raise UnexpectedMessage(f"values of more than {EVAL_MAX_BYTES} bytes")
+        budget -= size
+        values.append(EvalValue(spec["kind"], spec["dtype"], shape, spec["device"], recv_raw(conn, size, deadline)))
+    return values
+
+
+def kernel_process_main(fd: int) -> None:
+    """Entry point of one of evaluate's kernel processes (KernelProcess starts it): load the kernel,
+    then serve EvalCall and EvalSendInputs until evaluate closes the channel."""
+    set_dumpable(False)  # the other kernel process, running as the same user, cannot ptrace or read this one
+    die_with_parent()
+    keep_freed_memory()
+    install_kcoral_modules()
+    conn = Connection(fd)
+    load = receive_message(conn)[0]
+    if not isinstance(load, EvalLoad):
+        raise UnexpectedMessage(f"a kernel process cannot start with {load!r}")
+    try:
+        kernel = KernelUnderTest(load)
+    except BaseException as exc:
+        send_message(conn, EvalOutputs([], error_line(exc)))
+        return
+    send_message(conn, EvalOutputs([], None))
+    for msg in messages(conn):
+        try:
+            if isinstance(msg, EvalCall):
+                kernel.set_inputs([v.build(copy=False) for v in read_values(conn, msg.values, None, arguments=True)])
+                send_values(conn, kernel.outputs() if msg.echo else kernel.call())
+            elif isinstance(msg, EvalSendInputs):  # the tensors: a JSON argument cannot be written to
+                arguments = [eval_value(v, f"argument {i}", copy=False) for i, v in enumerate(kernel.inputs)]
+                send_values(conn, [v for v in arguments if v.kind != "json"])
+            else:
+                raise UnexpectedMessage(f"a kernel process cannot serve {msg!r}")
+        except UnexpectedMessage:
+            raise
+        except BaseException as exc:
+            send_message(conn, EvalOutputs([], error_line(exc)))
+
+
+def keep_freed_memory() -> None:
+    """glibc keeps freed memory for reuse instead of returning it to the system (M_TRIM_THRESHOLD,
+    M_MMAP_THRESHOLD at their maximum): a kernel's fresh output then lands on pages already
+    mapped, as in a long-running loop, and not on new ones whose faults would be timed with it."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: glibc's largest on 64-bit
+
+
+def module_function(source: str, entry: str) -> Callable[..., Any]:
+    fn = load_module(source).namespace.get(entry)
+    if not callable(fn):
+        raise ExecutionError("parse", f"the module defines no function {entry!r}")
+    return fn
+
+
+def error_line(exc: BaseException) -> str:
+    text = exc.message if isinstance(exc, ExecutionError) else f"{type(exc).__name__}: {exc}"
+    return shorten(text)
+
+
+class KernelUnderTest:
+    """A kernel process's side: the loaded function, its last inputs and results; with `cuda_graph`,
+    one graph captured at the first call and replayed on static input buffers the inputs are copied into."""
+
+    def __init__(self, load: EvalLoad) -> None:
+        self.fn = module_function(load.source, load.entry)
+        self.cuda_graph = load.cuda_graph
+        self.graph: Any = None
+        self.inputs: list[Any] = []
+        self.results: list[Any] = []
+        self.graph_outputs: Any = None
+
+    def set_inputs(self, inputs: list[Any]) -> None:
+        if self.graph is None:
+            self.inputs = inputs
+            return
+        for i, (static, new) in enumerate(zip(self.inputs, inputs)):  # the graph reads the captured buffers
+            if hasattr(static, "copy_"):
+                static.copy_(new)
+            elif static != new:
+                raise ValueError(f"cuda_graph: argument {i} changed from {static!r} to {new!r}, "
+                                 "which a captured graph cannot follow")
+
+    def call(self) -> list[EvalValue]:
+        result = self.replay() if self.cuda_graph else self.fn(*self.inputs)
+        self.results = list(result) if type(result) in (tuple, list) else [result]
+        return self.outputs()
+
+    def outputs(self) -> list[EvalValue]:
+        """The last results read out, once the device has finished all its work (every stream's:
+        nothing can finish after the clock stops).  An echo reads them again, device copies included."""
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        return [eval_value(v, f"output {i}", copy=False, output=True) for i, v in enumerate(self.results)]
+
+    def replay(self) -> Any:
+        torch = sys.modules.get("torch")
+        if torch is None or not any(getattr(v, "is_cuda", False) for v in self.inputs):
+            raise ValueError("cuda_graph needs CUDA tensors among the inputs")
+        if self.graph is None:  # warm up on a side stream first, as torch.cuda.graph requires
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.fn(*self.inputs)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.graph_outputs = self.fn(*self.inputs)
+            self.graph = graph
+        self.graph.replay()
+        return self.graph_outputs
+
+
+class KernelFailed(Exception):
+    """A kernel process raised, died, timed out or broke the channel: the verdict is "error"."""
+
+
+class Incorrect(Exception):
+    """The candidate's outputs or inputs differ from what they must be: the verdict is "incorrect"."""
+
+    def __init__(self, message: str, report: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+KERNEL_PROCESS_BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); import kcoral_worker; "
+                       "kcoral_worker.kernel_process_main(int(sys.argv[2]))")
+
+
+class KernelProcess:
+    """evaluate's handle on one kernel process: a fresh interpreter in a session of its own (so it
+    can be stopped and killed as a group), spoken to over a socket pair, every answer validated."""
+
+    def __init__(self, role: str, source: str, entry: str, cuda_graph: bool, timeout: float) -> None:
+        import socket
+        import subprocess
+        self.role, self.timeout = role, timeout
+        ours, theirs = socket.socketpair()
+        with ours, theirs:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-I", "-c", KERNEL_PROCESS_BOOT, os.path.dirname(os.path.abspath(__file__)),
+                 str(theirs.fileno())], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True)
+            self.conn = Connection(os.dup(ours.fileno()))
+        send_message(self.conn, EvalLoad(source, entry, cuda_graph))
+
+    def loaded(self) -> None:
+        self.answer()
+
+    def call(self, inputs: list[EvalValue], echo: bool = False) -> list[EvalValue]:
+        send_message(self.conn, EvalCall([v.spec() for v in inputs], echo))
+        send_raw(self.conn, *(v.data for v in inputs if v.kind != "json"))
+        return self.answer()
+
+    def inputs_now(self) -> list[EvalValue]:
+        send_message(self.conn, EvalSendInputs())
+        return self.answer()
+
+    def answer(self) -> list[EvalValue]:
+        deadline = time.monotonic() + self.timeout
+        try:
+            msg = receive_message(self.conn, EVAL_FRAME_BYTES, deadline)[0]
+            if not isinstance(msg, EvalOutputs):
+                raise UnexpectedMessage(f"{type(msg).__name__} where outputs were expected")
+            if msg.error is not None:
+                raise KernelFailed(f"the {self.role} raised {msg.error}")
+            return read_values(self.conn, msg.values, deadline)
+        except TimeoutError:  # before OSError, of which it is one
+            raise KernelFailed(f"the {self.role} did not answer within {self.timeout:g} s") from None
+        except (EOFError, OSError):
+            raise KernelFailed(f"the {self.role}'s process died ({self.exit_status()})") from None
+        except UnexpectedMessage as exc:
+            raise KernelFailed(f"the {self.role}'s process broke the channel: {exc}") from None
+
+    def exit_status(self) -> str:
+        import subprocess
+        try:
+            code = self.proc.wait(1)
+        except subprocess.TimeoutExpired:
+            return "still running, its channel closed"
+        return f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+
+    def signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
+
+    @contextlib.contextmanager
+    def stopped(self) -> Iterator[None]:
+        """SIGSTOP to the whole group while the other kernel runs: nothing of this one (a spinning
+        thread, a helper process) competes with it for the CPU meanwhile."""
+        self.signal(signal.SIGSTOP)
+        self.wait_stopped()
+        try:
+            yield
+        finally:
+            self.signal(signal.SIGCONT)
+
+    def wait_stopped(self) -> None:
+        """Until the process has stopped: a signal is delivered when the process next runs, and
+        a process woken to stop would compete with the other kernel at the start of its call."""
+        if self.proc.returncode is not None:
+            return
+        pid, status = os.waitpid(self.proc.pid, os.WUNTRACED)
+        if pid and not os.WIFSTOPPED(status):  # it died meanwhile: reaped here, so Popen learns it here
+            self.proc.returncode = os.waitstatus_to_exitcode(status)
+
+    def close(self) -> None:
+        self.signal(signal.SIGKILL)
+        self.proc.wait()
+        self.conn.close()
+
+
+def evaluate(candidate: str, reference: str, make_inputs: Callable[[int], Any], *, entry: str = "kernel",
+             seeds: int = 3, rtol: float | None = None, atol: float | None = None, timing: bool = True,
+             warmup_ms: float = 100.0, target_rse: float = 0.01, budget_ms: float = 2000.0, min_rounds: int = 10,
+             max_rounds: int = 1000, flush_l2: bool = True, cuda_graph: bool = False,
+             implausible_speedup: float = 10.0, confidence: float = 0.95,
+             call_timeout_s: float = 60.0) -> dict[str, Any]:
+    """Check a candidate kernel against a reference, then race them (docs/evaluate.md).
+
+    `candidate`, `reference`: Python source defining `entry(*inputs)`, each run in a fresh
+    process of its own; `make_inputs(seed)` (called here) -> the arguments, a tuple or one value
+    (torch tensors on any device, NumPy arrays, JSON scalars).  -> a verdict of JSON values:
+    "status" "correct", "incorrect" or "error", a one-line "message", the correctness checks,
+    and for a correct candidate with `timing` the race's samples, speedup and flags.
+    """
+    if not isinstance(candidate, str) or not isinstance(reference, str):
+        raise TypeError("evaluate takes the candidate's and the reference's source text (str): a function "
+                        "object's module has already run in this process, where it could patch the harness")
+    if not callable(make_inputs):
+        raise TypeError("evaluate's make_inputs must be a function of a seed")
+    if seeds < 1 or min_rounds < 3 or max_rounds < min_rounds or not 0 < confidence < 1:
+        raise ValueError("evaluate needs seeds >= 1, 3 <= min_rounds <= max_rounds and 0 < confidence < 1")
+    options = dict(rtol=rtol, atol=atol, warmup_ms=warmup_ms, target_rse=target_rse, budget_ms=budget_ms,
+                   min_rounds=min_rounds, max_rounds=max_rounds, flush_l2=flush_l2, cuda_graph=cuda_graph,
+                   implausible_speedup=implausible_speedup, confidence=confidence)
+    run = Evaluation(candidate, reference, make_inputs, entry, call_timeout_s, options)
+    try:
+        return run.verdict(seeds, timing)
+    finally:
+        run.close()
+
+
+class Evaluation:
+    """One evaluate call: the two kernel processes, the reference here, and the verdict taking shape."""
+
+    def __init__(self, candidate: str, reference: str, make_inputs: Callable[[int], Any], entry: str,
+                 timeout: float, options: dict[str, Any]) -> None:
+        self.make_inputs, self.options = make_inputs, options
+        self.reference_fn = module_function(reference, entry)  # trusted: it may run here
+        set_dumpable(False)  # the kernel processes, running as our user, cannot ptrace or read this one
+        self.processes: dict[str, KernelProcess] = {}
+        try:
+            for role, source in (("reference", reference), ("candidate", candidate)):
+                self.processes[role] = KernelProcess(role, source, entry, options["cuda_graph"], timeout)
+        except BaseException:
+            self.close()
+            raise
+        self.candidate, self.reference = self.processes["candidate"], self.processes["reference"]
+        self.device = "cpu"
+        self.report: dict[str, Any] = {"status": "correct", "correct": True, "message": "", "seeds": [],
+                                       "checks": [], "timing": None, "flags": {}}
+
+    def close(self) -> None:
+        for process in self.processes.values():
+            process.close()
+        set_dumpable(True)  # as the worker was (template_main)
+
+    def verdict(self, seeds: int, timing: bool) -> dict[str, Any]:
+        report = self.report
+        try:
+            self.candidate.loaded()
+            self.reference.loaded()
+            for _ in range(seeds):
+                self.check_input_set(random_seed())
+            report["message"] = f"correct on {seeds} input sets"
+            if timing:
+                report["timing"] = self.race()
+                report["message"] += "; " + speedup_line(report["timing"])
+        except Incorrect as exc:
+            report.update(status="incorrect", correct=False, message=str(exc))
+            if exc.report is not None:
+                report["mismatch"] = exc.report
+        except KernelFailed as exc:
+            report.update(status="error", correct=False, message=str(exc))
+        return report
+
+    def inputs(self, seed: int) -> list[EvalValue]:
+        args = self.make_inputs(seed)
+        values = [eval_value(v, f"make_inputs' value {i}") for i, v in enumerate(args if type(args) in (tuple, list)
+                                                                                 else [args])]
+        if any(v.device == "cuda" for v in values):
+            self.device = "cuda"
+        return values
+
+    def check_input_set(self, seed: int) -> None:
+        """Correctness on one input set: the reference's outputs computed here, on copies."""
+        self.report["seeds"].append(seed)
+        sent = self.inputs(seed)
+        result = self.reference_fn(*[v.build() for v in sent])
+        expected = [eval_value(v, f"reference output {i}", output=True)
+                    for i, v in enumerate(list(result) if type(result) in (tuple, list) else [result])]
+        self.report["flags"].update(nonfinite_flag(expected))
+        reports = compare_outputs(self.candidate.call(sent), expected, self.options,
+                                  f"on input set {len(self.report['seeds'])} (seed {seed})")
+        self.report["checks"].append({"seed": seed, "ok": True, "outputs": reports})
+        check_unchanged(self.candidate.inputs_now(), sent)
+
+    def race(self) -> dict[str, Any]:
+        """Interleaved rounds until the relative standard errors reach the target, or the budget ends."""
+        opts = self.options
+        flush = cache_flush(self.device, opts["flush_l2"])
+        before = gpu_conditions() if self.device == "cuda" else None
+        samples: dict[str, list[float]] = {"reference": [], "candidate": [], "echo": []}
+        warm, start = 0, time.perf_counter()
+        warming: dict[str, list[float]] = {k: [] for k in samples}
+        while warm < 2 or time.perf_counter() - start < opts["warmup_ms"] / 1e3:
+            warm += 1
+            self.round(f"warm-up round {warm}", flush, warming)  # the same protocol: it looks like a timed one
+        start, stopped = time.perf_counter(), "max_rounds"
+        for index in range(opts["max_rounds"]):
+            self.round(f"timed round {index + 1}", flush, samples)
+            rse = {role: relative_standard_error(samples[role], samples["echo"]) for role in ("reference", "candidate")}
+            if index + 1 >= opts["min_rounds"] and max(rse.values()) <= opts["target_rse"]:
+                stopped = "target_rse"
+                break
+            if index + 1 >= 3 and (time.perf_counter() - start) * 1e3 >= opts["budget_ms"]:
+                stopped = "budget"
+                break
+        result = race_statistics(samples, opts["confidence"])
+        result.update(rounds=len(samples["candidate"]), warmup_rounds=warm, stopped=stopped,
+                      rse={k: (round(v, 6) if math.isfinite(v) else None) for k, v in rse.items()},
+                      device=self.device, flush_l2=opts["flush_l2"], cuda_graph=opts["cuda_graph"], timer="host",
+                      samples_ms={k: [round(v, 6) for v in s] for k, s in samples.items()})
+        self.report["flags"].update(race_flags(result, opts["implausible_speedup"]))
+        if self.device == "cuda":
+            result["gpu"] = {"before": before, "after": gpu_conditions()}
+            self.report["flags"].update(gpu_flags(result["gpu"]["before"], result["gpu"]["after"]))
+        return result
+
+    def round(self, label: str, flush: Callable[[], None], samples: dict[str, list[float]]) -> None:
+        """One A/B round on fresh inputs: each kernel's call timed here while the other's process
+        group is stopped, then the reference's echo; the candidate's outputs checked against the
+        reference's on the same inputs, and its inputs unchanged."""
+        sent = self.inputs(random_seed())
+        outputs = {}
+        for role in ("reference", "candidate") if len(samples["echo"]) % 2 == 0 else ("candidate", "reference"):
+            # the other one stopped, either way round: each call starts alike, just after a SIGCONT
+            with self.processes["candidate" if role == "reference" else "reference"].stopped():
+                if role == "reference":
+                    self.report["flags"].update(foreign_flag(self.processes.values()))
+                flush()
+                outputs[role], elapsed = timed_call(self.processes[role], sent)
+                samples[role].append(elapsed)
+                if role == "reference":  # the exchange alone, in the trusted process: both kernels' baseline
+                    flush()
+                    samples["echo"].append(timed_call(self.reference, sent, echo=True)[1])
+                else:  # one more exchange each after its call, so that neither starts a round fresher
+                    inputs_after = self.candidate.inputs_now()
+        compare_outputs(outputs["candidate"], outputs["reference"], self.options,
+                        f"in {label}, against the reference on the same inputs")
+        check_unchanged(inputs_after, sent)
+
+
+def foreign_flag(kernels: Iterable[KernelProcess]) -> dict[str, str]:
+    """Descendants of this process outside its own process group and the kernels' while the
+    reference is about to run: nothing stops them meanwhile (a helper the candidate moved to a
+    session of its own, say), so they could compete with it or signal it."""
+    groups = {str(group).encode() for group in (os.getpgid(0), *(kernel.proc.pid for kernel in kernels))}
+    foreign = [pid for pid in escaped_descendants()
+               if (fields := proc_stat(pid)) is not None and fields[2] not in groups]
+    if not foreign:
+        return {}
+    return {"foreign_processes": f"processes {foreign} outside the kernels' process groups ran during the race, "
+                                "unstopped: the timing may be skewed"}
+
+
+def random_seed() -> int:
+    """A seed the candidate cannot know before its call: drawn from the OS at that moment."""
+    import secrets
+    return secrets.randbits(63)
+
+
+def timed_call(process: KernelProcess, inputs: list[EvalValue], echo: bool = False) -> tuple[list[EvalValue], float]:
+    """-> (outputs, ms from sending the inputs to the outputs' last byte here).  The clock is this
+    process's: the candidate cannot patch it, start before it, or finish work after it stops."""
+    start = time.perf_counter()
+    outputs = process.call(inputs, echo)
+    return outputs, (time.perf_counter() - start) * 1e3
+
+
+def compare_outputs(actual: list[EvalValue], expected: list[EvalValue], options: dict[str, Any],
+                    where: str) -> list[dict[str, Any]]:
+    """check_close's report per output (NaN equal only to NaN, inf to inf of its sign, at the same
+    place; kind, device, dtype and shape exact); Incorrect at the first output that differs."""
+    if len(actual) != len(expected):
+        raise Incorrect(f"{len(actual)} outputs where the reference returns {len(expected)} {where}")
+    reports = []
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        if (a.kind, a.device, a.dtype, a.shape) != (e.kind, e.device, e.dtype, e.shape):
+            raise Incorrect(f"output {i} is {a.describe()}, the reference's {e.describe()} {where}")
+        rtol, atol = tolerance(e.dtype, options)
+        a_value, e_value = a.build("cpu", copy=False), e.build("cpu", copy=False)
+        report = check_close(a_value, e_value, rtol=rtol, atol=atol, equal_nan=True)
+        if not report["ok"]:
+            report["worst"] = worst_element(a_value, e_value)
+            worst = report["worst"]
+            raise Incorrect(f"output {i} {where}: {report['summary']}; worst at {worst['index']}: "
+                            f"{worst['actual']} vs {worst['expected']}", report)
+        reports.append(report)
+    return reports
+
+
+def tolerance(dtype: str, options: dict[str, Any]) -> tuple[float, float]:
+    rtol, atol = EVAL_TOLERANCES.get(dtype, (0.0, 0.0))
+    return (rtol if options["rtol"] is None else options["rtol"],
+            atol if options["atol"] is None else options["atol"])
+
+
+def worst_element(actual: Any, expected: Any) -> dict[str, Any]:
+    """Where an output is furthest from the reference: NaN against a number, or inf against
+    anything else, counts as infinitely far."""
+    import numpy
+
+    def float64(value: Any) -> Any:
+        return value.double().numpy() if hasattr(value, "double") else numpy.asarray(value, dtype=numpy.float64)
+    a, e = float64(actual), float64(expected)
+    with numpy.errstate(invalid="ignore"):
+        error = numpy.abs(a - e)
+    same = (a == e) | (numpy.isnan(a) & numpy.isnan(e))
+    error = numpy.where(same, 0.0, numpy.where(numpy.isnan(error), numpy.inf, error))
+    index = numpy.unravel_index(int(numpy.argmax(error)), a.shape) if a.size else ()
+
+    def number(x: Any) -> float | str:
+        return float(x) if numpy.isfinite(x) else repr(float(x))
+    return {"index": [int(i) for i in index], "actual": number(a[index]) if a.size else None,
+            "expected": number(e[index]) if a.size else None, "abs_error": number(error[index]) if a.size else None}
+
+
+def check_unchanged(now: list[EvalValue], sent: list[EvalValue]) -> None:
+    """The candidate's inputs after its call, bit for bit: a kernel that writes its inputs fails
+    (in a shared harness that is how an answer gets planted where the check reads it)."""
+    tensors = [v for v in sent if v.kind != "json"]
+    for i, (after, before) in enumerate(zip(now, tensors)):
+        if after.shape != before.shape or memoryview(after.data).cast("B") != memoryview(before.data).cast("B"):
+            raise Incorrect(f"the candidate modified its tensor argument {i}")
+    if len(now) != len(tensors):
+        raise Incorrect("the candidate's arguments changed in number")
+
+
+def nonfinite_flag(expected: list[EvalValue]) -> dict[str, str]:
+    """NaN or inf in the reference's outputs: the candidate then only has to match them in place."""
+    import numpy
+    for i, value in enumerate(expected):
+        if value.dtype.startswith(("float", "bfloat")):
+            built = value.build("cpu")
+            as_numpy = built.double().numpy() if hasattr(built, "double") else built.astype(numpy.float64)
+            if not numpy.isfinite(as_numpy).all():
+                return {"reference_nonfinite": f"the reference's output {i} holds NaN or inf, "
+                                               "which the candidate matched only in place"}
+    return {}
+
+
+def cache_flush(device: str, flush_l2: bool) -> Callable[[], None]:
+    """benchmark's cache flush, run here before each timed call: the last-level cache (CPU) and the
+    L2 (GPU) are shared with the kernel processes, and a flush the candidate does not run, it cannot skip."""
+    if not flush_l2:
+        return lambda: None
+    if device != "cuda":
+        timer = HostTimer(True)
+
+        def flush_host() -> None:
+            timer.flush()
+            time.sleep(0.001)  # a 64 MiB memset is a long burst: let the scheduler even up before the clock starts
+        return flush_host
+    import torch
+    scratch = cuda_flush_buffer(torch)
+
+    def flush() -> None:
+        scratch.zero_()
+        torch.cuda.synchronize()
+    return flush
+
+
+def median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def relative_standard_error(windows: list[float], echoes: list[float]) -> float:
+    """The standard error of the median window, relative to the kernel's own time (median window less
+    median echo); from the median absolute deviation, so that a few descheduled calls do not hold
+    the race open: 1.4826 x MAD estimates the deviation of normal noise, 1.2533 x that / sqrt(n) the
+    median's standard error."""
+    if len(windows) < 2:
+        return math.inf
+    middle = median(windows)
+    kernel = middle - median(echoes)
+    spread = 1.4826 * median([abs(w - middle) for w in windows])
+    return 1.2533 * spread / math.sqrt(len(windows)) / kernel if kernel > 0 else math.inf
+
+
+def race_statistics(samples: dict[str, list[float]], confidence: float, resamples: int = 2000) -> dict[str, Any]:
+    """Each kernel's time (median window less median echo, ms) and the speedup reference / candidate,
+    with a bootstrap interval over rounds (resampled whole: a round's drift hits both kernels)."""
+    import numpy
+    arrays = {k: numpy.asarray(v, dtype=numpy.float64) for k, v in samples.items()}
+    rounds = len(arrays["echo"])
+    picks = numpy.random.default_rng(random_seed()).integers(0, rounds, size=(resamples, rounds))
+
+    def kernel_ms(role: str, index: Any = slice(None)) -> Any:
+        return numpy.median(arrays[role][index], axis=-1) - numpy.median(arrays["echo"][index], axis=-1)
+    reference, candidate = float(kernel_ms("reference")), float(kernel_ms("candidate"))
+    result: dict[str, Any] = {"reference_ms": reference, "candidate_ms": candidate, "speedup": None,
+                              "speedup_ci": None, "confidence": confidence}
+    if reference > 0 and candidate > 0:
+        numerators, denominators = kernel_ms("reference", picks), kernel_ms("candidate", picks)
+        with numpy.errstate(divide="ignore", invalid="ignore"):
+            ratios = numpy.where(denominators > 0, numpy.maximum(numerators, 0) / denominators, numpy.inf)
+        low = numpy.quantile(ratios, (1 - confidence) / 2, method="lower")  # no interpolation: inf stays inf
+        high = numpy.quantile(ratios, (1 + confidence) / 2, method="higher")
+        result.update(speedup=reference / candidate,
+                      speedup_ci=[float(low), float(high) if numpy.isfinite(high) else None])
+    return result
+
+
+def race_flags(result: dict[str, Any], implausible: float) -> dict[str, str]:
+    flags = {}
+    speedup, interval = result["speedup"], result["speedup_ci"]
+    if speedup is None:
+        flags["below_resolution"] = (f"a kernel's time ({result['reference_ms']:.4g} ms reference, "
+                                     f"{result['candidate_ms']:.4g} ms candidate) is not above the harness's echo")
+        return flags
+    if speedup > implausible:
+        flags["implausible_speedup"] = f"{speedup:.3g}x is beyond {implausible:g}x: check what the candidate skips"
+    if interval[0] <= 1 and (interval[1] is None or interval[1] >= 1):
+        high = "inf" if interval[1] is None else f"{interval[1]:.3g}"
+        flags["within_noise"] = f"the {result['confidence']:.0%} interval {interval[0]:.3g}-{high} contains 1"
+    return flags
+
+
+def speedup_line(timing: dict[str, Any]) -> str:
+    if timing["speedup"] is None:
+        return "speedup below the harness's resolution"
+    low, high = timing["speedup_ci"]
+    return (f"speedup {timing['speedup']:.3g}x ({timing['confidence']:.0%} interval {low:.3g}-"
+            f"{'inf' if high is None else format(high, '.3g')}), candidate {timing['candidate_ms']:.4g} ms, "
+            f"reference {timing['reference_ms']:.4g} ms over {timing['rounds']} rounds")
+
+
+def gpu_conditions() -> dict[str, Any] | None:
+    """The GPU's SM and memory clocks (MHz), temperature (C) and throttle reasons now, through NVML
+    (nvidia-ml-py); None without it.  The device is the worker's cuda:0, found by UUID."""
+    try:
+        import pynvml  # type: ignore[import-not-found]
+        import torch
+        pynvml.nvmlInit()
+        uuid = str(torch.cuda.get_device_properties(0).uuid)
+        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+        return {"sm_clock_mhz": pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
+                "memory_clock_mhz": pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_MEM),
+                "temperature_c": pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU),
+                "throttle_reasons": int(pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle))}
+    except Exception:  # no NVML, no permission, an old driver: the verdict says None rather than fail
+        return None
+
+
+def gpu_flags(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, str]:
+    """What changed between two gpu_conditions() enough to move a measurement: an SM or memory
+    clock by more than 5%, the temperature by more than 10 C, a throttle reason set at either end."""
+    if before is None or after is None:
+        return {"gpu_conditions_unrecorded": "no NVML (nvidia-ml-py): clocks and throttling not recorded"}
+    moved = []
+    for key in ("sm_clock_mhz", "memory_clock_mhz"):
+        if abs(after[key] - before[key]) > 0.05 * max(before[key], 1):
+            moved.append(f"{key} {before[key]} -> {after[key]}")
+    if abs(after["temperature_c"] - before["temperature_c"]) > 10:
+        moved.append(f"temperature {before['temperature_c']} C -> {after['temperature_c']} C")
+    reasons = [name for bit, name in THROTTLE_REASONS.items()
+               if (before["throttle_reasons"] | after["throttle_reasons"]) & bit]
+    if reasons:
+        moved.append("throttled: " + ", ".join(reasons))
+    return {"gpu_conditions_moved": "; ".join(moved)} if moved else {}

@@ -30,6 +30,7 @@ import uuid
 import numpy
 import pytest
 
+import kcoral
 from tests.support import (
     BOUNDARY,
     CT,
@@ -1623,8 +1624,12 @@ def test_health_fields_and_types(server):
     assert UUID_RE.fullmatch(headers["x-kcoral-instance"])
     health = json.loads(data)
     assert set(health) == {"status", "instance_id", "started_at", "gpu_count", "load", "target", "versions",
-                           "sandbox"}
+                           "sandbox", "version", "limits"}
+    assert set(health["limits"]) == {"memory_limit_bytes", "process_limit", "disk_limit_bytes", "file_limit"}
+    assert all(type(limit["value"]) is int and limit["value"] > 0 and limit["enforced"]
+               for limit in health["limits"].values())
     assert health["status"] == "ok" and health["sandbox"] == server.sandbox
+    assert health["version"] == kcoral.__version__  # our extension: which kcoral answered (upgrades)
     assert UUID_RE.fullmatch(health["instance_id"]) and health["instance_id"] == headers["x-kcoral-instance"]
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", health["started_at"])
     assert health["gpu_count"] == 0 and health["target"] == {}

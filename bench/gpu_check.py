@@ -7,7 +7,8 @@
 docs/gpu-check.md says how to run it on a lent device and what each phase proves.
 It runs in phases (PHASES below), each within its own time budget, each writing
 its figures into one JSON report (`gpu_check.json` under --out, rewritten after
-every phase, so a run cut short still reports) beside the servers' logs:
+every phase, so a run cut short still reports) beside the servers' logs (all in
+`servers.log`: a lent device brings back at most 8 files):
 
   preflight         versions (torch, cuda-bindings, CUPTI, tvm-ffi), persistence mode,
                     which tools exist; on a GPU: whether importing torch and tvm_ffi
@@ -24,13 +25,16 @@ every phase, so a run cut short still reports) beside the servers' logs:
   examples          examples/*.py marked `# requires: gpu`, with KCORAL_URL set
 
 What a machine lacks (a GPU, bwrap, examples) is a SKIP with its reason, never a
-FAIL.  Every request carries a bounded timeout_seconds and the whole run keeps
-to --budget-s.  Prints PASS/FAIL/SKIP lines and each phase's wall time as it goes
-and exits 1 when anything failed.
+FAIL.  With KCORAL_GPU_CHECK_DRY_RUN=1 a --device gpu run is a dry run on CPU
+servers (tests/test_gpu_dry_run.py): everything up to the first CUDA call.  Every
+request carries a bounded timeout_seconds and the whole run keeps to --budget-s.
+Prints PASS/FAIL/SKIP lines and each phase's wall time as it goes and exits 1 when
+anything failed.
 """
 
 import argparse
 import concurrent.futures
+import contextlib
 import glob
 import hashlib
 import json
@@ -48,17 +52,23 @@ import uuid
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SITE = os.path.join(tempfile.gettempdir(), "kcoral-gpu-check-site")
+# the CPU dry run (tests/test_gpu_dry_run.py): the GPU run's exact command on a machine without CUDA;
+# its servers run --device cpu and every step that needs CUDA SKIPs, so that all before it is proven
+DRY_RUN_VARIABLE = "KCORAL_GPU_CHECK_DRY_RUN"
 
 
 def install_wheels(folder):
-    """Install the carried wheels for this interpreter (no index: the device reaches nothing)."""
-    wheels = sorted(glob.glob(os.path.join(folder, "*.whl")))
-    if not wheels:
+    """Install the carried distributions for this interpreter (no index: the device reaches nothing).
+    By name, from the folder: pip picks each one's wheel for this Python (the folder may carry
+    several, as the CPU dry run's does)."""
+    names = sorted({os.path.basename(w).split("-")[0] for w in glob.glob(os.path.join(folder, "*.whl"))})
+    if not names:
         raise SystemExit(f"gpu_check: no wheels in {folder} (run bench/fetch_wheels.sh here first)")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                    "--upgrade", "--target", SITE, *wheels], check=True, timeout=300)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", folder, "--no-deps",
+                    "--no-compile", "--upgrade", "--target", SITE, *names], check=True, timeout=300)
     sys.path.insert(0, SITE)
     os.environ["PYTHONPATH"] = SITE + os.pathsep + os.environ.get("PYTHONPATH", "")  # servers and probes too
+    os.environ["PATH"] = os.path.join(SITE, "bin") + os.pathsep + os.environ.get("PATH", "")  # ninja, for our builds
 
 
 if __name__ == "__main__" and "--wheels" in sys.argv:  # before numpy/tvm_ffi are imported
@@ -67,7 +77,7 @@ if __name__ == "__main__" and "--wheels" in sys.argv:  # before numpy/tvm_ffi ar
 import numpy  # noqa: E402  (imports that the carried wheels may provide come after installing them)
 
 from bench.cli_checks import cli_tool_checks  # noqa: E402
-from tests.support import ServerProcess, build_add_one, plain, post  # noqa: E402
+from tests.support import ServerProcess, build_add_one, plain, post, request  # noqa: E402
 
 REQUEST_TIMEOUT = 60  # timeout_seconds of every request unless a case says otherwise
 DTYPES = ["bool", "uint8", "int8", "float8_e4m3fn", "float8_e5m2", "int16", "float16", "bfloat16",
@@ -403,49 +413,68 @@ def case_gpu_count(ctx):
 
 
 POISON = """
-import os
-def pid():
+import os, time
+def pid(device):
     import torch
-    torch.ones(2, device="cuda").sum().item()
+    time.sleep(0.5)  # holds its worker while the other request takes the other one
+    torch.ones(2, device=device).sum().item()
     return os.getpid()
 def fault():
     import torch
     print(os.getpid(), flush=True)
+    time.sleep(0.5)
     x = torch.zeros(4, device="cuda")
     x[torch.tensor([1 << 20], device="cuda")] = 1.0  # device-side assert: the context is lost
     torch.cuda.synchronize()
 """
+OVERLAP_S = 0.2  # the second of two requests leaves after the first took its worker, well before it ends (0.5 s)
 
 
-def worker_pids(ctx):
-    """The pids that two requests in a row reach: the pool hands idle workers out in turn, so with
-    two reused workers these are both of them."""
-    return [out(*call(ctx.url, POISON, "pid")) for _ in range(2)]
-
-
-def on_both_workers(ctx, trigger, tries=4):
-    """Call trigger() -> (pid of the worker it reached, summary) until it has reached both of the
-    workers serving now (not just a replacement of the first) -> {pid: summary}."""
-    originals, reached = set(worker_pids(ctx)), {}
-    assert len(originals) == 2, f"two requests in a row reached one worker: {originals}"
+def worker_pids(ctx, tries=5):
+    """The pids of the server's two workers, once both serve.  Pool.acquire hands out the first idle
+    slot in configured order (docs/server.md §1.4), so requests sent one after the other all reach
+    worker 0; two that overlap reach one worker each.  Tried again while a slot is still being
+    replaced (its request then waits for the other worker and reaches it a second time)."""
+    device = "cuda" if ctx.device == "gpu" else "cpu"
+    seen = []
     for _ in range(tries):
-        pid, summary = trigger()
-        if pid in originals:
-            reached[pid] = summary
-        if len(reached) == 2:
-            return reached
-    raise AssertionError(f"reached workers {sorted(reached)} of {sorted(originals)} in {tries} tries")
+        seen = [out(*answer) for answer in in_parallel((0, lambda: call(ctx.url, POISON, "pid", device)),
+                                                       (OVERLAP_S, lambda: call(ctx.url, POISON, "pid", device)))]
+        if len(set(seen)) == 2:
+            return set(seen)
+        time.sleep(0.5)
+    raise AssertionError(f"two overlapping requests reached one worker {tries} times: {seen}")
+
+
+def on_both_workers(ctx, trigger):
+    """Run trigger() -> (pid of the worker it reached, summary) on both workers at once: two
+    overlapping calls, each of which holds its worker for 0.5 s first -> {pid: summary}."""
+    originals = worker_pids(ctx)
+    reached = dict(in_parallel((0, trigger), (OVERLAP_S, trigger)))
+    assert set(reached) == originals, f"reached workers {sorted(reached)} of {sorted(originals)}"
+    return reached
+
+
+def case_both_workers(ctx):
+    """What last_error and poisoned_worker rely on, where a CPU server can show it: overlapping
+    requests reach both reused workers, each one once."""
+    device = "cuda" if ctx.device == "gpu" else "cpu"
+
+    def trigger():
+        pid = out(*call(ctx.url, POISON, "pid", device))
+        return pid, "served"
+    reached = on_both_workers(ctx, trigger)
+    return f"workers {sorted(reached)} each reached once by two overlapping requests"
 
 
 def case_poisoned_worker(ctx):
     def trigger():
         status, body = call(ctx.url, POISON, "fault")
         assert status == 200 and body["status"] == "FAILED", (status, short(body))
-        poisoned = int(body["stdout"].split()[0])
-        after = worker_pids(ctx)
-        assert poisoned not in after, f"poisoned worker {poisoned} served again: {after}"
-        return poisoned, body["error"]["kind"]
+        return int(body["stdout"].split()[0]), body["error"]["kind"]
     reached = on_both_workers(ctx, trigger)
+    after = worker_pids(ctx)
+    assert not after & set(reached), f"poisoned workers {sorted(reached)} served again: {sorted(after)}"
     return f"workers {sorted(reached)} retired ({sorted(set(reached.values()))}), both slots served again"
 
 
@@ -480,11 +509,12 @@ def case_layouts(ctx):
 
 
 LAST_ERROR = """
-import ctypes, os
+import ctypes, os, time
 def set_last_error():
     import torch
-    torch.ones(1, device="cuda").sum().item()
     print(os.getpid(), flush=True)
+    time.sleep(0.5)  # holds its worker while the other request takes the other one (on_both_workers)
+    torch.ones(1, device="cuda").sum().item()
     paths = sorted({line.split()[-1] for line in open("/proc/self/maps") if "libcudart.so" in line})
     if not paths:
         return "no shared libcudart loaded"
@@ -504,9 +534,9 @@ def case_last_error(ctx):
         error = body["error"]
         assert error["kind"] == "runtime" and "cudaErrorInvalidDevice" in error["message"], error
         assert error["instruction_index"] == 3, error  # the last instruction started: the return
-        worker_pids(ctx)  # both workers complete CUDA work again: the error was cleared
         return int(body["stdout"].split()[0]), error["message"]
     reached = on_both_workers(ctx, trigger)
+    worker_pids(ctx)  # both slots complete CUDA work again: the error was cleared (or its worker replaced)
     return f"on workers {sorted(reached)}: {next(iter(reached.values()))}; both served again"
 
 
@@ -557,6 +587,34 @@ def case_hang(ctx):
     return f"504 after {waited:.1f} s; the next request completed"
 
 
+SPIN = """
+import torch
+def spin(cycles):
+    torch.cuda._sleep(cycles)  # one kernel busy for minutes: still running when the worker is killed
+    torch.cuda.synchronize()
+def has_sleep():
+    return hasattr(torch.cuda, "_sleep")
+"""
+
+
+def case_spinning_kernel(ctx):
+    """docs/server.md §2.1: a worker killed at its timeout while its kernel still spins may take
+    the driver a while to end; its slot is replaced (its next worker's CUDA start under the lease
+    is the probe), the GPU is not quarantined, and the next request completes."""
+    if not out(*call(ctx.url, SPIN, "has_sleep")):
+        raise Skip("this torch has no torch.cuda._sleep to keep a kernel busy")
+    started = time.monotonic()
+    status, body = call(ctx.url, SPIN, "spin", 1 << 38, options={"timeout_seconds": 3})  # ~2 min at 2 GHz
+    answered = time.monotonic() - started
+    assert status == 504 and body["error"]["kind"] == "timeout", (status, short(body))
+    assert out(*call(ctx.url, LAST_ERROR, "fine")) == 2.0, "the next request did not complete"
+    served = time.monotonic() - started
+    capacity = json.loads(request("GET", ctx.url + "/health")[2])["load"]["request_capacity"]
+    assert capacity == 2, f"the server's capacity fell to {capacity}: the GPU was quarantined"
+    ctx.data["spinning_kernel"] = {"answer_s": round(answered, 1), "next_request_s": round(served, 1)}
+    return f"504 after {answered:.1f} s; the next request completed {served:.1f} s after the spin began"
+
+
 FAULT = """
 import torch
 def fault_then_tensor():
@@ -590,13 +648,15 @@ FORMULA = """
 import time
 import torch
 from kcoral.builtins import benchmark
-def formula():
-    x = torch.zeros(1 << 12, device="cuda")
+def formula(device):
+    x = torch.zeros(1 << 12, device=device)
     def step():
         x.add_(1)
     started = time.perf_counter()
-    result = benchmark(step, {})
+    result = benchmark(step)  # no configuration: docs/server.md §5.2 passes an empty dict on to step
     result["seconds"] = time.perf_counter() - started
+    if device == "cpu":
+        return result
     # docs/server.md §5.2's estimate, made here: one untimed call, then 5 x (flush + call) between two events
     scratch = torch.empty(2 * torch.cuda.get_device_properties(0).L2_cache_size, dtype=torch.int8, device="cuda")
     scratch.zero_(); step(); torch.cuda.synchronize()
@@ -613,9 +673,16 @@ def formula():
 
 
 def case_benchmark_formula(ctx):
+    if ctx.device == "cpu":  # the same call on the host timer, where the estimate is not ours to repeat
+        result = out(*call(ctx.url, FORMULA, "formula", "cpu"))
+        warmup, repeat = result["warmup"], result["repeat"]
+        # one estimate e gives warmup max(1, int(25 / e)) and repeat max(1, int(100 / e)), whatever e is
+        consistent = 4 * warmup <= repeat <= 4 * warmup + 3 if repeat >= 4 else warmup == 1
+        assert consistent, f"warmup {warmup} and repeat {repeat} come from no one estimate"
+        return f"default budgets on the host timer: warmup {warmup}, repeat {repeat}"
     if not ctx.cupti:
         return "CUPTI unusable here: benchmark answers unavailable (case benchmark)"
-    result = out(*call(ctx.url, FORMULA, "formula"))
+    result = out(*call(ctx.url, FORMULA, "formula", "cuda"))
     ctx.data["benchmark_formula"] = result
     for key in ("warmup", "repeat"):
         ratio = result[key] / result[f"expected_{key}"]
@@ -704,6 +771,25 @@ DISTRIBUTIONS = ("torch", "cuda-bindings", "cuda-python", "nvidia-cuda-cupti", "
 TOOLS = ("nvidia-smi", "bwrap", "ncu", "compute-sanitizer", "nvcc", "dpkg")
 
 
+CUDA_TOOLKITS = ("/usr/local/cuda",)  # where a CUDA toolkit is installed whole
+
+
+def cuda_home(environ=os.environ, toolkits=CUDA_TOOLKITS):
+    """The CUDA toolkit folder to build with -> a path or None.  tvm_ffi.cpp.build takes CUDA_HOME,
+    else the folder above `which nvcc`'s, which cannot link -lcudart where nvcc is a wrapper script
+    (as on some lent machines).  So: CUDA_HOME as set, else the first of /usr/local/cuda and nvcc's
+    real location whose libraries hold libcudart."""
+    if environ.get("CUDA_HOME"):
+        return environ["CUDA_HOME"]
+    nvcc = shutil.which("nvcc", path=environ.get("PATH"))
+    found = list(toolkits) + ([os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))] if nvcc else [])
+    return next((home for home in found if links_cudart(home)), None)
+
+
+def links_cudart(home):
+    return any(glob.glob(os.path.join(home, lib, "libcudart.so*")) for lib in ("lib64", "lib", "targets/*/lib"))
+
+
 def probe(code, env=None, timeout=120):
     """Run `code` in a fresh interpreter -> (its JSON report or None, stderr tail)."""
     try:
@@ -753,10 +839,15 @@ def phase_preflight(ctx):
     ctx.data["tools"] = {tool: shutil.which(tool) for tool in TOOLS}
     ctx.data["carried_debs"] = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ctx.wheels, "*.deb")))
     ctx.data["nvidia_smi"] = nvidia_smi()
+    ctx.data["python"] = sys.version.split()[0]
+    ctx.data["cuda_home"] = os.environ.get("CUDA_HOME")
     found = ", ".join(tool for tool, path in ctx.data["tools"].items() if path) or "none"
     versions = ", ".join(f"{name} {version}" for name, version in ctx.data["versions"].items() if version)
+    recorded = f"Python {ctx.data['python']}; recorded {versions}; tools found: {found}; CUDA_HOME {ctx.data['cuda_home']}"
+    if ctx.dry_run:
+        raise Skip(f"dry run: stops before its first CUDA call (the torch/tvm_ffi fork probe); {recorded}")
     if ctx.device == "cpu":
-        raise Skip(f"CUDA probes need a GPU; recorded {versions}; tools found: {found}")
+        raise Skip(f"CUDA probes need a GPU; {recorded}")
     # as a user's script would import them; a cold tvm-ffi cache may build its torch add-on here (cached after)
     plain_probe, error = probe(PROBE, timeout=120)
     ctx.data["imports_plain"] = plain_probe or error
@@ -821,6 +912,11 @@ def build_library(ctx):
     """The add_one TVM-FFI library for the server's target (CUDA: compiled by this machine's nvcc), once."""
     if ctx.library is not None or ctx.library_error:
         return
+    compiler = "nvcc" if ctx.device == "gpu" else os.environ.get("CXX", "c++")  # what tvm_ffi.cpp.build runs
+    home = os.environ.get("CUDA_HOME")
+    if not (shutil.which(compiler) or compiler == "nvcc" and home and os.path.exists(os.path.join(home, "bin", "nvcc"))):
+        ctx.library_error = Skip(f"no {compiler} here to build the TVM-FFI library")
+        return
     try:
         ctx.library = build_add_one(ctx.device, ctx.health["target"].get("arch"))
     except Exception as exc:
@@ -830,7 +926,8 @@ def build_library(ctx):
 
 def phase_main_server(ctx):
     cases = GPU_CASES if ctx.device == "gpu" else CPU_CASES
-    flags = ["--workers-per-gpu", "2", "--max-requests-per-worker", "0"] if ctx.device == "gpu" else []
+    # two reused workers: cases reach each of them by overlapping two requests (worker_pids)
+    flags = ["--max-requests-per-worker", "0"] + (["--workers-per-gpu", "2"] if ctx.device == "gpu" else [])
     ensure_cupti(ctx)
     # torchrun variables in the server's environment must not reach GPU workers
     with started_server(ctx, "main", *flags, device=ctx.device,
@@ -863,6 +960,9 @@ SANDBOX_NODES = """
 import os
 def nodes():
     return sorted(n for n in os.listdir("/dev") if n.startswith("nvidia"))
+def proc_gpus():
+    gpus = "/proc/driver/nvidia/gpus"
+    return sorted(os.listdir(gpus)) if os.path.isdir(gpus) else None
 """
 
 BWRAP_LIBRARIES = ("libcap2", "libselinux1", "libpcre2-8-0")  # what bwrap links beyond libc (see fetch_wheels.sh)
@@ -933,11 +1033,15 @@ def phase_sandboxed(ctx):
         build_library(ctx)
         failures = [case.__name__.removeprefix("case_") for case in cases if not run_case(ctx, case)]
         nodes = out(*call(server.url, SANDBOX_NODES, "nodes"))
+        proc_gpus = out(*call(server.url, SANDBOX_NODES, "proc_gpus"))
     gpus = [n for n in nodes if re.fullmatch(r"nvidia\d+", n)]
     control = {"nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-caps"}
     assert len(gpus) == (1 if ctx.device == "gpu" else 0) and set(nodes) - set(gpus) <= control, nodes
+    if ctx.device == "gpu":  # the driver's view of other GPUs is hidden as their nodes are
+        assert proc_gpus is not None and len(proc_gpus) == 1, f"/proc/driver/nvidia/gpus inside: {proc_gpus}"
     assert not failures, f"failed: {failures}"
-    return f"bwrap {ctx.data['bwrap']}; {len(cases)} cases; device nodes inside: {nodes}"
+    return (f"bwrap {ctx.data['bwrap']}; {len(cases)} cases; device nodes inside: {nodes}; "
+            f"/proc/driver/nvidia/gpus inside: {proc_gpus}")
 
 
 EXAMPLE_TIMEOUT = 60  # seconds per example script
@@ -996,7 +1100,7 @@ def run_case(ctx, case):
 
     def work():
         if name in ("library", "library_errors", "benchmark") and ctx.library is None:
-            raise AssertionError(ctx.library_error)
+            raise ctx.library_error if isinstance(ctx.library_error, Skip) else AssertionError(ctx.library_error)
         return case(ctx)
 
     detail, result = attempt(name, work, traceback_limit=3)
@@ -1028,8 +1132,11 @@ def attempt(label, work, traceback_limit):
         return f"{type(exc).__name__}: {exc}", FAIL
 
 
+SERVER_LOGS = "servers.log"  # every server's log in one file: a lent device brings back at most 8
+
+
 class started_server:
-    """A ServerProcess whose log is kept under --out as server-<name>.log."""
+    """A ServerProcess whose log is appended to --out's servers.log, under a line naming it."""
 
     def __init__(self, ctx, name, *flags, **kwargs):
         self.ctx, self.name = ctx, name
@@ -1042,26 +1149,28 @@ class started_server:
     def __exit__(self, *exc):
         self.server.stop()
         if self.ctx.out:
-            shutil.copy(self.server.stderr_path, os.path.join(self.ctx.out, f"server-{self.name}.log"))
+            with open(self.server.stderr_path, "rb") as log, open(os.path.join(self.ctx.out, SERVER_LOGS), "ab") as f:
+                f.write(f"===== server {self.name} ({self.server.url}) =====\n".encode())
+                shutil.copyfileobj(log, f)
 
 
 GPU_CASES = [case_pinning, case_health, case_tensors, case_layouts, case_library, case_library_errors,
              case_benchmark, case_benchmark_formula, case_compile_tirx, case_lease_timings, case_cpu_only,
              case_gpu_access, case_gpu_count, case_last_error, case_memory_released, case_hang,
-             case_device_faults, case_poisoned_worker]
-CPU_CASES = [case_health, case_tensors, case_library, case_library_errors, case_benchmark, case_compile_tirx,
-             case_lease_timings, case_cpu_only, case_gpu_count]
+             case_device_faults, case_poisoned_worker, case_spinning_kernel]  # last: a quarantine would end the server
+CPU_CASES = [case_health, case_tensors, case_library, case_library_errors, case_benchmark, case_benchmark_formula,
+             case_compile_tirx, case_lease_timings, case_cpu_only, case_gpu_count, case_both_workers]
 
 # (name, function, devices it runs on, seconds after which it starts no further case).  On an
 # H200 the budgets add up to the run's default --budget-s, so a full run ends within 6 minutes.
 PHASES = [
-    ("preflight", phase_preflight, ("gpu", "cpu"), 45),
+    ("preflight", phase_preflight, ("gpu", "cpu"), 40),
     ("request_overhead", phase_request_overhead, ("gpu", "cpu"), 50),
-    ("cpu_mode", phase_cpu_mode, ("gpu",), 20),
-    ("main_server", phase_main_server, ("gpu", "cpu"), 95),
+    ("cpu_mode", phase_cpu_mode, ("gpu",), 15),
+    ("main_server", phase_main_server, ("gpu", "cpu"), 110),
     ("cli_tools", phase_cli_tools, ("gpu", "cpu"), 40),
     ("sandboxed", phase_sandboxed, ("gpu", "cpu"), 30),
-    ("examples", phase_examples, ("gpu", "cpu"), 20),
+    ("examples", phase_examples, ("gpu", "cpu"), 15),
 ]
 PHASE_NAMES = [name for name, *_ in PHASES]
 
@@ -1069,8 +1178,9 @@ PHASE_NAMES = [name for name, *_ in PHASES]
 class Context:
     """What phases share: the device, CUPTI's state, the current server, figures for the report."""
 
-    def __init__(self, device, out, wheels, bwrap):
+    def __init__(self, device, out, wheels, bwrap, dry_run=False):
         self.device, self.out, self.wheels, self.bwrap = device, out, wheels, bwrap
+        self.dry_run = dry_run  # a --device gpu run simulated on CPU: device is "cpu"
         self.deadline = float("inf")  # the running phase's: no case starts after it
         self.cupti = None  # None until probed (preflight, or the first phase that needs to know)
         self.library, self.library_error = None, None  # built once, by the first phase with a server
@@ -1104,7 +1214,8 @@ def run_phase(ctx, name, phase, devices, budget, run_deadline):
 
     def work():
         if ctx.device not in devices:
-            raise Skip(f"needs a CUDA device (this is a --device {ctx.device} run)")
+            raise Skip("dry run: needs a CUDA device" if ctx.dry_run else
+                       f"needs a CUDA device (this is a --device {ctx.device} run)")
         if started >= run_deadline:
             raise Skip("out of the run's time budget (--budget-s)")
         return phase(ctx)
@@ -1146,8 +1257,16 @@ def main(argv=None):
     phases = chosen_phases(args.only)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-    ctx = Context(args.device, args.out, args.wheels or os.path.join(ROOT, "bench", "wheels"), args.bwrap)
-    report = {"device": args.device, "phases": {}}
+        with contextlib.suppress(FileNotFoundError):  # this run's servers only
+            os.remove(os.path.join(args.out, SERVER_LOGS))
+    dry_run = args.device == "gpu" and os.environ.get(DRY_RUN_VARIABLE) == "1"
+    if dry_run:
+        print(f"DRY RUN ({DRY_RUN_VARIABLE}=1): a --device gpu run on CPU servers; it makes no CUDA call", flush=True)
+    if args.device == "gpu" and cuda_home():  # inherited by the servers, their workers and our builds
+        os.environ["CUDA_HOME"] = cuda_home()
+    ctx = Context("cpu" if dry_run else args.device, args.out, args.wheels or os.path.join(ROOT, "bench", "wheels"),
+                  args.bwrap, dry_run)
+    report = {"device": args.device, "dry_run": dry_run, "phases": {}}
     for name, phase, devices, budget in PHASES:
         if name in phases:
             report["phases"][name] = run_phase(ctx, name, phase, devices, budget, started + args.budget_s)
@@ -1157,7 +1276,7 @@ def main(argv=None):
     report.update(passed=counts[PASS], failed=counts[FAIL], skipped=counts[SKIP])
     write_report(ctx, report)
     print("per-phase wall time: " + ", ".join(f"{name} {entry['seconds']} s" for name, entry in report["phases"].items()))
-    print(f"({args.device} mode, {time.monotonic() - started:.0f} s)")
+    print(f"({args.device} mode{', DRY RUN on CPU' if dry_run else ''}, {time.monotonic() - started:.0f} s)")
     print(f"{counts[PASS]} passed, {counts[FAIL]} failed, {counts[SKIP]} skipped")
     return 1 if counts[FAIL] else 0
 

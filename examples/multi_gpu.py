@@ -2,11 +2,12 @@
 """A multi-GPU request: `execute(program, gpu_count=2)` runs the program in a worker that
 sees two GPUs, as cuda:0 and cuda:1, under both GPUs' leases.
 
-The server picks any two free GPUs (the answer's `gpu_ids` says which physical ones); a
-server with fewer GPUs refuses the request with 400.  KCORAL_GPUS sets the count (default
-2).  The program fills a tensor on every visible device, moves one to the other device
-and adds them there, so each GPU and the copy between them really ran.  Prints the
-physical GPU ids, one line per device (its name and its sum), and the combined sum.
+The server picks any free GPUs (the answer's `gpu_ids` says which physical ones); a server
+with fewer GPUs than asked refuses the request with 400.  KCORAL_GPUS sets the count; by
+default it is 2, or 1 on a one-GPU server (the program then runs on its one device, with no
+copy between devices).  The program fills a tensor on every visible device, moves each to
+the first device and adds them there, so each GPU and the copies between them really ran.
+Prints the physical GPU ids, one line per device (its name and its sum), and the combined sum.
 """
 
 import os
@@ -14,7 +15,6 @@ import os
 from kcoral import Client, Program
 
 URL = os.environ.get("KCORAL_URL", "http://127.0.0.1:8000")
-GPUS = int(os.environ.get("KCORAL_GPUS", "2"))
 
 SOURCE = """
 import torch
@@ -32,12 +32,13 @@ def per_device(n):
 def main() -> None:
     with Client(URL) as client:
         available = client.health()["gpu_count"]
-        if available < GPUS:
-            raise SystemExit(f"{URL} has {available} GPU(s); this example asks for {GPUS}")
+        gpus = int(os.environ.get("KCORAL_GPUS") or min(2, available))  # asked for, or what the server has
+        if not 1 <= gpus <= available:
+            raise SystemExit(f"{URL} has {available} GPU(s); this example asks for {gpus}")
         program = Program()
         per_device = program.get_function(module=program.upload(kind="module", source=SOURCE), name="per_device")
         program.return_(key="report", value=program.run(fn=per_device, args=[1024]))
-        result = client.execute(program, gpu_count=GPUS)
+        result = client.execute(program, gpu_count=gpus)
     if not result.completed:
         raise SystemExit(f"{result.error['kind']}: {result.error['message']}")
     print(f"physical GPUs: {list(result.gpu_ids)}")

@@ -728,6 +728,28 @@ def test_the_attempts_of_one_execute_share_one_client_request_id(stub, cli):
     assert all(str(uuid.UUID(i)) == i for i in ids)
 
 
+def test_results_and_exceptions_carry_the_client_request_id(stub, cli):
+    """docs/client.md §5.1 and §8: the id the attempts were sent under, for tracing (operations.md)."""
+    p, a, b = two_blob_program()
+    stub.queue(cache_miss(a), completed())
+    assert cli.execute(p).client_request_id == stub.requests[-1].headers["x-kcoral-client-request-id"]
+    stub.queue(json_response({"status": "ERROR", "request_id": RID, "error": {"kind": "busy", "message": "server saturated"}}, 503))
+    with pytest.raises(KCoralError) as busy:
+        cli.execute(Program())
+    assert busy.value.client_request_id == stub.requests[-1].headers["x-kcoral-client-request-id"] != RID
+    assert busy.value.request_id == RID  # the server's own id of the attempt stays where it was
+    stub.queue(b"garbage\r\n\r\n", b"garbage\r\n\r\n")
+    with pytest.raises((TransportError, ProtocolError)) as broken:
+        cli.execute(Program())
+    assert broken.value.client_request_id == stub.requests[-1].headers["x-kcoral-client-request-id"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with Client(f"http://127.0.0.1:{port}") as c, pytest.raises(TransportError) as refused:
+        c.execute(Program())
+    assert str(uuid.UUID(refused.value.client_request_id)) == refused.value.client_request_id
+
+
 def finished_lines(server: ServerProcess) -> list[dict[str, str]]:
     """The server's request_finished console lines as key -> value."""
     return [dict(field.split("=", 1) for field in line.split(" request_finished ", 1)[1].split() if "=" in field)

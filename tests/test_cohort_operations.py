@@ -333,6 +333,40 @@ def test_removing_and_adding_a_node_under_load_loses_no_request(tmp_path):
     assert not late, late
 
 
+def test_a_node_stopped_with_requests_queued_in_it_shows_no_client_a_503(tmp_path):
+    """SIGINT to a node that HAProxy sends three requests at once (its SLOTS given as 3, one worker:
+    two wait in the node's own queue), under a steady load of 6 clients: the queued requests run
+    there, the ones that reach it while it drains are answered 503 once HAProxy's health checks
+    have taken it out, so HAProxy retries them elsewhere; no client sees a 503, each request runs
+    once, the node exits 0."""
+    ledger = str(tmp_path / "ledger")
+    # a drain shorter than HAProxy's two failed checks take (1.25 s): the 503s must wait for the checks
+    cohort = [start_node(tmp_path, "--token", TOKEN, "--drain-seconds", "0.5") for _ in range(2)]
+    victim = cohort[0]
+    proxy = HAProxyProcess([f"{victim.url}=3", cohort[1].url], tmp_path, token=TOKEN)
+    load = None
+    try:
+        assert wait_for(lambda: all_up(proxy, cohort), 20), proxy.stats()
+        load = SteadyLoad(proxy.url, ledger, AUTH, clients=6, seconds=0.5)
+        assert wait_for(lambda: json.loads(request("GET", victim.url + "/health", headers=AUTH)[2])["load"]
+                        ["requests_waiting"] >= 1, 30), "no request queued in the node"
+        victim.proc.send_signal(signal.SIGINT)
+        assert victim.proc.wait(60) == 0, victim.log()[-2000:]
+        runs = load.stop()
+    finally:
+        if load:
+            load.stop()
+        proxy.stop()
+        for node in cohort:
+            node.stop()
+    refused = victim.log().count("http_status=503")
+    print(f"\nstop with a queue: {len(load.outcomes)} requests; the stopped node answered {answered(victim)}, "
+          f"{refused} of them 503 (retried by HAProxy)")
+    failures = {value: outcome for value, outcome in load.outcomes.items() if outcome != "ok"}
+    assert not failures, failures
+    assert set(runs) == set(load.outcomes) and set(runs.values()) == {1}, "a request ran twice, or not at all"
+
+
 def rewrite_tokens(path, *tokens):
     private_file(path, "".join(f"{t}\n" for t in tokens))
 

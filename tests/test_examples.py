@@ -11,7 +11,7 @@ import pytest
 
 from tests.support import EXAMPLES_DIR, ROOT, ServerProcess, example_paths, python_blocks, requires_gpu, run_python
 
-GPU_ONLY = {"kernel_loop_cuda.py", "multi_gpu.py"}
+GPU_ONLY = {"evaluate_kernel_cuda.py", "kernel_loop_cuda.py", "multi_gpu.py"}
 SKILL = os.path.join(ROOT, "skills", "kcoral-client", "SKILL.md")
 SKILL_BLOCKS = python_blocks(SKILL)
 
@@ -34,6 +34,8 @@ PROMISES = {
     "build_and_load.py": [r"scale\(2, \[0, 1, 2, 3\]\) = \[0\.0, 2\.0, 4\.0, 6\.0\]",
                           r"compile error at instruction 3 \(build\):",
                           r"kernel\.cc:7:\d+: error: .*data_pointer"],
+    "evaluate_kernel.py": [r"vectorised: correct: correct on 3 input sets",
+                           r"replays its first answer: incorrect: output 0 on input set 2 \(seed \d+\): check_close: "],
     "kernel_loop.py": [r"built axpy for the host CPU: \d+ bytes, n=65536",
                        r"check: check_close: 0 of 65536 elements differ",
                        r"benchmark: median [\d.]+ us, min [\d.]+ us over 100 calls"],

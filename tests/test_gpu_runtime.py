@@ -18,7 +18,9 @@ import hashlib
 import json
 import multiprocessing
 import os
+import pathlib
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -254,6 +256,7 @@ class FakeWorker:
         self.process = FakeProcess()
         self.killed = False
         self.gone = True  # what kill_group reports
+        self.exiting = False  # not gone, yet killed: only its exit is left (a busy GPU's teardown)
 
     def kill(self, grace, orphans=False):
         self.killed = True
@@ -275,11 +278,11 @@ def fake_pool(gpus=(0,)):
     return pool
 
 
-def execution(pool, script, timeout=10.0, request_id="req-1", gpus=(0,), gone=True, blobs=None):
+def execution(pool, script, timeout=10.0, request_id="req-1", gpus=(0,), gone=True, blobs=None, exiting=False):
     """Run an Execution whose worker follows `script(conn)` in a thread -> (Outcome, retire, worker)."""
     ours, theirs = multiprocessing.Pipe()
     worker = FakeWorker(ours, list(gpus))
-    worker.gone = gone
+    worker.gone, worker.exiting = gone, exiting
     instructions = [{"op": "upload", "id": "m", "kind": "module", "source": ""},
                     {"op": "run", "id": "r", "fn": {"$ref": "m"}},
                     {"op": "return", "key": "k", "value": {"$ref": "r"}}]
@@ -757,6 +760,108 @@ def test_gpu_workers_pin_before_torch_is_imported():
     assert json.loads(out.stdout) == ["GPU-1234,GPU-5678", [], True]
 
 
+# --- the sandbox on a GPU host: what it shows of the driver, the server's import path ---------
+
+def fake_driver_folders(tmp_path, minors=(0, 1, 2)):
+    """A /proc/driver/nvidia/gpus stand-in: one folder per GPU, named by PCI address, with its minor."""
+    folder = tmp_path / "nvidia-gpus"
+    for minor in minors:
+        entry = folder / f"0000:{minor + 1:02x}:00.0"
+        entry.mkdir(parents=True)
+        (entry / "information").write_text(f"Model: \t\t NVIDIA H200\nDevice Minor: \t {minor}\n")
+    return folder
+
+
+def test_the_sandbox_command_hides_other_gpus_driver_folders(monkeypatch, tmp_path):
+    folder = fake_driver_folders(tmp_path)
+    monkeypatch.setattr(kcoral_worker, "NVIDIA_PROC_GPUS", str(folder))
+    monkeypatch.setattr(kcoral, "gpu_device_node", lambda gpu: f"/dev/nvidia{gpu}")
+    args = kcoral.bwrap_command(kcoral.ServerConfig(), [1])
+    own = str(folder / "0000:02:00.0")
+    start = args.index("--tmpfs", args.index("--proc"))  # over the container's own /proc
+    assert args[start:start + 7] == ["--tmpfs", str(folder), "--ro-bind", own, own, "--remount-ro", str(folder)]
+    assert kcoral.nvidia_proc_args([]) == []  # CPU slots: nothing of the driver to hide
+    monkeypatch.setattr(kcoral_worker, "NVIDIA_PROC_GPUS", str(tmp_path / "no-driver"))
+    assert kcoral.nvidia_proc_args([0]) == []
+
+
+@pytest.fixture
+def outside_the_sandboxs_mounts():
+    """A host folder that no later mount of the container covers (the temporary folder is hidden)."""
+    folder = tempfile.mkdtemp(prefix=".test-driver-", dir=ROOT)
+    yield pathlib.Path(folder)
+    shutil.rmtree(folder)
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+def test_a_container_sees_only_its_gpus_driver_folder(monkeypatch, outside_the_sandboxs_mounts):
+    folder = fake_driver_folders(outside_the_sandboxs_mounts)
+    monkeypatch.setattr(kcoral_worker, "NVIDIA_PROC_GPUS", str(folder))
+    monkeypatch.setattr(kcoral, "gpu_device_node", lambda gpu: f"/dev/nvidia{gpu}")
+    script = f"ls {folder}; cat {folder}/*/information; touch {folder}/new 2>/dev/null && echo WRITABLE || true"
+    seen = subprocess.run(kcoral.bwrap_command(kcoral.ServerConfig(), [2]) + ["/bin/sh", "-c", script],
+                          env=kcoral.sandbox_environment(), capture_output=True, text=True, timeout=60)
+    assert seen.returncode == 0, seen.stderr
+    assert seen.stdout.split("\n")[0] == "0000:03:00.0" and "Device Minor: \t 2" in seen.stdout, seen.stdout
+    assert "WRITABLE" not in seen.stdout and "Device Minor: \t 0" not in seen.stdout
+
+
+HIDE_IN_A_FRESH_PROC = """
+import json, os, sys
+import kcoral_worker
+folder, own = sys.argv[1], sys.argv[2]
+kcoral_worker.hide_other_gpu_folders([own], folder)
+try:
+    open(os.path.join(folder, "new"), "w").close()
+    writable = True
+except OSError:
+    writable = False
+print(json.dumps([os.listdir(folder), open(os.path.join(folder, own, "information")).read(), writable]))
+"""
+
+
+def test_a_requests_fresh_proc_shows_only_the_gpu_folders_its_container_did(tmp_path):
+    """Each sandboxed request mounts a /proc of its own, where the driver lists every GPU again:
+    its worker covers the folder as the container's /proc had it (kcoral_worker.enter_request_space)."""
+    folder = fake_driver_folders(tmp_path)
+    unshare = shutil.which("unshare")
+    if unshare is None or subprocess.run([unshare, "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("no mount namespace for this user (unshare -m)")
+    seen = subprocess.run([unshare, "-m", "--propagation", "private", sys.executable, "-c", HIDE_IN_A_FRESH_PROC,
+                           str(folder), "0000:02:00.0"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert seen.returncode == 0, seen.stderr
+    names, information, writable = json.loads(seen.stdout)
+    assert names == ["0000:02:00.0"] and "Device Minor: \t 1" in information and not writable
+    assert len(os.listdir(folder)) == 3  # the host's folder is as it was
+
+
+PYTHONPATH_PROBE = """
+import os
+import kcoral_pythonpath_probe
+def f():
+    here = os.path.dirname(kcoral_pythonpath_probe.__file__)
+    return [kcoral_pythonpath_probe.VALUE, os.access(here, os.W_OK)]
+"""
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+def test_a_sandboxed_worker_imports_from_the_servers_pythonpath(tmp_path):
+    """The sandbox's template runs `python -I`, which ignores PYTHONPATH: a server whose packages
+    (tvm_ffi, say) come from PYTHONPATH must still hand them to its workers, read-only."""
+    packages = tmp_path / "packages"
+    packages.mkdir()
+    (packages / "kcoral_pythonpath_probe.py").write_text("VALUE = 42\n")
+    with ServerProcess("--sandbox", "bubblewrap", tmp_path=tmp_path, workers=1,
+                       env={"PYTHONPATH": str(packages)}) as srv:
+        status, _, body = post(srv.url, {"instructions": [
+            {"op": "upload", "id": "m", "kind": "module", "source": PYTHONPATH_PROBE},
+            {"op": "get_function", "id": "fn", "module": {"$ref": "m"}, "name": "f"},
+            {"op": "run", "id": "r", "fn": {"$ref": "fn"}, "args": []},
+            {"op": "return", "key": "out", "value": {"$ref": "r"}}]}, [])
+    assert status == 200 and body["status"] == "COMPLETED", body.get("error")
+    assert plain(body["results"]["out"]) == [42, False]
+
+
 # --- bench/gpu_check.py --------------------------------------------------------------
 
 def gpu_check(*args, out_dir):
@@ -773,6 +878,10 @@ def test_gpu_check_cpu_mode(tmp_path):
     assert all({"seconds", "budget_s"} <= set(phase) for phase in phases.values())  # soft budgets: timed, not enforced here
     fresh = phases["request_overhead"]["data"]["fresh_workers"]
     assert len(fresh["requests"]) == 20 and fresh["median_after_first"]["queue_ms"] >= 0
+    assert sorted(os.listdir(tmp_path)) == ["gpu_check.json", "servers.log"]  # a device brings back 8 files at most
+    headers = re.findall(r"^===== server (\w+) ", (tmp_path / "servers.log").read_text(), re.M)
+    sandboxed = [] if phases["sandboxed"]["result"] == "SKIP" else ["sandboxed"]  # no bwrap here
+    assert headers == ["fresh_workers", "reused_workers", "main", "cli", *sandboxed]
 
 
 def test_gpu_check_without_bwrap_skips_the_sandboxed_phase(tmp_path):
@@ -780,6 +889,31 @@ def test_gpu_check_without_bwrap_skips_the_sandboxed_phase(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     assert "SKIP phase sandboxed: no bwrap (--bwrap none)" in out.stdout.splitlines()
     assert out.stdout.splitlines()[-1] == "0 passed, 0 failed, 1 skipped"
+
+
+def test_gpu_check_builds_with_a_real_cuda_toolkit_where_nvcc_is_a_wrapper(tmp_path):
+    from bench.gpu_check import cuda_home
+
+    def executable(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("#!/bin/sh\n")
+        path.chmod(0o755)
+    wrapped = tmp_path / "wrapper" / "bin"
+    executable(wrapped / "nvcc")  # a script: the folder above it holds no CUDA libraries
+    toolkit = tmp_path / "cuda"
+    (toolkit / "lib64").mkdir(parents=True)
+    (toolkit / "lib64" / "libcudart.so.13").touch()
+    assert cuda_home({"PATH": str(wrapped)}, toolkits=(str(toolkit),)) == str(toolkit)
+    assert cuda_home({"PATH": str(wrapped)}, toolkits=()) is None  # tvm_ffi's guess would fail to link
+    assert cuda_home({"PATH": str(wrapped), "CUDA_HOME": "/opt/mine"}, toolkits=(str(toolkit),)) == "/opt/mine"
+    real = tmp_path / "real-cuda"  # nvcc reached through a link: the toolkit it lies in
+    executable(real / "bin" / "nvcc")
+    (real / "targets" / "x86_64-linux" / "lib").mkdir(parents=True)
+    (real / "targets" / "x86_64-linux" / "lib" / "libcudart.so").touch()
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "nvcc").symlink_to(real / "bin" / "nvcc")
+    assert cuda_home({"PATH": str(linked)}, toolkits=(str(tmp_path / "none"),)) == str(real)
 
 
 def test_gpu_check_refuses_an_unknown_phase(tmp_path):
@@ -1321,6 +1455,75 @@ def test_unconfirmed_kill_quarantines_the_gpu():
         pool.arbiter.acquire("next", [0])
 
 
+def test_a_killed_process_still_in_its_exit_runs_no_code_again(monkeypatch):
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        assert not kcoral.killed_already(sleeper.pid)  # alive, nothing pending
+        stat = kcoral_worker.proc_stat(sleeper.pid)
+        exiting = stat[:6] + [str(int(stat[6]) | kcoral.PF_EXITING).encode()] + stat[7:]
+        monkeypatch.setattr(kcoral_worker, "proc_stat", lambda pid: exiting)  # as the kernel shows one in its exit
+        assert kcoral.killed_already(sleeper.pid)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    monkeypatch.undo()
+    assert kcoral.killed_already(sleeper.pid)  # gone
+
+
+def test_a_worker_left_only_in_its_exit_is_marked_and_not_waited_for_twice(monkeypatch):
+    """Worker.kill: past kill_wait, survivors all killed already -> `exiting`; its disposal after
+    the answer then kills (and waits) no more."""
+    waits, survivors = [], [4194001]
+    monkeypatch.setattr(kcoral, "kill_group", lambda pgid, grace, orphans=False: waits.append(pgid) or False)
+    monkeypatch.setattr(kcoral, "tree_members", lambda pgid, exclude=(), orphans=False: survivors)
+    monkeypatch.setattr(kcoral, "killed_already", lambda pid: pid == 4194001)
+    worker = object.__new__(kcoral.Worker)
+    worker.pid, worker.template, worker.exiting, worker.process = 4194000, None, False, FakeProcess()
+    worker.conn = types.SimpleNamespace(close=lambda: None)
+    assert worker.kill(0.1, orphans=True) is False and worker.exiting
+    assert worker.kill(0) is False and waits == [4194000]  # the second kill did not wait again
+    survivors.append(4194002)  # one that could still run code: no slow exit, but a lost tree
+    fresh = object.__new__(kcoral.Worker)
+    fresh.pid, fresh.template, fresh.exiting, fresh.process, fresh.conn = 4194000, None, False, FakeProcess(), worker.conn
+    assert fresh.kill(0) is False and not fresh.exiting
+
+
+def spinning_kernel(conn):
+    kcoral_worker.send_message(conn, kcoral_worker.InstructionStarted(0))
+    time.sleep(1)  # busy past the timeout
+
+
+def test_a_worker_still_in_its_exit_after_the_kill_is_a_timeout_not_a_quarantine():
+    """A kernel spinning at the kill keeps the driver tearing the context down past kill_wait: the
+    request gets its 504 and the GPU stays in service (the replacement's start probes it)."""
+    pool = fake_pool()
+    outcome, retire, _ = execution(pool, spinning_kernel, timeout=0.2, gone=False, exiting=True)
+    assert (outcome.http_status, outcome.kind, retire) == (504, "timeout", True)
+    assert pool.quarantined == [] and pool.arbiter.acquire("next", [0])[0] == [0]
+
+
+@pytest.mark.parametrize("exiting, probe_fails, quarantined, replaced",
+                         [(True, False, [], True),  # slow exit, the GPU answers: the slot is replaced
+                          (True, True, [[0]], False),  # slow exit, the GPU fails its probe: quarantined
+                          (False, False, [[0]], False)])  # a tree that outlived SIGKILL: quarantined, no probe
+def test_after_a_slow_exit_the_next_workers_start_probes_the_gpu(monkeypatch, exiting, probe_fails, quarantined,
+                                                                  replaced):
+    pool, slot = spare_pool(monkeypatch)
+    pool.dispose = types.MethodType(kcoral.Pool.dispose, pool)
+    if probe_fails:
+        def initialize(self, expected_uuid, phase_timeout=60.0):
+            raise kcoral.WorkerCrashed("GPU worker failed to initialize: CUDA error: unknown error")
+        monkeypatch.setattr(FakeSlotWorker, "initialize", initialize)
+    retired = slot.worker
+    retired.gone, retired.exiting = False, exiting
+    pool.release(slot, True)
+    assert wait_for(lambda: slot in pool.idle, 5)
+    assert pool.quarantined == quarantined and retired.killed
+    assert (slot.worker is not None and slot.worker is not retired) == replaced
+    if replaced:  # its CUDA start ran under the GPU's lease
+        assert pool.inits == [{0: kcoral.STARTUP_OWNER}]
+
+
 def test_quarantine_refuses_waiters_already_queued():
     arbiter, refused = kcoral.LeaseArbiter([0, 1]), []
     arbiter.acquire("holder", [0])
@@ -1340,20 +1543,34 @@ def test_quarantine_refuses_waiters_already_queued():
     assert arbiter.acquire("other", [1])[0] == [1]  # the healthy GPU still serves
 
 
-def test_waits_for_n_gpus_end_at_shutdown():
-    pool = object.__new__(kcoral.Pool)
-    pool.arbiter, pool.cond, pool.closing = kcoral.LeaseArbiter([0, 1]), threading.Condition(), False
-    pool.config = kcoral.ServerConfig()
-    pool.arbiter.acquire("busy", [0])
-    job = kcoral.Job("big", kcoral.ValidProgram([], {"gpu_count": 2}, {}, []), {}, timeout=10.0, output_limit=0)
-    outcomes = []
-    thread = threading.Thread(target=lambda: outcomes.append(pool.run_multi_gpu(None, job, 2, 0.0)), daemon=True)
-    thread.start()
-    assert wait_for(lambda: queued(pool.arbiter) == 1, 5)
-    pool.drain()
-    join_threads([thread], 5)
-    assert (outcomes[0].http_status, outcomes[0].kind) == (503, "busy")
-    assert pool.arbiter.acquire("in-flight", [1])[0] == [1]  # a running request's own lease still works
+def test_waits_for_n_gpus_run_at_shutdown_and_end_at_a_quarantine(monkeypatch):
+    """A graceful shutdown lets an admitted request waiting for "any n" GPUs run once the leases
+    before it are released (no client sees a 503 for a request the node took); a quarantine's
+    drain refuses such a wait (503 busy: its GPUs may never be free again)."""
+    for refuse_queued in (False, True):
+        pool = object.__new__(kcoral.Pool)
+        pool.arbiter, pool.cond = kcoral.LeaseArbiter([0, 1]), threading.Condition()
+        pool.closing = pool.refusing = False
+        pool.config = kcoral.ServerConfig()
+        monkeypatch.setattr(pool, "run_dedicated_worker",
+                            lambda job, gpus, wait_ms, queue_ms, template: kcoral.Outcome(body={"gpus": gpus}))
+        pool.arbiter.acquire("busy", [0])
+        job = kcoral.Job("big", kcoral.ValidProgram([], {"gpu_count": 2}, {}, []), {}, timeout=10.0, output_limit=0)
+        outcomes = []
+        thread = threading.Thread(target=lambda: outcomes.append(pool.run_multi_gpu(None, job, 2, 0.0)), daemon=True)
+        thread.start()
+        assert wait_for(lambda: queued(pool.arbiter) == 1, 5)
+        pool.drain(refuse_queued=refuse_queued)
+        if refuse_queued:
+            join_threads([thread], 5)
+            assert (outcomes[0].http_status, outcomes[0].kind) == (503, "busy")
+            assert pool.arbiter.acquire("in-flight", [1])[0] == [1]  # a running request's own lease still works
+        else:
+            time.sleep(0.3)
+            assert thread.is_alive() and not outcomes  # still waiting, not refused
+            pool.arbiter.release("busy", [0])
+            join_threads([thread], 5)
+            assert (outcomes[0].http_status, sorted(outcomes[0].body["gpus"])) == (200, [0, 1])
 
 
 @pytest.mark.parametrize("failure, status, kind", [(kcoral.WorkerStartTimeout, 504, "timeout"),
@@ -1422,7 +1639,7 @@ class FakeSlotWorker:
 
     def __init__(self, pool, gpus, phase_timeout=60.0, template=None):
         self.pool, self.gpus, self.template, self.served, self.killed = pool, gpus, template, 0, False
-        self.gone = True
+        self.gone, self.exiting = True, False
 
     def initialize(self, expected_uuid, phase_timeout=60.0):
         self.pool.inits.append(dict(self.pool.arbiter.holder))

@@ -2,10 +2,12 @@
 `promtool` and scraped by a real Prometheus server; counters that say what the test did;
 bounded label cardinality; the proxy's X-Request-Start counted in queue_ms."""
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -20,6 +22,7 @@ from tests.support import (
     ServerProcess,
     call_program,
     free_port,
+    join_threads,
     post,
     prog,
     request,
@@ -144,46 +147,157 @@ def test_the_proxy_queue_stamp_counts_in_queue_ms(node):
         assert body["queue_ms"] < 750, bogus
 
 
-@pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus (Debian's package) missing")
-def test_a_real_prometheus_scrapes_the_node_with_its_token(node, tmp_path):
-    """Prometheus scrapes with the bearer token; a PromQL query returns what the test did."""
+needs_prometheus = pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus (Debian's package) missing")
+
+
+@contextlib.contextmanager
+def prometheus_scraping(url, tmp_path, rule_files=()):
+    """A real Prometheus scraping the node at `url` every second with the token (and evaluating
+    `rule_files` every second) -> a function answering a PromQL query: [(labels, value)...], or None
+    while Prometheus does not answer yet."""
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
     port = free_port()
     config = tmp_path / "prometheus.yml"
-    target = urllib.parse.urlsplit(node.url).netloc
     config.write_text(json.dumps({  # YAML is a superset of JSON
-        "global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
-        "scrape_configs": [{"job_name": "kcoral", "static_configs": [{"targets": [target]}],
+        "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(path) for path in rule_files],
+        "scrape_configs": [{"job_name": "kcoral", "static_configs": [{"targets": [urllib.parse.urlsplit(url).netloc]}],
                             "authorization": {"type": "Bearer", "credentials_file": str(token_file)}}]}))
+    log = tmp_path / "prometheus.log"
+    prometheus = subprocess.Popen(["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                                   f"--web.listen-address=127.0.0.1:{port}"],
+                                  stdout=subprocess.DEVNULL, stderr=open(log, "wb"))
+
+    def query(promql):
+        try:
+            status, _, body = request("GET", f"http://127.0.0.1:{port}/api/v1/query?" +
+                                      urllib.parse.urlencode({"query": promql}), timeout=5)
+        except OSError:
+            return None
+        if status != 200:
+            return None
+        return [(r["metric"], float(r["value"][1])) for r in json.loads(body)["data"]["result"]]
+
+    query.log = lambda: log.read_text()[-2000:]
+    try:
+        yield query
+    finally:
+        prometheus.terminate()
+        prometheus.wait(30)
+
+
+def scalar(query, promql):
+    result = query(promql)
+    return result[0][1] if result else None
+
+
+@needs_prometheus
+def test_a_real_prometheus_scrapes_the_node_with_its_token(node, tmp_path):
+    """Prometheus scrapes with the bearer token; a PromQL query returns what the test did."""
     marker_count = 3
     before = requests_of(node.url, "FAILED", 200, "correctness")
     for _ in range(marker_count):  # a kind nothing else in this module produces
         source = "from kcoral.errors import ExecutionError\ndef f():\n    raise ExecutionError('correctness', 'off')\n"
         assert post(node.url, simple_program(source), headers=AUTH)[2]["status"] == "FAILED"
     expected = before + marker_count
-    prometheus = subprocess.Popen(["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                                   f"--web.listen-address=127.0.0.1:{port}"],
-                                  stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "wb"))
-    query = 'sum(kcoral_requests_total{job="kcoral",status="FAILED",kind="correctness"})'
+    promql = 'sum(kcoral_requests_total{job="kcoral",status="FAILED",kind="correctness"})'
+    with prometheus_scraping(node.url, tmp_path) as query:
+        assert wait_for(lambda: scalar(query, promql) == expected, timeout=60), \
+            f"PromQL gave {scalar(query, promql)}, expected {expected}: {query.log()}"
+        assert [v for _, v in query("up")] == [1]  # scraped with the token
 
-    def answered():
-        try:
-            status, _, body = request("GET", f"http://127.0.0.1:{port}/api/v1/query?" +
-                                      urllib.parse.urlencode({"query": query}), timeout=5)
-        except OSError:
-            return None
-        result = json.loads(body)["data"]["result"] if status == 200 else []
-        return float(result[0]["value"][1]) if result else None
 
-    try:
-        assert wait_for(lambda: answered() == expected, timeout=60), \
-            f"PromQL gave {answered()}, expected {expected}: {(tmp_path / 'prometheus.log').read_text()[-2000:]}"
-        status, _, body = request("GET", f"http://127.0.0.1:{port}/api/v1/query?query=up", timeout=5)
-        assert [r["value"][1] for r in json.loads(body)["data"]["result"]] == ["1"]  # scraped with the token
-    finally:
-        prometheus.terminate()
-        prometheus.wait(30)
+@needs_prometheus
+def test_prometheus_keeps_scraping_through_a_token_rotation(tmp_path):
+    """docs/operations.md's token rotation, Prometheus's step: once the node accepts NEW and OLD,
+    Prometheus's credentials file gets NEW (read at every scrape: no reload), then the node drops
+    OLD.  No scrape is refused: `up` stays 1 and kcoral_reads_refused_total does not move."""
+    node_tokens = tmp_path / "node-tokens"
+
+    def node_accepts(*tokens):
+        with open(os.open(node_tokens, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write("\n".join(tokens) + "\n")
+
+    node_accepts(TOKEN)
+    with ServerProcess("--token-file", str(node_tokens), workers=1, tmp_path=tmp_path / "node") as fresh, \
+            prometheus_scraping(fresh.url, tmp_path) as query:
+        def reload_tokens():
+            reloaded = fresh.log().count("tokens_reloaded")
+            fresh.proc.send_signal(signal.SIGHUP)
+            assert wait_for(lambda: fresh.log().count("tokens_reloaded") > reloaded, 10)
+
+        assert wait_for(lambda: [v for _, v in query("up") or []] == [1], 60), query.log()
+        refused = scalar(query, "kcoral_reads_refused_total")  # the start-up probe's, without a token
+        node_accepts("rotated-token-9c2e", TOKEN)
+        reload_tokens()
+        (tmp_path / "token").write_text("rotated-token-9c2e")  # prometheus_scraping's credentials file
+        time.sleep(3)
+        node_accepts("rotated-token-9c2e")
+        reload_tokens()
+        started = time.monotonic()
+        time.sleep(4)
+        assert request("GET", fresh.url + "/metrics", headers=AUTH)[0] == 401  # OLD is refused now
+        window = f"{int(time.monotonic() - started) + 8}s"
+        assert scalar(query, f"min_over_time(up[{window}])") == 1
+        assert scalar(query, f"count_over_time(up[{window}])") >= 5  # scraped all along
+        # the OLD-token request above, once scraped, and nothing else
+        assert wait_for(lambda: scalar(query, "kcoral_reads_refused_total") == refused + 1, 10)
+
+
+def bucket_of(value):
+    """(lower, upper) bounds of the histogram bucket holding `value`."""
+    bounds = (0.0,) + kcoral.DURATION_BUCKETS + (float("inf"),)
+    index = kcoral.bucket_index(kcoral.DURATION_BUCKETS, value)
+    return bounds[index], bounds[index + 1]
+
+
+def quantile(values, q):
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+@needs_prometheus
+def test_prometheus_quantiles_match_the_measured_latencies(tmp_path):
+    """On a node of one worker, 4 clients each send 4 programs sleeping 0.4 s: requests queue for
+    0 to about 1.2 s and take 0.4 to about 1.7 s.  histogram_quantile over what Prometheus scraped
+    lands in the bucket of the measured p50 and p95 (the queue waits the answers report; the
+    durations the clients measured), within that bucket's width of them.  Meanwhile the example
+    alerts, evaluated by the same Prometheus, stay silent: the node is healthy."""
+    sleeper = call_program("import time\ndef f():\n    time.sleep(0.4)\n    return 1\n", "f")
+    queued, durations = [], []
+
+    def client():
+        for _ in range(4):
+            started = time.monotonic()
+            status, _, body = post(fresh.url, sleeper, headers=AUTH)
+            durations.append(time.monotonic() - started)
+            assert status == 200
+            queued.append(body["queue_ms"] / 1e3)
+
+    rules = [os.path.join(ROOT, "docs", "kcoral-alerts.yml")]
+    with ServerProcess("--token", TOKEN, workers=1, tmp_path=tmp_path / "node") as fresh, \
+            prometheus_scraping(fresh.url, tmp_path, rules) as query:
+        threads = [threading.Thread(target=client) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        join_threads(threads)
+        assert len(durations) == 16
+        count = 'sum(kcoral_request_duration_seconds_count{job="kcoral"})'
+        assert wait_for(lambda: (scalar(query, count) or 0) >= 16, timeout=60), query.log()
+        time.sleep(2)  # one more scrape: every histogram of the last request is in
+        for name, measured in (("kcoral_request_queue_seconds", queued),
+                               ("kcoral_request_duration_seconds", durations)):
+            for q in (0.5, 0.95):
+                expected = quantile(measured, q)
+                answered = scalar(query, f'histogram_quantile({q}, sum by (le) ({name}_bucket{{job="kcoral"}}))')
+                lower, upper = bucket_of(expected)
+                assert answered is not None and lower <= answered <= upper, \
+                    (name, q, answered, expected, sorted(measured))
+                assert abs(answered - expected) <= upper - lower
+                print(f"\n{name} p{int(q * 100)}: measured {expected:.3f} s, Prometheus {answered:.3f} s "
+                      f"(bucket {lower:g}-{upper:g} s)", end="")
+        assert query("ALERTS") == [], query("ALERTS")  # neither pending nor firing
 
 
 def test_gpu_lease_metrics_are_absent_on_cpu(node):
@@ -213,3 +327,80 @@ def test_the_example_alert_rules_are_valid_and_name_real_metrics():
     exposed = set(kcoral.METRIC_HELP) | {f"{n}_bucket" for n, (kind, _) in kcoral.METRIC_HELP.items()
                                          if kind == "histogram"}
     assert named - exposed <= {"kcoral_stats", "kcoral_affinity", "kcoral_spread"}, named - exposed  # HAProxy names
+
+
+def histograms(text):
+    """{name: ([(upper bound, cumulative count)...] in exposition order, _sum, _count)} of an exposition text."""
+    found = {}
+    for name in re.findall(r"^# TYPE (\S+) histogram$", text, re.M):
+        buckets = [(float(le), float(n)) for le, n in
+                   re.findall(rf'^{name}_bucket{{le="([^"]+)"}} (\S+)$', text, re.M)]
+        total = float(re.search(rf"^{name}_sum (\S+)$", text, re.M)[1])
+        count = float(re.search(rf"^{name}_count (\S+)$", text, re.M)[1])
+        found[name] = (buckets, total, count)
+    return found
+
+
+def assert_well_formed(name, buckets, count):
+    bounds = [le for le, _ in buckets]
+    assert bounds == sorted(bounds) and bounds[-1] == float("inf"), (name, bounds)
+    counts = [n for _, n in buckets]
+    assert counts == sorted(counts), f"{name}: buckets not cumulative: {counts}"
+    assert counts[-1] == count, f"{name}: +Inf holds {counts[-1]}, _count {count}"
+
+
+def test_histogram_buckets_are_cumulative_and_inf_is_the_count(node):
+    """Each bucket counts every observation at or below its bound; +Inf equals _count, whatever the
+    sum of the observations (the +Inf bucket once held count plus sum)."""
+    sleeper = call_program("import time\ndef f():\n    time.sleep(0.3)\n    return 1\n", "f")
+    for _ in range(3):
+        assert post(node.url, sleeper, headers=AUTH)[0] == 200
+    found = histograms(scrape(node.url))
+    assert set(found) == {n for n, (kind, _) in kcoral.METRIC_HELP.items() if kind == "histogram"}
+    for name, (buckets, _, count) in found.items():
+        assert_well_formed(name, buckets, count)
+    buckets, total, count = found["kcoral_request_duration_seconds"]
+    assert count >= 3 and total >= 0.9
+    assert dict(buckets)[0.25] <= count - 3  # the three sleepers: above 0.25 s
+
+
+def test_an_observation_beyond_the_last_bound_counts_in_inf_only():
+    metrics = kcoral.Metrics()
+    for total_ms in (2.0, 400.0, 1_000_000.0):  # 2 ms, 0.4 s, and 1000 s: beyond the last bound (900 s)
+        metrics.record("request_finished", "INFO", {"http_status": 200, "status": "COMPLETED", "total_ms": total_ms})
+    buckets, total, count = histograms(metrics.render([]))["kcoral_request_duration_seconds"]
+    assert_well_formed("kcoral_request_duration_seconds", buckets, count)
+    counts = dict(buckets)
+    assert (counts[0.001], counts[0.005], counts[0.25], counts[0.5], counts[900], counts[float("inf")]) == (0, 1, 1, 2, 2, 3)
+    assert (total, count) == (1000.402, 3)
+
+
+def test_every_answer_and_alerted_event_is_a_series_from_the_start(tmp_path):
+    """A node that answered nothing yet already exposes each (status, code, kind) it can answer and
+    each ERROR event alerts count, at 0: error ratios and increase() have a value from the start."""
+    with ServerProcess("--token", TOKEN, workers=1, tmp_path=tmp_path) as fresh:
+        found = samples(scrape(fresh.url))
+        for status, code, kind in kcoral.ANSWERS:
+            key = ("kcoral_requests_total", frozenset({("status", status), ("code", code), ("kind", kind)}))
+            assert found.get(key) == 0, key
+        for event in kcoral.ALERTED_EVENTS:
+            assert found.get(("kcoral_events_total", frozenset({("event", event), ("level", "ERROR")}))) == 0, event
+        assert found.get(("kcoral_worker_crashes_total", frozenset())) == 0
+        # and the answers a node gives are among them: no series appears later that a ratio would miss
+        post(fresh.url, simple_program("def f():\n    return 1\n"), headers=AUTH)
+        post(fresh.url, simple_program("def f():\n    raise ValueError('no')\n"), headers=AUTH)
+        post(fresh.url, {"instructions": "nope"}, headers=AUTH)
+        post(fresh.url, simple_program("def f():\n    return 1\n"))
+        answered = {tuple(dict(labels)[k] for k in ("status", "code", "kind"))
+                    for (name, labels), _ in samples(scrape(fresh.url)).items() if name == "kcoral_requests_total"}
+        assert answered == set(kcoral.ANSWERS)
+
+
+def test_refused_scrapes_are_not_counted_as_client_requests(node):
+    before = scrape(node.url)
+    assert request("GET", node.url + "/metrics", headers={"Authorization": "Bearer old-token"})[0] == 401
+    assert request("GET", node.url + "/health")[0] == 401
+    after = scrape(node.url)
+    assert value(after, "kcoral_reads_refused_total") - value(before, "kcoral_reads_refused_total") == 2
+    assert value(after, "kcoral_requests_total", status="ERROR", code="401", kind="unauthorized") == \
+        value(before, "kcoral_requests_total", status="ERROR", code="401", kind="unauthorized")

@@ -1,0 +1,124 @@
+"""docs/kcoral-alerts.yml under `promtool test rules`: every alert fires on the failure it is for,
+and none fires on an idle cohort or a healthy busy one.  The input series are shaped as our nodes
+expose them: every answer's and ERROR event's counter present at 0 from the start (kcoral.ANSWERS,
+kcoral.ALERTED_EVENTS), cumulative histogram buckets."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+import kcoral
+from tests.support import ROOT
+
+RULES = os.path.join(ROOT, "docs", "kcoral-alerts.yml")
+NODE = 'job="kcoral",instance="10.0.0.11:8000"'
+MINUTES = 60  # samples of each series, one a minute (the test's interval)
+
+pytestmark = pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian's prometheus) missing")
+
+
+def series(name, labels, values):
+    return {"series": f"{name}{{{NODE}{',' if labels else ''}{labels}}}", "values": values}
+
+
+def requests(status, code, kind, values):
+    return series("kcoral_requests_total", f'status="{status}",code="{code}",kind="{kind}"', values)
+
+
+def queue_histogram(per_minute, seconds):
+    """kcoral_request_queue_seconds as a node exposes it: `per_minute` requests a minute, each having
+    waited `seconds` (cumulative buckets: every bound at or above it counts them)."""
+    bounds = [f"{b:g}" for b in kcoral.DURATION_BUCKETS] + ["+Inf"]
+    rows = [series("kcoral_request_queue_seconds_bucket", f'le="{le}"',
+                   f"0+{per_minute}x{MINUTES}" if le == "+Inf" or float(le) >= seconds else f"0x{MINUTES}")
+            for le in bounds]
+    return rows + [series("kcoral_request_queue_seconds_count", "", f"0+{per_minute}x{MINUTES}"),
+                   series("kcoral_request_queue_seconds_sum", "", f"0+{per_minute * seconds:g}x{MINUTES}")]
+
+
+def idle_node():
+    """Up, taking work, every counter at 0, as a node that has answered nothing yet."""
+    return ([series("up", "", f"1x{MINUTES}"), series("kcoral_capacity", "", f"2x{MINUTES}"),
+             series("kcoral_worker_crashes_total", "", f"0x{MINUTES}")]
+            + [requests(*answer, f"0x{MINUTES}") for answer in kcoral.ANSWERS]
+            + [series("kcoral_events_total", f'event="{e}",level="ERROR"', f"0x{MINUTES}")
+               for e in kcoral.ALERTED_EVENTS]
+            + queue_histogram(0, 0))
+
+
+def healthy_node():
+    """Busy and well: 40 answers a minute (a few FAILED programs, a few 503s a proxy retried, a
+    program's 504), queue waits of 2 s, a fresh worker per request and a crash now and then."""
+    rows = [row for row in idle_node() if not row["series"].startswith(("kcoral_requests_total",
+                                                                         "kcoral_request_queue",
+                                                                         "kcoral_worker_crashes"))]
+    busy = {("COMPLETED", "200", ""): 30, ("FAILED", "200", "runtime"): 5, ("ERROR", "503", "busy"): 4,
+            ("ERROR", "504", "timeout"): 1}
+    rows += [requests(*answer, f"0+{busy.get(answer, 0)}x{MINUTES}") for answer in kcoral.ANSWERS]
+    rows += [series("kcoral_worker_crashes_total", "", f"0x30 1x{MINUTES - 30}")]
+    return rows + queue_histogram(40, 2)
+
+
+def replaced(rows, *new):
+    """`rows` with the series of `new` in place of those of the same name and labels."""
+    names = {row["series"] for row in new}
+    return [row for row in rows if row["series"] not in names] + list(new)
+
+
+NODE_LABELS = {"job": "kcoral", "instance": "10.0.0.11:8000"}
+# alert -> (the failure it is for, as input series; when it must be firing; the labels it then carries)
+FAILURES = {
+    "KCoralNodeDown": (replaced(idle_node(), series("up", "", f"1x10 0x{MINUTES - 10}")), "20m", NODE_LABELS),
+    "KCoralNodeDraining": (replaced(idle_node(), series("kcoral_capacity", "", f"2x10 0x{MINUTES - 10}")), "30m",
+                           NODE_LABELS),
+    "KCoralServerErrors": (replaced(healthy_node(), requests("ERROR", "500", "engine", f"0+6x{MINUTES}")), "20m",
+                           {"instance": NODE_LABELS["instance"]}),
+    "KCoralQueueBacklog": (replaced(healthy_node(), *queue_histogram(40, 60)), "30m", {}),  # cohort-wide
+    "KCoralWorkersCrashing": (replaced(healthy_node(), series("kcoral_worker_crashes_total", "",
+                                                              f"0x10 0+2x{MINUTES - 10}")), "25m", NODE_LABELS),
+    "KCoralGpuQuarantined": (replaced(idle_node(), series("kcoral_events_total",
+                                                          'event="gpu_quarantined",level="ERROR"',
+                                                          f"0x20 1x{MINUTES - 20}")), "25m",
+                             {**NODE_LABELS, "event": "gpu_quarantined", "level": "ERROR"}),
+}
+
+
+def alert_names():
+    with open(RULES) as f:
+        return re.findall(r"^\s*- alert: (\w+)$", f.read(), re.M)
+
+
+def summary(name, labels):
+    """The alert's summary as the rule file templates it, for these labels."""
+    with open(RULES) as f:
+        rule = f.read().split(f"- alert: {name}\n")[1]
+    text = re.search(r'summary: "(.*)"', rule)[1]
+    return re.sub(r"\{\{ \$labels\.(\w+) \}\}", lambda m: labels[m[1]], text)
+
+
+def test_every_alert_has_its_failure_case():
+    assert sorted(FAILURES) == sorted(alert_names())
+
+
+def test_promtool_alert_tests(tmp_path):
+    """Each alert fires on its failure, and is silent on an idle node and on a healthy busy one
+    throughout the hour."""
+    tests = []
+    for name, (rows, when, labels) in FAILURES.items():
+        tests.append({"name": f"{name} fires on its failure", "interval": "1m", "input_series": rows,
+                      "alert_rule_test": [{"eval_time": when, "alertname": name,
+                                           "exp_alerts": [{"exp_labels": labels,
+                                                          "exp_annotations": {"summary": summary(name, labels)}}]}]})
+    for scenario, rows in (("idle", idle_node()), ("healthy", healthy_node())):
+        tests.append({"name": f"nothing fires on a {scenario} node", "interval": "1m", "input_series": rows,
+                      "alert_rule_test": [{"eval_time": f"{m}m", "alertname": name, "exp_alerts": []}
+                                          for name in FAILURES for m in (1, 10, 30, MINUTES - 1)]})
+    path = tmp_path / "alerts-test.yml"
+    path.write_text(json.dumps({"rule_files": [RULES], "evaluation_interval": "1m", "tests": tests}))  # JSON is YAML
+    checked = subprocess.run(["promtool", "test", "rules", str(path)], capture_output=True, text=True, timeout=120)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+

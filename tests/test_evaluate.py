@@ -1,0 +1,675 @@
+"""kcoral.builtins.evaluate (docs/evaluate.md) against a real CPU server: every cheat of the
+threat model caught or flagged, honest candidates measured as `benchmark` measures them, and
+the pure parts (statistics, GPU condition flags, the channel's validation) on their own.
+
+Most kernels are NumPy, so a kernel process starts in a fraction of a second (torch is only
+imported where an input or the kernel needs it).  Cheats that must show the harness they fool
+run in the naive harness too (the candidate called in the evaluating process, then check_close
+and benchmark), where they do fool it."""
+
+import json
+import math
+import os
+import re
+import socket
+import struct
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Connection
+
+import pytest
+
+import kcoral_worker
+from kcoral import Client, Program
+from tests.support import PYTHON, ROOT, ServerProcess
+
+HARNESS = '''
+import numpy
+from kcoral.builtins import benchmark, check_close, evaluate
+
+N = 4096
+REFERENCE = """
+import numpy
+
+def kernel(x, y):
+    return numpy.sqrt(x) * y + 1.0
+"""
+
+
+def make_inputs(seed):
+    rng = numpy.random.default_rng(seed)
+    return rng.random(N, dtype=numpy.float32), rng.random(N, dtype=numpy.float32)
+
+
+def judge(candidate, options):
+    return evaluate(candidate, REFERENCE, make_inputs, **options)
+
+
+def naive(candidate):
+    """The harness evaluate replaces: the candidate run in this very process."""
+    namespace, reference = {}, {}
+    exec(REFERENCE, reference)
+    x, y = make_inputs(12345)
+    expected = reference["kernel"](x, y)
+    exec(candidate, namespace)
+    out = namespace["kernel"](x, y)
+    timing = benchmark(namespace["kernel"], x, y, {"warmup": 2, "repeat": 5, "flush_l2": False})
+    return {"ok": check_close(out, expected)["ok"], "latency_ms": timing["latency_ms_median"]}
+
+
+SUM_REFERENCE = "def kernel(x, scale):\\n    return float((x * scale).sum())\\n"
+
+
+def judge_sum(candidate):
+    """A kernel of a tensor and a JSON number that returns a Python number."""
+    return evaluate(candidate, SUM_REFERENCE, lambda seed: (make_inputs(seed)[0].astype(numpy.float64), 2.5),
+                    budget_ms=300, min_rounds=5)
+
+
+def repeated(times):
+    """A kernel of `times` units of work, ~0.5 ms each here: compute-bound on 16K floats, so its
+    inputs and outputs (64 KiB) cost little to exchange next to it."""
+    return (f"import numpy\\n\\ndef kernel(x):\\n    for _ in range({60 * times}):\\n        out = numpy.sin(x)\\n"
+            "    return out\\n")
+
+
+def small_inputs(seed):
+    return numpy.random.default_rng(seed).random(1 << 14, dtype=numpy.float32)
+
+
+def race(times, options):
+    """evaluate's `times`-unit candidate against a 2-unit reference, and benchmark's view of both,
+    measured here in the worker: the fastest of 60 calls, 10 at a time alternately (warm cache on
+    both sides; on a loaded machine the least disturbed call is the steadiest figure)."""
+    verdict = evaluate(repeated(times), repeated(2), small_inputs, **options)
+    x, config = small_inputs(1), {"warmup": 2, "repeat": 10, "flush_l2": False}
+    kernels = {}
+    for name, source in (("reference", repeated(2)), ("candidate", repeated(times))):
+        namespace = {}
+        exec(source, namespace)
+        kernels[name] = namespace["kernel"]
+    fastest = {name: [] for name in kernels}
+    for _ in range(6):
+        for name, kernel in kernels.items():
+            fastest[name].append(benchmark(kernel, x, config)["latency_ms_min"])
+    return {"verdict": verdict, "benchmark": {name: min(m) for name, m in fastest.items()}}
+'''
+
+QUICK = {"warmup_ms": 20, "budget_ms": 300, "min_rounds": 5}  # cheats are caught before timing matters
+
+HONEST = "import numpy\n\ndef kernel(x, y):\n    return numpy.sqrt(x) * y + 1.0\n"
+
+REPLAY = """
+import numpy
+
+last = None
+
+def kernel(x, y):
+    global last
+    if last is None:
+        last = numpy.sqrt(x) * y + 1.0
+    return last
+"""
+
+WRITES_ITS_INPUT = """
+import numpy
+
+def kernel(x, y):
+    x[:] = numpy.sqrt(x) * y + 1.0  # in a shared harness, where the check reads
+    return x
+"""
+
+LAZY = """
+import numpy
+
+class Lazy:
+    def __init__(self, x, y):
+        self.x, self.y, self.shape, self.dtype = x, y, x.shape, x.dtype
+
+    def __array__(self, dtype=None, copy=None):
+        return numpy.sqrt(self.x) * self.y + 1.0
+
+    def __eq__(self, other):
+        return True
+
+def kernel(x, y):
+    return Lazy(x, y)
+"""
+
+LAZY_SUBCLASS = """
+import numpy
+
+class Deferred(numpy.ndarray):
+    pass
+
+def kernel(x, y):
+    return (numpy.sqrt(x) * y + 1.0).view(Deferred)
+"""
+
+ALL_NAN = "import numpy\n\ndef kernel(x, y):\n    return numpy.full_like(x, numpy.nan)\n"
+
+PATCHES_THE_TIMERS = """
+import sys
+import time
+
+import numpy
+
+time.perf_counter = lambda: 0.0
+time.monotonic = lambda: 0.0
+time.perf_counter_ns = time.monotonic_ns = lambda: 0
+for name in ("kcoral_worker", "kcoral.builtins"):  # and evaluate's own timer, wherever it is loaded
+    if hasattr(sys.modules.get(name), "timed_call"):
+        sys.modules[name].timed_call = lambda process, inputs, echo=False: (process.call(inputs, echo), 0.0)
+
+def kernel(x, y):
+    time.sleep(0.003)  # slow, and says it took no time at all
+    return numpy.sqrt(x) * y + 1.0
+"""
+
+BACKGROUND_THREAD = """
+import threading
+import time
+
+import numpy
+
+def kernel(x, y):
+    out = numpy.zeros_like(x)
+
+    def finish():
+        time.sleep(0.002)
+        out[:] = numpy.sqrt(x) * y + 1.0
+    threading.Thread(target=finish).start()
+    return out  # "done" at once; the work lands later
+"""
+
+DETECTS_TIMING = """
+import numpy
+
+calls = 0
+
+def kernel(x, y):
+    global calls
+    calls += 1
+    if calls <= {honest_calls}:  # the correctness checks (and warm-up): do the work
+        return numpy.sqrt(x) * y + 1.0
+    return numpy.empty_like(x)  # what it guesses are the timed calls: skip it
+"""
+
+READS_THE_REFERENCE = """
+import gc
+import sys
+
+import numpy
+
+def found(x, y):
+    frame = sys._getframe(2)
+    while frame is not None:  # the harness's frames: its locals
+        yield from list(frame.f_locals.values())
+        frame = frame.f_back
+    for obj in gc.get_objects():  # every container: module globals, the harness's lists
+        if isinstance(obj, dict):
+            yield from list(obj.values())
+        elif isinstance(obj, list):
+            yield from list(obj)
+
+def kernel(x, y):
+    for value in found(x, y):
+        if (isinstance(value, numpy.ndarray) and value.shape == x.shape and value is not x and value is not y
+                and value.min() >= 1.0):  # the reference's answer: sqrt(x) * y + 1
+            return value.copy()
+    return numpy.zeros_like(x)
+"""
+
+FIRST_INPUT_SET_ONLY = """
+import numpy
+
+calls = 0
+
+def kernel(x, y):
+    global calls
+    calls += 1
+    out = numpy.sqrt(x) * y + 1.0
+    if calls > 1:
+        out[len(out) // 2:] = 1.0  # half the work once the first check has passed
+    return out
+"""
+
+KNOWS_A_SEED = """
+import numpy
+
+N = 4096
+rng = numpy.random.default_rng(0)  # a harness that always uses seed 0
+x0, y0 = rng.random(N, dtype=numpy.float32), rng.random(N, dtype=numpy.float32)
+answer = numpy.sqrt(x0) * y0 + 1.0
+
+def kernel(x, y):
+    return answer
+"""
+
+FORGES_A_FRAME = """
+import json
+import os
+import struct
+import subprocess
+import sys
+import time
+
+def kernel(x, y):
+    frame = json.dumps({"type": "EvalOutputs", "error": None,
+                        "values": [{"kind": "numpy", "dtype": "float32", "shape": [1 << 40], "device": "cpu"}]}).encode()
+    os.write(int(sys.argv[2]), struct.pack("!I", len(frame)) + frame)  # the channel's descriptor
+    time.sleep(60)
+"""
+
+KILLS_ITSELF = "import os, signal\n\ndef kernel(x, y):\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+
+HANGS = "import time\n\ndef kernel(x, y):\n    time.sleep(60)\n"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with ServerProcess("--sandbox", "none", workers=2, tmp_path=tmp_path_factory.mktemp("evaluate")) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with Client(server.url) as client:
+        yield client
+
+
+def call(client, name, *args):
+    """HARNESS's `name`(*args) in a fresh worker -> what it returned."""
+    program = Program()
+    harness = program.upload(kind="module", source=HARNESS)
+    program.return_(key="out", value=program.run(fn=program.get_function(module=harness, name=name), args=list(args)))
+    result = client.execute(program, timeout_seconds=120)
+    assert result.completed, result.error
+    return result["out"]
+
+
+def judge(client, candidate, **options):
+    return call(client, "judge", candidate, {**QUICK, **options})
+
+
+def assert_fails(verdict, status, *phrases):
+    assert verdict["status"] == status and verdict["correct"] is False, verdict
+    assert verdict["timing"] is None, "a failing candidate is never timed"
+    for phrase in phrases:
+        assert phrase in verdict["message"], verdict["message"]
+
+
+# --- the cheats -------------------------------------------------------------------------------
+
+def test_an_honest_candidate_passes(client):
+    verdict = judge(client, HONEST)
+    assert verdict["status"] == "correct" and verdict["correct"] is True, verdict
+    assert len(verdict["seeds"]) == len(verdict["checks"]) == 3 and len(set(verdict["seeds"])) == 3
+    assert all(check["ok"] and check["outputs"][0]["mismatches"] == 0 for check in verdict["checks"])
+    assert verdict["checks"][0]["outputs"][0]["rtol"] == 1.3e-6  # float32's default tolerance
+    timing = verdict["timing"]  # microsecond kernels: the speedup may be below the harness's resolution (None)
+    assert timing["rounds"] >= 3 and len(timing["samples_ms"]["reference"]) == timing["rounds"]
+    assert (timing["speedup"] is None) == ("below_resolution" in verdict["flags"])
+    assert "foreign_processes" not in verdict["flags"]  # the worker's own descendants are the two kernels
+
+
+def test_replaying_the_previous_output_is_caught(client):
+    assert_fails(judge(client, REPLAY), "incorrect", "output 0 on input set 2", "worst at [")
+
+
+def test_writing_the_answer_into_an_input_is_caught(client):
+    assert_fails(judge(client, WRITES_ITS_INPUT), "incorrect", "the candidate modified its tensor argument 0")
+
+
+@pytest.mark.parametrize("source, name", [(LAZY, "a Lazy"), (LAZY_SUBCLASS, "a Deferred")], ids=["object", "subclass"])
+def test_a_lazy_output_is_refused(client, source, name):
+    assert_fails(judge(client, source), "error", f"output 0 is {name}, not a torch.Tensor, a numpy.ndarray")
+
+
+def test_nan_everywhere_is_caught(client):
+    verdict = judge(client, ALL_NAN)
+    assert_fails(verdict, "incorrect", "4096 of 4096 elements differ")
+    assert verdict["mismatch"]["worst"]["actual"] == "nan" and verdict["mismatch"]["worst"]["abs_error"] == "inf"
+
+
+def test_patching_the_timers_forges_nothing(client):
+    """It fools the naive harness (benchmark reads the patched clock: 0 ms); evaluate's clock is in
+    another process, so the 3 ms sleep shows."""
+    assert call(client, "naive", PATCHES_THE_TIMERS) == {"ok": True, "latency_ms": 0.0}
+    verdict = judge(client, PATCHES_THE_TIMERS, budget_ms=1000, min_rounds=10)
+    assert verdict["status"] == "correct", verdict
+    timing = verdict["timing"]  # the reference takes microseconds: on a loaded machine, below the echo's noise
+    assert timing["candidate_ms"] > 2 and (timing["speedup"] is None or timing["speedup"] < 1), timing
+
+
+def test_finishing_on_a_background_thread_is_caught(client):
+    """Its outputs are read as the call returns, so they are zeros; if the thread ever wins that race
+    (a loaded machine), its work landed before the outputs left, inside the timed window."""
+    verdict = judge(client, BACKGROUND_THREAD)
+    if verdict["status"] == "correct":
+        assert verdict["timing"]["candidate_ms"] > 1.5, verdict["timing"]
+    else:
+        assert verdict["status"] == "incorrect" and "elements differ" in verdict["message"], verdict
+
+
+@pytest.mark.parametrize("honest_calls", [3, 6], ids=["after-the-checks", "in-the-race"])
+def test_behaving_differently_when_timed_is_caught(client, honest_calls):
+    """Every call of the race is checked against the reference's on the same inputs, and a warm-up
+    call is indistinguishable from a timed one.  (A race has at least 2 warm-up and 3 timed rounds:
+    the 7th call is in it.)"""
+    verdict = judge(client, DETECTS_TIMING.format(honest_calls=honest_calls))
+    assert verdict["status"] == "incorrect" and verdict["timing"] is None, verdict
+    assert " round " in verdict["message"] and "against the reference on the same inputs" in verdict["message"]
+
+
+def test_reading_the_reference_answer_from_memory_is_caught(client):
+    """Through frames and gc it finds the answer in the naive harness; in its own process there is none."""
+    assert call(client, "naive", READS_THE_REFERENCE)["ok"] is True
+    assert_fails(judge(client, READS_THE_REFERENCE), "incorrect", "on input set 1")
+
+
+def test_correct_only_for_the_first_input_set_is_caught(client):
+    assert_fails(judge(client, FIRST_INPUT_SET_ONLY), "incorrect", "on input set 2")
+
+
+def test_knowing_a_seed_in_advance_is_useless(client):
+    assert call(client, "naive", KNOWS_A_SEED)["ok"] is False  # the naive harness's seed, 12345, is not 0 either
+    assert_fails(judge(client, KNOWS_A_SEED), "incorrect", "on input set 1")
+
+
+def test_a_forged_frame_on_the_channel_is_refused(client):
+    assert_fails(judge(client, FORGES_A_FRAME), "error", "the candidate's process broke the channel",
+                 "values of more than 1073741824 bytes")
+
+
+def test_a_candidate_that_dies_or_hangs_is_an_error_and_the_server_carries_on(client):
+    assert_fails(judge(client, KILLS_ITSELF), "error", "the candidate's process died (killed by signal 9)")
+    assert_fails(judge(client, HANGS, call_timeout_s=1), "error", "the candidate did not answer within 1 s")
+    assert judge(client, HONEST, timing=False)["status"] == "correct"
+
+
+def test_json_arguments_and_a_number_returned(client):
+    honest = call(client, "judge_sum", "import numpy\n\ndef kernel(x, scale):\n    return float(numpy.sum(x) * scale)\n")
+    assert honest["status"] == "correct", honest
+    assert honest["checks"][0]["outputs"][0]["shape"] == [] and honest["checks"][0]["outputs"][0]["dtype"] == "float64"
+    off = call(client, "judge_sum", "def kernel(x, scale):\n    return float(x.sum() * scale) + 1.0\n")
+    assert off["status"] == "incorrect" and "1 of 1 elements differ" in off["message"], off
+
+
+def test_a_candidate_that_does_not_load_is_an_error(client):
+    assert_fails(judge(client, "def kernel(:\n"), "error", "the candidate raised syntax error")
+    assert_fails(judge(client, "def other(x, y):\n    return x\n"), "error", "no function 'kernel'")
+
+
+def test_cuda_graph_mode_needs_cuda_tensors(client):
+    assert_fails(judge(client, HONEST, cuda_graph=True), "error", "cuda_graph needs CUDA tensors")
+
+
+def test_a_function_object_is_refused_as_candidate(client):
+    program = Program()
+    source = "from kcoral.builtins import evaluate\n\ndef f():\n    return evaluate(f, 'x', lambda seed: 1)\n"
+    program.run(fn=program.get_function(module=program.upload(kind="module", source=source), name="f"))
+    result = client.execute(program)
+    assert result.error["kind"] == "engine" and "source text" in result.error["message"]
+
+
+# --- honest candidates: the race against benchmark ---------------------------------------------
+
+MARGIN = 1.25  # how far outside evaluate's interval a ratio may lie: benchmark's calls lack a fixed ~0.1 ms of evaluate's
+
+
+@pytest.mark.parametrize("times", [2, 1, 4], ids=["equal", "faster", "slower"])
+def test_honest_speedups_agree_with_benchmark(client, times):
+    """A candidate of 1, 2 or 4 units of work against a 2-unit reference: benchmark's speedup
+    (interleaved, in the same worker) lies in evaluate's interval, widened by MARGIN, and the
+    estimate says which is faster.  How narrow the interval gets depends on the machine's load:
+    the race runs until its relative standard error is 2%, or 3 s."""
+    out = call(client, "race", times, {"budget_ms": 3000, "target_rse": 0.02})
+    verdict, medians = out["verdict"], out["benchmark"]
+    assert verdict["status"] == "correct", verdict
+    timing = verdict["timing"]
+    low, high = timing["speedup_ci"]
+    high = math.inf if high is None else high
+    measured = medians["reference"] / medians["candidate"]
+    shown = (measured, timing["speedup"], low, high, timing["rounds"], timing["stopped"])
+    assert low / MARGIN <= measured <= high * MARGIN, shown
+    assert {2: 0.5 < timing["speedup"] < 2, 1: timing["speedup"] > 1, 4: timing["speedup"] < 1}[times], shown
+    assert ("within_noise" in verdict["flags"]) == (low <= 1 <= high), verdict["flags"]
+    assert len(timing["samples_ms"]["candidate"]) == len(timing["samples_ms"]["echo"]) == timing["rounds"]
+    assert timing["timer"] == "host" and timing["device"] == "cpu" and "gpu" not in timing
+
+
+def test_an_implausible_speedup_is_flagged(client):
+    verdict = call(client, "race", 1, {"budget_ms": 500, "implausible_speedup": 1.0})["verdict"]  # 2x faster, so "implausible"
+    assert "implausible_speedup" in verdict["flags"] and verdict["status"] == "correct", verdict
+
+
+def test_in_the_sandbox(tmp_path):
+    """Kernel processes start inside a request's container too (python -I, the server's files
+    read-only), and catch what they catch unsandboxed."""
+    with ServerProcess("--sandbox", "bubblewrap", workers=1, tmp_path=tmp_path) as srv, Client(srv.url) as sandboxed:
+        honest = judge(sandboxed, HONEST)
+        assert honest["status"] == "correct" and "foreign_processes" not in honest["flags"], honest
+        assert judge(sandboxed, READS_THE_REFERENCE)["status"] == "incorrect"
+
+
+def judge_script():
+    """The script docs/cli.md shows for `kcoral run python`, as it is written there."""
+    with open(os.path.join(ROOT, "docs", "cli.md"), encoding="utf-8") as f:
+        return re.search(r"```\n(# judge\.py, run on the server\n.*?)```", f.read(), re.S).group(1)
+
+
+@pytest.mark.parametrize("candidate, status, code", [
+    ("import numpy\n\ndef kernel(x):\n    return numpy.sort(x, kind='mergesort')\n", "correct", 0),
+    ("import numpy\n\ndef kernel(x):\n    return x\n", "incorrect", 1),
+], ids=["honest", "unsorted"])
+def test_from_a_kcoral_run_script(server, tmp_path, candidate, status, code):
+    (tmp_path / "judge.py").write_text(judge_script())
+    (tmp_path / "candidate.py").write_text(candidate)
+    done = subprocess.run([PYTHON, os.path.join(ROOT, "client.py"), "run", "python", "--url", server.url,
+                           "--send", "judge.py", "--send", "candidate.py", "--fetch", "verdict.json", "--out", "results",
+                           "--", "judge.py", "candidate.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == code and done.stdout.startswith(f"{status} "), done.stdout + done.stderr
+    assert json.loads((tmp_path / "results" / "verdict.json").read_text())["status"] == status
+
+
+# --- the pure parts, in this process ------------------------------------------------------------
+
+def test_the_speedup_and_its_interval_are_over_kernel_times():
+    samples = {"reference": [3.0] * 20, "candidate": [2.0] * 20, "echo": [1.0] * 20}  # kernels: 2 ms and 1 ms
+    result = kcoral_worker.race_statistics(samples, 0.95)
+    assert (result["reference_ms"], result["candidate_ms"], result["speedup"]) == (2.0, 1.0, 2.0)
+    assert result["speedup_ci"] == [2.0, 2.0]
+    assert kcoral_worker.race_flags(result, 10.0) == {}
+    assert "implausible_speedup" in kcoral_worker.race_flags(result, 1.5)
+    noisy = kcoral_worker.race_statistics({"reference": [3.0, 1.2] * 10, "candidate": [1.2, 3.0] * 10,
+                                           "echo": [1.0] * 20}, 0.95)
+    assert "within_noise" in kcoral_worker.race_flags(noisy, 10.0)
+    below = kcoral_worker.race_statistics({"reference": [1.0] * 5, "candidate": [1.0] * 5, "echo": [1.0] * 5}, 0.95)
+    assert below["speedup"] is None and "below_resolution" in kcoral_worker.race_flags(below, 10.0)
+    json.dumps(below, allow_nan=False)  # returnable
+
+
+def test_gpu_condition_flags():
+    steady = {"sm_clock_mhz": 1980, "memory_clock_mhz": 2619, "temperature_c": 40, "throttle_reasons": 0x1}
+    assert kcoral_worker.gpu_flags(steady, dict(steady, sm_clock_mhz=1950, temperature_c=48)) == {}
+    moved = kcoral_worker.gpu_flags(steady, dict(steady, sm_clock_mhz=1500, temperature_c=55, throttle_reasons=0x20))
+    assert moved == {"gpu_conditions_moved": "sm_clock_mhz 1980 -> 1500; temperature 40 C -> 55 C; "
+                                             "throttled: software thermal slowdown"}
+    assert "gpu_conditions_unrecorded" in kcoral_worker.gpu_flags(None, None)
+
+
+def test_default_tolerances_follow_the_output_dtype():
+    unset = {"rtol": None, "atol": None}
+    assert kcoral_worker.tolerance("float32", unset) == (1.3e-6, 1e-5)
+    assert kcoral_worker.tolerance("bfloat16", unset) == (1.6e-2, 1e-5)
+    assert kcoral_worker.tolerance("int32", unset) == (0.0, 0.0)
+    assert kcoral_worker.tolerance("float16", {"rtol": 0.1, "atol": None}) == (0.1, 1e-5)
+
+
+@pytest.mark.parametrize("spec", [
+    {"kind": "numpy", "dtype": "float32", "shape": [1 << 40], "device": "cpu"},   # beyond the byte budget
+    {"kind": "numpy", "dtype": "object", "shape": [1], "device": "cpu"},          # no such dtype
+    {"kind": "pickle", "dtype": "float32", "shape": [1], "device": "cpu"},         # no such kind
+    {"kind": "numpy", "dtype": "float32", "shape": [-1], "device": "cpu"},         # negative size
+    {"kind": "numpy", "dtype": "float32", "shape": [1], "device": "cpu", "x": 1},  # extra key
+    {"kind": "json", "value": 1},                                                 # outputs are tensors only
+], ids=["huge", "dtype", "kind", "negative", "extra-key", "json-output"])
+def test_the_channel_refuses_a_bad_output_spec(spec):
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        with pytest.raises(kcoral_worker.UnexpectedMessage):
+            kcoral_worker.read_values(Connection(os.dup(ours.fileno())), [spec], None)
+
+
+def test_values_round_trip_with_their_bytes():
+    import numpy
+    import torch
+    values = [numpy.arange(6, dtype=numpy.float32).reshape(2, 3), torch.arange(4, dtype=torch.bfloat16), 2.5]
+    encoded = [kcoral_worker.eval_value(v, "value") for v in values]
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        kcoral_worker.send_values(Connection(os.dup(theirs.fileno())), encoded[:2])
+        header = ours.recv(4)
+        frame = json.loads(ours.recv(struct.unpack("!I", header)[0]))
+        back = kcoral_worker.read_values(Connection(os.dup(ours.fileno())), frame["values"], None)
+    assert numpy.array_equal(back[0].build(), values[0]) and torch.equal(back[1].build(), values[1])
+    assert encoded[2].spec() == {"kind": "json", "value": 2.5}
+    with pytest.raises(TypeError, match="value is a list, not a torch.Tensor, a numpy.ndarray or a JSON scalar"):
+        kcoral_worker.eval_value([1.0], "value")
+    number = kcoral_worker.eval_value(3.5, "output 0", output=True)  # a kernel may return a Python number
+    assert (number.kind, number.dtype, number.shape, number.build()) == ("numpy", "float64", [], 3.5)
+    with pytest.raises(TypeError, match="output 0 is a str, not a torch.Tensor, a numpy.ndarray or a number"):
+        kcoral_worker.eval_value("3.5", "output 0", output=True)
+
+
+def test_the_worst_element_is_where_the_error_is_largest():
+    import numpy
+    worst = kcoral_worker.worst_element(numpy.array([1.0, 2.5, numpy.nan, 4.0]), numpy.array([1.0, 2.0, 3.0, 4.0]))
+    assert worst == {"index": [2], "actual": "nan", "expected": 3.0, "abs_error": "inf"}
+    assert kcoral_worker.worst_element(numpy.array([[1.0, 5.0]]), numpy.array([[1.0, 2.0]]))["index"] == [0, 1]
+
+
+def test_a_captured_graph_takes_new_tensors_but_not_new_python_values():
+    """cuda_graph's input handling, with tensors on the CPU standing in for the captured buffers."""
+    import torch
+    kernel = kcoral_worker.KernelUnderTest(kcoral_worker.EvalLoad("def kernel(x, s):\n    return x * s\n", "kernel", True))
+    static = torch.zeros(3)
+    kernel.set_inputs([static, 2.0])
+    kernel.graph = "captured"  # from now on the inputs are copied into the captured buffers
+    kernel.set_inputs([torch.ones(3), 2.0])
+    assert kernel.inputs[0] is static and static.tolist() == [1.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match="argument 1 changed from 2.0 to 3.0"):
+        kernel.set_inputs([torch.ones(3), 3.0])
+
+
+def test_the_gpu_flush_zeroes_twice_the_l2_then_waits(monkeypatch):
+    """evaluate's flush on CUDA, with test_gpu_runtime's fake torch: benchmark's buffer, zeroed by
+    the evaluating process (the L2 is the device's, shared with the kernel processes), then a
+    synchronisation so the clock starts on an idle device.  Without flush_l2, nothing at all."""
+    from tests.test_gpu_runtime import fake_torch
+    log = []
+    torch, clock = fake_torch(log, flush_ms=0.04)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    flush = kcoral_worker.cache_flush("cuda", True)
+    assert log == [("flush buffer", 2 * (60 << 20))]
+    flush()
+    assert clock.now == pytest.approx(0.04) and log[-1] == ("synchronize", None)
+    kcoral_worker.cache_flush("cuda", False)()
+    assert len(log) == 2
+
+
+SPAWNS_A_SPINNER = """
+import subprocess
+import sys
+
+spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # would eat a core while the reference runs
+
+def kernel(x):
+    return x
+"""
+
+
+def test_the_other_kernels_whole_group_is_stopped_while_one_runs():
+    """What keeps a candidate's busy helper from slowing the reference: its process group is
+    stopped (the helper too, waited for) while the reference runs, and continued afterwards."""
+    process = kcoral_worker.KernelProcess("candidate", SPAWNS_A_SPINNER, "kernel", False, 30)
+    try:
+        process.loaded()
+        with open(f"/proc/{process.proc.pid}/task/{process.proc.pid}/children") as f:
+            (spinner,) = map(int, f.read().split())
+
+        def states():
+            return [kcoral_worker.proc_stat(pid)[0] for pid in (process.proc.pid, spinner)]
+        assert states()[1] in (b"R", b"S")
+        with process.stopped():
+            assert states()[0] == b"T"
+            deadline = time.monotonic() + 5  # the helper's stop is delivered, not awaited: it follows at once
+            while states()[1] != b"T" and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert states()[1] == b"T"
+        assert b"T" not in states()
+    finally:
+        process.close()  # SIGKILL to the group: the helper dies too, once it next runs
+    deadline = time.monotonic() + 5
+    while (kcoral_worker.proc_stat(spinner) or [b"X"])[0] not in (b"Z", b"X") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert (kcoral_worker.proc_stat(spinner) or [b"X"])[0] in (b"Z", b"X")
+
+
+def test_gpu_conditions_read_nvml_for_the_workers_device(monkeypatch):
+    """NVML found by the UUID torch reports for cuda:0 (the worker's GPU, whatever its index on the
+    host); the readings the verdict records.  Without NVML: None, never an error."""
+    import types
+    calls = []
+    nvml = types.SimpleNamespace(
+        NVML_CLOCK_SM=0, NVML_CLOCK_MEM=1, NVML_TEMPERATURE_GPU=0, nvmlInit=lambda: calls.append("init"),
+        nvmlDeviceGetHandleByUUID=lambda uuid: calls.append(uuid) or "handle",
+        nvmlDeviceGetClockInfo=lambda handle, clock: (1980, 2619)[clock],
+        nvmlDeviceGetTemperature=lambda handle, sensor: 41,
+        nvmlDeviceGetCurrentClocksThrottleReasons=lambda handle: 0x1)
+    torch = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        get_device_properties=lambda index: types.SimpleNamespace(uuid="8f2e-01")))
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    assert kcoral_worker.gpu_conditions() == {"sm_clock_mhz": 1980, "memory_clock_mhz": 2619, "temperature_c": 41,
+                                              "throttle_reasons": 1}
+    assert calls == ["init", "GPU-8f2e-01"]
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed
+    assert kcoral_worker.gpu_conditions() is None
+
+
+LEAVES_ITS_SESSION = """
+import subprocess
+import sys
+
+import numpy
+
+helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+with open({pid_file!r}, "w") as f:
+    f.write(str(helper.pid))
+
+def kernel(x, y):
+    return numpy.sqrt(x) * y + 1.0
+"""
+
+
+def test_a_helper_outside_the_candidates_group_is_flagged(tmp_path):
+    """A process the candidate moved to a session of its own is not stopped while the reference
+    runs (it could spin, or signal the reference): the verdict flags the race.  Run here, in the
+    test's process, since the server would fail the request for the helper left behind."""
+    import numpy
+    pid_file = tmp_path / "helper"
+
+    def make_inputs(seed):
+        rng = numpy.random.default_rng(seed)
+        return rng.random(256), rng.random(256)
+    verdict = kcoral_worker.evaluate(LEAVES_ITS_SESSION.format(pid_file=str(pid_file)), HONEST, make_inputs,
+                                     warmup_ms=0, budget_ms=50, min_rounds=3)
+    helper = int(pid_file.read_text())
+    try:
+        assert verdict["status"] == "correct", verdict
+        assert str(helper) in verdict["flags"]["foreign_processes"], verdict["flags"]
+    finally:
+        os.kill(helper, 9)
