@@ -1411,9 +1411,7 @@ CRASHES = [  # (id, statement, the cause the message names, or its start)
     ("os-exit-0", "os._exit(0)", "it exited with status 0 (os._exit, sys.exit or a native exit())"),
     ("sigkill", "os.kill(os.getpid(), signal.SIGKILL)", "killed by signal 9 (SIGKILL, Killed)"),
     ("sigsegv", "ctypes.string_at(0)", "killed by signal 11 (SIGSEGV, Segmentation fault)" + FRAMES_IN_STDERR),
-    # SIGABRT; in the sandbox, where the worker is its PID namespace's init and ignores a signal it sends
-    # itself, abort() ends on its fallback instruction: SIGSEGV
-    ("abort", "os.abort()", "killed by signal "),
+    ("abort", "os.abort()", "killed by signal 6 (SIGABRT, Aborted)" + FRAMES_IN_STDERR),
     # the status of an escaping exception is multiprocessing's (2, 1); in the sandbox, its template's (1)
     ("system-exit", "raise SystemExit(2)", "it exited with status "),
     ("keyboard-interrupt", "raise KeyboardInterrupt", "it exited with status 1 "),

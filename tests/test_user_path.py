@@ -179,8 +179,6 @@ CRASHES = {
 @pytest.mark.parametrize("case", sorted(CRASHES))
 def test_a_crash_names_its_cause_and_the_python_frames(server, case):
     statement, cause = CRASHES[case]
-    if case == "sigkill" and server.sandbox == "bubblewrap":
-        pytest.skip("a sandboxed worker is its PID namespace's init: a SIGKILL it sends itself is ignored")
     source = f"import os, signal\n\ndef helper():\n    {statement}\n\ndef f():\n    helper()\n"
     body = execute_ok(server.url, simple_program(source))
     error = assert_failed(body, "runtime", 2, "run", "r")
