@@ -4726,7 +4726,7 @@ def bwrap_command(config: ServerConfig, gpus: list[int]) -> list[str]:
 
 def sandbox_environment() -> dict[str, str]:
     """An allow-list of the server's variables, never its secrets; home, temporary files and the
-    compiler/JIT caches all inside the slot's private directory, so they vanish with the request."""
+    compiler/JIT caches all inside the request's own tmpfs, so they vanish with the request."""
     env = {k: v for k, v in os.environ.items() if k in SANDBOX_ENV_NAMES}
     for name in ("PATH", "LD_LIBRARY_PATH"):  # a directory that does not exist inside could not be created there
         if name in env:
@@ -5031,71 +5031,45 @@ def remove_entry_at(dir_fd: int, name: str) -> None:
             os.rmdir(name, dir_fd=dir_fd)
 
 
-@dataclasses.dataclass
-class Emptying:
-    """A directory being emptied: its open fd, the kept ways below it, its name in its parent."""
-    fd: int
-    ways: dict[str, Any]
-    name: str
-    done: set[str] = dataclasses.field(default_factory=set)  # entries on a kept way, emptied
-
-
 EMPTYING_DEPTH = 64  # open directories at most; deeper subtrees are moved up to the top first
 
 
-def empty_directory_at(top: int, keep: Iterable[str] = ()) -> None:
-    """Remove what the open directory `top` holds, except the directories on the way to each of
-    `keep` (relative paths: mount points inside a sandbox's /tmp), which are emptied instead,
-    and each of `keep` itself (a mount point may be a file).
+def empty_directory_at(top: int) -> None:
+    """Remove what the open directory `top` holds.
 
     Everything is opened relative to its parent without following a link, and each directory is
     made ours (0700) before it is emptied, so nothing a program renamed, linked or chmod-ed can
-    steer the removal outside `top` or stop it; an entry on a kept way that is not a directory
-    raises OSError.  Iterative, with at most EMPTYING_DEPTH directories open: a program may nest
-    directories deeper than Python's recursion or the fd limit allows."""
-    ways: dict[str, Any] = {}
-    for path in keep:
-        node = ways
-        for part in path.split("/"):
-            node = node.setdefault(part, {})
-    stack = [Emptying(os.dup(top), ways, "")]
+    steer the removal outside `top` or stop it.  Iterative, with at most EMPTYING_DEPTH
+    directories open: a program may nest directories deeper than Python's recursion or the fd
+    limit allows."""
+    stack = [(os.dup(top), "")]  # (open directory, its name in the one below it on the stack)
     try:
         while stack:
-            here = stack[-1]
-            os.fchmod(here.fd, 0o700)
-            below = next_directory_emptying(here)
-            if below is None:  # emptied: removed from its parent unless it lies on a kept way
+            fd, name = stack[-1]
+            os.fchmod(fd, 0o700)
+            below = next_directory_to_empty(fd)
+            if below is None:  # emptied: removed from its parent
                 stack.pop()
-                os.close(here.fd)
-                if stack and here.name in stack[-1].ways:
-                    stack[-1].done.add(here.name)
-                elif stack:
-                    os.rmdir(here.name, dir_fd=stack[-1].fd)
-            elif len(stack) >= EMPTYING_DEPTH and below not in here.ways:
-                os.rename(below, f".kcoral-deep-{secrets.token_hex(8)}", src_dir_fd=here.fd, dst_dir_fd=stack[0].fd)
+                os.close(fd)
+                if stack:
+                    os.rmdir(name, dir_fd=stack[-1][0])
+            elif len(stack) >= EMPTYING_DEPTH:
+                os.rename(below, f".kcoral-deep-{secrets.token_hex(8)}", src_dir_fd=fd, dst_dir_fd=stack[0][0])
             else:
-                stack.append(Emptying(os.open(below, NOFOLLOW_DIR, dir_fd=here.fd), here.ways.get(below, {}), below))
+                stack.append((os.open(below, NOFOLLOW_DIR, dir_fd=fd), below))
     finally:
-        for frame in stack:
-            os.close(frame.fd)
+        for fd, _ in stack:
+            os.close(fd)
 
 
-def next_directory_emptying(here: Emptying) -> str | None:
-    """Unlink `here`'s files and links up to its next directory still to empty -> that one's name."""
-    with os.scandir(here.fd) as entries:
+def next_directory_to_empty(fd: int) -> str | None:
+    """Unlink the files and links of the open directory `fd` up to its next directory -> that one's name."""
+    with os.scandir(fd) as entries:
         for entry in entries:
-            if entry.name in here.done:
-                continue
-            is_dir = entry.is_dir(follow_symlinks=False)
-            if entry.name in here.ways and not is_dir:
-                if here.ways[entry.name]:  # the way goes on below something that is no directory
-                    raise NotADirectoryError(errno.ENOTDIR, "a kept mount point's way was replaced", entry.name)
-                here.done.add(entry.name)  # a file's mount point (bwrap made it for a read-only file)
-                continue
-            if is_dir:
+            if entry.is_dir(follow_symlinks=False):
                 return entry.name
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(entry.name, dir_fd=here.fd)
+                os.unlink(entry.name, dir_fd=fd)
     return None
 
 

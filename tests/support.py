@@ -728,47 +728,15 @@ def execute_ok(url, program, blobs=(), **kw):
     return body
 
 
-# what a sandbox slot's directory keeps between requests: its three writable directories, the
-# private one with an empty home and cache
-SANDBOX_SKELETON = {"private": ("cache", "home"), "tmp": (), "shm": ()}
-SANDBOX_SCRATCH_MOUNTS = {"tmp": ("/tmp", "/var/tmp"), "shm": ("/dev/shm",)}
-
-
 def workspaces(srv, settle=10.0):
-    """What requests left in the server's TMPDIR once it settled (a sandbox's directories are
-    emptied when its slot prepares the next worker, just after the answer): unsandboxed
-    workspaces, and in a sandbox's directories anything beyond their skeleton, or any file in
-    them.  Its /tmp keeps the empty mount points of read-only paths there (a checkout under
-    /tmp, say): an empty file whose path exists on the host is one of those."""
+    """What requests left in the server's TMPDIR once it settled: unsandboxed workspaces (removed
+    just after the answer).  A sandboxed request writes to a tmpfs of its own, so no directory of
+    it may be there at all."""
     return wait_for(lambda: left_in_tmpdir(srv) == [], settle) and [] or left_in_tmpdir(srv)
 
 
 def left_in_tmpdir(srv):
-    try:
-        return files_left(srv)
-    except FileNotFoundError:  # removed while we looked: look again
-        return ["(changing)"]
-
-
-def files_left(srv):
-    found = []
-    for name in sorted(os.listdir(srv.tmpdir)):
-        path = os.path.join(srv.tmpdir, name)
-        if name.startswith("kcoral-program-"):
-            found.append(name)
-        elif name.startswith("kcoral-sandbox-"):
-            found += [f"{name}/{entry}" for entry in os.listdir(path) if entry not in SANDBOX_SKELETON]
-            for entry, kept in SANDBOX_SKELETON.items():
-                base = os.path.join(path, entry)
-                found += [f"{name}/{entry}/{e}" for e in os.listdir(base) if entry == "private" and e not in kept]
-                for folder, _, files in os.walk(base):
-                    for file in (os.path.join(folder, f) for f in files):
-                        rel = os.path.relpath(file, base)
-                        mount_point = os.path.getsize(file) == 0 and any(
-                            os.path.exists(os.path.join(top, rel)) for top in SANDBOX_SCRATCH_MOUNTS.get(entry, ()))
-                        if not mount_point:
-                            found.append(file)
-    return sorted(set(found))
+    return sorted(name for name in os.listdir(srv.tmpdir) if name.startswith(("kcoral-program-", "kcoral-sandbox-")))
 
 
 def join_threads(threads, timeout=60.0):
