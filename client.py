@@ -84,6 +84,9 @@ class KCoralError(Exception):
         self.stderr: str = details.get("stderr", "")
         self.stdout_truncated: bool = details.get("stdout_truncated", False)
         self.stderr_truncated: bool = details.get("stderr_truncated", False)
+        self.stdout_tail: str = details.get("stdout_tail", "")  # output cut at the limit: as ProgramResult's
+        self.stderr_tail: str = details.get("stderr_tail", "")
+        self.truncation: str = details.get("truncation", "")
 
 
 class TransportError(Exception):
@@ -733,6 +736,13 @@ class ProgramResult:
     stderr_truncated: bool
     error: dict[str, Any] | None = None
     gpu_ids: tuple[int, ...] = ()
+    # our server's account of output cut at the limit (docs/client.md §5.4): what each stream
+    # produced in bytes (None when not cut), its end, and a sentence saying so ("" when nothing was cut)
+    stdout_bytes: int | None = None
+    stderr_bytes: int | None = None
+    stdout_tail: str = ""
+    stderr_tail: str = ""
+    truncation: str = ""
     # set by Client.execute: the id its attempts were sent under (about the call, not the answer: not compared)
     client_request_id: str | None = dataclasses.field(default=None, init=False, compare=False)
 
@@ -756,7 +766,7 @@ def _decode_result(payload: dict[str, Any], parts: dict[str, memoryview]) -> Pro
     request_id = payload.get("request_id")
     if not isinstance(request_id, str) or not request_id:
         raise _malformed("request_id must be a non-empty string")
-    timings = {name: _finite_number(payload.get(name), name) for name in _TIMINGS}
+    timings: dict[str, Any] = {name: _finite_number(payload.get(name), name) for name in _TIMINGS}
     for name in ("stdout", "stderr"):
         if not isinstance(payload.get(name), str):
             raise _malformed(f"{name} must be a string")
@@ -786,7 +796,26 @@ def _decode_result(payload: dict[str, Any], parts: dict[str, memoryview]) -> Pro
         stdout=payload["stdout"], stderr=payload["stderr"],
         stdout_truncated=payload.get("stdout_truncated", False),
         stderr_truncated=payload.get("stderr_truncated", False),
-        error=error, gpu_ids=gpu_ids)
+        error=error, gpu_ids=gpu_ids, **_truncation_details(payload))
+
+
+def _truncation_details(body: dict[str, Any]) -> dict[str, Any]:
+    """The fields our server adds beside a `*_truncated` flag (docs/protocol.md §8.7), those of the
+    right type, and the sentence `truncation` made of them; a server that sends none gets none."""
+    limit, cap = body.get("output_limit_bytes"), body.get("max_output_limit_bytes")
+    details: dict[str, Any] = {}
+    notes = []
+    for name in ("stdout", "stderr"):
+        produced, tail = body.get(f"{name}_bytes"), body.get(f"{name}_tail")
+        if type(produced) is int and isinstance(tail, str) and type(limit) is int:
+            details.update({f"{name}_bytes": produced, f"{name}_tail": tail})
+            notes.append(f"{name} produced {produced} bytes: the first {limit} and the last "
+                         f"{len(tail.encode())} are kept")
+    if notes:
+        allowed = "the server's cap" if limit == cap else f"this server allows up to {cap}"
+        details["truncation"] = (f"output cut: {'; '.join(notes)} (output_limit_bytes {limit}, {allowed}; "
+                                 "write large output to a file and return_file it)")
+    return details
 
 
 def _finite_number(value: Any, what: str) -> float:
@@ -959,7 +988,10 @@ def _copy_and_hash(data: memoryview, copy: Callable[[memoryview], T]) -> tuple[T
 
 def _numpy_dtype(name: str) -> np.dtype:
     if name in _ML_DTYPES:
-        import ml_dtypes  # only needed for these dtypes; keeps the import-time deps to NumPy
+        try:
+            import ml_dtypes  # only needed for these dtypes; keeps the import-time deps to NumPy
+        except ImportError:
+            raise ImportError(f"a returned {name} tensor needs ml_dtypes to decode: pip install ml_dtypes") from None
         return np.dtype(getattr(ml_dtypes, name))
     return np.dtype(_NUMPY_DTYPES[name])
 
@@ -1709,7 +1741,7 @@ def _error_details(body: dict[str, Any], error: dict[str, Any]) -> dict[str, Any
         value = (error if where == "error" else body).get(name)
         if type(value) is kind:
             details[name] = value
-    return details
+    return {**details, **_truncation_details(body)}
 
 
 # ---------------------------------------------------------------------------
@@ -2171,9 +2203,11 @@ def _run_remote(args: Any, tool_args: list[str]) -> int:
             result = client.execute(program, timeout_seconds=args.timeout, output_limit_bytes=args.output_limit_bytes,
                                     on_output=output.show)
         except KCoralError as exc:  # a timeout keeps what the tool printed until it was killed
-            output.finish(exc.stdout, exc.stderr, exc.stdout_truncated or exc.stderr_truncated)
+            output.finish(exc)
+            if exc.kind == "timeout":
+                raise _CommandError(_timeout_message(args, exc)) from None
             raise
-    output.finish(result.stdout, result.stderr, result.stdout_truncated or result.stderr_truncated)
+    output.finish(result)
     if not result.completed:
         error = result.error or {}
         message = (str(error.get("message") or "").strip().splitlines() or ["the program failed"])[0]
@@ -2195,6 +2229,13 @@ def _run_remote(args: Any, tool_args: list[str]) -> int:
     if code < 0:
         return 128 - code  # killed by signal N: the shell's 128+N
     return 1 if code == 0 and outcome["missing"] else code
+
+
+def _timeout_message(args: Any, exc: KCoralError) -> str:
+    """A 504 in the words of the command line: the tool and --timeout, not the program's instructions."""
+    if exc.instruction_op == "run" and "teardown" not in exc.message:
+        return f"{args.tool} timed out: still running after --timeout {args.timeout:g} s (its output so far is above)"
+    return f"timed out after --timeout {args.timeout:g} s, outside {args.tool} itself ({exc.message})"
 
 
 def _tool_program(args: Any, tool_args: list[str], inputs: _Inputs, *, want_outputs: bool) -> Program:
@@ -2296,10 +2337,17 @@ class _LiveOutput:
         stream.flush()
         self.shown[name] += len(text)
 
-    def finish(self, stdout: str, stderr: str, truncated: bool) -> None:
-        for name, text in (("stdout", stdout), ("stderr", stderr)):
-            self.write(name, text[self.shown[name]:])
-        if truncated:
+    def finish(self, answer: ProgramResult | KCoralError) -> None:
+        """What the answer holds beyond what was shown; of output cut at the limit, its end after a
+        marker line, and a sentence saying what was cut (from a server that says)."""
+        for name in ("stdout", "stderr"):
+            self.write(name, getattr(answer, name)[self.shown[name]:])
+            tail = getattr(answer, f"{name}_tail")
+            if tail:
+                self.write(name, f"\n[kcoral: {name} cut here; its last {len(tail.encode())} bytes follow]\n{tail}")
+        if answer.truncation:
+            print(f"kcoral: {answer.truncation}", file=sys.stderr)
+        elif answer.stdout_truncated or answer.stderr_truncated:
             print("kcoral: remote output was truncated (see --output-limit-bytes)", file=sys.stderr)
 
 

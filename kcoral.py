@@ -1716,7 +1716,7 @@ class KCoralServer:
         except RequestTooLarge as exc:
             return Outcome(413, "request_too_large", str(exc))
         except ValidationError as exc:
-            return Outcome(400, "parse", str(exc))
+            return Outcome(400, "parse", str(exc), error_fields=getattr(exc, "instruction", {}))
 
     def check_gpu_count(self, program: ValidProgram) -> None:
         gpu_count = program.options.get("gpu_count")
@@ -2566,14 +2566,27 @@ def parse_program(body: Json, limits: ServerConfig = DEFAULT_LIMITS) -> ValidPro
         if not isinstance(ins, dict):
             raise ValidationError(f"{where} must be an object")
         op = ins.get("op")
-        if op not in ("upload", "get_function", "run", "return"):
-            raise ValidationError(f"{where}: unknown op {brief(op)}")
-        if op != "return":
-            check_id(ins, ids, where)
-        check_instruction(program, ins, op, ids, keys, paths, f"{where} ({op})", limits)
+        try:
+            if op not in ("upload", "get_function", "run", "return"):
+                raise ValidationError(f"{where}: unknown op {brief(op)}")
+            if op != "return":
+                check_id(ins, ids, where)
+            check_instruction(program, ins, op, ids, keys, paths, f"{where} ({op})", limits)
+        except ValidationError as exc:
+            exc.instruction = instruction_fields(index, ins)  # type: ignore[attr-defined]  # read by handle_execute
+            raise
         if op != "return":
             ids.add(ins["id"])
     return program
+
+
+def instruction_fields(index: int, ins: dict[str, Json]) -> dict[str, Json]:
+    """A refused instruction named as fields of the 400's `error` (docs/protocol.md §9.8), as a FAILED
+    result names the failing one: its index, and its op and id where they are well-formed."""
+    op, ident = ins.get("op"), ins.get("id")
+    return {"instruction_index": index,
+            "instruction_op": op if op in ("upload", "get_function", "run", "return") else None,
+            "instruction_id": ident if isinstance(ident, str) else None}
 
 
 def is_integer(v: object) -> bool:
@@ -3584,6 +3597,7 @@ class Execution:
     results: dict[str, Json]  # return key -> encoded value
     parts: list[Buffer]  # the raw parts those values refer to
     output: tuple[str, str, bool, bool] | None  # (stdout, stderr, truncated flags), once collected
+    truncation: dict[str, Json]  # with `output`: OutputDrain.truncation_fields
 
     def __init__(self, pool: Pool, worker: Worker, gpus: list[int], job: Job, queue_ms: float) -> None:
         self.pool = pool
@@ -3635,11 +3649,12 @@ class Execution:
             return self.timeout_outcome(), True
         except WorkerCrashed:
             self.pool.log.metrics.add("kcoral_worker_crashes_total")
+            exit_code = self.exit_code_of_crashed_worker()
             if not self.kill_worker():
                 return Outcome(500, "engine", "the crashed worker could not be confirmed gone"), True
             if self.last_index is None:
-                return Outcome(500, "engine", f"worker crashed: {self.crash_cause()}"), True
-            error, retire = self.crash_error(), True
+                return Outcome(500, "engine", f"worker crashed: {self.crash_cause(exit_code)}"), True
+            error, retire = self.crash_error(exit_code), True
         except ResponseTooLarge:  # the program ran; what it returned is dropped (docs/protocol.md §11)
             if not self.kill_worker():
                 return Outcome(500, "engine", "the worker could not be confirmed gone"), True
@@ -3660,7 +3675,7 @@ class Execution:
                 "queue_ms": self.queue_ms, "elapsed_ms": (time.monotonic() - started) * 1e3,
                 "lease_wait_ms": self.lease_wait_ms, "lease_held_ms": self.lease_held_ms,
                 "stdout": output[0], "stderr": output[1],
-                "stdout_truncated": output[2], "stderr_truncated": output[3],
+                "stdout_truncated": output[2], "stderr_truncated": output[3], **self.truncation,
                 "results": self.results}
         if error:
             body["error"] = error
@@ -3670,12 +3685,14 @@ class Execution:
         """(stdout, stderr, stdout_truncated, stderr_truncated), collected once the worker is gone."""
         if self.output is None:
             self.output = self.drain.result(wait=2.0) if self.drain else ("", "", False, False)
+            self.truncation = self.drain.truncation_fields(self.config.max_output_limit_bytes) if self.drain else {}
         return self.output
 
     def timeout_outcome(self) -> Outcome:
         """504 naming the limit and the instruction that was running (or the teardown after it), with
         the output captured until the kill: what a user needs to tell a hang from a slow loop."""
         output = dict(zip(("stdout", "stderr", "stdout_truncated", "stderr_truncated"), self.captured_output()))
+        output.update(self.truncation)
         message = f"execution timed out after {self.job.timeout:g} s"
         if self.last_index is None:
             return Outcome(504, "timeout", f"{message} before the first instruction started", body_fields=output)
@@ -3914,20 +3931,28 @@ class Execution:
             return self.teardown_error("program left background processes running; they were terminated")
         return error
 
-    def crash_error(self) -> ErrorObject:
-        error = self.teardown_error(self.crash_cause())
+    def exit_code_of_crashed_worker(self) -> int | None:
+        """How the worker ended, read before we kill what is left (which would blur it): its pipe
+        closed because it died, so its status comes at once; None if it still runs (it broke the
+        protocol instead) or none came in time."""
+        self.worker.process.join(CRASH_STATUS_WAIT_SECONDS)
+        return self.worker.process.exitcode
+
+    def crash_error(self, exit_code: int | None) -> ErrorObject:
+        error = self.teardown_error(self.crash_cause(exit_code))
         error["instruction_index"] = self.last_index
         return error
 
-    def crash_cause(self) -> str:
+    def crash_cause(self, exit_code: int | None) -> str:
         """Why the worker died, as far as the front-end can tell: over its memory limit, the kernel's
-        OOM killer (a SIGKILL nobody here sent while the kernel counted an OOM kill), or unknown."""
+        OOM killer (a SIGKILL nobody here sent while the kernel counted an OOM kill), or its own
+        status (`worker_exit_cause`)."""
         if self.memory.exceeded:
             return (f"the request's processes used {self.memory.exceeded} bytes of memory, over the "
                     f"{self.memory.limit} of --memory-limit-bytes; they were stopped")
-        if self.worker.process.exitcode == -signal.SIGKILL and oom_kill_count() > self.oom_kills:
+        if exit_code == -signal.SIGKILL and oom_kill_count() > self.oom_kills:
             return "worker killed by the kernel's OOM killer: the machine ran out of memory"
-        return "worker exited while executing the instruction"
+        return "worker exited while executing the instruction" + worker_exit_cause(exit_code)
 
     def teardown_error(self, message: str) -> ErrorObject:
         index = self.last_index or 0
@@ -3959,6 +3984,29 @@ class Execution:
         failed = remove_tree(self.root)
         if failed:
             self.pool.log.event("cleanup_failed", "ERROR", path=self.root, error=str(failed))
+
+
+CRASH_STATUS_WAIT_SECONDS = 1.0  # Execution.exit_code_of_crashed_worker
+FAULT_SIGNALS = (signal.SIGSEGV, signal.SIGFPE, signal.SIGABRT, signal.SIGBUS, signal.SIGILL)  # faulthandler's
+
+
+def worker_exit_cause(exit_code: int | None) -> str:
+    """": <the cause>" for a worker that died mid-instruction ("" when unknown): the signal by number,
+    name and meaning and where faulthandler left the Python frames (kcoral_worker.worker_main), or
+    the exit status."""
+    if exit_code is None:
+        return ""
+    if exit_code >= 0:
+        return f": it exited with status {exit_code} (os._exit, sys.exit or a native exit())"
+    number = -exit_code
+    try:
+        name = signal.Signals(number).name
+    except ValueError:
+        name = f"signal {number}"
+    cause = f": killed by signal {number} ({name}, {signal.strsignal(number) or 'unknown'})"
+    if number in FAULT_SIGNALS:
+        cause += "; the Python frames it crashed in are at the end of stderr"
+    return cause
 
 
 class MemoryWatch:
@@ -4058,14 +4106,20 @@ STAGED_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fc
 PIPE_BYTES = 1 << 20  # capture pipe capacity (Linux's default pipe-max-size) and drain read size
 
 
+CAPTURED_TAIL_BYTES = 64 << 10  # of a truncated stream, its end kept beside its head: where the error usually is
+
+
 class OutputDrain:
-    """Reads a worker's stdout/stderr pipes, keeping the first `limit` + 1 bytes of each; what it keeps
-    within `limit` also goes to `on_output` as it arrives (a streamed answer, docs/protocol.md §13)."""
+    """Reads a worker's stdout/stderr pipes, keeping the first `limit` bytes of each and, past
+    them, the last min(limit, CAPTURED_TAIL_BYTES); what it keeps within `limit` also goes to
+    `on_output` as it arrives (a streamed answer, docs/protocol.md §13)."""
 
     def __init__(self, out_fd: int, err_fd: int, limit: int,
                  on_output: Callable[[str, bytes], None] | None = None) -> None:
         self.limit = limit
         self.data = {out_fd: bytearray(), err_fd: bytearray()}
+        self.tails = {out_fd: bytearray(), err_fd: bytearray()}
+        self.produced = {out_fd: 0, err_fd: 0}
         self.fds = (out_fd, err_fd)
         self.names = {out_fd: "stdout", err_fd: "stderr"}
         self.on_output = on_output
@@ -4073,6 +4127,7 @@ class OutputDrain:
         self.thread.start()
 
     def drain(self) -> None:
+        tail_bytes = min(self.limit, CAPTURED_TAIL_BYTES)
         with selectors.DefaultSelector() as sel:
             for fd in self.fds:
                 sel.register(fd, selectors.EVENT_READ)
@@ -4084,11 +4139,18 @@ class OutputDrain:
                         sel.unregister(key.fd)
                         os.close(key.fd)
                         open_fds -= 1
-                    elif len(self.data[key.fd]) <= self.limit:
-                        kept = len(self.data[key.fd])
-                        self.data[key.fd] += chunk[:self.limit + 1 - kept]
-                        if self.on_output and kept < self.limit:
-                            self.on_output(self.names[key.fd], chunk[:self.limit - kept])
+                        continue
+                    self.produced[key.fd] += len(chunk)
+                    room = self.limit - len(self.data[key.fd])
+                    if room > 0:
+                        self.data[key.fd] += chunk[:room]
+                        if self.on_output:
+                            self.on_output(self.names[key.fd], chunk[:room])
+                    if len(chunk) > room:
+                        tail = self.tails[key.fd]
+                        tail += chunk[max(room, 0):]
+                        if len(tail) > 2 * tail_bytes:  # trimmed now and then, not per chunk
+                            del tail[:-tail_bytes]
 
     def result(self, wait: float) -> tuple[str, str, bool, bool]:
         """(stdout, stderr, stdout_truncated, stderr_truncated) once the writers are gone.
@@ -4097,11 +4159,23 @@ class OutputDrain:
         thread keeps draining (and closes the pipe) on its own.
         """
         self.thread.join(wait)
-        texts = []
-        for fd in self.fds:
-            data = bytes(self.data[fd])
-            texts.append((data[:self.limit].decode("utf-8", "replace"), len(data) > self.limit))
+        texts = [(bytes(self.data[fd]).decode("utf-8", "replace"), self.produced[fd] > self.limit) for fd in self.fds]
         return texts[0][0], texts[1][0], texts[0][1], texts[1][1]
+
+    def truncation_fields(self, max_limit: int) -> dict[str, Json]:
+        """For a stream cut at the limit, what an answer adds beside its `*_truncated` flag (docs/protocol.md
+        §8.7): the bytes it produced, its end, the limit applied and the server's cap on it; {} when none was."""
+        fields: dict[str, Json] = {}
+        for fd in self.fds:
+            if self.produced[fd] > self.limit:
+                name = self.names[fd]
+                tail = bytes(self.tails[fd][-min(self.limit, CAPTURED_TAIL_BYTES):])
+                start = next((i for i, byte in enumerate(tail[:4]) if byte & 0xC0 != 0x80), 0)  # whole characters
+                fields[f"{name}_bytes"] = self.produced[fd]
+                fields[f"{name}_tail"] = tail[start:].decode("utf-8", "replace")
+        if fields:
+            fields.update(output_limit_bytes=self.limit, max_output_limit_bytes=max_limit)
+        return fields
 
 
 # --- 8. launching workers: the forkserver template, a Worker, its process group --------------------

@@ -53,6 +53,7 @@ import contextlib
 import ctypes
 import dataclasses
 import errno
+import faulthandler
 import functools
 import hashlib
 import importlib.util
@@ -705,6 +706,8 @@ def worker_main(conn: Connection, device: str, visible_gpus: list[str]) -> None:
     detach_standard_streams()
     set_oom_score(1000)  # when the host runs out of memory, a worker goes first, never the front-end
     os.environ[WORKER_MARK] = str(os.getpid())  # inherited: finds what escapes after a crash
+    # a native crash prints the Python frames it happened under into fd 2, the request's captured stderr
+    faulthandler.enable(file=2, all_threads=False)
     problem = template_cuda_problem(device)
     if problem:
         send_message(conn, WorkerFailed(problem))
@@ -1066,6 +1069,7 @@ def serve_request(conn: Connection, request: JobRequest, runtime: Runtime) -> bo
     lease = GpuLease(conn, runtime) if runtime.device == "cuda" else NoLease()
     root_fd = os.open(request.workspace, NOFOLLOW_DIR)
     os.chdir(request.workspace)
+    sys.path.insert(0, request.workspace)  # uploaded packages import as they would from a checkout
     try:
         program = ProgramRun(conn, request, blobs, root_fd, lease, runtime)
         error = program.run()
@@ -1077,10 +1081,23 @@ def serve_request(conn: Connection, request: JobRequest, runtime: Runtime) -> bo
         blobs.close()  # the views it handed out stay mapped
         os.close(root_fd)
         os.chdir("/")
+        forget_workspace_imports(request.workspace)
         if capture is not None:
             capture.restore()
     send_message(conn, RequestDone(error, poisoned))
     return poisoned
+
+
+def forget_workspace_imports(workspace: str) -> None:
+    """Take the workspace off the import path, and what was imported from it out of sys.modules:
+    a reused worker's next request has a workspace of the same name holding other files."""
+    with contextlib.suppress(ValueError):  # the program may have edited sys.path itself
+        sys.path.remove(workspace)
+    inside = workspace.rstrip("/") + "/"
+    for name, module in list(sys.modules.items()):
+        if (getattr(module, "__file__", None) or "").startswith(inside):
+            del sys.modules[name]
+    importlib.invalidate_caches()
 
 
 def finish_on_device(program: ProgramRun, error: ErrorObject | None, lease: GpuLease | NoLease,
@@ -1254,6 +1271,7 @@ class ProgramRun:
         self.handles: dict[str, Any] = {}
         self.last_index = 0
         self.cpu_only: set[str] = set()
+        self.files_added = False  # since the import system last listed the workspace (refresh_import_caches)
         self.encoder = Encoder(0, request.max_response_bytes, lambda value: self.blobs.digest_of(value),
                                request.max_response_parts)
 
@@ -1300,6 +1318,7 @@ class ProgramRun:
         kind = ins["kind"]
         value: Any
         if kind == "module":
+            self.refresh_import_caches()
             value = load_module(ins["source"])
         elif kind == "bytes":  # read on first use (ref): an upload that is only returned is never read
             value = UnreadUpload(ins["blob"])
@@ -1309,6 +1328,7 @@ class ProgramRun:
             value = self.runtime.load_library(ins["blob"], self.blobs.read(ins["blob"]))
         else:
             materialize(self.root_fd, ins["path"], self.blobs, ins["blob"])
+            self.files_added = True
             value = ins["path"]
         self.handles[ins["id"]] = value
 
@@ -1328,7 +1348,16 @@ class ProgramRun:
             self.cpu_only.add(ins["id"])
         self.handles[ins["id"]] = value
 
+    def refresh_import_caches(self) -> None:
+        """Before code runs that may import files uploaded since the last import: the import
+        system caches a directory's listing, and trusts its mtime, which can miss writes made
+        within the same clock tick."""
+        if self.files_added:
+            importlib.invalidate_caches()
+            self.files_added = False
+
     def op_run(self, ins: Instruction) -> None:
+        self.refresh_import_caches()
         fn = self.ref(ins["fn"])
         if not callable(fn):
             raise ExecutionError("runtime", f"handle {ins['fn']['$ref']!r} is not callable")
@@ -2161,8 +2190,9 @@ def install_kcoral_modules() -> tuple[types.ModuleType, types.ModuleType]:
     errors = types.ModuleType("kcoral.errors")
     vars(errors).update(ExecutionError=ExecutionError, ValidationError=ValidationError)
     builtins_mod = types.ModuleType("kcoral.builtins")
-    vars(builtins_mod).update(benchmark=benchmark, check_close=check_close, compile_tirx=compile_tirx,
-                              evaluate=evaluate, __all__=["benchmark", "check_close", "compile_tirx", "evaluate"])
+    vars(builtins_mod).update(benchmark=benchmark, build_library=build_library, check_close=check_close,
+                              compile_tirx=compile_tirx, evaluate=evaluate,
+                              __all__=["benchmark", "build_library", "check_close", "compile_tirx", "evaluate"])
     sys.modules["kcoral.errors"] = errors
     sys.modules["kcoral.builtins"] = builtins_mod
     return errors, builtins_mod
@@ -2214,6 +2244,62 @@ def compile_tirx(fn: Any, bindings: dict[str, Any] | None = None) -> Any:
     return executable
 
 
+COMPILER_DIAGNOSTIC_CHARS = 6000  # the end of a compiler's output: where its errors and their count are
+
+
+def build_library(sources: str | Sequence[str], arch: str | None = None, *, options: Sequence[str] = (),
+                  output: str | None = None, load: bool = True) -> Any:
+    """Compile C++ (g++) or CUDA (nvcc, when a source ends in .cu) files of the working directory
+    into a TVM-FFI library and load it (docs/server.md §5.5) -> the loaded module, whose exports
+    `get_function` (or `module.get_function(name)`) binds; with `load=False`, the library's path.
+
+    `arch`: the CUDA target, `sm_90a` say; by default the worker's own GPU.  `options`: more
+    compiler flags.  `output`: the library's path (default: the first source's name, `.so`), left
+    in the working directory for `return_file`.  A compiler error is ExecutionError("compile",
+    <the compiler's diagnostics>); a missing compiler, "unavailable"."""
+    import subprocess
+    paths = [sources] if isinstance(sources, str) else list(sources)
+    if not paths or not all(isinstance(p, str) for p in paths) or isinstance(options, str):
+        raise ExecutionError("compile", "build_library expects source paths and a list of options")
+    output = output or os.path.splitext(paths[0])[0] + ".so"
+    command = compile_command(paths, output, list(options), arch)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, errors="replace")
+    except FileNotFoundError:
+        raise ExecutionError("unavailable", f"build_library needs {command[0]}, which this server lacks") from None
+    if done.returncode != 0:
+        diagnostics = (done.stderr + done.stdout).strip()[-COMPILER_DIAGNOSTIC_CHARS:]
+        raise ExecutionError("compile", f"{command[0]} failed (exit status {done.returncode}):\n{diagnostics}")
+    if not load:
+        return output
+    import tvm_ffi
+    preload_library_runtimes("cuda" if command[0] == "nvcc" else "cpu")
+    try:
+        return tvm_ffi.load_module(os.path.abspath(output))
+    except Exception as exc:
+        raise ExecutionError("compile", shorten(f"cannot load the library built: {exc}")) from exc
+
+
+def compile_command(sources: list[str], output: str, options: list[str], arch: str | None) -> list[str]:
+    """g++, or nvcc when a source is CUDA, against apache-tvm-ffi's headers and libtvm_ffi.so
+    (what makes `TVM_FFI_DLL_EXPORT_TYPED_FUNC` exports resolve)."""
+    try:
+        import tvm_ffi.libinfo
+    except ImportError:
+        raise ExecutionError("unavailable", "build_library needs apache-tvm-ffi in the worker environment") from None
+    includes = [f"-I{path}" for path in tvm_ffi.libinfo.include_paths()]
+    link = ["-shared", f"-L{os.path.dirname(tvm_ffi.libinfo.find_libtvm_ffi())}", "-ltvm_ffi"]
+    if not any(path.endswith(".cu") for path in sources):
+        return ["g++", "-std=c++17", "-O2", "-fPIC", *includes, *options, *sources, "-o", output, *link]
+    # exactly the GPU's architecture ("sm_90a": its `a` features too); other code fails to load or launch
+    listed = os.environ.get("TVM_FFI_CUDA_ARCH_LIST", "").split(";")[0]  # "9.0a", set by initialize_gpu
+    arch = arch or ("sm_" + listed.replace(".", "") if listed else None)
+    if not arch:
+        raise ExecutionError("compile", "a CUDA source needs arch= (say \"sm_90a\") on a worker without a GPU")
+    return ["nvcc", "-std=c++17", "-O2", "-Xcompiler", "-fPIC", f"-arch={arch}", *includes, *options, *sources,
+            "-o", output, *link, "-lcudart"]
+
+
 def benchmark(mod: Callable[..., Any], *args: Any) -> dict[str, Any]:
     """Per-call latency of mod(*args) (docs/server.md §5.2).
 
@@ -2259,49 +2345,91 @@ def check_close(actual: Any, expected: Any, *, rtol: float = 1e-5, atol: float =
     or "-inf").  With `raise_on_mismatch`, a report that is not ok raises
     ExecutionError("correctness", <its summary>) instead.
     """
-    import numpy
-
-    def as_float64(value: Any) -> tuple[Any, str]:
-        if hasattr(value, "detach") and hasattr(value, "cpu"):  # torch: bfloat16 and float8 have no NumPy view
-            return value.detach().cpu().double().numpy(), str(value.dtype).removeprefix("torch.")
-        array = numpy.asarray(value)
-        return array.astype(numpy.float64), array.dtype.name
-
-    def number(x: Any) -> float | str:
-        x = float(x)
-        return x if numpy.isfinite(x) else repr(x)
-
     a, actual_dtype = as_float64(actual)
     e, expected_dtype = as_float64(expected)
     report: dict[str, Any] = {"ok": False, "shape": list(a.shape), "expected_shape": list(e.shape),
                               "dtype": actual_dtype, "expected_dtype": expected_dtype, "total": int(e.size),
-                              "mismatches": None, "max_abs_error": None, "max_rel_error": None,
-                              "rtol": rtol, "atol": atol, "first_mismatches": []}
+                              "mismatches": None, "mismatch_fraction": None, "max_abs_error": None,
+                              "max_rel_error": None, "rtol": rtol, "atol": atol, "worst": None,
+                              "nonfinite_mismatches": None, "first_mismatches": [], "spread_mismatches": []}
     if a.shape != e.shape:
         report["summary"] = f"check_close: shape {list(a.shape)} differs from the expected {list(e.shape)}"
     else:
-        with numpy.errstate(invalid="ignore", divide="ignore"):  # inf - inf, x / 0: judged below, not warned
-            close = numpy.isclose(a, e, rtol=rtol, atol=atol, equal_nan=equal_nan)
-            abs_error = numpy.abs(a - e)
-            rel_error = numpy.where(e != 0, abs_error / numpy.abs(e), 0.0)  # undefined where expected is 0
-            # close elements with a non-finite error (inf == inf; NaN == NaN with equal_nan) are exact
-            abs_error, rel_error = (numpy.where(close & ~numpy.isfinite(x), 0.0, x) for x in (abs_error, rel_error))
-        wrong = numpy.flatnonzero(~close)
-        report.update(ok=not wrong.size, mismatches=int(wrong.size),
-                      max_abs_error=number(abs_error.max(initial=0.0)),
-                      max_rel_error=number(rel_error.max(initial=0.0)))
-        for flat in wrong[:max_reported]:
-            index = numpy.unravel_index(flat, a.shape)
-            report["first_mismatches"].append({"index": [int(i) for i in index], "actual": number(a[index]),
-                                               "expected": number(e[index]), "abs_error": number(abs_error[index])})
-        shown = "; ".join(f"{m['index']}: {m['actual']} vs {m['expected']}" for m in report["first_mismatches"])
-        report["summary"] = (f"check_close: {wrong.size} of {e.size} elements differ (rtol={rtol:g}, atol={atol:g}); "
-                             f"max abs error {report['max_abs_error']}, max rel error {report['max_rel_error']}"
-                             + (f"; first: {shown}" if shown else ""))
+        report.update(mismatch_report(a, e, rtol, atol, equal_nan, max_reported))
     if raise_on_mismatch and not report["ok"]:
         raise ExecutionError("correctness", report["summary"])
     return report
 
+
+def as_float64(value: Any) -> tuple[Any, str]:
+    """A torch tensor (any device; bfloat16 and float8 have no NumPy view) or anything numpy.asarray
+    takes -> (a float64 NumPy array, the original dtype's name)."""
+    import numpy
+    if hasattr(value, "detach") and hasattr(value, "cpu"):
+        return value.detach().cpu().double().numpy(), str(value.dtype).removeprefix("torch.")
+    array = numpy.asarray(value)
+    return array.astype(numpy.float64), array.dtype.name
+
+
+def json_number(x: Any) -> float | str:
+    """A float for a JSON report: non-finite ones as the strings "nan", "inf", "-inf"."""
+    x = float(x)
+    return x if math.isfinite(x) else repr(x)
+
+
+def mismatch_report(a: Any, e: Any, rtol: float, atol: float, equal_nan: bool, max_reported: int) -> dict[str, Any]:
+    """The comparison of two float64 arrays of one shape, as check_close reports it: which elements
+    differ, the worst (furthest outside the tolerance; a NaN or infinity first), the first ones and
+    some spread evenly over all of them (a bug in the last column shows up however many tiny
+    rounding differences come before it), and a one-line `summary` saying all that."""
+    import numpy
+    with numpy.errstate(invalid="ignore", divide="ignore", over="ignore"):  # inf - inf, x / 0: judged below
+        close = numpy.isclose(a, e, rtol=rtol, atol=atol, equal_nan=equal_nan)
+        abs_error = numpy.abs(a - e)
+        rel_error = numpy.where(e != 0, abs_error / numpy.abs(e), 0.0)  # undefined where expected is 0
+        # close elements with a non-finite error (inf == inf; NaN == NaN with equal_nan) are exact
+        abs_error, rel_error = (numpy.where(close & ~numpy.isfinite(x), 0.0, x) for x in (abs_error, rel_error))
+        excess = abs_error / (atol + rtol * numpy.abs(e))  # how many tolerances away
+    wrong = numpy.flatnonzero(~close)
+    flat_excess = numpy.where(numpy.isfinite(excess), excess, numpy.inf).reshape(-1)  # NaN counts as worst
+
+    def element(flat: int) -> dict[str, Any]:
+        index = numpy.unravel_index(flat, a.shape)
+        return {"index": [int(i) for i in index], "actual": json_number(a[index]),
+                "expected": json_number(e[index]), "abs_error": json_number(abs_error[index])}
+
+    spread = wrong[numpy.unique(numpy.linspace(0, wrong.size - 1, min(max_reported, wrong.size)).astype(int))]
+    nonfinite = {"nan": int(numpy.isnan(a.reshape(-1)[wrong]).sum()),
+                 "inf": int(numpy.isinf(a.reshape(-1)[wrong]).sum())}
+    worst = None
+    if wrong.size:
+        flat = int(wrong[numpy.argmax(flat_excess[wrong])])
+        worst = {**element(flat), "rel_error": json_number(rel_error.reshape(-1)[flat])}
+    report = {"ok": not wrong.size, "mismatches": int(wrong.size),
+              "mismatch_fraction": wrong.size / e.size if e.size else 0.0,
+              "max_abs_error": json_number(abs_error.max(initial=0.0)),
+              "max_rel_error": json_number(rel_error.max(initial=0.0)), "worst": worst,
+              "nonfinite_mismatches": nonfinite,
+              "first_mismatches": [element(int(flat)) for flat in wrong[:max_reported]],
+              "spread_mismatches": [element(int(flat)) for flat in spread] if max_reported > 0 else []}
+    report["summary"] = mismatch_summary(report, e.size, rtol, atol)
+    return report
+
+
+def mismatch_summary(report: dict[str, Any], total: int, rtol: float, atol: float) -> str:
+    """check_close's one line: how many differ, the worst element, the non-finite ones, a spread sample."""
+    line = f"check_close: {report['mismatches']} of {total} elements differ (rtol={rtol:g}, atol={atol:g})"
+    if not report["mismatches"]:
+        return line
+    worst = report["worst"]
+    line += (f", {report['mismatch_fraction']:.3%}; worst {worst['index']}: {worst['actual']} vs {worst['expected']} "
+             f"(abs error {worst['abs_error']}, rel error {worst['rel_error']}); "
+             f"max abs error {report['max_abs_error']}, max rel error {report['max_rel_error']}")
+    named = [f"{n} {'are' if n > 1 else 'is'} {kind}" for kind, n in report["nonfinite_mismatches"].items() if n]
+    if named:
+        line += f"; of the actual values, {' and '.join(named)}"
+    shown = "; ".join(f"{m['index']}: {m['actual']} vs {m['expected']}" for m in report["spread_mismatches"])
+    return line + (f"; at {shown}" if shown else "")
 
 
 def benchmark_counts(timer: HostTimer, mod: Callable[..., Any], args: Sequence[Any],

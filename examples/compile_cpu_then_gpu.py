@@ -3,15 +3,15 @@ that the GPU server reports, and the GPU server only loads and runs it.
 
 KCORAL_URL is the server that runs the kernel; KCORAL_COMPILE_URL (default: the same
 server) the one that compiles it, which needs g++ or nvcc and apache-tvm-ffi of the same
-version.  The build step is _tvm_ffi_build.py itself, uploaded as a module: the function
-that builds libraries locally for the other examples runs remotely here.  On a GPU server
-the kernel is CUDA built with `nvcc -arch=<its target>`; on a CPU server it is C++.
+version.  The build step is `kcoral.builtins.build_library` with `load=False`: it compiles
+the uploaded source there and leaves the library in the working directory, which
+`return_file` brings back.  On a GPU server the kernel is CUDA built with
+`nvcc -arch=<its target>`; on a CPU server it is C++.
 Prints where it compiled for which target, the library's size, then `y = x + 1` checked
 on the executing server: `y[:4] = [0.0, 1.0, 2.0, 3.0]` and `ok: True`.
 """
 
 import os
-import pathlib
 
 import numpy
 
@@ -19,7 +19,12 @@ from kcoral import Client, Program
 
 URL = os.environ.get("KCORAL_URL", "http://127.0.0.1:8000")
 COMPILE_URL = os.environ.get("KCORAL_COMPILE_URL", URL)
-BUILDER = pathlib.Path(__file__).with_name("_tvm_ffi_build.py").read_text()
+BUILDER = """
+from kcoral.builtins import build_library
+
+def build(source_path, arch):
+    return build_library(source_path, arch, load=False)  # -> the library's path, kernel.so
+"""
 
 CPU_SOURCE = r"""
 #include <tvm/ffi/container/tensor.h>
@@ -62,15 +67,16 @@ def check(y, x):
 
 
 def compile_remotely(compiler: Client, arch: str | None) -> bytes:
-    """Run _tvm_ffi_build.build_library on the compile server -> the library's bytes."""
+    """Build on the compile server -> the library's bytes."""
     program = Program()
-    builder = program.get_function(module=program.upload(kind="module", source=BUILDER), name="build_library")
-    source = CPU_SOURCE if arch is None else CUDA_SOURCE
-    program.return_(key="library", value=program.run(fn=builder, args=[source, arch]))
+    builder = program.get_function(module=program.upload(kind="module", source=BUILDER), name="build")
+    source, path = (CPU_SOURCE, "kernel.cc") if arch is None else (CUDA_SOURCE, "kernel.cu")
+    program.upload_file(blob=source.encode(), path=path)
+    program.return_file(key="library", path=program.run(fn=builder, args=[path, arch]))
     result = compiler.execute(program, timeout_seconds=300)
     if not result.completed:  # a compiler error is kind "compile", with nvcc's or g++'s diagnostics
         raise SystemExit(f"compilation failed: {result.error['kind']}: {result.error['message']}")
-    return result["library"]
+    return result["library"].read_bytes()
 
 
 def main() -> None:

@@ -608,6 +608,8 @@ def assert_error_body(status, headers, body, http_status, kind, *fragments):
     assert headers["content-type"] == "application/json"
     if http_status == 504:  # our extension's fields (docs/protocol.md §9.8): checked, then set aside
         body = without_timeout_fields(body)
+    if http_status == 400:
+        body = without_refused_instruction(body)
     assert set(body) == {"status", "request_id", "error"}, body
     assert body["status"] == "ERROR"
     assert set(body["error"]) == {"kind", "message"}, body
@@ -629,12 +631,30 @@ TIMEOUT_ERROR_FIELDS = {"instruction_index": int, "instruction_op": str, "instru
 def without_timeout_fields(body):
     """A worker's 504 body minus the fields it adds to §9.8's shape, after checking their types:
     all four output fields, and the instruction's three whenever one had started."""
-    body, error = dict(body), dict(body["error"])
+    body, error = without_truncation_fields(body), dict(body["error"])
     for fields, where in ((TIMEOUT_BODY_FIELDS, body), (TIMEOUT_ERROR_FIELDS, error)):
         present = set(fields) & set(where)
         assert present in (set(), set(fields)), where
         for name in present:
             assert isinstance(where.pop(name), fields[name]), (name, body)
+    body["error"] = error
+    return body
+
+
+REFUSED_INSTRUCTION_FIELDS = {"instruction_index": int, "instruction_op": (str, type(None)),
+                              "instruction_id": (str, type(None))}
+
+
+def without_refused_instruction(body):
+    """A 400 body minus the instruction it names (docs/protocol.md §9.8), all three fields or none,
+    after checking their types and that the message names the same instruction."""
+    body, error = dict(body), dict(body["error"])
+    present = set(REFUSED_INSTRUCTION_FIELDS) & set(error)
+    assert present in (set(), set(REFUSED_INSTRUCTION_FIELDS)), error
+    if present:
+        assert f"instruction {error['instruction_index']}" in error["message"], error
+    for name in present:
+        assert type(error[name]) is not bool and isinstance(error.pop(name), REFUSED_INSTRUCTION_FIELDS[name]), body
     body["error"] = error
     return body
 
@@ -657,16 +677,29 @@ def assert_parse_error(response, *fragments):
     assert_error_body(status, headers, body, 400, "parse", *fragments)
 
 
+def without_truncation_fields(body):
+    """A body minus the fields our server adds for a stream cut at its limit (docs/protocol.md §8.7),
+    after checking them: `<stream>_bytes` and `<stream>_tail` exactly for each truncated stream, the
+    limit and the server's cap when either was."""
+    body = dict(body)
+    cut = [name for name in ("stdout", "stderr") if body.get(f"{name}_truncated") is True]
+    for name in cut:
+        assert type(body.pop(f"{name}_bytes")) is int and isinstance(body.pop(f"{name}_tail"), str), body
+    for name in ("output_limit_bytes", "max_output_limit_bytes") if cut else ():
+        assert type(body.pop(name)) is int, body
+    return body
+
+
 def assert_completed(body):
     assert body["status"] == "COMPLETED", body.get("error")
-    assert set(body) - {"_parts"} == RESULT_FIELDS, body
+    assert set(without_truncation_fields(body)) - {"_parts"} == RESULT_FIELDS, body
     return body["results"]
 
 
 def assert_failed(body, kind, index, op, ident, *fragments):
     """FAILED with the exact error field set of docs/protocol.md §9.7; returns the error object."""
     assert body["status"] == "FAILED", body
-    assert set(body) - {"_parts"} == RESULT_FIELDS | {"error"}, body
+    assert set(without_truncation_fields(body)) - {"_parts"} == RESULT_FIELDS | {"error"}, body
     error = body["error"]
     assert set(error) == ERROR_FIELDS, error
     assert (error["kind"], error["instruction_index"], error["instruction_op"], error["instruction_id"]) == \

@@ -14,8 +14,9 @@ import kcoral
 from kcoral import Client, Program
 from tests.support import ServerProcess, run_python
 
-REPORT_KEYS = {"ok", "shape", "expected_shape", "dtype", "expected_dtype", "total", "mismatches", "max_abs_error",
-               "max_rel_error", "rtol", "atol", "first_mismatches", "summary"}
+REPORT_KEYS = {"ok", "shape", "expected_shape", "dtype", "expected_dtype", "total", "mismatches", "mismatch_fraction",
+               "max_abs_error", "max_rel_error", "rtol", "atol", "worst", "nonfinite_mismatches", "first_mismatches",
+               "spread_mismatches", "summary"}
 
 
 def strict_json(report):

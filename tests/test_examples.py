@@ -31,6 +31,9 @@ PROMISES = {
     "folder_round_trip.py": [r"sent: \['notes/todo\.txt', 'readme\.txt'\]",
                              r"returned: \['notes/todo\.txt', 'readme\.txt', 'summary\.txt'\]",
                              r"summary of 2 files:", r"notes/todo\.txt: 6 words", r"readme\.txt: 6 words"],
+    "build_and_load.py": [r"scale\(2, \[0, 1, 2, 3\]\) = \[0\.0, 2\.0, 4\.0, 6\.0\]",
+                          r"compile error at instruction 3 \(build\):",
+                          r"kernel\.cc:7:\d+: error: .*data_pointer"],
     "evaluate_kernel.py": [r"vectorised: correct: correct on 3 input sets",
                            r"replays its first answer: incorrect: output 0 on input set 2 \(seed \d+\): check_close: "],
     "kernel_loop.py": [r"built axpy for the host CPU: \d+ bytes, n=65536",
@@ -103,7 +106,7 @@ def test_broken_kernel_fails_its_check_and_still_reports(run_example):
     done = run_example("kernel_loop.py", "--broken")
     assert done.returncode == 1, done.stdout + done.stderr
     assert_in_order(done.stdout, [r"built axpy \(broken\) for the host CPU",
-                                  r"check: check_close: 1 of 65536 elements differ .*first: \[65535\]: 0\.0 vs ",
+                                  r"check: check_close: 1 of 65536 elements differ .*worst \[65535\]: 0\.0 vs ",
                                   r"FAILED correctness at instruction \d+ \(gate\)",
                                   r"out\[65535\] = 0\.0, expected [\d.]+", r"benchmark: skipped"])
     assert "benchmark: median" not in done.stdout

@@ -1107,7 +1107,7 @@ def crashed(index=2, op="run"):
         assert status == 200 and body["status"] == "FAILED", body
         error = body["error"]
         assert error["kind"] == "runtime", error
-        assert error["message"] == "worker exited while executing the instruction", error
+        assert error["message"].startswith("worker exited while executing the instruction: "), error  # and why
         assert (error["instruction_index"], error["instruction_op"]) == (index, op), error
     return check
 
