@@ -1081,7 +1081,8 @@ def serve_request(conn: Connection, request: JobRequest, runtime: Runtime) -> bo
         blobs.close()  # the views it handed out stay mapped
         os.close(root_fd)
         os.chdir("/")
-        forget_workspace_imports(request.workspace)
+        if not request.retire:  # a retiring worker exits: forgetting would only delay its answer (ms)
+            forget_workspace_imports(request.workspace)
         if capture is not None:
             capture.restore()
     send_message(conn, RequestDone(error, poisoned))
