@@ -1,4 +1,4 @@
-"""The user's path (issue 33), against real servers, sandboxed and not: build and load a library in
+"""The user's path, against real servers, sandboxed and not: build and load a library in
 one program, import an uploaded package, a correctness report that points at the bug, output cut
 at the limit that says so and keeps its end, a crash that names its cause, a refused instruction
 named by index; `kcoral run`'s words for a timeout and a truncation."""
