@@ -4792,7 +4792,7 @@ class SandboxTemplate:
                 raise WorkerCrashed("the sandbox's template is gone")
         except WorkerCrashed as exc:
             self.kill()
-            raise WorkerCrashed(f"{exc}{self.output.said()}") from None
+            raise type(exc)(f"{exc}{self.output.said()}") from None
 
     def alive(self) -> bool:
         return self.process.poll() is None and (self.pid is None or is_live(self.pid))
@@ -4820,9 +4820,9 @@ class SandboxTemplate:
             worker = next(iter(children_of(init)), None) if init is not None else None
             if worker is None:
                 raise WorkerCrashed("the sandbox's new worker is gone")
-        except WorkerCrashed:
+        except WorkerCrashed as exc:  # with what the template and the request's init printed, if anything
             self.kill()
-            raise
+            raise type(exc)(f"{exc}{self.output.said()}") from None
         self.current = SandboxedProcess(self, worker)
         return self.current
 
