@@ -591,13 +591,8 @@ def process_table() -> Iterator[tuple[int, bytes, int, int]]:
 
 
 def escaped_descendants() -> list[int]:
-    """Live descendants outside our process group (started with a new session or group), or all
-    of them in a sandbox.
-
-    The front-end kills and reports what is left in the group; these it cannot see.  A sandboxed
-    worker's exit ends its request's PID namespace and every process in it before the front-end
-    could look: it reports them all itself.
-    """
+    """Live descendants outside our process group (started with a new session or group): the
+    front-end kills and reports what is left in the group; these it cannot see."""
     me, parents, groups = os.getpid(), {}, {}
     for pid, state, ppid, pgrp in process_table():
         if state != b"Z":
@@ -608,34 +603,58 @@ def escaped_descendants() -> list[int]:
         frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - tree
         tree |= frontier
     group = os.getpgid(0)
-    return sorted(pid for pid in tree if groups[pid] != group or SANDBOXED["worker"])
-
-
-def has_children() -> bool:
-    """Whether this process has a child, live or not yet reaped: one system call, where a
-    /proc scan takes milliseconds.  As a subreaper it adopts every orphaned descendant, so
-    without children it has no descendants at all."""
-    try:
-        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:
-        return False
-    return True
+    return sorted(pid for pid in tree if groups[pid] != group)
 
 
 def terminate_escaped(grace: float) -> bool:
     """SIGTERM the escaped descendants, SIGKILL them after `grace` s, sweep after sweep (reaping
     them as their subreaper); -> whether there were any."""
-    found = has_children() and bool(escaped_descendants())
+    if SANDBOXED["worker"]:
+        return end_request_namespace(grace)
+    found = reap_children() and bool(escaped_descendants())
 
     def remaining() -> list[int]:
-        with contextlib.suppress(ChildProcessError):  # as their subreaper we reap them, or they linger as zombies
-            while os.waitpid(-1, os.WNOHANG)[0]:
-                pass
+        reap_children()  # as their subreaper we reap them, or they linger as zombies
         return escaped_descendants()
 
     if found:
         terminate(remaining, grace, 10.0)
     return found
+
+
+def end_request_namespace(grace: float) -> bool:
+    """In a sandboxed worker, PID 2 of its request's PID namespace, where every process but the
+    init and us is the program's: SIGTERM them all, SIGKILL them after `grace` s; -> whether
+    there were any.
+
+    No /proc scan: a chain that forks and exits faster than /proc is read hides from every
+    snapshot (one did, in CI).  As their subreaper we have a child while any of them runs, and
+    kill(-1) reaches every process of the namespace at once, a fork in progress included."""
+    if not reap_children():
+        return False
+    with contextlib.suppress(ProcessLookupError):  # the last one ended meanwhile
+        os.kill(-1, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while reap_children() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(-1, signal.SIGKILL)
+    deadline = time.monotonic() + 10.0  # a process in uninterruptible sleep dies late; the init's exit ends it
+    while reap_children() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return True
+
+
+def reap_children() -> bool:
+    """Reap every child that has ended -> whether one is left (running, or ended since): a system
+    call or two, where a /proc scan takes milliseconds.  As a subreaper we adopt every orphaned
+    descendant, so without children we have no descendants at all."""
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+    except ChildProcessError:
+        return False
+    return True
 
 
 def terminate(remaining: Callable[[], list[int]], grace: float, kill_for: float, group: int | None = None,
@@ -905,7 +924,7 @@ def worker_exit_code(status_pipe: int) -> int:
     return os.waitstatus_to_exitcode(WAIT_STATUS.unpack(status)[0]) if len(status) == 4 else -signal.SIGKILL
 
 
-SANDBOXED = {"worker": False}  # set in a request's init: its worker reports every descendant (escaped_descendants)
+SANDBOXED = {"worker": False}  # set in a request's init: its worker ends its namespace's strays (terminate_escaped)
 
 
 def enter_request_space(space: RequestSpace, others: int) -> None:
