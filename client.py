@@ -30,7 +30,6 @@ import inspect
 import io
 import json
 import math
-import mmap
 import os
 import pathlib
 import re
@@ -167,7 +166,7 @@ def _normalize_path(path: object) -> str:
     return normalized
 
 
-def _strict_json(data: bytes | bytearray | memoryview | mmap.mmap) -> Any:
+def _strict_json(data: bytes | bytearray | memoryview) -> Any:
     """Decode JSON the way the protocol demands (docs/protocol.md §5.1): UTF-8, no BOM, no duplicate
     keys, no NaN/Infinity, no trailing data. Raises ValueError."""
     if bytes(data[:3]) == b"\xef\xbb\xbf":
@@ -975,7 +974,7 @@ class _PartReader:
 def _copy_and_hash(data: memoryview, copy: Callable[[memoryview], T]) -> tuple[T, str]:
     """-> (copy(data), SHA-256 hex of data).  A large part is hashed on a second thread while
     this one copies it: hashlib lets go of the GIL, so the two passes over the data overlap
-    instead of adding up (each is about 40 ms per 64 MiB)."""
+    instead of adding up."""
     if data.nbytes < _PARALLEL_HASH_BYTES:
         return copy(data), hashlib.sha256(data).hexdigest()
     hashed: list[str] = []
@@ -1034,7 +1033,7 @@ def _multipart_boundary(content_type: str) -> str:
     return boundaries[0]
 
 
-_Body = bytes | bytearray | mmap.mmap  # a response body as received: _read_body maps big ones
+_Body = bytes | bytearray  # a response body as received
 
 
 def _parse_multipart(body: _Body, boundary: str) -> list[tuple[str, str, memoryview]]:
@@ -1160,7 +1159,6 @@ def _split_result_parts(parts: list[tuple[str, str, memoryview]]) -> tuple[Any, 
 _MAX_IDLE_CONNECTIONS = 8
 _STREAM_HEADER = "X-KCoral-Stream"  # our server's streamed answer, asked for with "output" (docs/protocol.md §13)
 _STREAM_FRAME_HEAD_BYTES = 4096  # a frame's head line: a name, a length, a status and a content type
-_HUGE_BUFFER_BYTES = 1 << 20  # response bodies this big are received into huge pages
 _PARALLEL_HASH_BYTES = 1 << 20  # response parts this big are hashed while they are copied
 _REMEMBERED_BLOBS_PER_INSTANCE = 4096
 _REMEMBERED_INSTANCES = 4
@@ -1552,7 +1550,7 @@ def _exchange(conn: http.client.HTTPConnection, method: str, url: str, headers: 
     return response, _read_answer(response, limit, on_output), not response.will_close
 
 
-_Answer = tuple[int, str, "bytes | bytearray | mmap.mmap"]  # (HTTP status, Content-Type, body)
+_Answer = tuple[int, str, "bytes | bytearray"]  # (HTTP status, Content-Type, body)
 
 
 def _read_answer(response: http.client.HTTPResponse, limit: int,
@@ -1589,27 +1587,16 @@ def _read_stream(response: http.client.HTTPResponse, limit: int, on_output: Call
             raise ProtocolError(f"malformed output stream frame: {bytes(head[:80])!r}")
 
 
-def _receive_buffer(size: int) -> bytearray | mmap.mmap:
-    """A zeroed buffer for a response body. Big ones are anonymous memory on transparent
-    huge pages where the OS has them: a bytearray takes a page fault every 4 KiB while it
-    fills, about 40 ms per 64 MiB."""
-    if size < _HUGE_BUFFER_BYTES or not hasattr(mmap, "MAP_ANONYMOUS"):
-        return bytearray(size)
-    buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        buffer.madvise(mmap.MADV_HUGEPAGE)
-    return buffer
-
-
 def _read_body(response: http.client.HTTPResponse, limit: int) -> _Body:
     """The whole body, read into one preallocated buffer when its length is known, so
     that binary parts can be views of it rather than copies. A body above ``limit`` bytes is
-    refused: before any of it is read when its length is declared, at ``limit`` + 1 otherwise."""
+    refused: before any of it is read when its length is declared, at ``limit`` + 1 otherwise.
+    Plain pages, as the server's receive buffers: huge ones were no faster (docs/performance.md)."""
     if response.chunked or response.length is None:
         return _read_unknown_length(response, limit)
     if response.length > limit:
         raise _too_large(f"the server declares a response of {response.length} bytes, above", limit)
-    body = _receive_buffer(response.length)
+    body = bytearray(response.length)
     view = memoryview(body)
     filled = 0
     while filled < len(body):

@@ -14,16 +14,16 @@ Processes and threads (one node):
 
     kcoral (this file)                           forkserver template (or, sandboxed, a
       main thread: serve_forever, signals          bwrap container per slot running
-      HTTPServer: a thread per connection  --->    kcoral_worker.template_main)
+      KCoralHTTPServer: a connection a thread  ->    kcoral_worker.template_main)
         RequestHandler -> handle_execute               | fork
         -> Pool.run_job -> Execution.run   <--pipe-->  worker process (kcoral_worker.worker_main)
       ConnectionGuard thread: cuts slow clients          serves one request at a time, in its
-      OutputDrain thread per request: stdout/err  <--    own process group; retires after one
+      OutputReader thread per request: stdout/err  <--    own process group; retires after one
       slot replacement threads (fresh workers)          request by default
 
 Sections, in the order a request travels (each section's functions in call order):
  0. configuration: `ServerConfig`, every setting once; the command line is generated from it
- 1. HTTP front-end: `ConnectionGuard`, `BodyBudget`, `HTTPServer`, `RequestHandler`
+ 1. HTTP front-end: `ConnectionGuard`, `BodyBudget`, `KCoralHTTPServer`, `RequestHandler`
     (`handle_one_request` -> `parse_request` -> `do_POST` -> `read_and_execute` -> `respond`)
  2. the application: `KCoralServer.handle_execute` (protocol order, docs/protocol.md §4.7), its
     lifecycle (`start`, `serve_forever`, `stop`)
@@ -108,6 +108,7 @@ from typing import Any, NoReturn
 import kcoral_worker
 from kcoral_worker import (
     DTYPE_SIZES,
+    NOFOLLOW_DIR,
     Buffer,
     ErrorObject,
     Instruction,
@@ -480,6 +481,36 @@ class ConnectionGuard:
         self.stopped.set()
 
 
+_Served = typing.TypeVar("_Served")
+
+
+def wait_turn(cond: threading.Condition, queue: Any, ticket: object, turn: Callable[[], _Served | None],
+              deadline: float | None, refused: Callable[[], bool] = lambda: False,
+              client_gone: Callable[[], bool] | None = None, where: str = "") -> _Served | None:
+    """The one wait of the three admission points (body memory, slots, GPU leases), `ticket`
+    already in their `queue`, `cond` held: until `turn()` serves it (-> what it returns), `refused()`
+    says no or `deadline` (time.monotonic(), None: none) passes (-> None); ClientGone(`where`) once
+    `client_gone()` says so, asked every CLIENT_CHECK_SECONDS.  However it ends, the ticket leaves
+    the queue and the other waiters are woken: the head of the line may have changed."""
+    try:
+        while not refused():
+            served = turn()
+            if served is not None:
+                return served
+            if client_gone is not None and client_gone():
+                raise ClientGone(where)
+            wait = None if deadline is None else deadline - time.monotonic()
+            if wait is not None and wait <= 0:
+                return None
+            if client_gone is not None:
+                wait = CLIENT_CHECK_SECONDS if wait is None else min(wait, CLIENT_CHECK_SECONDS)
+            cond.wait(wait)
+        return None
+    finally:
+        queue.remove(ticket)
+        cond.notify_all()
+
+
 class BodyBudget:
     """Admission of request bodies against a global in-memory budget, first come first served, so
     memory stays bounded however many clients upload at once.  Bodies reserve it as their bytes
@@ -499,26 +530,22 @@ class BodyBudget:
         """Grow a reservation of `held` bytes to `wanted` (or to `declared`, beyond the budget) -> the
         new reservation, or None after `timeout` s or on shutdown."""
         ticket = object()
-        deadline = time.monotonic() + timeout
+
+        def turn() -> int | None:
+            if self.queue[0] is not ticket:
+                return None
+            if self.in_use + wanted - held <= self.capacity:
+                grown = wanted
+            elif self.in_use <= self.capacity:  # no body is beyond the budget: this one may be
+                grown = declared
+            else:
+                return None
+            self.in_use += grown - held
+            return grown
+
         with self.cond:
             self.queue.append(ticket)
-            try:
-                while not self.closed:
-                    if self.queue[0] is ticket:
-                        if self.in_use + wanted - held <= self.capacity:
-                            self.in_use += wanted - held
-                            return wanted
-                        if self.in_use <= self.capacity:  # no body is beyond the budget: this one may be
-                            self.in_use += declared - held
-                            return declared
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        return None
-                    self.cond.wait(remaining)
-                return None
-            finally:
-                self.queue.remove(ticket)
-                self.cond.notify_all()
+            return wait_turn(self.cond, self.queue, ticket, turn, time.monotonic() + timeout, lambda: self.closed)
 
     def release(self, size: int) -> None:
         with self.cond:
@@ -681,7 +708,7 @@ def default_max_connections() -> int:
 ACCEPT_RESOURCE_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
-class HTTPServer(http.server.ThreadingHTTPServer):
+class KCoralHTTPServer(http.server.ThreadingHTTPServer):
     """ThreadingHTTPServer with a bounded number of connections (one thread each).
 
     At the limit, the listening socket is not accepted from: new connections wait in the
@@ -761,7 +788,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "kcoral/" + __version__
     disable_nagle_algorithm = True  # headers and body are separate writes
-    server: HTTPServer
+    server: KCoralHTTPServer
 
     def setup(self) -> None:
         # per socket operation: bounds each send slice, and backs up the guard for reads
@@ -881,10 +908,10 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         if not self.authorized(""):
             return
         if self.path == "/health":
-            self.drain_body()
+            self.discard_body()
             self.send_json(200, self.app.health(self.tenant, BALANCER_CHECK_HEADER in self.headers))
         elif self.path == "/metrics":
-            self.drain_body()
+            self.discard_body()
             self.send_metrics(self.app.metrics_text().encode())
         else:
             self.route_error()
@@ -960,7 +987,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         if tenant is not None:
             self.tenant = tenant
             return True
-        self.drain_body()
+        self.discard_body()
         self.refuse(Outcome(401, "unauthorized", "missing or invalid bearer token"), request_id,
                     {"WWW-Authenticate": "Bearer"})
         return False
@@ -1207,14 +1234,14 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             self.send_header(CLIENT_REQUEST_ID_HEADER, self.client_request_id)
 
     def route_error(self) -> None:
-        self.drain_body()
+        self.discard_body()
         if self.path in ("/health", "/metrics", "/execute"):
             allow = "POST" if self.path == "/execute" else "GET"
             self.send_json(405, {"detail": "Method Not Allowed"}, {"Allow": allow})
         else:
             self.send_json(404, {"detail": "Not Found"})
 
-    def drain_body(self) -> None:
+    def discard_body(self) -> None:
         """Skip a small unread body so the connection stays usable; close it otherwise (also when
         the client awaits `100 Continue`: it has sent nothing and needs no body read)."""
         if self.body_done:
@@ -1266,10 +1293,10 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
 class OutputStream:
     """Our extension (docs/protocol.md §13): the answer to a request with `X-KCoral-Stream: output`,
     once the program has printed something, is a chunked body of frames: each output chunk as the
-    drain reads it, then the answer itself (its status, content type and body) as the last frame.
+    OutputReader reads it, then the answer itself (its status, content type and body) as the last frame.
     A program that prints nothing gets the plain answer.
 
-    The drain thread calls `feed`, which only queues: a client slow to read must not stall the drain,
+    The reader thread calls `feed`, which only queues: a client slow to read must not stall it,
     or the worker would block on its pipe and the captured output would lose its tail.  A sender
     thread, started with the first output, writes the frames; the handler thread then `close`s
     (waits for the queue to empty) and `finish`es with the answer."""
@@ -1541,7 +1568,7 @@ class KCoralServer:
         self.log = EventLog(config)
         self.instance_id = str(uuid.uuid4())
         self.started_at = utc_now().isoformat(timespec="microseconds").replace("+00:00", "Z")
-        self.blobs = BlobStore(config)
+        self.blob_store = BlobStore(config)
         self.in_flight = 0
         self.in_flight_cond = threading.Condition()
         self.bodies = BodyBudget(config.max_body_bytes_in_flight)
@@ -1551,7 +1578,7 @@ class KCoralServer:
         self.drain_started = math.inf
         self.closing = False
         self.pool: Pool  # from start() on
-        self.httpd: HTTPServer  # from start() on
+        self.httpd: KCoralHTTPServer  # from start() on
 
     def start(self) -> KCoralServer:
         """Start workers and listen; returns once requests are accepted."""
@@ -1578,7 +1605,7 @@ class KCoralServer:
         self.pool = Pool(self.config, device, gpu_ids, gpu_names, self.log)
         self.target, self.versions = describe_runtime(device, self.pool)
         self.gpu_count = len(gpu_ids)
-        self.httpd = HTTPServer((self.config.host, self.config.port), RequestHandler, self)
+        self.httpd = KCoralHTTPServer((self.config.host, self.config.port), RequestHandler, self)
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
         self.log.event("server_started", url=self.url, device=device, sandbox=self.config.sandbox,
@@ -1631,20 +1658,21 @@ class KCoralServer:
 
     def metrics_text(self) -> str:
         """GET /metrics: the event-fed counters plus the gauges read now (docs/operations.md)."""
-        load, blobs = self.pool.load(), self.blobs
+        load, blob_store = self.pool.load(), self.blob_store
         gauges: list[tuple[str, Labels, float]] = [
             ("kcoral_requests_in_progress", (), self.in_flight),
             ("kcoral_requests_waiting", (), load["requests_waiting"]),
             ("kcoral_capacity", (), load["request_capacity"]),
             ("kcoral_info", (("version", __version__), ("device", self.device), ("sandbox", self.config.sandbox)), 1)]
-        caches: list[tuple[str, MemoryCache | DiskCache | None]] = [("memory", blobs.memory), ("disk", blobs.disk)]
+        caches: list[tuple[str, MemoryCache | DiskCache | None]] = [
+            ("memory", blob_store.memory), ("disk", blob_store.disk)]
         for name, cache in caches:
             if cache is None:
                 continue
             labels = (("cache", name),)
-            with blobs.lock:
-                gauges += [("kcoral_cache_hits_total", labels, blobs.hits[name]),
-                           ("kcoral_cache_misses_total", labels, blobs.misses[name])]
+            with blob_store.lock:
+                gauges += [("kcoral_cache_hits_total", labels, blob_store.hits[name]),
+                           ("kcoral_cache_misses_total", labels, blob_store.misses[name])]
             size, entries = (cache.size, len(cache)) if isinstance(cache, MemoryCache) else (cache.total, cache.files)
             gauges += [("kcoral_cache_evictions_total", labels, cache.evictions),
                        ("kcoral_cache_bytes", labels, size), ("kcoral_cache_entries", labels, entries)]
@@ -1696,13 +1724,13 @@ class KCoralServer:
         ClientGone when `client_gone` says the client left while the program waited or ran."""
         try:
             parts = split_request(body, content_type, self.config, digests)  # envelope and parts
-            data, supplied = parts.program_json, parts.blobs
+            data, supplied = parts.program_json, parts.supplied
             assert data is not None  # split_request refused a request without a program part
             program = parts.program()                                    # strict JSON, then the program
             check_no_unreferenced_blobs(program, supplied)
-            disk_writes = self.blobs.keep_file_blobs(program, supplied)  # cached even if refused below
+            disk_writes = self.blob_store.keep_file_blobs(program, supplied)  # cached even if refused below
             try:
-                blobs, missing = self.blobs.resolve(program, supplied)
+                blobs, missing = self.blob_store.resolve(program, supplied)
                 check_tensor_sizes(program, blobs)
                 if missing:
                     return Outcome(body={"status": "CACHE_MISS", "request_id": request_id,
@@ -1712,7 +1740,7 @@ class KCoralServer:
                                         tenant, client_gone)
             finally:
                 if disk_writes is not None:  # once answered, the client may count on its file blobs being cached
-                    self.blobs.settle_file_blobs(disk_writes)
+                    self.blob_store.settle_file_blobs(disk_writes)
         except RequestTooLarge as exc:
             return Outcome(413, "request_too_large", str(exc))
         except ValidationError as exc:
@@ -1737,7 +1765,7 @@ class KCoralServer:
                   output_limit=min(options.get("output_limit_bytes", config.output_limit_bytes),
                                    config.max_output_limit_bytes),
                   proxy_queue_ms=proxy_queue_ms, on_output=on_output, tenant=tenant, client_gone=client_gone)
-        with self.blobs.pinned(program):
+        with self.blob_store.pinned(program):
             outcome = self.pool.run_job(job)
         return self.refuse_while_draining() if outcome.http_status == 503 and self.closing else outcome
 
@@ -2253,7 +2281,7 @@ class RequestParts:
     program is decoded and validated once, when first asked for (`program()`)."""
     limits: ServerConfig
     program_json: memoryview | None = None
-    blobs: dict[str, memoryview] = dataclasses.field(default_factory=dict)
+    supplied: dict[str, memoryview] = dataclasses.field(default_factory=dict)  # hash -> blob part
     checked: ValidProgram | ValidationError | None = None
 
     def add(self, name: str, media: str, payload: memoryview, digest_taken: str | None = None) -> None:
@@ -2269,13 +2297,13 @@ class RequestParts:
         if not match:
             raise ValidationError(f"unexpected part name {name[:80]!r}")
         digest = match.group(1)
-        if digest in self.blobs:
+        if digest in self.supplied:
             raise ValidationError(f"duplicate blob part {digest}")
         if media != "application/octet-stream":
             raise ValidationError(f"blob part {digest} must be application/octet-stream")
         if (digest_taken or hashlib.sha256(payload).hexdigest()) != digest:
             raise ValidationError(f"blob hash mismatch for part {digest}")
-        self.blobs[digest] = payload
+        self.supplied[digest] = payload
 
     def program(self) -> ValidProgram:
         """The program part decoded (§5.1) and validated (§5, 6); its error, raised again if asked twice."""
@@ -2310,7 +2338,7 @@ def refuse_extra_part(parts: RequestParts, name: str, media: str, payload: memor
     if failure is not None:
         raise failure
     parts.add(name, media, payload)
-    check_no_unreferenced_blobs(parts.program(), parts.blobs)
+    check_no_unreferenced_blobs(parts.program(), parts.supplied)
     raise ValidationError("more parts than the program references blobs")  # not reached: one is unreferenced
 
 
@@ -3378,15 +3406,9 @@ class Pool:
                 raise TenantLimit(f"tenant {tenant or '(anonymous)'} has {limit} requests waiting already, the "
                                   "most it may (--max-waiting-per-tenant); retry once one has started")
             ticket = self.waiters.add(tenant, self.running[tenant])
-            try:
-                while not self.refusing and not (self.idle and self.waiters.first(self.may_start) is ticket):
-                    if client_gone is not None and client_gone():
-                        raise ClientGone("queue")
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        return None
-                    self.cond.wait(remaining if client_gone is None else min(remaining, CLIENT_CHECK_SECONDS))
-                if self.refusing:
+
+            def turn() -> Slot | None:
+                if not self.idle or self.waiters.first(self.may_start) is not ticket:
                     return None
                 slot = min(self.idle, key=self.gpu_load)
                 self.idle.remove(slot)
@@ -3394,9 +3416,9 @@ class Pool:
                 self.running[tenant] += 1
                 slot.tenant = tenant
                 return slot
-            finally:
-                self.waiters.remove(ticket)
-                self.cond.notify_all()
+
+            return wait_turn(self.cond, self.waiters, ticket, turn, deadline, lambda: self.refusing,
+                             client_gone, "queue")
 
     def may_start(self, tenant: str) -> bool:
         """Whether the tenant is under --max-running-per-tenant.  Called with the lock held."""
@@ -3592,12 +3614,12 @@ class Execution:
     error, and removes the workspace."""
     lease_since: float | None  # time.monotonic() when the GPU lease was granted; None while not held
     retiring: bool  # the worker exits after this request (JobRequest.retire, or it reported a poisoned context)
-    drain: OutputDrain | None  # reads the program's stdout and stderr, when captured
+    reader: OutputReader | None  # reads the program's stdout and stderr, when captured
     last_index: int | None  # the instruction the worker last reported starting
     results: dict[str, Json]  # return key -> encoded value
     parts: list[Buffer]  # the raw parts those values refer to
     output: tuple[str, str, bool, bool] | None  # (stdout, stderr, truncated flags), once collected
-    truncation: dict[str, Json]  # with `output`: OutputDrain.truncation_fields
+    truncation: dict[str, Json]  # with `output`: OutputReader.truncation_fields
 
     def __init__(self, pool: Pool, worker: Worker, gpus: list[int], job: Job, queue_ms: float) -> None:
         self.pool = pool
@@ -3631,7 +3653,7 @@ class Execution:
         started = time.monotonic()
         self.deadline = started + self.job.timeout
         self.last_moment = started + 2 * self.job.timeout
-        self.drain, self.output, self.program_done = None, None, False
+        self.reader, self.output, self.program_done = None, None, False
         self.oom_kills = oom_kill_count()
         self.memory = MemoryWatch(self.worker.pid, self.config.memory_limit_bytes or 0)
         try:
@@ -3684,8 +3706,8 @@ class Execution:
     def captured_output(self) -> tuple[str, str, bool, bool]:
         """(stdout, stderr, stdout_truncated, stderr_truncated), collected once the worker is gone."""
         if self.output is None:
-            self.output = self.drain.result(wait=2.0) if self.drain else ("", "", False, False)
-            self.truncation = self.drain.truncation_fields(self.config.max_output_limit_bytes) if self.drain else {}
+            self.output = self.reader.result(wait=2.0) if self.reader else ("", "", False, False)
+            self.truncation = self.reader.truncation_fields(self.config.max_output_limit_bytes) if self.reader else {}
         return self.output
 
     def timeout_outcome(self) -> Outcome:
@@ -3724,11 +3746,11 @@ class Execution:
                 for fd in (out_w, err_w):  # 16x fewer wake-ups than the default 64 KiB for a chatty program
                     with contextlib.suppress(OSError):  # over the user's pipe quota: the default size
                         fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
-                self.drain = OutputDrain(out_r, err_r, self.job.output_limit, self.job.on_output)
+                self.reader = OutputReader(out_r, err_r, self.job.output_limit, self.job.on_output)
                 try:
                     for fd in (out_w, err_w):
                         reduction.send_handle(conn, fd, self.worker.pid)
-                finally:  # the drain sees end-of-file once the worker's copies are gone too
+                finally:  # the reader sees end-of-file once the worker's copies are gone too
                     os.close(out_w)
                     os.close(err_w)
         except OSError as exc:
@@ -3762,9 +3784,7 @@ class Execution:
             fd = os.memfd_create("kcoral-blobs", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             try:
                 for data in self.job.blobs.values():
-                    view = memoryview(data).cast("B")
-                    while view:
-                        view = view[os.write(fd, view[:1 << 30]):]
+                    write_all(fd, data)
                 fcntl.fcntl(fd, fcntl.F_ADD_SEALS, STAGED_SEALS)
                 reduction.send_handle(self.worker.conn, fd, self.worker.pid)
             finally:  # the worker holds its own copy of the fd: the memory goes with its last reference
@@ -4103,13 +4123,13 @@ def expect(conn: Connection, kinds: type | tuple[type, ...], deadline: float, la
 
 
 STAGED_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL  # Execution.stage_blobs
-PIPE_BYTES = 1 << 20  # capture pipe capacity (Linux's default pipe-max-size) and drain read size
+PIPE_BYTES = 1 << 20  # capture pipe capacity (Linux's default pipe-max-size) and OutputReader's read size
 
 
 CAPTURED_TAIL_BYTES = 64 << 10  # of a truncated stream, its end kept beside its head: where the error usually is
 
 
-class OutputDrain:
+class OutputReader:
     """Reads a worker's stdout/stderr pipes, keeping the first `limit` bytes of each and, past
     them, the last min(limit, CAPTURED_TAIL_BYTES); what it keeps within `limit` also goes to
     `on_output` as it arrives (a streamed answer, docs/protocol.md §13)."""
@@ -4123,10 +4143,10 @@ class OutputDrain:
         self.fds = (out_fd, err_fd)
         self.names = {out_fd: "stdout", err_fd: "stderr"}
         self.on_output = on_output
-        self.thread = threading.Thread(target=self.drain, daemon=True)
+        self.thread = threading.Thread(target=self.read_until_closed, daemon=True)
         self.thread.start()
 
-    def drain(self) -> None:
+    def read_until_closed(self) -> None:
         tail_bytes = min(self.limit, CAPTURED_TAIL_BYTES)
         with selectors.DefaultSelector() as sel:
             for fd in self.fds:
@@ -4156,7 +4176,7 @@ class OutputDrain:
         """(stdout, stderr, stdout_truncated, stderr_truncated) once the writers are gone.
 
         A process that escaped the group may hold a pipe open; then the
-        thread keeps draining (and closes the pipe) on its own.
+        thread keeps reading (and closes the pipe) on its own.
         """
         self.thread.join(wait)
         texts = [(bytes(self.data[fd]).decode("utf-8", "replace"), self.produced[fd] > self.limit) for fd in self.fds]
@@ -4413,22 +4433,29 @@ def common_target(workers: list[Worker]) -> str:
     return arches[0]
 
 
-def nvml_gpu_ids() -> list[str]:
-    """UUIDs of the visible NVIDIA GPUs through NVML, without importing torch; [] if none."""
+@functools.cache
+def nvml() -> ctypes.CDLL | None:
+    """NVML, initialised, without importing torch; None where there is none."""
     try:
-        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        library = ctypes.CDLL("libnvidia-ml.so.1")
     except OSError:
-        return []
-    if nvml.nvmlInit_v2() != 0:
+        return None
+    return library if library.nvmlInit_v2() == 0 else None
+
+
+def nvml_gpu_ids() -> list[str]:
+    """UUIDs of the visible NVIDIA GPUs through NVML; [] if none."""
+    library = nvml()
+    if library is None:
         return []
     count = ctypes.c_uint()
-    if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+    if library.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
         return []
     uuids = []
     for index in range(count.value):
         handle, buf = ctypes.c_void_p(), ctypes.create_string_buffer(96)
-        ok = (nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) == 0 and
-              nvml.nvmlDeviceGetUUID(handle, buf, 96) == 0)
+        ok = (library.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) == 0 and
+              library.nvmlDeviceGetUUID(handle, buf, 96) == 0)
         uuids.append(buf.value.decode() if ok else str(index))
     return uuids
 
@@ -4538,25 +4565,16 @@ class LeaseArbiter:
         TimeoutError once time.monotonic() passes `deadline`; ClientGone when `client_gone` says so."""
         start = time.monotonic()
         ticket = (object(), gpus, count)  # unique: queue.remove() must not take an equal twin
+
+        def turn() -> list[int] | None:
+            self.check_servable(gpus, count)
+            return self.grantable(ticket)
+
         with self.cond:
             self.queue.append(ticket)
-            try:
-                while True:
-                    self.check_servable(gpus, count)
-                    granted = self.grantable(ticket)
-                    if granted is not None:
-                        break
-                    if deadline is not None and deadline <= time.monotonic():
-                        raise TimeoutError
-                    if client_gone is not None and client_gone():
-                        raise ClientGone("lease")
-                    wait = None if deadline is None else deadline - time.monotonic()
-                    if client_gone is not None:
-                        wait = CLIENT_CHECK_SECONDS if wait is None else min(wait, CLIENT_CHECK_SECONDS)
-                    self.cond.wait(wait)
-            finally:
-                self.queue.remove(ticket)
-                self.cond.notify_all()
+            granted = wait_turn(self.cond, self.queue, ticket, turn, deadline, client_gone=client_gone, where="lease")
+            if granted is None:
+                raise TimeoutError
             now = time.time()
             for g in granted:
                 self.holder[g] = owner
@@ -5022,14 +5040,10 @@ def torch_addons() -> list[str]:
 
 def gpu_device_node(gpu_id: int) -> str:
     """/dev/nvidiaN of a physical GPU id: NVML's minor number, the id itself where NVML cannot say."""
-    try:
-        nvml = ctypes.CDLL("libnvidia-ml.so.1")
-        handle, minor = ctypes.c_void_p(), ctypes.c_uint()
-        if (nvml.nvmlInit_v2() == 0 and nvml.nvmlDeviceGetHandleByIndex_v2(gpu_id, ctypes.byref(handle)) == 0
-                and nvml.nvmlDeviceGetMinorNumber(handle, ctypes.byref(minor)) == 0):
-            return f"/dev/nvidia{minor.value}"
-    except OSError:
-        pass
+    library, handle, minor = nvml(), ctypes.c_void_p(), ctypes.c_uint()
+    if (library is not None and library.nvmlDeviceGetHandleByIndex_v2(gpu_id, ctypes.byref(handle)) == 0
+            and library.nvmlDeviceGetMinorNumber(handle, ctypes.byref(minor)) == 0):
+        return f"/dev/nvidia{minor.value}"
     return f"/dev/nvidia{gpu_id}"
 
 
@@ -5182,7 +5196,6 @@ def remove_dead_workspaces(directory: str) -> int:
     return removed
 
 
-NOFOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 FS_IOC_GETFLAGS, FS_IOC_SETFLAGS, FS_TOPDIR_FL = 0x80086601, 0x40086602, 0x00020000  # linux/fs.h
 
 
@@ -5192,9 +5205,9 @@ def spread_subdirectories(path: str) -> None:
     a group where none were freed lately.
 
     ext4 without a journal, common on VM disks, allocates an inode by stepping over every inode
-    of the group freed in the last minutes, reading its inode table block for each: after a few
-    requests had removed 500-file workspaces, creating 500 more cost 0.45 ms a file instead of
-    0.02 here (docs/performance.md).  Where the hint is unknown (tmpfs, XFS) nothing changes."""
+    of the group freed in the last minutes, reading its inode table block for each: creating
+    files then costs many times more (docs/performance.md).  Where the hint is unknown (tmpfs,
+    XFS) nothing changes."""
     with contextlib.suppress(OSError):
         fd = os.open(path, NOFOLLOW_DIR)
         try:

@@ -14,21 +14,25 @@ sends as hostile input:
     front-end -> worker   InitGpu -> GpuInitialized        GPU workers, once, under the lease
     front-end -> worker   JobRequest                       per request, then for captured output
                                                            the two pipe write ends as passed fds
-    worker -> front-end   InstructionStarted               before each instruction
+    worker -> front-end   StageBlobs -> the memfd          at most once, when a blob's bytes are
+                                                           first needed (a passed fd)
+                          InstructionStarted               before each instruction
                           ReturnValue + raw parts          as each return completes
                           AcquireLease -> LeaseGranted     GPU workers only
                           ReleaseLease
                           RequestDone                      the request's last message
     front-end -> worker   StopWorker                       an idle worker exits
-    front-end -> sandbox template   ForkWorker + the worker's pipe as a passed fd
+    front-end -> sandbox template   RequestSpace           once, its start-up argument
+                                    ForkWorker + the worker's pipe as a passed fd
     sandbox template -> front-end   WorkerReady once, then WorkerForked and WorkerExited per worker
+    evaluate -> kernel process      EvalLoad, EvalCall, EvalSendInputs, each answered by EvalOutputs
 
-Payloads travel raw.  The front-end stages the request's blobs back to
-back in one sealed memfd (passed with JobRequest, indexed by hash) that the worker
-reads each blob from straight into its final object, or copies into the workspace
-with sendfile; returned tensors, bytes and files go back as raw bytes on the
-pipe right after their ReturnValue.  Streaming returns as they happen is what
-lets the front-end keep them when uploaded native code later kills the
+Payloads travel raw.  The front-end stages the request's blobs back to back in one
+sealed memfd (indexed by hash in JobRequest.blob_index, passed when the worker sends
+StageBlobs) that the worker reads each blob from straight into its final object, or
+copies into the workspace with sendfile; returned tensors, bytes and files go back as
+raw bytes on the pipe right after their ReturnValue.  Streaming returns as they happen
+is what lets the front-end keep them when uploaded native code later kills the
 process.  Output is captured at the file-descriptor level into pipes whose
 read ends the front-end holds, for the same reason.  Importing this module
 must stay cheap (the front-end does): torch, numpy and tvm_ffi are imported
@@ -179,10 +183,8 @@ def write_batches(write: Callable[[list[memoryview]], int], buffers: Iterable[Bu
 def recv_raw(conn: Connection, size: int, deadline: float | None = None) -> bytearray:
     """Read exactly `size` raw bytes from the pipe into a new buffer.
 
-    A bytearray, on plain pages: huge pages were tried and are slower in a VM whose free
-    memory goes back to the host in 2 MiB blocks (free page reporting): a fresh huge page is
-    such a block, and touching it costs the host's faults after all (64 MiB received in
-    30-190 ms on huge pages here, 65-95 on plain ones, docs/performance.md).
+    A bytearray, on plain pages: huge pages were slower where free memory goes back to the
+    host in 2 MiB blocks (docs/performance.md).
 
     With a `deadline` (time.monotonic()), a peer that announces bytes and never sends them
     raises TimeoutError instead of blocking the reader forever."""
@@ -524,7 +526,7 @@ class ForkWorker:
 @dataclasses.dataclass(frozen=True)
 class WorkerForked:
     """Sandbox template -> front-end: the pid, inside the container, of the process holding the new
-    worker's namespaces (its only child is the worker, PID 1 of a namespace of its own)."""
+    worker's namespaces (its only child is the request's init, PID 1 there; the worker is PID 2)."""
     pid: int
 
 
@@ -1077,27 +1079,27 @@ def initialize_gpu() -> GpuInitialized:
 
 
 def serve_request(conn: Connection, request: JobRequest, runtime: Runtime) -> bool:
-    blobs = StagedBlobs(conn, request.blob_index)
+    staged = StagedBlobs(conn, request.blob_index)
     capture = None
     if request.capture:
         out_fd = reduction.recv_handle(conn)
         err_fd = reduction.recv_handle(conn)
         capture = Capture(out_fd, err_fd)
     if request.blob_index and runtime.device == "cuda":  # staged under the lease, the copy would keep peers waiting
-        blobs.stage()
+        staged.stage()
     lease = GpuLease(conn, runtime) if runtime.device == "cuda" else NoLease()
     root_fd = os.open(request.workspace, NOFOLLOW_DIR)
     os.chdir(request.workspace)
     sys.path.insert(0, request.workspace)  # uploaded packages import as they would from a checkout
     try:
-        program = ProgramRun(conn, request, blobs, root_fd, lease, runtime)
+        program = ProgramRun(conn, request, staged, root_fd, lease, runtime)
         error = program.run()
         error, poisoned = finish_on_device(program, error, lease, reused=not request.retire)
         if terminate_escaped(request.grace) and error is None:
             error = program.error_at_last("runtime", "program left background processes running; "
                                           "they were terminated")
     finally:
-        blobs.close()  # the views it handed out stay mapped
+        staged.close()  # the views it handed out stay mapped
         os.close(root_fd)
         os.chdir("/")
         if not request.retire:  # a retiring worker exits: forgetting would only delay its answer (ms)
@@ -1280,19 +1282,19 @@ class UnreadUpload:
 class ProgramRun:
     """One request's execution: handles, returns streamed to the front-end, the error."""
 
-    def __init__(self, conn: Connection, request: JobRequest, blobs: StagedBlobs, root_fd: int,
+    def __init__(self, conn: Connection, request: JobRequest, staged: StagedBlobs, root_fd: int,
                  lease: GpuLease | NoLease, runtime: Runtime) -> None:
         self.conn = conn
         self.runtime = runtime
         self.request = request
-        self.blobs = blobs
+        self.staged = staged
         self.root_fd = root_fd
         self.lease = lease
         self.handles: dict[str, Any] = {}
         self.last_index = 0
         self.cpu_only: set[str] = set()
         self.files_added = False  # since the import system last listed the workspace (refresh_import_caches)
-        self.encoder = Encoder(0, request.max_response_bytes, lambda value: self.blobs.digest_of(value),
+        self.encoder = Encoder(0, request.max_response_bytes, lambda value: self.staged.digest_of(value),
                                request.max_response_parts)
 
     def run(self) -> ErrorObject | None:
@@ -1320,14 +1322,14 @@ class ProgramRun:
     def ref(self, value: dict[str, str]) -> Any:
         handle = self.handles[value["$ref"]]
         if isinstance(handle, UnreadUpload):  # first use of a `bytes` upload: read it now, once
-            handle = self.handles[value["$ref"]] = self.blobs.read(handle.digest)
+            handle = self.handles[value["$ref"]] = self.staged.read(handle.digest)
         return handle
 
     def returned(self, value: dict[str, str]) -> Any:
         """A return's value: a `bytes` upload never used is returned unread (the front-end sends
         its own copy of a staged blob), anything else as `ref` gives it."""
         handle = self.handles[value["$ref"]]
-        return self.blobs.unread_view(handle.digest) if isinstance(handle, UnreadUpload) else self.ref(value)
+        return self.staged.unread_view(handle.digest) if isinstance(handle, UnreadUpload) else self.ref(value)
 
     def error_at_last(self, kind: str, message: str) -> ErrorObject:
         """An error attributed to the last instruction started (docs/server.md §3.4)."""
@@ -1343,11 +1345,11 @@ class ProgramRun:
         elif kind == "bytes":  # read on first use (ref): an upload that is only returned is never read
             value = UnreadUpload(ins["blob"])
         elif kind == "tensor":
-            value = self.runtime.load_tensor(self.blobs.read_writable(ins["blob"]), ins["dtype"], ins["shape"])
+            value = self.runtime.load_tensor(self.staged.read_writable(ins["blob"]), ins["dtype"], ins["shape"])
         elif kind == "library":
-            value = self.runtime.load_library(ins["blob"], self.blobs.read(ins["blob"]))
+            value = self.runtime.load_library(ins["blob"], self.staged.read(ins["blob"]))
         else:
-            materialize(self.root_fd, ins["path"], self.blobs, ins["blob"])
+            materialize(self.root_fd, ins["path"], self.staged, ins["blob"])
             self.files_added = True
             value = ins["path"]
         self.handles[ins["id"]] = value
@@ -1641,7 +1643,7 @@ def open_parent(root_fd: int, path: str, create: bool) -> tuple[int, str]:
     return fd, parts[-1]
 
 
-def materialize(root_fd: int, path: str, blobs: StagedBlobs, digest: str) -> None:
+def materialize(root_fd: int, path: str, staged: StagedBlobs, digest: str) -> None:
     try:
         dir_fd, name = open_parent(root_fd, path, create=True)
         try:
@@ -1651,7 +1653,7 @@ def materialize(root_fd: int, path: str, blobs: StagedBlobs, digest: str) -> Non
             os.close(dir_fd)
         try:
             os.fchmod(fd, 0o600)
-            blobs.copy_to(digest, fd)
+            staged.copy_to(digest, fd)
         finally:
             os.close(fd)
     except OSError as exc:

@@ -311,7 +311,7 @@ def test_a_program_first_allows_one_part_per_referenced_blob():
     body = program_part(BYTES_PROGRAM) + blob_part(b"one") + blob_part(b"one") + tail
     assert "duplicate blob part" in refused(body, {})
     exact = body_of(program_part(BYTES_PROGRAM), blob_part(b"one"))
-    assert bytes(kcoral.split_request(exact, CT).blobs[hashlib.sha256(b"one").hexdigest()]) == b"one"
+    assert bytes(kcoral.split_request(exact, CT).supplied[hashlib.sha256(b"one").hexdigest()]) == b"one"
 
 
 def test_part_header_lines_and_bytes_are_capped():

@@ -1,6 +1,6 @@
 """Statements of the reference docs checked against the code and a real server, so that they
-cannot drift: the event log's table (docs/server.md §10) and the references a `run` resolves
-(docs/client.md §3.8)."""
+cannot drift: the event log's table (docs/server.md §10), the references a `run` resolves
+(docs/client.md §3.8), the names docs/design.md cites and the worker's message table."""
 
 import os
 import re
@@ -109,3 +109,13 @@ def test_the_design_note_cites_only_names_the_code_has():
     assert len(cited) > 40, cited
     missing = sorted(n for n in cited if not re.search(rf"\b{re.escape(n)}\b", sources))
     assert not missing, f"docs/design.md cites names the code does not have: {missing}"
+
+
+def test_the_worker_message_table_lists_every_message_type():
+    import kcoral_worker
+    table = kcoral_worker.__doc__.split("Payloads travel raw.")[0]
+    listed = set(re.findall(r"\b[A-Z][a-z]+[A-Z]\w*\b", table))
+    assert len(kcoral_worker.MESSAGE_TYPES) >= 20
+    assert set(kcoral_worker.MESSAGE_TYPES) == listed, (
+        f"missing from the table: {sorted(set(kcoral_worker.MESSAGE_TYPES) - listed)}; "
+        f"listed but no message: {sorted(listed - set(kcoral_worker.MESSAGE_TYPES))}")

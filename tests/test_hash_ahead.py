@@ -73,7 +73,7 @@ def test_each_blob_part_is_hashed_once_it_has_arrived(pieces):
     assert_sound(body, digests)
     assert sorted(digests.values()) == sorted(hashlib.sha256(b).hexdigest() for b in blobs)
     split = kcoral.split_request(bytes(body), CT, digests=digests)
-    assert [bytes(split.blobs[hashlib.sha256(b).hexdigest()]) for b in blobs] == blobs
+    assert [bytes(split.supplied[hashlib.sha256(b).hexdigest()]) for b in blobs] == blobs
 
 
 def test_split_request_takes_a_digest_for_its_exact_range_only():
@@ -84,7 +84,7 @@ def test_split_request_takes_a_digest_for_its_exact_range_only():
     with pytest.raises(kcoral.ValidationError, match="blob hash mismatch"):  # it is used: it decides
         kcoral.split_request(bytes(body), CT, digests={(start, end): wrong})
     for near in ((start, end - 1), (start + 1, end), (start, end + 1)):  # never for another range
-        assert bytes(kcoral.split_request(bytes(body), CT, digests={near: wrong}).blobs[
+        assert bytes(kcoral.split_request(bytes(body), CT, digests={near: wrong}).supplied[
             hashlib.sha256(blob).hexdigest()]) == blob
 
 
@@ -100,7 +100,7 @@ def test_a_body_it_misreads_is_only_hashed_twice(data, pieces):
     digests = arrive(body, pieces)
     assert_sound(body, digests)
     split = kcoral.split_request(bytes(body), CT, digests=digests)
-    assert bytes(split.blobs[hashlib.sha256(data).hexdigest()]) == data
+    assert bytes(split.supplied[hashlib.sha256(data).hexdigest()]) == data
 
 
 def test_lf_only_and_padded_bodies_are_split_by_the_protocol_rules():
@@ -109,7 +109,7 @@ def test_lf_only_and_padded_bodies_are_split_by_the_protocol_rules():
                  bytearray(bytes(request_body([blob])).replace(BOUNDARY + b"\r\n", BOUNDARY + b" \t\r\n"))):
         digests = arrive(body, 50)
         assert_sound(body, digests)
-        assert bytes(kcoral.split_request(bytes(body), CT, digests=digests).blobs[
+        assert bytes(kcoral.split_request(bytes(body), CT, digests=digests).supplied[
             hashlib.sha256(blob).hexdigest()]) == blob
 
 
@@ -173,4 +173,4 @@ def test_it_follows_a_bounded_number_of_parts():
     assert_sound(body, digests)
     assert len(digests) == kcoral.HashAhead.MAX_PARTS - 1  # the program is the first part followed
     split = kcoral.split_request(bytes(body), CT, digests=digests)
-    assert len(split.blobs) == len(blobs)
+    assert len(split.supplied) == len(blobs)

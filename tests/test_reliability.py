@@ -974,7 +974,7 @@ def property_split_request_round_trip(examples):
         rnd.shuffle(parts)
         split = kcoral.split_request(encode_parts(parts, b), content_type.format(boundary))
         assert bytes(split.program_json) == program
-        assert {h: bytes(v) for h, v in split.blobs.items()} == {sha256(x): x for x in blobs}
+        assert {h: bytes(v) for h, v in split.supplied.items()} == {sha256(x): x for x in blobs}
     prop()
 
 

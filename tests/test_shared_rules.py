@@ -206,7 +206,7 @@ def test_client_request_encoding_parses_on_the_server(program_json, payloads):
     body = b"".join(client._multipart_chunks("kcoral-test", program_json, blobs))
     split = kcoral.split_request(body, "multipart/form-data; boundary=kcoral-test")
     assert bytes(split.program_json) == program_json
-    assert {h: bytes(p) for h, p in split.blobs.items()} == dict(blobs)
+    assert {h: bytes(p) for h, p in split.supplied.items()} == dict(blobs)
 
 
 # --- tensor to bytes: what the client uploads and what the server returns ---------------------
