@@ -585,109 +585,6 @@ class BodyReservation:
         self.held = 0
 
 
-PartDigests = dict[tuple[int, int], str]  # (payload start, end) in a body -> SHA-256 hex of those bytes
-
-
-class HashAhead:
-    """The SHA-256 of a large body's blob parts, taken on a thread of its own while the body is
-    still arriving: the hash the protocol requires (docs/protocol.md §4.6) overlaps the transfer
-    instead of following it.
-
-    It follows the parts as clients write them (`--B` first, CRLF line breaks), recording
-    each `blob:` payload's range with its digest.  split_request still delimits the body by the
-    protocol's rules and takes a digest from here only for the very range it found, so a body
-    written otherwise (LF line breaks, `\\r\\n--B` inside data, padding after a delimiter) is only
-    hashed twice, never trusted wrongly.  Bytes are read only below the count the reader
-    published, which it wrote before publishing.
-    """
-
-    MIN_BODY = 4 << 20  # a smaller body hashes in a few milliseconds: not worth a thread
-    STRETCH = 1 << 20  # bytes hashed per wake-up
-    MAX_PARTS = 32  # followed at most: large blobs come few to a body, and a body of tiny parts costs no extra CPU
-    slots = threading.BoundedSemaphore(2)  # at most this many at once: slow clients cannot multiply threads
-    BLOB_NAME = re.compile(rb'\bname="?blob:', re.IGNORECASE)  # only decides what is worth hashing
-
-    def __init__(self, body: bytearray, boundary: bytes) -> None:
-        self.body = body
-        self.view = memoryview(body)
-        self.delimiter = b"\r\n--" + boundary
-        self.received = 0
-        self.done = False  # every byte is in, or the read failed
-        self.arrived = threading.Condition()
-        self.digests: PartDigests = {}
-        self.thread = threading.Thread(target=self.follow, name="hash-ahead", daemon=True)
-        self.thread.start()
-
-    @classmethod
-    def start(cls, body: bytearray, content_type: str | None) -> HashAhead | None:
-        if len(body) < cls.MIN_BODY or not cls.slots.acquire(blocking=False):
-            return None
-        try:
-            return cls(body, request_boundary(content_type))
-        except (ValidationError, RuntimeError):  # no boundary (split_request answers 400), no thread
-            cls.slots.release()
-            return None
-
-    def advance(self, received: int) -> None:
-        """The reader: the first `received` bytes are in."""
-        with self.arrived:
-            self.received = received
-            self.arrived.notify()
-
-    def finish(self) -> PartDigests:
-        """The reader, once the body is read (or its read failed) -> the digests taken."""
-        with self.arrived:
-            self.done = True
-            self.arrived.notify()
-        self.thread.join()
-        self.slots.release()
-        return self.digests
-
-    def available(self, beyond: int) -> tuple[int, bool]:
-        """Until more than `beyond` bytes are in, or no more will come -> (bytes in, whether final)."""
-        with self.arrived:
-            while self.received <= beyond and not self.done:
-                self.arrived.wait()
-            return self.received, self.done
-
-    def follow(self) -> None:
-        start = len(self.delimiter) - 2  # just past the first `--B`
-        if self.available(start)[0] < start or self.body[:start] != self.delimiter[2:]:
-            return
-        for _ in range(self.MAX_PARTS):
-            if self.available(start + 1)[0] < start + 2 or self.body[start:start + 2] == b"--":
-                return  # the body ended early, or the last part did
-            headers_end = self.find(b"\r\n\r\n", start)
-            if headers_end < 0:
-                return
-            payload = headers_end + 4
-            digest = hashlib.sha256() if self.BLOB_NAME.search(self.body[start:headers_end]) else None
-            end = self.find(self.delimiter, payload, digest)
-            if end < 0:
-                return
-            if digest is not None:
-                self.digests[(payload, end)] = digest.hexdigest()
-            start = end + len(self.delimiter)
-
-    def find(self, needle: bytes, start: int, digest: Any = None) -> int:
-        """The next `needle` at or after `start`, waiting for bytes as they come; `digest` is fed
-        every byte before it, as far as they are known not to begin it -> position, or -1."""
-        searched = hashed = start
-        while True:
-            # a hashing search waits for a good stretch of bytes: waking for every socket read
-            # would hand the GIL back and forth with the reader for nothing
-            wanted = searched + len(needle) - 1
-            received, final = self.available(wanted if digest is None else max(wanted, hashed + self.STRETCH))
-            found = self.body.find(needle, searched, received)
-            settled = found if found >= 0 else max(hashed, received - len(needle) + 1)
-            if digest is not None and settled > hashed:
-                digest.update(self.view[hashed:settled])
-                hashed = settled
-            if found >= 0 or final:
-                return found
-            searched = max(searched, received - len(needle) + 1)
-
-
 class BodyCut(Exception):
     """The connection guard cut a request body (too slow, or the server is stopping)."""
 
@@ -1032,45 +929,34 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
                 self.send_response_only(100)
                 self.end_headers()
                 self.close_connection = not keep_open
-            content_type = self.headers.get("Content-Type")
-            digests: PartDigests = {}
-            body: bytearray | None
-            if chunked:
-                body = self.read_chunked(limit, reservation)
-            else:
-                body, digests = self.read_body(size, reservation, content_type)
+            body = self.read_chunked(limit, reservation) if chunked else self.read_body(size, reservation)
             self.body_done = True
             if body is None:
                 return Outcome(413, "request_too_large", "request exceeds the configured size limit")
             self.request_bytes = len(body)
-            return self.app.handle_execute(request_id, body, content_type,
+            return self.app.handle_execute(request_id, body, self.headers.get("Content-Type"),
                                            proxy_queue_ms(self.headers.get("X-Request-Start"), self.head_arrived),
-                                           self.stream.feed if self.stream else None, digests,
+                                           self.stream.feed if self.stream else None,
                                            tenant=self.tenant, client_gone=self.client_gone)
         finally:
             reservation.release()
 
-    def read_body(self, size: int, reservation: BodyReservation | None = None,
-                  content_type: str | None = None) -> tuple[bytearray, PartDigests]:
-        """Read `size` body bytes under the guard's rate rule (and the body budget) -> (a new buffer,
-        the digests of the blob parts a request's large body had hashed while it arrived: HashAhead)."""
+    def read_body(self, size: int, reservation: BodyReservation | None = None) -> bytearray:
+        """Read `size` body bytes under the guard's rate rule (and the body budget) -> a new buffer."""
         body = bytearray(size)  # plain pages, as kcoral_worker.recv_raw says why
-        ahead = HashAhead.start(body, content_type) if content_type is not None else None
         self.watch("body")
         try:
-            self.read_into(body, reservation, ahead)
+            self.read_into(body, reservation)
         finally:
             self.unwatch()
-            digests = ahead.finish() if ahead else {}
-        return body, digests
+        return body
 
     def read_exact(self, size: int, reservation: BodyReservation | None) -> bytearray:
         body = bytearray(size)
         self.read_into(body, reservation)
         return body
 
-    def read_into(self, body: bytearray, reservation: BodyReservation | None,
-                  ahead: HashAhead | None = None) -> None:
+    def read_into(self, body: bytearray, reservation: BodyReservation | None) -> None:
         view = memoryview(body)
         while view:
             room = len(view) if reservation is None else self.budget_room(reservation)
@@ -1083,8 +969,6 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             if reservation is not None:
                 reservation.received += n
             view = view[n:]
-            if ahead is not None:
-                ahead.advance(len(body) - len(view))
 
     def budget_room(self, reservation: BodyReservation) -> int:
         """Bytes the body may read now; waits for the budget to grow its reservation first, unwatched
@@ -1717,13 +1601,13 @@ class KCoralServer:
 
     def handle_execute(self, request_id: str, body: Body, content_type: str | None,
                        proxy_queue_ms: float = 0.0, on_output: Callable[[str, bytes], None] | None = None,
-                       digests: PartDigests | None = None, tenant: str = "",
+                       tenant: str = "",
                        client_gone: Callable[[], bool] | None = None) -> Outcome:
         """A request body, read -> Outcome.  The checks run in protocol order (docs/protocol.md §4.7): the first
-        that fails decides the answer.  `digests`: blob parts hashed while the body arrived (HashAhead).
+        that fails decides the answer.
         ClientGone when `client_gone` says the client left while the program waited or ran."""
         try:
-            parts = split_request(body, content_type, self.config, digests)  # envelope and parts
+            parts = split_request(body, content_type, self.config)  # envelope and parts
             data, supplied = parts.program_json, parts.supplied
             assert data is not None  # split_request refused a request without a program part
             program = parts.program()                                    # strict JSON, then the program
@@ -2245,12 +2129,10 @@ class RequestTooLarge(ValidationError):
     request_too_large rather than 400, since a valid program can be this large."""
 
 
-def split_request(body: Body, content_type: str | None, limits: ServerConfig = DEFAULT_LIMITS,
-                  digests: PartDigests | None = None) -> RequestParts:
+def split_request(body: Body, content_type: str | None, limits: ServerConfig = DEFAULT_LIMITS) -> RequestParts:
     """docs/protocol.md §4.3-4.7 -> the request's parts, in the reference's check order: each part's
     headers as it is parsed (§4.5), then its name, content type and hash (§4.6), whose failure waits
-    until every later part's headers have passed (step 2 before step 3).  `digests` holds hashes
-    already taken of exact payload ranges (HashAhead); any other payload is hashed here."""
+    until every later part's headers have passed (step 2 before step 3)."""
     parts, failure = RequestParts(limits), None
     allowed = limits.max_request_parts
     view = memoryview(body)
@@ -2263,7 +2145,7 @@ def split_request(body: Body, content_type: str | None, limits: ServerConfig = D
             raise RequestTooLarge(f"'program' part exceeds {limits.max_program_bytes} bytes")
         if failure is None:
             try:
-                parts.add(name, media, payload, (digests or {}).get((start, end)))
+                parts.add(name, media, payload)
             except ValidationError as exc:
                 failure = exc
         if count == 1 and failure is None and name == "program":
@@ -2284,8 +2166,8 @@ class RequestParts:
     supplied: dict[str, memoryview] = dataclasses.field(default_factory=dict)  # hash -> blob part
     checked: ValidProgram | ValidationError | None = None
 
-    def add(self, name: str, media: str, payload: memoryview, digest_taken: str | None = None) -> None:
-        """docs/protocol.md §4.6 for one part (`digest_taken`: its SHA-256, if already known)."""
+    def add(self, name: str, media: str, payload: memoryview) -> None:
+        """docs/protocol.md §4.6 for one part."""
         if name == "program":
             if self.program_json is not None:
                 raise ValidationError("duplicate 'program' part")
@@ -2301,7 +2183,7 @@ class RequestParts:
             raise ValidationError(f"duplicate blob part {digest}")
         if media != "application/octet-stream":
             raise ValidationError(f"blob part {digest} must be application/octet-stream")
-        if (digest_taken or hashlib.sha256(payload).hexdigest()) != digest:
+        if hashlib.sha256(payload).hexdigest() != digest:
             raise ValidationError(f"blob hash mismatch for part {digest}")
         self.supplied[digest] = payload
 
