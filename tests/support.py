@@ -969,6 +969,19 @@ def unread_bytes(server_port, client_port):
     return None
 
 
+def server_connections(port):
+    """The server's side of the TCP connections to 127.0.0.1:port still open (/proc/net/tcp;
+    neither the listening socket nor TIME_WAIT): a handler thread may still hold each."""
+    with open("/proc/net/tcp") as f:
+        return [line.split()[3] for line in f.readlines()[1:]
+                if line.split()[1].endswith(f":{port:04X}") and line.split()[3] not in ("0A", "06")]
+
+
+def thread_count(pid):
+    """The threads of a process, from /proc."""
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
 def unaccepted_connections(server_port):
     """Connections to 127.0.0.1:server_port the server has not accepted yet (/proc/net/tcp): those
     in its listening socket's accept queue, those half open, and SYNs a full backlog dropped (the

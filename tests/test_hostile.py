@@ -315,7 +315,7 @@ def test_uploads(tmp_path, record_property, scale=CI):
     """Concurrent uploads of distinct blobs: every request is answered, and the server tree's PSS
     stays bounded by the in-flight body budget (not the number of uploads)."""
     got = uploads_item(scale, str(tmp_path))
-    record_property("figures", got)
+    record_property("figures", {**got, "answers": collections.Counter(status for status, _ in got["answers"])})
     size = (scale.upload_mib << 20) // 32 * 32
     assert [a for a in got["answers"] if a != (200, {"out": {"type": "integer", "value": size}})] == [], got["answers"]
     in_flight = ((scale.budget_mib << 20) or 768 << 20) >> 20
@@ -430,7 +430,7 @@ def test_slow_body(tmp_path, record_property, scale=CI):
     """A body trickling at 1 KiB/s is cut with 408 within two rate windows; a slow but honest
     one (well above the minimum rate) is not."""
     got = slow_body_item(scale, str(tmp_path))
-    record_property("figures", got)
+    record_property("figures", {name: value for name, value in got.items() if not name.endswith("head")})
     assert got["trickle 1 KiB/s answer"] == 408, got
     assert got["trickle 1 KiB/s cut after s"] <= 2 * (scale.rate_window or 30.0) + 2, got
     honest = [value for name, value in got.items() if name.startswith("honest body at ")]
@@ -477,7 +477,8 @@ def test_unread_response(tmp_path, record_property, scale=CI):
     """A client that never reads a large response is dropped within the send timeout and logged
     as a client disconnect, not as a success; the thread goes away."""
     got = unread_response_item(scale, str(tmp_path))
-    record_property("figures", {k: v for k, v in got.items() if k != "log tail"})
+    record_property("figures", {**{k: v for k, v in got.items() if k not in ("log tail", "disconnect lines")},
+                                "log": [line.split(" ", 3)[2] for line in got["disconnect lines"]]})
     lines = got["disconnect lines"]
     assert lines and "phase=response" in lines[0] and "http_status=200" in lines[0], got["log tail"]
     assert got["200s logged as finished"] == [], got
@@ -568,7 +569,9 @@ def test_framing(tmp_path, record_property, scale=CI):
     hidden behind it is never answered.  A GET body is drained, not read as a request.
     `Expect: 100-continue` gets the final answer at once when the request is unacceptable."""
     got = framing_item(scale, str(tmp_path))
-    record_property("figures", got)
+    record_property("figures", {**{name: case["status"] for group in ("smuggling", "expect") for name, case in got[group].items()},
+                                **{name: got[name]["status"] for name in ("GET with a body", "Expect 100-continue, valid")},
+                                "exit code": got["exit code"]})
     assert len(got["smuggling"]) == 15 and len(got["expect"]) == 3, got
     for name, case in got["smuggling"].items():
         assert case["status"] == case["expected"], (name, case)
