@@ -1,9 +1,10 @@
 """Server tests: the wire contract (docs/protocol.md) end to end on CPU workers.
 
 Servers run as real `python -m kcoral` processes on free loopback ports, so
-these tests see exactly what a client sees.  The helpers at the top
-(`ServerProcess`, `post`, `multipart`, `parse_multipart_response`, ...) are
-shared with the suites under tests/.
+these tests see exactly what a client sees.  The helpers they use (`ServerProcess`,
+`post`, `multipart`, `parse_multipart_response`, ...) live in tests/support.py, shared
+with the suites under tests/; the shared servers are fixtures from there too.  The few
+helpers only one group needs (its case tables' builders) sit with that group.
 
 Groups, in file order: envelope and request ids (docs/protocol.md §4, table-driven), strict JSON and
 program validation (docs/protocol.md §5-6, table-driven), tensor byte length and CACHE_MISS (docs/protocol.md §7),

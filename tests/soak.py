@@ -6,8 +6,8 @@
     python -m tests.soak --long --only fuzz,load --seed 7
 
 Prints a table of counts per item and exits 1 if any item failed (its first assertion is
-printed under the table).  The items are the functions the CI tests call, so the soak and
-the CI part can never drift apart.  Figures of a real long run: docs/reliability.md.
+printed under the table).  Each item is the CI test itself, run at the soak's size: the same
+measurement and the same checks, so the soak and the CI part can never drift apart.  Figures of a real long run: docs/reliability.md.
 """
 
 import argparse
@@ -26,9 +26,19 @@ from tests import test_reliability as rel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-ITEMS = [("fuzz", rel.fuzz_item), ("properties", rel.property_item), ("faults", rel.fault_item),
-         ("cache faults", rel.cache_item), ("load", rel.load_item), ("shutdown", rel.shutdown_item),
-         ("disconnects", rel.disconnect_item), ("hostile", hostile.hostile_item), ("growth", rel.growth_item)]
+
+
+def hostile_attacks(workdir, record_property, scale):
+    """Every test of tests/test_hostile.py, at its own size for this one (hostile.hostile_item)."""
+    record_property("figures", hostile.hostile_item(scale, workdir))
+
+
+# each called as pytest calls it, plus the size: check(workdir, record_property, scale)
+ITEMS = [("fuzz", rel.test_fuzz_malformed_requests_get_4xx_error_bodies),
+         ("properties", rel.test_multipart_and_program_properties), ("faults", rel.test_fault_injection),
+         ("cache faults", rel.test_cache_faults), ("load", rel.test_load_mixed_requests),
+         ("shutdown", rel.test_graceful_shutdown), ("disconnects", rel.test_client_disconnects),
+         ("hostile", hostile_attacks), ("growth", rel.test_nothing_grows_per_request)]
 
 
 def main(argv=None):
@@ -46,19 +56,20 @@ def main(argv=None):
     print(f"kcoral reliability soak, {scale.name} size: {json.dumps(dataclasses.asdict(scale))}", flush=True)
     rows, failures = [], []
     started = time.monotonic()
-    for name, item in ITEMS:
+    for name, check in ITEMS:
         if only and name not in only:
             continue
         t0 = time.monotonic()
+        counts = {}
         with tempfile.TemporaryDirectory(prefix="kcoral-soak-") as workdir:
             try:
                 kwargs = {"seed": args.seed} if name == "fuzz" else {}
-                counts = item(scale, workdir, **kwargs)
+                check(workdir, lambda _, figures: counts.update(figures), scale, **kwargs)
                 verdict = "PASS"
             except BaseException as exc:  # report and go on with the other items
                 if isinstance(exc, KeyboardInterrupt):
                     raise
-                counts, verdict = {}, "FAIL"
+                verdict = "FAIL"
                 failures.append((name, "".join(traceback.format_exception(exc))[-4000:]))
         seconds = time.monotonic() - t0
         rows.append({"item": name, "result": verdict, "seconds": round(seconds, 1), "counts": counts})

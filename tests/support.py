@@ -969,6 +969,35 @@ def unread_bytes(server_port, client_port):
     return None
 
 
+def server_connections(port):
+    """The server's side of the TCP connections to 127.0.0.1:port still open (/proc/net/tcp;
+    neither the listening socket nor TIME_WAIT): a handler thread may still hold each."""
+    with open("/proc/net/tcp") as f:
+        return [line.split()[3] for line in f.readlines()[1:]
+                if line.split()[1].endswith(f":{port:04X}") and line.split()[3] not in ("0A", "06")]
+
+
+def thread_count(pid):
+    """The threads of a process, from /proc."""
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def unaccepted_connections(server_port):
+    """Connections to 127.0.0.1:server_port the server has not accepted yet (/proc/net/tcp): those
+    in its listening socket's accept queue, those half open, and SYNs a full backlog dropped (the
+    client sends them again after 1 s, 3 s, ...)."""
+    port = f":{server_port:04X}"
+    waiting = 0
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            local, remote, state, queues = line.split()[1:5]
+            if local.endswith(port) and state == "0A":  # LISTEN: rx_queue is the accept queue
+                waiting += int(queues.split(":")[1], 16)
+            elif (local.endswith(port) and state == "03") or (remote.endswith(port) and state == "02"):
+                waiting += 1  # SYN_RECV on the server's side, SYN_SENT on the client's
+    return waiting
+
+
 # --- examples/ and the skill's code blocks, run as a user runs them ---------------------------
 
 EXAMPLES_DIR = os.path.join(ROOT, "examples")

@@ -1594,7 +1594,7 @@ def test_waits_for_n_gpus_run_at_shutdown_and_end_at_a_quarantine(monkeypatch):
             assert (outcomes[0].http_status, outcomes[0].kind) == (503, "busy")
             assert pool.arbiter.acquire("in-flight", [1])[0] == [1]  # a running request's own lease still works
         else:
-            time.sleep(0.3)
+            time.sleep(0.3)  # not a synchronisation: the time a wrong refusal would have to show
             assert thread.is_alive() and not outcomes  # still waiting, not refused
             pool.arbiter.release("busy", [0])
             join_threads([thread], 5)
@@ -1697,8 +1697,9 @@ def test_a_spare_gpu_worker_creates_its_context_once_the_request_is_done_with_th
     pool.start_spare(slot)
     assert slot.spare is not None
     pool.arbiter.acquire("the-request", [0])  # the running request uses its GPU
-    time.sleep(0.2)
-    assert pool.inits == []  # started (host work), context not yet
+    # started (host work), and now waiting for the GPU: a waiter on the event the request sets (CPython's Event)
+    assert wait_for(lambda: slot.spare.gpu_free._cond._waiters, 5), "the spare never waited for the GPU"
+    assert pool.inits == []  # context not yet
     pool.arbiter.release("the-request", [0])
     slot.spare.gpu_free.set()  # Pool.run_job, once the request's execution is over
     spare = slot.spare.take()

@@ -31,7 +31,9 @@ from tests.support import (
     post,
     prog,
     ret_path,
+    server_connections,
     sha256,
+    thread_count,
     up_blob,
     wait_for,
     workspaces,
@@ -374,11 +376,25 @@ def f():
                 os.kill(int(pid), signal.SIGKILL)
 """
     with ServerProcess("--sandbox", "bubblewrap", workers=1, tmp_path=tmp_path) as srv:
+        def idle_threads():
+            """The server's threads once it is idle, no connection's thread left and the count
+            steady (the same 50 ms later) -> None before."""
+            if srv.health()["load"]["request_capacity"] != 1 or server_connections(srv.port):
+                return None
+            count = thread_count(srv.proc.pid)
+            time.sleep(0.05)  # the interval of the comparison, not a synchronisation
+            return count if count == thread_count(srv.proc.pid) else None
+
+        idle = wait_for(idle_threads, 60)
+        assert idle, "the server never became idle"
         status, _, body = post(srv.url, call_program(source, "f"))
         assert status in (200, 500), body
-        for _ in range(3):  # the new container (its starting thread is gone by now), workers forked in it
+        for _ in range(3):  # the new container, workers forked in it
             assert value(execute_ok(srv.url, call_program("def f():\n    return 9\n", "f"))) == 9
-            time.sleep(1)  # not a synchronisation: time for a pool thread to end, and a container tied to it to die
+            # the threads that started the new container and workers (a slot's replacement, the
+            # pool's) have ended before the next request: a container tied to them would be dead
+            assert wait_for(lambda: (idle_threads() or idle + 1) <= idle, 60), \
+                f"the server's threads never came back to {idle}: {thread_count(srv.proc.pid)}"
 
 
 def test_a_program_that_stops_its_slots_template_costs_only_itself(tmp_path):
