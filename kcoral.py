@@ -212,6 +212,7 @@ def parse_gpu_ids(text: str) -> tuple[int, ...]:
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
     """Server settings; field names and defaults follow the reference where it has them."""
+    # what this node serves, and with which processes
     host: str = option("127.0.0.1", "address to bind", env="KCORAL_SERVER_HOST")
     port: int = option(8000, "TCP port to listen on (0 picks a free one)", env="KCORAL_SERVER_PORT")
     device: str = option("auto", "where programs run: GPU workers, CPU workers, or GPU when CUDA devices "
@@ -223,6 +224,7 @@ class ServerConfig:
                                   "compilation with another's GPU work")
     max_requests_per_worker: int = option(1, "retire a worker after this many requests (0: never); "
                                           "1 gives every request a fresh process")
+    # blob caches (docs/protocol.md §7.4)
     cache_capacity_bytes: int = option(16 << 30, "memory blob cache budget in bytes (each entry is charged its "
                                        "payload plus a fixed overhead, CACHE_ENTRY_OVERHEAD)")
     cache_max_entries: int = option(1 << 20, "memory blob cache entry limit, least recently used evicted first")
@@ -232,6 +234,7 @@ class ServerConfig:
                                              "occupy (0 disables)")
     disk_cache_max_files: int = option(100_000, "disk cache file limit: tiny blobs run out of inodes before "
                                        "they fill a byte budget")
+    # the event log and saved programs (docs/server.md §10)
     log_dir: str | None = option(None, "directory for the JSON-lines event log and saved programs "
                                  "('' disables)", env="KCORAL_LOG_DIR", cli_default="logs")
     log_console: bool = option(True, "mirror events to stderr")
@@ -243,6 +246,7 @@ class ServerConfig:
                                          "the oldest are removed first")
     log_programs_max_count: int = option(10000, "saved programs of a run kept at most; the oldest are "
                                          "removed first")
+    # time limits of a request, a wait, a shutdown
     default_timeout_seconds: float = option(300.0, "execution timeout when a request sets none")
     max_timeout_seconds: float = option(900.0, "upper clamp for a request's timeout_seconds")
     worker_wait_timeout_seconds: float = option(1800.0, "how long a request waits for a free worker "
@@ -255,16 +259,19 @@ class ServerConfig:
     prepare_timeout_seconds: float = option(600.0, "how long the one-time preparation of the worker "
                                             "template's imports may take at start-up (tvm_ffi may "
                                             "compile its torch add-on); beyond it the add-on is disabled")
+    # the size of a request and its program (docs/protocol.md §4, 5)
     max_request_bytes: int = option(256 << 20, "request size limit (413 beyond it)")
     max_request_parts: int = option(50_000, "multipart parts in one request (413 beyond it); a request whose "
                                     "first part is its program may have only one more than it references blobs")
     max_part_header_lines: int = option(16, "header lines of one multipart part (400 beyond it)")
     max_part_header_bytes: int = option(16 << 10, "header block of one multipart part (400 beyond it)")
+    # the program part
     max_program_bytes: int = option(16 << 20, "size of the program part (413 beyond it)")
-    max_program_values: int = option(1_000_000, "JSON values in the program part, counted by its commas and "
-                                     "opening brackets outside strings (413 beyond it)")
     max_program_instructions: int = option(100_000, "instructions in one program (413 beyond it)")
     max_run_args: int = option(100_000, "arguments of one run instruction (413 beyond it)")
+    max_program_values: int = option(1_000_000, "JSON values in the program part, counted by its commas and "
+                                     "opening brackets outside strings (413 beyond it)")
+    # connections, slow clients and request bodies in memory
     max_connections: int = option(0, "open client connections served at once; more wait in the listen "
                                   "backlog while idle keep-alive ones are closed (0: from the fd limit)")
     keepalive_timeout_seconds: float = option(15.0, "close a keep-alive connection idle this long")
@@ -274,10 +281,12 @@ class ServerConfig:
     body_rate_window_seconds: float = option(30.0, "a request body must bring --body-rate-min-bytes in every "
                                              "window of this length (408 and close otherwise)")
     body_rate_min_bytes: int = option(64 << 10, "least body bytes per --body-rate-window-seconds")
+    # request bodies in memory, all clients together
     max_body_bytes_in_flight: int = option(768 << 20, "request bodies held in memory at once, all clients "
                                            "together; later ones wait before being read")
     body_admission_wait_seconds: float = option(60.0, "how long a body waits for --max-body-bytes-in-flight "
                                                 "room before 503 busy")
+    # responses and captured output
     send_timeout_seconds: float = option(30.0, "drop a client that takes longer than this to take 1 MiB "
                                          "of its response")
     max_response_bytes: int = option(256 << 20, "response size limit (500 response_too_large beyond it)")
@@ -286,6 +295,7 @@ class ServerConfig:
                                      "serialization")
     output_limit_bytes: int = option(1 << 20, "default per-stream stdout/stderr capture limit")
     max_output_limit_bytes: int = option(16 << 20, "upper clamp for a request's output_limit_bytes")
+    # isolation and what one request may use (docs/sandbox.md)
     sandbox: str = option("auto", "isolate each request's code in a bubblewrap container (docs/sandbox.md); "
                           "auto: when a working bwrap is found and workers serve one request each",
                           choices=("auto", "none", "bubblewrap"))
@@ -293,6 +303,7 @@ class ServerConfig:
                                            flag="--sandbox-readonly-path")
     sandbox_uid: int = option(2_000_000_000, "host uid and gid sandboxed programs run as when the server runs "
                               "as root (pick one no account uses); an unprivileged server runs them as itself")
+    # one request's resources
     memory_limit_bytes: int | None = option(None, "memory of all of one request's processes together, sampled "
                                             "every 0.1 s; beyond it the request is stopped (0: no limit; "
                                             "default: half the machine's memory shared among the slots)")
@@ -305,6 +316,7 @@ class ServerConfig:
                                           "machine's memory shared among the slots)")
     file_limit: int | None = option(None, "files and directories one request may create (ENOSPC beyond it; "
                                     "sandbox only; 0: no limit; default: 100000)")
+    # who may call, and tenants' shares (docs/operations.md)
     token: str | None = option(None, "require 'Authorization: Bearer <token>' on every endpoint; several "
                                "tokens separated by commas or white space are all accepted.  On the command "
                                "line it is visible to every local user (ps): prefer KCORAL_TOKEN or "
@@ -1963,11 +1975,10 @@ class EventLog:
 # Prometheus text exposition format 0.0.4 (docs/operations.md, "Monitoring"): what GET /metrics serves
 METRIC_HELP = {
     "kcoral_requests_total": ("counter", "Requests answered, by result status, HTTP code and error kind"),
-    "kcoral_request_queue_seconds": ("histogram", "Time a request waited for a worker (and, behind HAProxy, "
-                                                  "in the proxy's queue)"),
     "kcoral_request_lease_wait_seconds": ("histogram", "Time a request's worker waited for the GPU lease"),
     "kcoral_request_lease_held_seconds": ("histogram", "Time a request's worker held the GPU lease"),
     "kcoral_request_duration_seconds": ("histogram", "Time from a request's first byte to its answer"),
+    "kcoral_request_queue_seconds": ("histogram", "Time a request waited for a worker (and in HAProxy's queue)"),
     "kcoral_request_body_bytes_total": ("counter", "Bytes of request bodies read"),
     "kcoral_response_body_bytes_total": ("counter", "Bytes of response bodies sent"),
     "kcoral_events_total": ("counter", "Event log records, by event and level"),
@@ -1984,11 +1995,10 @@ METRIC_HELP = {
     "kcoral_cache_bytes": ("gauge", "Bytes the cache holds (the disk cache: blocks its files occupy)"),
     "kcoral_cache_entries": ("gauge", "Entries the cache holds"),
     "kcoral_gpu_lease_busy_seconds_total": ("counter", "Seconds of released GPU leases, by GPU"),
-    "kcoral_requests_cancelled_total": ("counter", "Requests stopped because their client left, by phase "
-                                                   "(queue, lease, running) and tenant"),
     "kcoral_tenant_requests_running": ("gauge", "Requests running, per tenant named in --token-file"),
     "kcoral_tenant_requests_waiting": ("gauge", "Requests waiting for a worker, per tenant named in --token-file"),
     "kcoral_info": ("gauge", "This node's version, device and sandbox mode (always 1)"),
+    "kcoral_requests_cancelled_total": ("counter", "Requests stopped as their client left, by phase and tenant"),
 }
 DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0)
 KNOWN_KINDS = kcoral_worker.ERROR_KINDS | {"busy", "timeout", "request_too_large", "response_too_large",

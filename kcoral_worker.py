@@ -313,12 +313,17 @@ class UnexpectedMessage(RuntimeError):
 
 _Message = typing.TypeVar("_Message", bound=type)
 
+if typing.TYPE_CHECKING:
+    from typing_extensions import dataclass_transform
+else:  # only a type checker needs telling that @message makes a frozen dataclass
+    def dataclass_transform(**_: Any) -> Callable[[_Message], _Message]:
+        return lambda decorator: decorator
 
+
+@dataclass_transform(frozen_default=True)
 def message(cls: _Message) -> _Message:
-    """Declare a message class: a frozen dataclass (declared as one beneath, so type checkers see
-    its fields) the codec knows by name."""
-    if not getattr(getattr(cls, "__dataclass_params__", None), "frozen", False):
-        raise TypeError(f"@message {cls.__name__} is not a @dataclasses.dataclass(frozen=True)")
+    """Declare a message class: a frozen dataclass the codec knows by name."""
+    dataclasses.dataclass(frozen=True)(cls)  # makes `cls` itself one (no slots asked for)
     MESSAGE_TYPES[cls.__name__] = cls
     return cls
 
@@ -393,7 +398,6 @@ def fits(value: object, hint: Any) -> bool:
 
 
 @message
-@dataclasses.dataclass(frozen=True)
 class WorkerReady:
     """Worker -> front-end, once after the fork: pinned to its GPU(s) and imported, no CUDA context yet.
     The sandbox template sends it too, once it has imported what its workers preload."""
@@ -401,21 +405,18 @@ class WorkerReady:
 
 
 @message
-@dataclasses.dataclass(frozen=True)
 class WorkerFailed:
     """Worker -> front-end, instead of WorkerReady: this fork cannot serve (the template initialised CUDA)."""
     reason: str
 
 
 @message
-@dataclasses.dataclass(frozen=True)
 class InitGpu:
     """Front-end -> GPU worker, once after WorkerReady, while the front-end holds the lease: create the
     CUDA context.  Answered by GpuInitialized."""
 
 
 @message
-@dataclasses.dataclass(frozen=True)
 class GpuInitialized:
     """Worker -> front-end, the answer to InitGpu: what device 0 is, to check the pinning."""
     arch: str  # like "sm_90a"
@@ -424,7 +425,6 @@ class GpuInitialized:
 
 
 @message
-@dataclasses.dataclass(frozen=True)
 class JobRequest:
     """Front-end -> worker, once per request; with `capture`, the write ends of the stdout and
     stderr pipes follow as two passed file descriptors.  `blob_index` (hash -> (offset, size))
@@ -440,20 +440,17 @@ class JobRequest:
 
 
 @message
-@dataclasses.dataclass(frozen=True)
 class StopWorker:
     """Front-end -> idle worker: exit now."""
 
 
 @message
-@dataclasses.dataclass(frozen=True)
 class InstructionStarted:
     """Worker -> front-end, before each instruction: a crash from here on is attributed to it."""
     index: int
 
 
 @message
-@dataclasses.dataclass(frozen=True)
 class StageBlobs:
     """Worker -> front-end, at most once per request, the first time the program needs a blob's
     bytes (a GPU worker: before its first instruction, so the copy never runs under the lease).
@@ -461,7 +458,6 @@ class StageBlobs:
 
 
 @message
-@dataclasses.dataclass(frozen=True)
 class ReturnValue:
     """Worker -> front-end, as each `return` instruction completes (so a later crash cannot lose it).
 
@@ -473,26 +469,22 @@ class ReturnValue:
 
 
 @message
-@dataclasses.dataclass(frozen=True)
 class AcquireLease:
     """GPU worker -> front-end, before an instruction that may touch the GPU; answered by LeaseGranted."""
 
 
 @message
-@dataclasses.dataclass(frozen=True)
 class LeaseGranted:
     """Front-end -> GPU worker, the answer to AcquireLease: the worker's GPU(s) are its own now."""
 
 
 @message
-@dataclasses.dataclass(frozen=True)
 class ReleaseLease:
     """GPU worker -> front-end, before host-only work (file uploads and returns, cpu_only runs),
     after giving its cached GPU memory back.  Not answered."""
 
 
 @message
-@dataclasses.dataclass(frozen=True)
 class RequestDone:
     """Worker -> front-end, the last message of a request."""
     error: dict | None  # the FAILED result's error object
@@ -500,7 +492,6 @@ class RequestDone:
 
 
 @message
-@dataclasses.dataclass(frozen=True)
 class RequestSpace:
     """Front-end -> sandbox template, once, as its start-up argument: who its workers run as and
     the limits each request gets (0: none).  `kept` lists the read-only paths the container shows
@@ -514,7 +505,6 @@ class RequestSpace:
 
 
 @message
-@dataclasses.dataclass(frozen=True)
 class ForkWorker:
     """Front-end -> sandbox template: fork one worker; the worker's pipe follows as a passed file
     descriptor.  Answered by WorkerForked, then WorkerExited once that worker is gone."""
@@ -523,7 +513,6 @@ class ForkWorker:
 
 
 @message
-@dataclasses.dataclass(frozen=True)
 class WorkerForked:
     """Sandbox template -> front-end: the pid, inside the container, of the process holding the new
     worker's namespaces (its only child is the request's init, PID 1 there; the worker is PID 2)."""
@@ -531,7 +520,6 @@ class WorkerForked:
 
 
 @message
-@dataclasses.dataclass(frozen=True)
 class WorkerExited:
     """Sandbox template -> front-end: the worker it forked last is gone, with this exit code."""
     exit_code: int
@@ -1444,26 +1432,29 @@ def traceback_text(exc: BaseException, ours: bool = True) -> str:
 
 def drop_server_frames(report: traceback.TracebackException) -> None:
     """Remove the frames of SERVER_FILES from `report` and every exception chained to it."""
-    pending, seen = [report], set()
-    while pending:
-        current = pending.pop()
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
+    for current in chained(report):
         current.stack = traceback.StackSummary.from_list(
             [frame for frame in current.stack if os.path.basename(frame.filename) not in SERVER_FILES])
-        grouped = getattr(current, "exceptions", None) or ()  # an exception group's members (3.11)
-        pending += [e for e in (current.__cause__, current.__context__, *grouped) if e]
+
+
+def chained(root: Any) -> list[Any]:
+    """`root` and every exception chained to it (cause, context, an exception group's members),
+    each once: for exceptions and their traceback.TracebackException reports alike."""
+    found, pending, seen = [], [root], set()
+    while pending:
+        current = pending.pop()
+        if id(current) not in seen:
+            seen.add(id(current))
+            found.append(current)
+            links = (current.__cause__, current.__context__, *(getattr(current, "exceptions", None) or ()))
+            pending += [e for e in links if e is not None]
+    return found
 
 
 def limit_hint(exc: BaseException) -> str:
     """Which request limit a failure ran into, when one plausibly did (docs/sandbox.md): a write
     that found the sandbox's tmpfs full of bytes or of files, a fork or thread refused."""
-    chain: list[BaseException] = []
-    current: BaseException | None = exc
-    while current is not None and len(chain) < 16:
-        chain.append(current)
-        current = current.__cause__ or current.__context__
+    chain = chained(exc)
     errnos = {e.errno for e in chain if isinstance(e, OSError)}
     if errnos & {errno.ENOSPC, errno.EDQUOT} and os.getcwd().startswith(SANDBOX_ROOT):
         space = os.statvfs(SANDBOX_ROOT)
@@ -1478,17 +1469,8 @@ def limit_hint(exc: BaseException) -> str:
 
 def passes_through_uploaded_code(exc: BaseException) -> bool:
     """Whether `exc` (or an exception chained to it) was raised in or below a frame of uploaded code."""
-    pending, seen = [exc], set()
-    while pending:
-        current = pending.pop()
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
-        frames = traceback.walk_tb(current.__traceback__)
-        if any(frame.f_code.co_filename.startswith("<uploaded:") for frame, _ in frames):
-            return True
-        pending += [e for e in (current.__cause__, current.__context__) if e is not None]
-    return False
+    return any(frame.f_code.co_filename.startswith("<uploaded:")
+               for current in chained(exc) for frame, _ in traceback.walk_tb(current.__traceback__))
 
 
 LINE_BUDGET = 256  # line-ending writes per instruction that reach the pipe as they are printed
@@ -2656,7 +2638,6 @@ def activity_spans(records: list[Activity], windows: list[tuple[int, int]],
 # candidate's code: what the candidate patches, reads or leaves running is in its own process.
 
 @message
-@dataclasses.dataclass(frozen=True)
 class EvalLoad:
     """evaluate -> kernel process, once: run `source` as a module and call its `entry` from now on
     (through one captured CUDA graph with `cuda_graph`); answered by an empty EvalOutputs."""
@@ -2666,7 +2647,6 @@ class EvalLoad:
 
 
 @message
-@dataclasses.dataclass(frozen=True)
 class EvalCall:
     """evaluate -> kernel process: a call's arguments as value specs, their bytes after the frame in
     order.  The process builds them on the device and calls the kernel, or with `echo` answers its
@@ -2677,13 +2657,11 @@ class EvalCall:
 
 
 @message
-@dataclasses.dataclass(frozen=True)
 class EvalSendInputs:
     """evaluate -> kernel process: answer the last inputs as they are now (did the call write them?)."""
 
 
 @message
-@dataclasses.dataclass(frozen=True)
 class EvalOutputs:
     """kernel process -> evaluate: value specs, their bytes after the frame; or what went wrong."""
     values: list[dict]
