@@ -100,7 +100,7 @@ import typing
 import urllib.parse
 import urllib.request
 import uuid
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from typing import Any, NoReturn
@@ -114,9 +114,16 @@ from kcoral_worker import (
     Instruction,
     ValidationError,
     become_subreaper,
+    children_of,
+    descendants,
+    group_members,
+    is_live,
     is_ref,
+    kill_group,
+    killed_already,
     normalize_path,
     recv_raw,
+    tree_members,
     wait_readable,
 )
 
@@ -4201,84 +4208,6 @@ class Worker:
         self.kill(grace)
 
 
-def group_members(pgid: int, exclude: Collection[int] = ()) -> list[int]:
-    """Live processes in a process group, plus the leader's live descendants in other groups
-    (a program may start new sessions); zombies of ours found on the way are reaped."""
-    members, me, parents = [], os.getpid(), {}
-    own_group = os.getpgrp()  # the forkserver and resource tracker: multiprocessing reaps those
-    for pid, state, ppid, pgrp in kcoral_worker.process_table():
-        if pid in exclude:
-            continue
-        if state == b"Z":
-            if ppid == me and pgrp != own_group:  # an orphan of some program, ended up with us
-                with contextlib.suppress(ChildProcessError):
-                    os.waitpid(pid, os.WNOHANG)
-        elif pgrp == pgid:
-            members.append(pid)
-        else:
-            parents[pid] = ppid
-    frontier = {pgid}
-    while frontier:
-        frontier = {pid for pid, ppid in parents.items() if ppid in frontier and pid not in members}
-        members.extend(frontier)
-    return members
-
-
-def marked_processes(worker_pid: int) -> list[int]:
-    """Live processes started under a worker (they inherit its KCORAL_WORKER_PID), wherever
-    they are now: after a crash, a new-session child is an orphan outside every tree."""
-    mark = f"\0{kcoral_worker.WORKER_MARK}={worker_pid}\0".encode()
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/environ", "rb") as f:
-                    if mark in b"\0" + f.read() + b"\0":
-                        found.append(int(name))
-            except OSError:
-                pass
-    return found
-
-
-def is_live(pid: int) -> bool:
-    fields = kcoral_worker.proc_stat(pid)
-    return fields is not None and fields[0] not in (b"Z", b"X")
-
-
-def kill_group(pgid: int, grace: float, exclude: Collection[int] = (), orphans: bool = False,
-               kill_wait: float = 10.0) -> bool:
-    """SIGTERM the group and its leader's descendants (with `orphans`, also every process
-    started under it), SIGKILL what is left after the grace period, sweep after sweep for up to
-    `kill_wait` seconds.  -> whether it is gone."""
-    return kcoral_worker.terminate(lambda: tree_members(pgid, exclude, orphans), grace, kill_wait, group=pgid,
-                                   at_once=(pgid,))
-
-
-def tree_members(pgid: int, exclude: Collection[int] = (), orphans: bool = False) -> list[int]:
-    """What kill_group kills: the group and its leader's descendants (with `orphans`, every live
-    process started under it too)."""
-    marked = [pid for pid in marked_processes(pgid) if pid not in exclude] if orphans else []
-    return group_members(pgid, exclude) + [pid for pid in marked if is_live(pid)]
-
-
-PF_EXITING = 0x4  # /proc/PID/stat flags: the process is in its exit (include/linux/sched.h)
-
-
-def killed_already(pid: int) -> bool:
-    """Whether a process will never run a program's code again: it is gone, in its exit, or has
-    SIGKILL pending (waiting in the kernel, say for a driver that tears down a CUDA context whose
-    kernel still spins).  What is left of it is the kernel's work, not the program's."""
-    fields = kcoral_worker.proc_stat(pid)
-    if fields is None or int(fields[6]) & PF_EXITING:
-        return True
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            pending = [int(line.split()[1], 16) for line in f if line.startswith(("SigPnd:", "ShdPnd:"))]
-    except (OSError, ValueError, IndexError):
-        return kcoral_worker.proc_stat(pid) is None
-    return any(mask & 1 << (signal.SIGKILL - 1) for mask in pending)
-
-
 # --- 9. GPUs and the lease (docs/server.md §1-2) --------------------------------------------------
 
 def resolve_device(config: ServerConfig) -> tuple[str, list[int], dict[int, str]]:
@@ -4981,29 +4910,6 @@ def ensure_gpu_control_nodes(log: EventLog) -> list[str]:
         log.event("gpu_device_node_missing", "WARNING", node=node, effect=REQUIRED_GPU_NODES[node],
                   remedy="run nvidia-modprobe -u -c=0 (or load nvidia-uvm and create the node) and restart")
     return missing
-
-
-def children_of(pid: int | None) -> list[int]:
-    """Live children of a process, from the kernel's per-thread child lists: a few small reads
-    instead of a scan of every process on the machine (this runs on every request)."""
-    found: list[int] = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return found
-    for tid in tasks:
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/children") as f:
-            found += [int(child) for child in f.read().split()]
-    return [child for child in found if is_live(child)]
-
-
-def descendants(pid: int | None) -> list[int]:
-    found: list[int] = []
-    frontier = children_of(pid)
-    while frontier:
-        found += frontier
-        frontier = [child for parent in frontier for child in children_of(parent)]
-    return found
 
 
 def inner_pid(pid: int) -> int | None:

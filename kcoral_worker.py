@@ -563,6 +563,15 @@ def die_with_parent() -> None:
     prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+# --- process trees: finding a request's processes, ending them with a grace, confirming them gone --
+#
+# Finding: `group_members` (a worker's group and its leader's descendants), `marked_processes` (by
+# the environment mark, after a crash), `descendants`, `escaped_descendants` (the worker's, outside
+# its group).  Ending: `terminate`, which every caller goes through (`kill_group`, the worker's
+# `terminate_escaped`, the sandbox's template), or, in a request's own PID namespace, kill(-1).
+# Confirming: `terminate`'s result, and `killed_already` for a tree the kernel still tears down.
+# What to do when a tree will not go (quarantine a GPU, replace a container) stays with its owner.
+
 def proc_stat(pid: int | str) -> list[bytes] | None:
     """The fields of /proc/PID/stat after the command name (state, ppid, pgrp, ... : field 3 on
     is index 0 on), or None when the process is gone."""
@@ -580,20 +589,83 @@ def process_table() -> Iterator[tuple[int, bytes, int, int]]:
             yield int(name), fields[0], int(fields[1]), int(fields[2])
 
 
+PF_EXITING = 0x4  # /proc/PID/stat flags: the process is in its exit (include/linux/sched.h)
+
+
+def is_live(pid: int) -> bool:
+    fields = proc_stat(pid)
+    return fields is not None and fields[0] not in (b"Z", b"X")
+
+
+def children_of(pid: int | None) -> list[int]:
+    """Live children of a process, from the kernel's per-thread child lists: a few small reads
+    instead of a scan of every process on the machine (this runs on every request)."""
+    found: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for tid in tasks:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/children") as f:
+            found += [int(child) for child in f.read().split()]
+    return [child for child in found if is_live(child)]
+
+
+def descendants(pid: int | None) -> list[int]:
+    """Live descendants of a process, walked down the kernel's child lists."""
+    found: list[int] = []
+    frontier = children_of(pid)
+    while frontier:
+        found += frontier
+        frontier = [child for parent in frontier for child in children_of(parent)]
+    return found
+
+
+def group_members(pgid: int, exclude: Collection[int] = ()) -> list[int]:
+    """Live processes in a process group, plus the leader's live descendants in other groups
+    (a program may start new sessions); zombies of ours found on the way are reaped."""
+    members, me = [], os.getpid()
+    own_group = os.getpgrp()  # the forkserver and resource tracker: multiprocessing reaps those
+    for pid, state, ppid, pgrp in process_table():
+        if pid in exclude:
+            continue
+        if state == b"Z":
+            if ppid == me and pgrp != own_group:  # an orphan of some program, ended up with us
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)
+        elif pgrp == pgid:
+            members.append(pid)
+    return members + [pid for pid in descendants(pgid) if pid not in members and pid not in exclude]
+
+
+def marked_processes(worker_pid: int) -> list[int]:
+    """Live processes started under a worker (they inherit its KCORAL_WORKER_PID), wherever
+    they are now: after a crash, a new-session child is an orphan outside every tree."""
+    mark = f"\0{WORKER_MARK}={worker_pid}\0".encode()
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/environ", "rb") as f:
+                    if mark in b"\0" + f.read() + b"\0":
+                        found.append(int(name))
+            except OSError:
+                pass
+    return found
+
+
+def tree_members(pgid: int, exclude: Collection[int] = (), orphans: bool = False) -> list[int]:
+    """What kill_group kills: the group and its leader's descendants (with `orphans`, every live
+    process started under it too)."""
+    marked = [pid for pid in marked_processes(pgid) if pid not in exclude] if orphans else []
+    return group_members(pgid, exclude) + [pid for pid in marked if is_live(pid)]
+
+
 def escaped_descendants() -> list[int]:
     """Live descendants outside our process group (started with a new session or group): the
     front-end kills and reports what is left in the group; these it cannot see."""
-    me, parents, groups = os.getpid(), {}, {}
-    for pid, state, ppid, pgrp in process_table():
-        if state != b"Z":
-            parents[pid], groups[pid] = ppid, pgrp
-    tree: set[int] = set()
-    frontier = {me}
-    while frontier:
-        frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - tree
-        tree |= frontier
     group = os.getpgid(0)
-    return sorted(pid for pid in tree if groups[pid] != group)
+    return [pid for pid in descendants(os.getpid()) if (fields := proc_stat(pid)) and int(fields[2]) != group]
 
 
 def terminate_escaped(grace: float) -> bool:
@@ -698,6 +770,29 @@ def terminate(remaining: Callable[[], list[int]], grace: float, kill_for: float,
         seen = set(pids)
         time.sleep(0.001)
         pids = remaining()
+
+
+def kill_group(pgid: int, grace: float, exclude: Collection[int] = (), orphans: bool = False,
+               kill_wait: float = 10.0) -> bool:
+    """SIGTERM the group and its leader's descendants (with `orphans`, also every process
+    started under it), SIGKILL what is left after the grace period, sweep after sweep for up to
+    `kill_wait` seconds.  -> whether it is gone."""
+    return terminate(lambda: tree_members(pgid, exclude, orphans), grace, kill_wait, group=pgid, at_once=(pgid,))
+
+
+def killed_already(pid: int) -> bool:
+    """Whether a process will never run a program's code again: it is gone, in its exit, or has
+    SIGKILL pending (waiting in the kernel, say for a driver that tears down a CUDA context whose
+    kernel still spins).  What is left of it is the kernel's work, not the program's."""
+    fields = proc_stat(pid)
+    if fields is None or int(fields[6]) & PF_EXITING:
+        return True
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            pending = [int(line.split()[1], 16) for line in f if line.startswith(("SigPnd:", "ShdPnd:"))]
+    except (OSError, ValueError, IndexError):
+        return proc_stat(pid) is None
+    return any(mask & 1 << (signal.SIGKILL - 1) for mask in pending)
 
 
 # --- the worker process: start, serve requests, exit ----------------------------------------------

@@ -1460,12 +1460,12 @@ def test_a_missing_nvidia_uvm_node_is_created_or_warned_about(monkeypatch, tmp_p
 # --- quarantine, multi-GPU start-up, shutdown --------------------------------------
 
 def test_kill_group_reports_a_tree_it_cannot_confirm_gone(monkeypatch):
-    monkeypatch.setattr(kcoral, "group_members", lambda pgid, exclude=(): [4194001])  # never goes away
+    monkeypatch.setattr(kcoral_worker, "group_members", lambda pgid, exclude=(): [4194001])  # never goes away
     started = time.monotonic()
-    assert kcoral.kill_group(4194001, 0.05, kill_wait=0.1) is False
+    assert kcoral_worker.kill_group(4194001, 0.05, kill_wait=0.1) is False
     assert time.monotonic() - started < 5
-    monkeypatch.setattr(kcoral, "group_members", lambda pgid, exclude=(): [])
-    assert kcoral.kill_group(4194001, 0.05) is True
+    monkeypatch.setattr(kcoral_worker, "group_members", lambda pgid, exclude=(): [])
+    assert kcoral_worker.kill_group(4194001, 0.05) is True
 
 
 def test_unconfirmed_kill_quarantines_the_gpu():
@@ -1486,16 +1486,16 @@ def test_unconfirmed_kill_quarantines_the_gpu():
 def test_a_killed_process_still_in_its_exit_runs_no_code_again(monkeypatch):
     sleeper = subprocess.Popen(["sleep", "60"])
     try:
-        assert not kcoral.killed_already(sleeper.pid)  # alive, nothing pending
+        assert not kcoral_worker.killed_already(sleeper.pid)  # alive, nothing pending
         stat = kcoral_worker.proc_stat(sleeper.pid)
-        exiting = stat[:6] + [str(int(stat[6]) | kcoral.PF_EXITING).encode()] + stat[7:]
+        exiting = stat[:6] + [str(int(stat[6]) | kcoral_worker.PF_EXITING).encode()] + stat[7:]
         monkeypatch.setattr(kcoral_worker, "proc_stat", lambda pid: exiting)  # as the kernel shows one in its exit
-        assert kcoral.killed_already(sleeper.pid)
+        assert kcoral_worker.killed_already(sleeper.pid)
     finally:
         sleeper.kill()
         sleeper.wait()
     monkeypatch.undo()
-    assert kcoral.killed_already(sleeper.pid)  # gone
+    assert kcoral_worker.killed_already(sleeper.pid)  # gone
 
 
 def test_a_worker_left_only_in_its_exit_is_marked_and_not_waited_for_twice(monkeypatch):
