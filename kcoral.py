@@ -23,32 +23,36 @@ Processes and threads (one node):
 
 Sections, in the order a request travels (each section's functions in call order):
  0. configuration: `ServerConfig`, every setting once; the command line is generated from it
- 1. HTTP front-end: `ConnectionGuard`, `BodyBudget`, `KCoralHTTPServer`, `RequestHandler`
-    (`handle_one_request` -> `parse_request` -> `do_POST` -> `read_and_execute` -> `respond`)
- 2. the application: `KCoralServer.handle_execute` (protocol order, docs/protocol.md §4.7), its
-    lifecycle (`start`, `serve_forever`, `stop`)
- 3. what it records: `EventLog`, `SavedPrograms`
- 4. wire rules, envelope: `split_request`, the multipart parser, strict JSON
- 5. wire rules, program: `parse_program` and its checks
- 6. the blob store: `BlobStore` over `MemoryCache` and `DiskCache`
- 7. the pool and one execution: `Pool.run_job` -> `Execution.run` (the worker conversation)
- 8. launching workers: the forkserver, `Worker`, killing a process group
+ 1. HTTP front-end: `KCoralHTTPServer`, `RequestHandler` (`handle_one_request` -> `parse_request`
+    -> `do_POST` -> `read_and_execute` -> `respond`), then what it reads under: `ConnectionGuard`,
+    `BodyBudget` (with `wait_turn`, the one FIFO wait, which the pool and the lease use too)
+ 2. the application: `Job`, `Outcome`, `KCoralServer.handle_execute` (protocol order,
+    docs/protocol.md §4.7) -> `run_program`, then its lifecycle (`start`, `serve_forever`, `stop`)
+ 3. wire rules, envelope: `split_request`, the multipart parser, strict JSON
+ 4. wire rules, program: `parse_program` and its checks
+ 5. the blob store: `BlobStore` over `MemoryCache` and `DiskCache`
+ 6. the pool and one execution: `Pool.run_job` -> `Execution.run` (the worker conversation)
+ 7. workspaces: created per request, removed without following links
+ 8. launching workers: the forkserver template and its imports, `Worker`
  9. GPUs and the lease: `LeaseArbiter`
 10. the sandbox: `SandboxTemplate`, `bwrap_command`
-11. workspaces: created per request, removed without following links
+11. what the application records: `EventLog`, `SavedPrograms`, `Metrics`
 12. the command line, 13. `haproxy-config`
 
-Reading one request downwards, the jumps are: (a) from `Execution.converse` (§7) into
-kcoral_worker.py's `serve_request`, whose messages come back to §7; (b) the answer goes back
-up from §7 to `RequestHandler.respond` in §1 (with `multipart_result`); (c) `Pool.run_job`
-reaches a worker started at start-up by §8, and, GPU only, takes the lease of §9 and, under
-the sandbox, §10's container; (d) `Execution` removes its workspace with §11's helpers.
+Read downwards, a request goes §1 -> §2 -> §3 -> §4 -> §5 -> §6 -> §7 -> §8; the jumps are:
+(a) from §5's `BlobStore.resolve` back up to §2's `run_program`, which hands the job to §6;
+(b) `Execution.converse` (§6) into kcoral_worker.py's `serve_request`, whose messages come back
+to §6; (c) ending the worker (§8's `Worker.kill`) goes through kcoral_worker.py's process
+trees (`kill_group`, `terminate`); (d) the answer goes back up from §2 to §1's `respond`;
+(e) on the way, §2 and §1 record through §11 (`save_program`, `event`).  GPU workers take the
+lease of §9 and, sandboxed, start in §10's container, both set up at start-up.
 
-Lifecycle verbs mean one thing each, across the classes: `start` begins serving (threads,
-processes); `drain` admits nothing new while admitted work runs on (`Pool`, `BodyBudget`,
-`LeaseArbiter`); `stop` ends gracefully and releases everything once work is done
-(`KCoralServer`, `Pool`, `Worker`, `ConnectionGuard`); `kill` ends processes now (`Worker`,
-`SandboxTemplate`); `close` releases a file or descriptor only (`EventLog`, `SavedPrograms`).
+Lifecycle verbs mean one thing each, across the classes (tests/test_docs.py holds them to it):
+`start` begins serving, threads or processes (`KCoralServer`, `SpareWorker`); `drain` admits
+nothing new while admitted work runs on (`Pool`, `BodyBudget`, `LeaseArbiter`); `stop` ends
+gracefully and releases everything once work is done (`KCoralServer`, `Pool`, `Worker`,
+`ConnectionGuard`, `MemoryWatch`); `kill` ends processes now (`Worker`, `SandboxTemplate`);
+`close` releases a file or descriptor only (`EventLog`, `SavedPrograms`).
 
 The client lives in client.py; `from kcoral import Client, Program` loads it
 lazily from beside this file (`load_client`), so the server needs only this
@@ -399,230 +403,7 @@ def quota_enforcement(config: ServerConfig) -> dict[str, str]:
             for name in QUOTA_NAMES}
 
 
-# --- 1. HTTP front-end: connection limits, body budget, framing, the request handler --------------
-
-@dataclasses.dataclass
-class Phase:
-    """Where a connection is in its request: "idle" (keep-alive, waiting for a request),
-    "header" (request line and headers) or "body"; `received` counts body bytes."""
-    name: str
-    since: float
-    received: int = 0
-    window_start: float = 0.0
-    window_bytes: int = 0
-
-
-class ConnectionGuard:
-    """Deadlines that no socket timeout can express: a socket timeout bounds one read, so a
-    header or body trickling in a byte at a time never trips it.  One thread checks every
-    watched connection a few times a second and cuts the read side of those past their
-    deadline; the handler's read then ends and it answers 408 (or just closes)."""
-
-    TICK = 0.25
-
-    def __init__(self, config: ServerConfig) -> None:
-        self.config = config
-        self.lock = threading.Lock()
-        self.watched: dict[RequestHandler, Phase] = {}
-        self.closed_phases: dict[str, str] = {}  # phase name -> why any connection entering it is cut
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self.run, name="kcoral-connection-guard", daemon=True)
-        self.thread.start()
-
-    def enter(self, handler: RequestHandler, name: str) -> Phase:
-        now = time.monotonic()
-        phase = Phase(name, now, window_start=now)
-        with self.lock:
-            self.watched[handler] = phase
-            reason = self.closed_phases.get(name)
-        if reason is not None:  # a body that reaches its read after shutdown began is cut as those before it were
-            self.cut(handler, reason, phase)
-        return phase
-
-    def leave(self, handler: RequestHandler) -> None:
-        with self.lock:
-            self.watched.pop(handler, None)
-
-    def run(self) -> None:
-        while not self.stopped.wait(self.TICK):
-            now = time.monotonic()
-            with self.lock:
-                expired = [(h, phase, reason) for h, phase in self.watched.items()
-                           if (reason := self.expired(phase, now)) is not None]
-            for handler, phase, reason in expired:
-                self.cut(handler, reason, phase)
-
-    def expired(self, phase: Phase, now: float) -> str | None:
-        config = self.config
-        if phase.name == "idle":
-            return "idle" if now - phase.since >= config.keepalive_timeout_seconds else None
-        if phase.name == "header":
-            return "header_timeout" if now - phase.since >= config.header_timeout_seconds else None
-        if now - phase.window_start < config.body_rate_window_seconds:
-            return None
-        if phase.received - phase.window_bytes < config.body_rate_min_bytes:
-            return "body_rate"
-        phase.window_start, phase.window_bytes = now, phase.received  # the next window
-        return None
-
-    def cut(self, handler: RequestHandler, reason: str, phase: Phase | None = None) -> None:
-        """Cut the read side of `handler`'s connection if it is still in `phase` (any phase: None)."""
-        with self.lock:
-            current = self.watched.get(handler)
-            if current is None or (phase is not None and current is not phase):
-                return  # it moved on meanwhile
-            del self.watched[handler]
-        handler.cut_reason = reason
-        try:
-            handler.connection.shutdown(socket.SHUT_RD)
-        except OSError:
-            pass
-
-    def cut_idle(self, idle_for: float) -> int:
-        """Close keep-alive connections idle for `idle_for` seconds or more -> how many."""
-        now = time.monotonic()
-        with self.lock:
-            idle = [(h, phase) for h, phase in self.watched.items()
-                    if phase.name == "idle" and now - phase.since >= idle_for]
-        for handler, phase in idle:
-            self.cut(handler, "idle", phase)
-        return len(idle)
-
-    def cut_phase(self, name: str, reason: str) -> None:
-        """Cut every connection in phase `name`, now and from now on (shutdown: the bodies still arriving)."""
-        with self.lock:
-            self.closed_phases[name] = reason
-            found = [(h, phase) for h, phase in self.watched.items() if phase.name == name]
-        for handler, phase in found:
-            self.cut(handler, reason, phase)
-
-    def stop(self) -> None:
-        self.stopped.set()
-
-
-_Served = typing.TypeVar("_Served")
-
-
-def wait_turn(cond: threading.Condition, queue: Any, ticket: object, turn: Callable[[], _Served | None],
-              deadline: float | None, refused: Callable[[], bool] = lambda: False,
-              client_gone: Callable[[], bool] | None = None, where: str = "") -> _Served | None:
-    """The one wait of the three admission points (body memory, slots, GPU leases), `ticket`
-    already in their `queue`, `cond` held: until `turn()` serves it (-> what it returns), `refused()`
-    says no or `deadline` (time.monotonic(), None: none) passes (-> None); ClientGone(`where`) once
-    `client_gone()` says so, asked every CLIENT_CHECK_SECONDS.  However it ends, the ticket leaves
-    the queue and the other waiters are woken: the head of the line may have changed."""
-    try:
-        while not refused():
-            served = turn()
-            if served is not None:
-                return served
-            if client_gone is not None and client_gone():
-                raise ClientGone(where)
-            wait = None if deadline is None else deadline - time.monotonic()
-            if wait is not None and wait <= 0:
-                return None
-            if client_gone is not None:
-                wait = CLIENT_CHECK_SECONDS if wait is None else min(wait, CLIENT_CHECK_SECONDS)
-            cond.wait(wait)
-        return None
-    finally:
-        queue.remove(ticket)
-        cond.notify_all()
-
-
-class BodyBudget:
-    """Admission of request bodies against a global in-memory budget, first come first served, so
-    memory stays bounded however many clients upload at once.  Bodies reserve it as their bytes
-    arrive, a step ahead (BodyReservation), not their declared size: a client trickling a body it
-    declared huge holds a step, not the budget.  When the budget is full, the first body waiting
-    may take all it still declared beyond it, provided no body does already: bodies read halfway
-    then never wait on each other for ever, and memory stays below the budget plus one body."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.in_use = 0
-        self.queue: collections.deque[object] = collections.deque()
-        self.closed = False
-        self.cond = threading.Condition()
-
-    def reserve(self, held: int, wanted: int, declared: int, timeout: float) -> int | None:
-        """Grow a reservation of `held` bytes to `wanted` (or to `declared`, beyond the budget) -> the
-        new reservation, or None after `timeout` s or on shutdown."""
-        ticket = object()
-
-        def turn() -> int | None:
-            if self.queue[0] is not ticket:
-                return None
-            if self.in_use + wanted - held <= self.capacity:
-                grown = wanted
-            elif self.in_use <= self.capacity:  # no body is beyond the budget: this one may be
-                grown = declared
-            else:
-                return None
-            self.in_use += grown - held
-            return grown
-
-        with self.cond:
-            self.queue.append(ticket)
-            return wait_turn(self.cond, self.queue, ticket, turn, time.monotonic() + timeout, lambda: self.closed)
-
-    def release(self, size: int) -> None:
-        with self.cond:
-            self.in_use -= size
-            self.cond.notify_all()
-
-    def drain(self) -> None:
-        """Admit no more bodies; those waiting for room are refused."""
-        with self.cond:
-            self.closed = True
-            self.cond.notify_all()
-
-
-class BodyReservation:
-    """One body's share of the BodyBudget: `held` bytes, kept a STEP ahead of the `received` ones."""
-
-    STEP = 256 << 10  # small, so that a thousand connections each trickling a byte hold little
-
-    def __init__(self, budget: BodyBudget, declared: int, timeout: float) -> None:
-        self.budget, self.declared, self.timeout = budget, declared, timeout
-        self.held = self.received = 0
-
-    def room(self) -> int:
-        return self.held - self.received
-
-    def grow(self) -> bool:
-        """Room for the next bytes -> False after the admission wait, or on shutdown."""
-        wanted = min(self.declared, self.received + self.STEP)
-        held = self.budget.reserve(self.held, max(wanted, self.held), self.declared, self.timeout)
-        if held is None:
-            return False
-        self.held = held
-        return True
-
-    def release(self) -> None:
-        self.budget.release(self.held)
-        self.held = 0
-
-
-class BodyCut(Exception):
-    """The connection guard cut a request body (too slow, or the server is stopping)."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-def default_max_connections() -> int:
-    """A quarter of the fd limit (a connection in a request may hold a few more fds: staging
-    files, pipes, cache files), so fds run out after connections do."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        soft = 1 << 16
-    return max(8, min(1024, (soft - 64) // 4))
-
-
-ACCEPT_RESOURCE_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
-
+# --- 1. HTTP front-end: the server, the request handler, then the limits it reads under -----------
 
 class KCoralHTTPServer(http.server.ThreadingHTTPServer):
     """ThreadingHTTPServer with a bounded number of connections (one thread each).
@@ -873,7 +654,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         """The one log line for a request stopped because its client left; nothing is answered."""
         self.close_connection = True
         if self.stream is not None:  # its sender thread ends with the frames it has
-            self.stream.close()
+            self.stream.end_output()
         self.app.log.event("request_cancelled", "WARNING", request_id=request_id, tenant=self.tenant or None,
                            phase=phase, peer=self.client_address[0], request_bytes=self.request_bytes,
                            total_ms=(time.monotonic() - started) * 1e3)
@@ -1053,7 +834,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
 
     def respond(self, request_id: str, outcome: Outcome) -> int:
         """Send an Outcome; -> bytes sent."""
-        if self.stream is not None and self.stream.close():  # output went out already: the answer is its last frame
+        if self.stream is not None and self.stream.end_output():  # output went out: the answer is its last frame
             return self.stream.finish(*self.answer_pieces(request_id, outcome))
         if outcome.http_status != 200:
             return self.send_error_body(outcome.http_status, request_id, outcome.kind, outcome.message,
@@ -1201,7 +982,7 @@ class OutputStream:
 
     The reader thread calls `feed`, which only queues: a client slow to read must not stall it,
     or the worker would block on its pipe and the captured output would lose its tail.  A sender
-    thread, started with the first output, writes the frames; the handler thread then `close`s
+    thread, started with the first output, writes the frames; the handler thread then ends the output
     (waits for the queue to empty) and `finish`es with the answer."""
 
     def __init__(self, handler: RequestHandler, request_id: str) -> None:
@@ -1228,7 +1009,7 @@ class OutputStream:
         while (frame := self.frames.get()) is not None:
             self.write_frame(frame[0].encode(), [frame[1]])
 
-    def close(self) -> bool:
+    def end_output(self) -> bool:
         """No more output frames; -> whether the stream began (then `finish` must end it)."""
         with self.lock:
             self.open = False
@@ -1367,7 +1148,256 @@ def json_bytes(value: Json) -> bytes:
         return json.dumps(value, separators=(",", ":"), allow_nan=False).encode("ascii")
 
 
-# --- 2. the application: KCoralServer, handle_execute and the instance's lifecycle ----------------
+@dataclasses.dataclass
+class Phase:
+    """Where a connection is in its request: "idle" (keep-alive, waiting for a request),
+    "header" (request line and headers) or "body"; `received` counts body bytes."""
+    name: str
+    since: float
+    received: int = 0
+    window_start: float = 0.0
+    window_bytes: int = 0
+
+
+class ConnectionGuard:
+    """Deadlines that no socket timeout can express: a socket timeout bounds one read, so a
+    header or body trickling in a byte at a time never trips it.  One thread checks every
+    watched connection a few times a second and cuts the read side of those past their
+    deadline; the handler's read then ends and it answers 408 (or just closes)."""
+
+    TICK = 0.25
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.lock = threading.Lock()
+        self.watched: dict[RequestHandler, Phase] = {}
+        self.closed_phases: dict[str, str] = {}  # phase name -> why any connection entering it is cut
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self.run, name="kcoral-connection-guard", daemon=True)
+        self.thread.start()
+
+    def enter(self, handler: RequestHandler, name: str) -> Phase:
+        now = time.monotonic()
+        phase = Phase(name, now, window_start=now)
+        with self.lock:
+            self.watched[handler] = phase
+            reason = self.closed_phases.get(name)
+        if reason is not None:  # a body that reaches its read after shutdown began is cut as those before it were
+            self.cut(handler, reason, phase)
+        return phase
+
+    def leave(self, handler: RequestHandler) -> None:
+        with self.lock:
+            self.watched.pop(handler, None)
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.TICK):
+            now = time.monotonic()
+            with self.lock:
+                expired = [(h, phase, reason) for h, phase in self.watched.items()
+                           if (reason := self.expired(phase, now)) is not None]
+            for handler, phase, reason in expired:
+                self.cut(handler, reason, phase)
+
+    def expired(self, phase: Phase, now: float) -> str | None:
+        config = self.config
+        if phase.name == "idle":
+            return "idle" if now - phase.since >= config.keepalive_timeout_seconds else None
+        if phase.name == "header":
+            return "header_timeout" if now - phase.since >= config.header_timeout_seconds else None
+        if now - phase.window_start < config.body_rate_window_seconds:
+            return None
+        if phase.received - phase.window_bytes < config.body_rate_min_bytes:
+            return "body_rate"
+        phase.window_start, phase.window_bytes = now, phase.received  # the next window
+        return None
+
+    def cut(self, handler: RequestHandler, reason: str, phase: Phase | None = None) -> None:
+        """Cut the read side of `handler`'s connection if it is still in `phase` (any phase: None)."""
+        with self.lock:
+            current = self.watched.get(handler)
+            if current is None or (phase is not None and current is not phase):
+                return  # it moved on meanwhile
+            del self.watched[handler]
+        handler.cut_reason = reason
+        try:
+            handler.connection.shutdown(socket.SHUT_RD)
+        except OSError:
+            pass
+
+    def cut_idle(self, idle_for: float) -> int:
+        """Close keep-alive connections idle for `idle_for` seconds or more -> how many."""
+        now = time.monotonic()
+        with self.lock:
+            idle = [(h, phase) for h, phase in self.watched.items()
+                    if phase.name == "idle" and now - phase.since >= idle_for]
+        for handler, phase in idle:
+            self.cut(handler, "idle", phase)
+        return len(idle)
+
+    def cut_phase(self, name: str, reason: str) -> None:
+        """Cut every connection in phase `name`, now and from now on (shutdown: the bodies still arriving)."""
+        with self.lock:
+            self.closed_phases[name] = reason
+            found = [(h, phase) for h, phase in self.watched.items() if phase.name == name]
+        for handler, phase in found:
+            self.cut(handler, reason, phase)
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+
+_Served = typing.TypeVar("_Served")
+
+
+def wait_turn(cond: threading.Condition, queue: Any, ticket: object, turn: Callable[[], _Served | None],
+              deadline: float | None, refused: Callable[[], bool] = lambda: False,
+              client_gone: Callable[[], bool] | None = None, where: str = "") -> _Served | None:
+    """The one wait of the three admission points (body memory, slots, GPU leases), `ticket`
+    already in their `queue`, `cond` held: until `turn()` serves it (-> what it returns), `refused()`
+    says no or `deadline` (time.monotonic(), None: none) passes (-> None); ClientGone(`where`) once
+    `client_gone()` says so, asked every CLIENT_CHECK_SECONDS.  However it ends, the ticket leaves
+    the queue and the other waiters are woken: the head of the line may have changed."""
+    try:
+        while not refused():
+            served = turn()
+            if served is not None:
+                return served
+            if client_gone is not None and client_gone():
+                raise ClientGone(where)
+            wait = None if deadline is None else deadline - time.monotonic()
+            if wait is not None and wait <= 0:
+                return None
+            if client_gone is not None:
+                wait = CLIENT_CHECK_SECONDS if wait is None else min(wait, CLIENT_CHECK_SECONDS)
+            cond.wait(wait)
+        return None
+    finally:
+        queue.remove(ticket)
+        cond.notify_all()
+
+
+class BodyBudget:
+    """Admission of request bodies against a global in-memory budget, first come first served, so
+    memory stays bounded however many clients upload at once.  Bodies reserve it as their bytes
+    arrive, a step ahead (BodyReservation), not their declared size: a client trickling a body it
+    declared huge holds a step, not the budget.  When the budget is full, the first body waiting
+    may take all it still declared beyond it, provided no body does already: bodies read halfway
+    then never wait on each other for ever, and memory stays below the budget plus one body."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.in_use = 0
+        self.queue: collections.deque[object] = collections.deque()
+        self.closed = False
+        self.cond = threading.Condition()
+
+    def reserve(self, held: int, wanted: int, declared: int, timeout: float) -> int | None:
+        """Grow a reservation of `held` bytes to `wanted` (or to `declared`, beyond the budget) -> the
+        new reservation, or None after `timeout` s or on shutdown."""
+        ticket = object()
+
+        def turn() -> int | None:
+            if self.queue[0] is not ticket:
+                return None
+            if self.in_use + wanted - held <= self.capacity:
+                grown = wanted
+            elif self.in_use <= self.capacity:  # no body is beyond the budget: this one may be
+                grown = declared
+            else:
+                return None
+            self.in_use += grown - held
+            return grown
+
+        with self.cond:
+            self.queue.append(ticket)
+            return wait_turn(self.cond, self.queue, ticket, turn, time.monotonic() + timeout, lambda: self.closed)
+
+    def release(self, size: int) -> None:
+        with self.cond:
+            self.in_use -= size
+            self.cond.notify_all()
+
+    def drain(self) -> None:
+        """Admit no more bodies; those waiting for room are refused."""
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+
+class BodyReservation:
+    """One body's share of the BodyBudget: `held` bytes, kept a STEP ahead of the `received` ones."""
+
+    STEP = 256 << 10  # small, so that a thousand connections each trickling a byte hold little
+
+    def __init__(self, budget: BodyBudget, declared: int, timeout: float) -> None:
+        self.budget, self.declared, self.timeout = budget, declared, timeout
+        self.held = self.received = 0
+
+    def room(self) -> int:
+        return self.held - self.received
+
+    def grow(self) -> bool:
+        """Room for the next bytes -> False after the admission wait, or on shutdown."""
+        wanted = min(self.declared, self.received + self.STEP)
+        held = self.budget.reserve(self.held, max(wanted, self.held), self.declared, self.timeout)
+        if held is None:
+            return False
+        self.held = held
+        return True
+
+    def release(self) -> None:
+        self.budget.release(self.held)
+        self.held = 0
+
+
+class BodyCut(Exception):
+    """The connection guard cut a request body (too slow, or the server is stopping)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def default_max_connections() -> int:
+    """A quarter of the fd limit (a connection in a request may hold a few more fds: staging
+    files, pipes, cache files), so fds run out after connections do."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 16
+    return max(8, min(1024, (soft - 64) // 4))
+
+
+ACCEPT_RESOURCE_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+
+# --- 2. the application: a Job, its Outcome, KCoralServer.handle_execute, the lifecycle -----------
+
+@dataclasses.dataclass
+class Job:
+    request_id: str
+    program: ValidProgram
+    blobs: Blobs
+    timeout: float
+    output_limit: int
+    proxy_queue_ms: float = 0.0  # waited in HAProxy before reaching us: part of the queue_ms answered
+    on_output: Callable[[str, bytes], None] | None = None  # ("stdout"|"stderr", bytes kept) as captured
+    tenant: str = ""  # the name its token has in --token-file ("": anonymous)
+    client_gone: Callable[[], bool] | None = None  # whether its client closed the connection (ClientGone)
+
+
+@dataclasses.dataclass
+class Outcome:
+    http_status: int = 200
+    kind: str = ""                 # error kind of a non-200 answer
+    message: str = ""
+    body: dict[str, Json] | None = None  # COMPLETED/FAILED JSON
+    parts: list[Buffer] = dataclasses.field(default_factory=list)
+    worker_id: str = ""
+    # a 504's extra fields (docs/protocol.md §9.8): the instruction running, inside "error"; the output, beside it
+    error_fields: dict[str, Json] = dataclasses.field(default_factory=dict)
+    body_fields: dict[str, Json] = dataclasses.field(default_factory=dict)
+
 
 BEARER_TOKEN = re.compile(r"[A-Za-z0-9._~+/-]+=*")  # RFC 6750 b64token: never a comma or white space
 TOKEN_FILE_LIMIT = 64 << 10
@@ -1756,390 +1786,7 @@ def create_app(config: ServerConfig | None = None) -> KCoralServer:
     return KCoralServer(config)
 
 
-# --- 3. what the application records: the event log and saved programs (docs/server.md §10) -----
-
-# The log and the saved programs hold every tenant's requests: they are for the server's user alone,
-# whatever the umask (the modes are given where the files are created; a umask can only narrow them).
-PRIVATE_DIR_MODE = 0o700
-PRIVATE_FILE_MODE = 0o600
-EVENTS_NAME = "events.jsonl"
-NEW_FILE_FLAGS = os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
-
-
-def console_value(value: Any) -> str:
-    """A field as the console line shows it: floats rounded, and text that is not one plain word
-    quoted and escaped as in JSON, so that no value (a program's message, say) can break the line
-    or forge a field or a line of its own."""
-    if isinstance(value, float):
-        return str(round(value, 1))
-    text = str(value)
-    if text and text.isprintable() and not any(c in text for c in ' ="\\'):
-        return text
-    return json.dumps(text)
-
-
-def utc_now() -> datetime.datetime:
-    return datetime.datetime.now(datetime.timezone.utc)
-
-
-def write_all(fd: int, data: Buffer) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        view = view[os.write(fd, view[:1 << 30]):]
-
-
-def open_log_directory(path: str, name: str | None = None, parent: int | None = None) -> int:
-    """The directory `name` under the open directory `parent` (or `path` itself), created 0700 if
-    absent -> an fd on it.  One that another user owns or may write to is refused (SystemExit, one
-    line): whoever can write there could read the log or swap its files."""
-    if name is None:  # the log directory itself: its parents as for any directory, and it may be a link
-        os.makedirs(path, PRIVATE_DIR_MODE, exist_ok=True)
-        fd = os.open(path, DIRECTORY_FLAGS)
-    else:  # below it, nothing is followed
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(name, PRIVATE_DIR_MODE, dir_fd=parent)
-        fd = os.open(name, DIRECTORY_FLAGS | os.O_NOFOLLOW, dir_fd=parent)
-    info = os.fstat(fd)
-    problem = (f"is owned by uid {info.st_uid}, not by this server's user ({os.geteuid()})"
-               if info.st_uid != os.geteuid() else "is writable by other users" if info.st_mode & stat.S_IWOTH
-               else None)
-    if problem:
-        os.close(fd)
-        raise SystemExit(f"kcoral: log directory {os.path.join(path, name) if name else path} {problem}; "
-                         "give --log-dir a directory of your own")
-    return fd
-
-
-def open_run_directory(log_dir: str) -> tuple[int, str]:
-    """A new <log_dir>/runs/<UTC timestamp>/ for this start -> (an fd on it, its path)."""
-    top = open_log_directory(log_dir)
-    try:
-        runs = open_log_directory(log_dir, "runs", top)
-    finally:
-        os.close(top)
-    try:
-        while True:  # a name nobody has taken: another server may have started in the same microsecond
-            stamp = utc_now().strftime("%Y%m%dT%H%M%S.%fZ")
-            try:
-                os.mkdir(stamp, PRIVATE_DIR_MODE, dir_fd=runs)
-            except FileExistsError:
-                continue
-            return os.open(stamp, DIRECTORY_FLAGS | os.O_NOFOLLOW, dir_fd=runs), os.path.join(log_dir, "runs", stamp)
-    finally:
-        os.close(runs)
-
-
-class SavedPrograms:
-    """<run dir>/programs/<request_id>.json, bounded in bytes and in count: a new program makes
-    room by removing the oldest, so the directory stays within its caps whatever the traffic."""
-
-    def __init__(self, run_fd: int, config: ServerConfig) -> None:
-        os.mkdir("programs", PRIVATE_DIR_MODE, dir_fd=run_fd)
-        self.fd = os.open("programs", DIRECTORY_FLAGS | os.O_NOFOLLOW, dir_fd=run_fd)
-        self.max_bytes = config.log_programs_max_bytes
-        self.max_count = config.log_programs_max_count
-        self.kept: collections.deque[tuple[str, int]] = collections.deque()  # (name, size), oldest first
-        self.total = 0
-        self.lock = threading.Lock()
-
-    def save(self, request_id: str, data: Buffer) -> None:
-        """Best effort: a program larger than the whole budget, or a request id seen before, is not saved."""
-        size = memoryview(data).nbytes
-        if size > self.max_bytes or self.max_count < 1:
-            return
-        name = f"{request_id}.json"
-        try:
-            fd = os.open(name, os.O_WRONLY | os.O_EXCL | NEW_FILE_FLAGS, PRIVATE_FILE_MODE, dir_fd=self.fd)
-        except OSError:
-            return
-        try:
-            write_all(fd, data)
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.unlink(name, dir_fd=self.fd)  # no half-written program is left behind
-            return
-        finally:
-            os.close(fd)
-        with self.lock:
-            self.kept.append((name, size))
-            self.total += size
-            while self.total > self.max_bytes or len(self.kept) > self.max_count:
-                oldest, oldest_size = self.kept.popleft()
-                self.total -= oldest_size
-                with contextlib.suppress(OSError):
-                    os.unlink(oldest, dir_fd=self.fd)
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-
-class EventLog:
-    """One server instance's event log: JSON lines in <run dir>/events.jsonl, rotated at
-    `log_max_bytes` and reopened by name on SIGHUP, mirrored on stderr; its saved programs.
-
-    Each server has its own, so two servers in one process (or one started after another
-    stopped) never write into each other's files.  Logging is best effort: a failing write
-    never fails a request."""
-
-    def __init__(self, config: ServerConfig) -> None:
-        self.config = config
-        self.lock = threading.Lock()
-        self.run_fd: int | None = None  # the run directory, held open: its files are found from it
-        self.fd: int | None = None  # events.jsonl
-        self.programs: SavedPrograms | None = None
-        self.metrics = Metrics()  # fed by the events below, so the metrics and the log agree
-
-    def open(self) -> str | None:
-        """Create this start's run directory and open its log -> its path (None: no log file)."""
-        config = self.config
-        if not config.log_dir:
-            return None
-        try:
-            self.run_fd, run_dir = open_run_directory(config.log_dir)
-            self.fd = self.open_events()
-            if config.log_programs:
-                self.programs = SavedPrograms(self.run_fd, config)
-        except OSError as exc:
-            self.close()
-            print(f"kcoral: cannot write logs under {config.log_dir}: {exc}", file=sys.stderr)
-            return None
-        return run_dir
-
-    def open_events(self) -> int:
-        return os.open(EVENTS_NAME, os.O_WRONLY | os.O_APPEND | NEW_FILE_FLAGS, PRIVATE_FILE_MODE, dir_fd=self.run_fd)
-
-    def event(self, event: str, level: str = "INFO", **fields: Any) -> None:
-        """One JSON line per event in the run's events.jsonl; request and lifecycle lines on stderr."""
-        record = {"timestamp": utc_now().isoformat(timespec="milliseconds").replace("+00:00", "Z"),
-                  "level": level, "event": event, **fields}
-        self.metrics.record(event, level, fields)
-        with self.lock:
-            if self.fd is not None:
-                self.append((json.dumps(record, default=str) + "\n").encode())
-            if self.config.log_console and event not in ("request_received",):
-                shown = " ".join(f"{k}={console_value(v)}" for k, v in fields.items()
-                                 if v is not None and k not in ("traceback", "versions", "config"))
-                print(f"{record['timestamp']} {level} {event} {shown}"[:600], file=sys.stderr, flush=True)
-
-    def append(self, line: bytes) -> None:
-        """Write one record, rotating first when it would take the file past the cap (the size is
-        the file's own, so a logrotate `copytruncate` is seen).  Called with the lock held."""
-        limit = self.config.log_max_bytes
-        assert self.fd is not None  # event() checked, under the lock; rotate() leaves one open or raises
-        try:
-            size = os.fstat(self.fd).st_size
-            if limit and size and size + len(line) > limit:
-                self.rotate()
-            write_all(self.fd, line)
-        except OSError:
-            pass
-
-    def rotate(self) -> None:
-        """events.jsonl -> events.jsonl.1 -> .2 ... up to `log_backups` (the oldest goes), then a new
-        events.jsonl.  Called with the lock held."""
-        assert self.fd is not None  # append() checked
-        os.close(self.fd)
-        self.fd = None
-        names = [EVENTS_NAME] + [f"{EVENTS_NAME}.{n}" for n in range(1, self.config.log_backups + 1)]
-        try:
-            if len(names) == 1:
-                os.unlink(EVENTS_NAME, dir_fd=self.run_fd)
-            for newer, older in reversed(list(zip(names, names[1:]))):
-                with contextlib.suppress(FileNotFoundError):
-                    os.rename(newer, older, src_dir_fd=self.run_fd, dst_dir_fd=self.run_fd)
-        finally:
-            self.fd = self.open_events()
-
-    def reopen(self) -> None:
-        """SIGHUP, after logrotate renamed events.jsonl: write to a file of that name again."""
-        with self.lock:
-            if self.run_fd is None:
-                return
-            if self.fd is not None:
-                os.close(self.fd)
-            try:
-                self.fd = self.open_events()
-            except OSError as exc:
-                self.fd = None
-                print(f"kcoral: cannot reopen {EVENTS_NAME}: {exc}", file=sys.stderr)
-        self.event("log_reopened")
-
-    def save_program(self, request_id: str, data: Buffer) -> None:
-        if self.programs is not None:
-            self.programs.save(request_id, data)
-
-    def close(self) -> None:
-        with self.lock:
-            for fd in (self.fd, self.run_fd):
-                if fd is not None:
-                    os.close(fd)
-            if self.programs is not None:
-                self.programs.close()
-            self.fd = self.run_fd = self.programs = None
-
-
-# Prometheus text exposition format 0.0.4 (docs/operations.md, "Monitoring"): what GET /metrics serves
-METRIC_HELP = {
-    "kcoral_requests_total": ("counter", "Requests answered, by result status, HTTP code and error kind"),
-    "kcoral_request_lease_wait_seconds": ("histogram", "Time a request's worker waited for the GPU lease"),
-    "kcoral_request_lease_held_seconds": ("histogram", "Time a request's worker held the GPU lease"),
-    "kcoral_request_duration_seconds": ("histogram", "Time from a request's first byte to its answer"),
-    "kcoral_request_queue_seconds": ("histogram", "Time a request waited for a worker (and in HAProxy's queue)"),
-    "kcoral_request_body_bytes_total": ("counter", "Bytes of request bodies read"),
-    "kcoral_response_body_bytes_total": ("counter", "Bytes of response bodies sent"),
-    "kcoral_events_total": ("counter", "Event log records, by event and level"),
-    "kcoral_reads_refused_total": ("counter", "GET /health and /metrics refused for their token (probes, scrapes)"),
-    "kcoral_requests_in_progress": ("gauge", "POST requests being read, run or answered"),
-    "kcoral_requests_waiting": ("gauge", "Requests waiting for a free worker"),
-    "kcoral_capacity": ("gauge", "Requests this node runs at once (0 while draining)"),
-    "kcoral_worker_starts_total": ("counter", "Worker processes started"),
-    "kcoral_worker_crashes_total": ("counter", "Workers that died or broke the protocol during a request"),
-    "kcoral_worker_replacements_total": ("counter", "Workers replaced after serving"),
-    "kcoral_cache_hits_total": ("counter", "Blobs a request referenced without sending, found in the cache"),
-    "kcoral_cache_misses_total": ("counter", "Blobs a request referenced without sending, not in the cache"),
-    "kcoral_cache_evictions_total": ("counter", "Cache entries evicted to stay within the cache's budget"),
-    "kcoral_cache_bytes": ("gauge", "Bytes the cache holds (the disk cache: blocks its files occupy)"),
-    "kcoral_cache_entries": ("gauge", "Entries the cache holds"),
-    "kcoral_gpu_lease_busy_seconds_total": ("counter", "Seconds of released GPU leases, by GPU"),
-    "kcoral_tenant_requests_running": ("gauge", "Requests running, per tenant named in --token-file"),
-    "kcoral_tenant_requests_waiting": ("gauge", "Requests waiting for a worker, per tenant named in --token-file"),
-    "kcoral_info": ("gauge", "This node's version, device and sandbox mode (always 1)"),
-    "kcoral_requests_cancelled_total": ("counter", "Requests stopped as their client left, by phase and tenant"),
-}
-DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0)
-KNOWN_KINDS = kcoral_worker.ERROR_KINDS | {"busy", "timeout", "request_too_large", "response_too_large",
-                                           "unauthorized"}
-Labels = tuple[tuple[str, str], ...]
-# Every (status, code, kind) a node answers a POST with, and the ERROR events an operator alerts on:
-# their series exist at 0 from the start, so that a ratio or increase() over them has a value on a
-# node that never had one (Prometheus sees no increase in a series that first appears at 1).
-ANSWERS = ((("COMPLETED", "200", ""), ("CACHE_MISS", "200", ""))
-           + tuple(("FAILED", "200", kind) for kind in sorted(kcoral_worker.ERROR_KINDS))
-           + tuple(("ERROR", code, kind) for code, kind in (
-               ("400", "parse"), ("401", "unauthorized"), ("408", "parse"), ("413", "request_too_large"),
-               ("431", "parse"), ("500", "engine"), ("500", "response_too_large"), ("503", "busy"),
-               ("504", "timeout"))))
-ALERTED_EVENTS = ("gpu_quarantined", "worker_replace_failed", "cleanup_failed", "tokens_reload_failed", "server_error")
-
-
-@dataclasses.dataclass
-class Histogram:
-    """Observations per bucket of DURATION_BUCKETS, the last one +Inf's (not cumulative: rendering adds them up)."""
-    counts: list[int] = dataclasses.field(default_factory=lambda: [0] * (len(DURATION_BUCKETS) + 1))
-    total: float = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bucket_index(DURATION_BUCKETS, value)] += 1
-        self.total += value
-
-    def lines(self, name: str) -> list[str]:
-        """The exposition's cumulative buckets (each counts every observation at or below its bound,
-        so +Inf's equals _count), then _sum and _count."""
-        lines, running = [], 0
-        for bound, count in zip(DURATION_BUCKETS + (math.inf,), self.counts):
-            running += count
-            lines.append(f'{name}_bucket{{le="{"+Inf" if bound == math.inf else f"{bound:g}"}"}} {running}')
-        return lines + [f"{name}_sum {sample_value(self.total)}", f"{name}_count {running}"]
-
-
-class Metrics:
-    """Counters and histograms of one node, fed by its event log's records (`record`), and the
-    text GET /metrics answers (`render`, given the gauges read at scrape time).
-
-    Label values come from closed sets (result statuses, HTTP codes our code answers, error
-    kinds, event names, GPU ids), never from what a client sends: the number of series stays
-    bounded whatever the traffic."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.counters: dict[tuple[str, Labels], float] = collections.defaultdict(float)
-        for status, code, kind in ANSWERS:
-            self.counters["kcoral_requests_total", (("status", status), ("code", code), ("kind", kind))] = 0
-        for event in ALERTED_EVENTS:
-            self.counters["kcoral_events_total", (("event", event), ("level", "ERROR"))] = 0
-        for name in ("kcoral_reads_refused_total", "kcoral_request_body_bytes_total",
-                     "kcoral_response_body_bytes_total", "kcoral_worker_starts_total",
-                     "kcoral_worker_crashes_total", "kcoral_worker_replacements_total"):
-            self.counters[name, ()] = 0
-        self.histograms = {name: Histogram() for name, (kind, _) in METRIC_HELP.items() if kind == "histogram"}
-
-    def add(self, name: str, value: float = 1.0) -> None:
-        with self.lock:
-            self.counters[name, ()] += value
-
-    def record(self, event: str, level: str, fields: dict[str, Any]) -> None:
-        with self.lock:
-            self.counters["kcoral_events_total", (("event", event), ("level", level))] += 1
-            self.count_request(event, fields)
-            if event == "request_cancelled":
-                self.counters["kcoral_requests_cancelled_total", (("phase", fields["phase"]),
-                                                                  *tenant_label(fields))] += 1
-
-    def count_request(self, event: str, fields: dict[str, Any]) -> None:
-        """A request's answer (sent, refused, or lost with the client), from its event's fields.
-        Called with the lock held."""
-        answered = event in ("request_finished", "request_refused") or (
-            event == "client_disconnected" and fields.get("phase") == "response")
-        if not answered or fields.get("http_status") is None:
-            return
-        if event == "request_refused" and fields.get("request_id") == "":
-            # a GET (/health, /metrics) without the token: a probe or a scrape, not a client's request
-            self.counters["kcoral_reads_refused_total", ()] += 1
-            return
-        kind = fields.get("error_kind") or ""
-        labels = (("status", str(fields.get("status", "ERROR"))), ("code", str(fields["http_status"])),
-                  ("kind", kind if kind in KNOWN_KINDS or not kind else "other"), *tenant_label(fields))
-        self.counters["kcoral_requests_total", labels] += 1
-        self.counters["kcoral_request_body_bytes_total", ()] += fields.get("request_bytes") or 0
-        self.counters["kcoral_response_body_bytes_total", ()] += fields.get("response_bytes") or 0
-        for name, field in (("kcoral_request_queue_seconds", "queue_ms"),
-                            ("kcoral_request_lease_wait_seconds", "lease_wait_ms"),
-                            ("kcoral_request_lease_held_seconds", "lease_held_ms"),
-                            ("kcoral_request_duration_seconds", "total_ms")):
-            if isinstance(fields.get(field), (int, float)):
-                self.histograms[name].observe(fields[field] / 1e3)
-
-    def render(self, gauges: list[tuple[str, Labels, float]]) -> str:
-        """The exposition text: this node's counters and histograms, then `gauges` (name,
-        labels, value: read from the pool, caches and lease just now)."""
-        with self.lock:
-            series = [(name, labels, value) for (name, labels), value in self.counters.items()]
-            histograms = {name: histogram.lines(name) for name, histogram in self.histograms.items()}
-        series += gauges
-        lines = []
-        for name, (kind, text) in METRIC_HELP.items():
-            lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
-            lines += histograms.get(name, [])
-            lines += [f"{name}{label_text(labels)} {sample_value(value)}" for n, labels, value in sorted(series)
-                      if n == name]
-        return "\n".join(lines) + "\n"
-
-
-def tenant_label(fields: dict[str, Any]) -> Labels:
-    """A request event's tenant as a label: a name from --token-file (the server puts no other in its
-    events), none for anonymous requests, so a server without named tokens keeps its series."""
-    return (("tenant", fields["tenant"]),) if fields.get("tenant") else ()
-
-
-def bucket_index(bounds: tuple[float, ...], value: float) -> int:
-    """The index of the first bucket whose upper bound holds `value` (len(bounds): +Inf only)."""
-    return next((i for i, bound in enumerate(bounds) if value <= bound), len(bounds))
-
-
-def sample_value(value: float) -> str:
-    """Exact: a byte counter past a million must not lose digits (`:g` keeps six)."""
-    return str(int(value)) if float(value).is_integer() else repr(float(value))
-
-
-def label_text(labels: Labels) -> str:
-    if not labels:
-        return ""
-    escaped = (value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") for _, value in labels)
-    return "{" + ",".join(f'{key}="{value}"' for (key, _), value in zip(labels, escaped)) + "}"
-
-
-# --- 4. wire rules: strict JSON and multipart (docs/protocol.md §4.3-4.6, 5.1) --------------------
+# --- 3. wire rules: strict JSON and multipart (docs/protocol.md §4.3-4.6, 5.1) --------------------
 
 class RequestTooLarge(ValidationError):
     """A request beyond one of the size limits (parts, program, instructions, arguments): 413
@@ -2445,7 +2092,7 @@ BLOB_PART = re.compile(r"blob:([0-9a-f]{64})")
 HASH = re.compile(r"[0-9a-f]{64}")
 
 
-# --- 5. wire rules: program validation (docs/protocol.md §5, 6) -----------------------------------
+# --- 4. wire rules: program validation (docs/protocol.md §5, 6) -----------------------------------
 
 JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 
@@ -2717,7 +2364,7 @@ def check_tensor_sizes(program: ValidProgram, blobs: Blobs) -> None:
                                   f"got {len(blobs[digest])}")
 
 
-# --- 6. the blob store (docs/protocol.md §7.4, 7.5) -----------------------------------------------
+# --- 5. the blob store (docs/protocol.md §7.4, 7.5) -----------------------------------------------
 
 def pinned_bytes(data: Buffer) -> int:
     """What keeping `data` alive costs: a view pins the whole buffer it was cut from."""
@@ -3025,7 +2672,7 @@ class DiskCache:
                     pass
 
 
-# --- 7. the pool and one Execution per request (docs/server.md §3) --------------------------------
+# --- 6. the pool and one Execution per request (docs/server.md §3) --------------------------------
 
 class WorkerCrashed(Exception):
     """The worker process died or stopped talking the protocol."""
@@ -3134,32 +2781,6 @@ class SpareWorker:
         if self.worker is None:
             raise WorkerCrashed(f"the spare worker did not start: {self.error}")
         return self.worker
-
-
-@dataclasses.dataclass
-class Job:
-    request_id: str
-    program: ValidProgram
-    blobs: Blobs
-    timeout: float
-    output_limit: int
-    proxy_queue_ms: float = 0.0  # waited in HAProxy before reaching us: part of the queue_ms answered
-    on_output: Callable[[str, bytes], None] | None = None  # ("stdout"|"stderr", bytes kept) as captured
-    tenant: str = ""  # the name its token has in --token-file ("": anonymous)
-    client_gone: Callable[[], bool] | None = None  # whether its client closed the connection (ClientGone)
-
-
-@dataclasses.dataclass
-class Outcome:
-    http_status: int = 200
-    kind: str = ""                 # error kind of a non-200 answer
-    message: str = ""
-    body: dict[str, Json] | None = None  # COMPLETED/FAILED JSON
-    parts: list[Buffer] = dataclasses.field(default_factory=list)
-    worker_id: str = ""
-    # a 504's extra fields (docs/protocol.md §9.8): the instruction running, inside "error"; the output, beside it
-    error_fields: dict[str, Json] = dataclasses.field(default_factory=dict)
-    body_fields: dict[str, Json] = dataclasses.field(default_factory=dict)
 
 
 class Pool:
@@ -4097,7 +3718,151 @@ class OutputReader:
         return fields
 
 
-# --- 8. launching workers: the forkserver template, a Worker, its process group --------------------
+# --- 7. workspaces: private directories, removed without following a link -------------------------
+
+WORKSPACE = re.compile(r"kcoral-(?:program|sandbox)-(\d+)\.(\d+)-")  # sandbox: left by earlier versions
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """A process's start time in clock ticks since boot (/proc/PID/stat field 22), or None if
+    it is gone: with the pid, it names one process even after the pid is reused."""
+    fields = kcoral_worker.proc_stat(pid)
+    try:
+        return int(fields[19]) if fields is not None else None
+    except (IndexError, ValueError):
+        return None
+
+
+def workspace_prefix() -> str:
+    """`kcoral-program-<server pid>.<its start ticks>-`: the owner is in the name, so the next
+    start can tell the directories of a killed server from a live one's."""
+    return f"kcoral-program-{os.getpid()}.{process_start_ticks(os.getpid())}-"
+
+
+def remove_dead_workspaces(directory: str) -> int:
+    """Remove workspaces and sandbox directories whose owning server no longer runs (it was
+    killed before its cleanup)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    removed = 0
+    for name in names:
+        match = WORKSPACE.match(name)
+        if match and process_start_ticks(int(match.group(1))) != int(match.group(2)):
+            remove_tree(os.path.join(directory, name))
+            removed += 1
+    return removed
+
+
+FS_IOC_GETFLAGS, FS_IOC_SETFLAGS, FS_TOPDIR_FL = 0x80086601, 0x40086602, 0x00020000  # linux/fs.h
+
+
+def spread_subdirectories(path: str) -> None:
+    """Ask the file system to place each new subdirectory of `path` in a block group of its own
+    (ext4's top-directory hint, `chattr +T`), so that each request's `work` takes its inodes from
+    a group where none were freed lately.
+
+    ext4 without a journal, common on VM disks, allocates an inode by stepping over every inode
+    of the group freed in the last minutes, reading its inode table block for each: creating
+    files then costs many times more (docs/performance.md).  Where the hint is unknown (tmpfs,
+    XFS) nothing changes."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, NOFOLLOW_DIR)
+        try:
+            flags = array.array("i", [0])
+            fcntl.ioctl(fd, FS_IOC_GETFLAGS, flags)
+            if not flags[0] & FS_TOPDIR_FL:
+                flags[0] |= FS_TOPDIR_FL
+                fcntl.ioctl(fd, FS_IOC_SETFLAGS, flags)
+        finally:
+            os.close(fd)
+
+
+def make_spread_directory(path: str) -> None:
+    """mkdir `path` (0700) in a parent given spread_subdirectories: under a random name first, then
+    renamed, because ext4 starts its search for a spread directory's group from a hash of its
+    name, and every request's `work` would land in the same group as the last one."""
+    fresh = os.path.join(os.path.dirname(path), f".new-{secrets.token_hex(8)}")
+    os.mkdir(fresh, 0o700)
+    os.rename(fresh, path)
+
+
+def remove_tree(path: str) -> OSError | None:
+    """Remove a workspace or sandbox directory whatever a program did inside it: the path is
+    the server's own (in its temporary directory), everything below it is treated as hostile.
+    -> what stopped the removal, if anything (callers with a log report it as cleanup_failed)."""
+    parent, name = os.path.split(os.path.abspath(path))
+    try:
+        parent_fd = os.open(parent, NOFOLLOW_DIR)
+    except OSError as exc:
+        return exc
+    try:
+        remove_entry_at(parent_fd, name)
+    except OSError as exc:
+        return exc
+    finally:
+        os.close(parent_fd)
+    return None
+
+
+def remove_entry_at(dir_fd: int, name: str) -> None:
+    """Remove a file, link or directory tree named relative to an open directory."""
+    with contextlib.suppress(FileNotFoundError):
+        try:
+            os.unlink(name, dir_fd=dir_fd)
+        except (IsADirectoryError, PermissionError):  # Linux's unlink() of a directory: EISDIR
+            fd = os.open(name, NOFOLLOW_DIR, dir_fd=dir_fd)
+            try:
+                empty_directory_at(fd)
+            finally:
+                os.close(fd)
+            os.rmdir(name, dir_fd=dir_fd)
+
+
+EMPTYING_DEPTH = 64  # open directories at most; deeper subtrees are moved up to the top first
+
+
+def empty_directory_at(top: int) -> None:
+    """Remove what the open directory `top` holds.
+
+    Everything is opened relative to its parent without following a link, and each directory is
+    made ours (0700) before it is emptied, so nothing a program renamed, linked or chmod-ed can
+    steer the removal outside `top` or stop it.  Iterative, with at most EMPTYING_DEPTH
+    directories open: a program may nest directories deeper than Python's recursion or the fd
+    limit allows."""
+    stack = [(os.dup(top), "")]  # (open directory, its name in the one below it on the stack)
+    try:
+        while stack:
+            fd, name = stack[-1]
+            os.fchmod(fd, 0o700)
+            below = next_directory_to_empty(fd)
+            if below is None:  # emptied: removed from its parent
+                stack.pop()
+                os.close(fd)
+                if stack:
+                    os.rmdir(name, dir_fd=stack[-1][0])
+            elif len(stack) >= EMPTYING_DEPTH:
+                os.rename(below, f".kcoral-deep-{secrets.token_hex(8)}", src_dir_fd=fd, dst_dir_fd=stack[0][0])
+            else:
+                stack.append((os.open(below, NOFOLLOW_DIR, dir_fd=fd), below))
+    finally:
+        for fd, _ in stack:
+            os.close(fd)
+
+
+def next_directory_to_empty(fd: int) -> str | None:
+    """Unlink the files and links of the open directory `fd` up to its next directory -> that one's name."""
+    with os.scandir(fd) as entries:
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                return entry.name
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.name, dir_fd=fd)
+    return None
+
+
+# --- 8. launching workers: the forkserver template and its imports, a Worker ----------------------
 
 def isolate_import_path() -> None:
     """Drop the server's start directory from the import path its workers inherit: a `numpy.py`
@@ -4125,6 +3890,68 @@ def start_forkserver(context: multiprocessing.context.BaseContext) -> None:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
         os.chdir(start)
+
+
+WARM_TVM_FFI = "import torch, tvm_ffi"  # tvm_ffi builds its torch add-on on import when it must
+# tvm_ffi only warns when that build fails: what the warm-up really did is whether torch.Tensor
+# now carries the DLPack exchange API (which the add-on installs), told by the exit status
+ADDON_MISSING_EXIT = 3
+CHECK_TVM_FFI_ADDON = ("import sys, torch; sys.exit(0 if hasattr(torch.Tensor, '__dlpack_c_exchange_api__') "
+                       f"or hasattr(torch.Tensor, '__c_dlpack_exchange_api__') else {ADDON_MISSING_EXIT})")
+
+
+def prepare_template_imports(timeout: float, warm: str = WARM_TVM_FFI, log: EventLog | None = None) -> str:
+    """Make the worker template's imports fast and free of CUDA before any worker starts.
+
+    PYTORCH_NVML_BASED_CUDA_CHECK=1 lets `torch.cuda.is_available()` (tvm_ffi calls it on
+    import) ask NVML instead of calling cuInit, so the template never holds CUDA state that
+    its forks would inherit unusable.  With a torch that lacks the DLPack exchange API,
+    `import tvm_ffi` compiles an add-on into its cache on first use (nvcc: minutes): that
+    happens here, once, in a separate process within `timeout` seconds; if it fails or takes
+    longer, or tvm_ffi swallowed a failed build (no DLPack exchange API afterwards), the add-on
+    is disabled for this server so no worker can meet the slow path again.
+    -> "native", "warmed", "disabled" or "absent" (also logged).
+    """
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    if not (importlib.util.find_spec("torch") and importlib.util.find_spec("tvm_ffi")):
+        return "absent"
+    if os.environ.get("TVM_FFI_DISABLE_TORCH_C_DLPACK", "0") != "0" or torch_has_dlpack_exchange_api():
+        return "native"
+    started = time.monotonic()
+    try:
+        subprocess.run([sys.executable, "-I", "-c", f"{warm}\n{CHECK_TVM_FFI_ADDON}"], check=True,
+                       timeout=timeout, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        state, error = "warmed", None
+    except (subprocess.SubprocessError, OSError) as exc:
+        os.environ["TVM_FFI_DISABLE_TORCH_C_DLPACK"] = "1"
+        state, error = "disabled", warm_up_failure(exc)
+    if log is not None:
+        log.event("template_prepared", "WARNING" if error else "INFO", tvm_ffi_torch_addon=state,
+                  seconds=round(time.monotonic() - started, 1), error=error)
+    return state
+
+
+def warm_up_failure(exc: subprocess.SubprocessError | OSError) -> str:
+    """What went wrong in the tvm_ffi warm-up, for the log: a build tvm_ffi reported only as a
+    warning is named as such, with the end of what it wrote."""
+    stderr = getattr(exc, "stderr", None) or b""
+    tail = stderr.decode(errors="replace").strip()[-300:]
+    if isinstance(exc, subprocess.CalledProcessError) and exc.returncode == ADDON_MISSING_EXIT:
+        return f"tvm_ffi's torch add-on was not built (tvm_ffi only warned): {tail or 'no output'}"
+    return f"{type(exc).__name__}: {str(exc)[-300:]}" + (f"; {tail}" if tail else "")
+
+
+def torch_has_dlpack_exchange_api() -> bool:
+    """Whether the installed torch exports the DLPack exchange API itself (read, not imported)."""
+    spec = importlib.util.find_spec("torch")
+    assert spec is not None  # the caller checked that torch is installed
+    for location in spec.submodule_search_locations or ():
+        try:
+            with open(os.path.join(location, "_tensor.py"), encoding="utf-8") as f:
+                return "dlpack_exchange_api" in f.read()  # or its older name
+        except OSError:
+            pass
+    return importlib.util.find_spec("torch_c_dlpack_ext") is not None
 
 
 class Worker:
@@ -4279,68 +4106,6 @@ def nvml_gpu_ids() -> list[str]:
               library.nvmlDeviceGetUUID(handle, buf, 96) == 0)
         uuids.append(buf.value.decode() if ok else str(index))
     return uuids
-
-
-WARM_TVM_FFI = "import torch, tvm_ffi"  # tvm_ffi builds its torch add-on on import when it must
-# tvm_ffi only warns when that build fails: what the warm-up really did is whether torch.Tensor
-# now carries the DLPack exchange API (which the add-on installs), told by the exit status
-ADDON_MISSING_EXIT = 3
-CHECK_TVM_FFI_ADDON = ("import sys, torch; sys.exit(0 if hasattr(torch.Tensor, '__dlpack_c_exchange_api__') "
-                       f"or hasattr(torch.Tensor, '__c_dlpack_exchange_api__') else {ADDON_MISSING_EXIT})")
-
-
-def prepare_template_imports(timeout: float, warm: str = WARM_TVM_FFI, log: EventLog | None = None) -> str:
-    """Make the worker template's imports fast and free of CUDA before any worker starts.
-
-    PYTORCH_NVML_BASED_CUDA_CHECK=1 lets `torch.cuda.is_available()` (tvm_ffi calls it on
-    import) ask NVML instead of calling cuInit, so the template never holds CUDA state that
-    its forks would inherit unusable.  With a torch that lacks the DLPack exchange API,
-    `import tvm_ffi` compiles an add-on into its cache on first use (nvcc: minutes): that
-    happens here, once, in a separate process within `timeout` seconds; if it fails or takes
-    longer, or tvm_ffi swallowed a failed build (no DLPack exchange API afterwards), the add-on
-    is disabled for this server so no worker can meet the slow path again.
-    -> "native", "warmed", "disabled" or "absent" (also logged).
-    """
-    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-    if not (importlib.util.find_spec("torch") and importlib.util.find_spec("tvm_ffi")):
-        return "absent"
-    if os.environ.get("TVM_FFI_DISABLE_TORCH_C_DLPACK", "0") != "0" or torch_has_dlpack_exchange_api():
-        return "native"
-    started = time.monotonic()
-    try:
-        subprocess.run([sys.executable, "-I", "-c", f"{warm}\n{CHECK_TVM_FFI_ADDON}"], check=True,
-                       timeout=timeout, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        state, error = "warmed", None
-    except (subprocess.SubprocessError, OSError) as exc:
-        os.environ["TVM_FFI_DISABLE_TORCH_C_DLPACK"] = "1"
-        state, error = "disabled", warm_up_failure(exc)
-    if log is not None:
-        log.event("template_prepared", "WARNING" if error else "INFO", tvm_ffi_torch_addon=state,
-                  seconds=round(time.monotonic() - started, 1), error=error)
-    return state
-
-
-def warm_up_failure(exc: subprocess.SubprocessError | OSError) -> str:
-    """What went wrong in the tvm_ffi warm-up, for the log: a build tvm_ffi reported only as a
-    warning is named as such, with the end of what it wrote."""
-    stderr = getattr(exc, "stderr", None) or b""
-    tail = stderr.decode(errors="replace").strip()[-300:]
-    if isinstance(exc, subprocess.CalledProcessError) and exc.returncode == ADDON_MISSING_EXIT:
-        return f"tvm_ffi's torch add-on was not built (tvm_ffi only warned): {tail or 'no output'}"
-    return f"{type(exc).__name__}: {str(exc)[-300:]}" + (f"; {tail}" if tail else "")
-
-
-def torch_has_dlpack_exchange_api() -> bool:
-    """Whether the installed torch exports the DLPack exchange API itself (read, not imported)."""
-    spec = importlib.util.find_spec("torch")
-    assert spec is not None  # the caller checked that torch is installed
-    for location in spec.submodule_search_locations or ():
-        try:
-            with open(os.path.join(location, "_tensor.py"), encoding="utf-8") as f:
-                return "dlpack_exchange_api" in f.read()  # or its older name
-        except OSError:
-            pass
-    return importlib.util.find_spec("torch_c_dlpack_ext") is not None
 
 
 def same_gpu(seen: str, expected: str) -> bool:
@@ -4957,148 +4722,387 @@ def serve_spawns(requests: queue.SimpleQueue) -> None:
             reply.put(exc)
 
 
-# --- 11. workspaces: private directories, removed without following a link -----------------------
+# --- 11. what the application records: event log, saved programs, metrics (docs/server.md §10) ----
 
-WORKSPACE = re.compile(r"kcoral-(?:program|sandbox)-(\d+)\.(\d+)-")  # sandbox: left by earlier versions
+# The log and the saved programs hold every tenant's requests: they are for the server's user alone,
+# whatever the umask (the modes are given where the files are created; a umask can only narrow them).
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
+EVENTS_NAME = "events.jsonl"
+NEW_FILE_FLAGS = os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 
 
-def process_start_ticks(pid: int) -> int | None:
-    """A process's start time in clock ticks since boot (/proc/PID/stat field 22), or None if
-    it is gone: with the pid, it names one process even after the pid is reused."""
-    fields = kcoral_worker.proc_stat(pid)
+def console_value(value: Any) -> str:
+    """A field as the console line shows it: floats rounded, and text that is not one plain word
+    quoted and escaped as in JSON, so that no value (a program's message, say) can break the line
+    or forge a field or a line of its own."""
+    if isinstance(value, float):
+        return str(round(value, 1))
+    text = str(value)
+    if text and text.isprintable() and not any(c in text for c in ' ="\\'):
+        return text
+    return json.dumps(text)
+
+
+def utc_now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+def write_all(fd: int, data: Buffer) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view[:1 << 30]):]
+
+
+def open_log_directory(path: str, name: str | None = None, parent: int | None = None) -> int:
+    """The directory `name` under the open directory `parent` (or `path` itself), created 0700 if
+    absent -> an fd on it.  One that another user owns or may write to is refused (SystemExit, one
+    line): whoever can write there could read the log or swap its files."""
+    if name is None:  # the log directory itself: its parents as for any directory, and it may be a link
+        os.makedirs(path, PRIVATE_DIR_MODE, exist_ok=True)
+        fd = os.open(path, DIRECTORY_FLAGS)
+    else:  # below it, nothing is followed
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(name, PRIVATE_DIR_MODE, dir_fd=parent)
+        fd = os.open(name, DIRECTORY_FLAGS | os.O_NOFOLLOW, dir_fd=parent)
+    info = os.fstat(fd)
+    problem = (f"is owned by uid {info.st_uid}, not by this server's user ({os.geteuid()})"
+               if info.st_uid != os.geteuid() else "is writable by other users" if info.st_mode & stat.S_IWOTH
+               else None)
+    if problem:
+        os.close(fd)
+        raise SystemExit(f"kcoral: log directory {os.path.join(path, name) if name else path} {problem}; "
+                         "give --log-dir a directory of your own")
+    return fd
+
+
+def open_run_directory(log_dir: str) -> tuple[int, str]:
+    """A new <log_dir>/runs/<UTC timestamp>/ for this start -> (an fd on it, its path)."""
+    top = open_log_directory(log_dir)
     try:
-        return int(fields[19]) if fields is not None else None
-    except (IndexError, ValueError):
-        return None
-
-
-def workspace_prefix() -> str:
-    """`kcoral-program-<server pid>.<its start ticks>-`: the owner is in the name, so the next
-    start can tell the directories of a killed server from a live one's."""
-    return f"kcoral-program-{os.getpid()}.{process_start_ticks(os.getpid())}-"
-
-
-def remove_dead_workspaces(directory: str) -> int:
-    """Remove workspaces and sandbox directories whose owning server no longer runs (it was
-    killed before its cleanup)."""
+        runs = open_log_directory(log_dir, "runs", top)
+    finally:
+        os.close(top)
     try:
-        names = os.listdir(directory)
-    except OSError:
-        return 0
-    removed = 0
-    for name in names:
-        match = WORKSPACE.match(name)
-        if match and process_start_ticks(int(match.group(1))) != int(match.group(2)):
-            remove_tree(os.path.join(directory, name))
-            removed += 1
-    return removed
+        while True:  # a name nobody has taken: another server may have started in the same microsecond
+            stamp = utc_now().strftime("%Y%m%dT%H%M%S.%fZ")
+            try:
+                os.mkdir(stamp, PRIVATE_DIR_MODE, dir_fd=runs)
+            except FileExistsError:
+                continue
+            return os.open(stamp, DIRECTORY_FLAGS | os.O_NOFOLLOW, dir_fd=runs), os.path.join(log_dir, "runs", stamp)
+    finally:
+        os.close(runs)
 
 
-FS_IOC_GETFLAGS, FS_IOC_SETFLAGS, FS_TOPDIR_FL = 0x80086601, 0x40086602, 0x00020000  # linux/fs.h
+class SavedPrograms:
+    """<run dir>/programs/<request_id>.json, bounded in bytes and in count: a new program makes
+    room by removing the oldest, so the directory stays within its caps whatever the traffic."""
 
+    def __init__(self, run_fd: int, config: ServerConfig) -> None:
+        os.mkdir("programs", PRIVATE_DIR_MODE, dir_fd=run_fd)
+        self.fd = os.open("programs", DIRECTORY_FLAGS | os.O_NOFOLLOW, dir_fd=run_fd)
+        self.max_bytes = config.log_programs_max_bytes
+        self.max_count = config.log_programs_max_count
+        self.kept: collections.deque[tuple[str, int]] = collections.deque()  # (name, size), oldest first
+        self.total = 0
+        self.lock = threading.Lock()
 
-def spread_subdirectories(path: str) -> None:
-    """Ask the file system to place each new subdirectory of `path` in a block group of its own
-    (ext4's top-directory hint, `chattr +T`), so that each request's `work` takes its inodes from
-    a group where none were freed lately.
-
-    ext4 without a journal, common on VM disks, allocates an inode by stepping over every inode
-    of the group freed in the last minutes, reading its inode table block for each: creating
-    files then costs many times more (docs/performance.md).  Where the hint is unknown (tmpfs,
-    XFS) nothing changes."""
-    with contextlib.suppress(OSError):
-        fd = os.open(path, NOFOLLOW_DIR)
+    def save(self, request_id: str, data: Buffer) -> None:
+        """Best effort: a program larger than the whole budget, or a request id seen before, is not saved."""
+        size = memoryview(data).nbytes
+        if size > self.max_bytes or self.max_count < 1:
+            return
+        name = f"{request_id}.json"
         try:
-            flags = array.array("i", [0])
-            fcntl.ioctl(fd, FS_IOC_GETFLAGS, flags)
-            if not flags[0] & FS_TOPDIR_FL:
-                flags[0] |= FS_TOPDIR_FL
-                fcntl.ioctl(fd, FS_IOC_SETFLAGS, flags)
+            fd = os.open(name, os.O_WRONLY | os.O_EXCL | NEW_FILE_FLAGS, PRIVATE_FILE_MODE, dir_fd=self.fd)
+        except OSError:
+            return
+        try:
+            write_all(fd, data)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=self.fd)  # no half-written program is left behind
+            return
         finally:
             os.close(fd)
+        with self.lock:
+            self.kept.append((name, size))
+            self.total += size
+            while self.total > self.max_bytes or len(self.kept) > self.max_count:
+                oldest, oldest_size = self.kept.popleft()
+                self.total -= oldest_size
+                with contextlib.suppress(OSError):
+                    os.unlink(oldest, dir_fd=self.fd)
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
-def make_spread_directory(path: str) -> None:
-    """mkdir `path` (0700) in a parent given spread_subdirectories: under a random name first, then
-    renamed, because ext4 starts its search for a spread directory's group from a hash of its
-    name, and every request's `work` would land in the same group as the last one."""
-    fresh = os.path.join(os.path.dirname(path), f".new-{secrets.token_hex(8)}")
-    os.mkdir(fresh, 0o700)
-    os.rename(fresh, path)
+class EventLog:
+    """One server instance's event log: JSON lines in <run dir>/events.jsonl, rotated at
+    `log_max_bytes` and reopened by name on SIGHUP, mirrored on stderr; its saved programs.
 
+    Each server has its own, so two servers in one process (or one started after another
+    stopped) never write into each other's files.  Logging is best effort: a failing write
+    never fails a request."""
 
-def remove_tree(path: str) -> OSError | None:
-    """Remove a workspace or sandbox directory whatever a program did inside it: the path is
-    the server's own (in its temporary directory), everything below it is treated as hostile.
-    -> what stopped the removal, if anything (callers with a log report it as cleanup_failed)."""
-    parent, name = os.path.split(os.path.abspath(path))
-    try:
-        parent_fd = os.open(parent, NOFOLLOW_DIR)
-    except OSError as exc:
-        return exc
-    try:
-        remove_entry_at(parent_fd, name)
-    except OSError as exc:
-        return exc
-    finally:
-        os.close(parent_fd)
-    return None
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.lock = threading.Lock()
+        self.run_fd: int | None = None  # the run directory, held open: its files are found from it
+        self.fd: int | None = None  # events.jsonl
+        self.programs: SavedPrograms | None = None
+        self.metrics = Metrics()  # fed by the events below, so the metrics and the log agree
 
-
-def remove_entry_at(dir_fd: int, name: str) -> None:
-    """Remove a file, link or directory tree named relative to an open directory."""
-    with contextlib.suppress(FileNotFoundError):
+    def open(self) -> str | None:
+        """Create this start's run directory and open its log -> its path (None: no log file)."""
+        config = self.config
+        if not config.log_dir:
+            return None
         try:
-            os.unlink(name, dir_fd=dir_fd)
-        except (IsADirectoryError, PermissionError):  # Linux's unlink() of a directory: EISDIR
-            fd = os.open(name, NOFOLLOW_DIR, dir_fd=dir_fd)
+            self.run_fd, run_dir = open_run_directory(config.log_dir)
+            self.fd = self.open_events()
+            if config.log_programs:
+                self.programs = SavedPrograms(self.run_fd, config)
+        except OSError as exc:
+            self.close()
+            print(f"kcoral: cannot write logs under {config.log_dir}: {exc}", file=sys.stderr)
+            return None
+        return run_dir
+
+    def open_events(self) -> int:
+        return os.open(EVENTS_NAME, os.O_WRONLY | os.O_APPEND | NEW_FILE_FLAGS, PRIVATE_FILE_MODE, dir_fd=self.run_fd)
+
+    def event(self, event: str, level: str = "INFO", **fields: Any) -> None:
+        """One JSON line per event in the run's events.jsonl; request and lifecycle lines on stderr."""
+        record = {"timestamp": utc_now().isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+                  "level": level, "event": event, **fields}
+        self.metrics.record(event, level, fields)
+        with self.lock:
+            if self.fd is not None:
+                self.append((json.dumps(record, default=str) + "\n").encode())
+            if self.config.log_console and event not in ("request_received",):
+                shown = " ".join(f"{k}={console_value(v)}" for k, v in fields.items()
+                                 if v is not None and k not in ("traceback", "versions", "config"))
+                print(f"{record['timestamp']} {level} {event} {shown}"[:600], file=sys.stderr, flush=True)
+
+    def append(self, line: bytes) -> None:
+        """Write one record, rotating first when it would take the file past the cap (the size is
+        the file's own, so a logrotate `copytruncate` is seen).  Called with the lock held."""
+        limit = self.config.log_max_bytes
+        assert self.fd is not None  # event() checked, under the lock; rotate() leaves one open or raises
+        try:
+            size = os.fstat(self.fd).st_size
+            if limit and size and size + len(line) > limit:
+                self.rotate()
+            write_all(self.fd, line)
+        except OSError:
+            pass
+
+    def rotate(self) -> None:
+        """events.jsonl -> events.jsonl.1 -> .2 ... up to `log_backups` (the oldest goes), then a new
+        events.jsonl.  Called with the lock held."""
+        assert self.fd is not None  # append() checked
+        os.close(self.fd)
+        self.fd = None
+        names = [EVENTS_NAME] + [f"{EVENTS_NAME}.{n}" for n in range(1, self.config.log_backups + 1)]
+        try:
+            if len(names) == 1:
+                os.unlink(EVENTS_NAME, dir_fd=self.run_fd)
+            for newer, older in reversed(list(zip(names, names[1:]))):
+                with contextlib.suppress(FileNotFoundError):
+                    os.rename(newer, older, src_dir_fd=self.run_fd, dst_dir_fd=self.run_fd)
+        finally:
+            self.fd = self.open_events()
+
+    def reopen(self) -> None:
+        """SIGHUP, after logrotate renamed events.jsonl: write to a file of that name again."""
+        with self.lock:
+            if self.run_fd is None:
+                return
+            if self.fd is not None:
+                os.close(self.fd)
             try:
-                empty_directory_at(fd)
-            finally:
-                os.close(fd)
-            os.rmdir(name, dir_fd=dir_fd)
+                self.fd = self.open_events()
+            except OSError as exc:
+                self.fd = None
+                print(f"kcoral: cannot reopen {EVENTS_NAME}: {exc}", file=sys.stderr)
+        self.event("log_reopened")
+
+    def save_program(self, request_id: str, data: Buffer) -> None:
+        if self.programs is not None:
+            self.programs.save(request_id, data)
+
+    def close(self) -> None:
+        with self.lock:
+            for fd in (self.fd, self.run_fd):
+                if fd is not None:
+                    os.close(fd)
+            if self.programs is not None:
+                self.programs.close()
+            self.fd = self.run_fd = self.programs = None
 
 
-EMPTYING_DEPTH = 64  # open directories at most; deeper subtrees are moved up to the top first
+# Prometheus text exposition format 0.0.4 (docs/operations.md, "Monitoring"): what GET /metrics serves
+METRIC_HELP = {
+    "kcoral_requests_total": ("counter", "Requests answered, by result status, HTTP code and error kind"),
+    "kcoral_request_lease_wait_seconds": ("histogram", "Time a request's worker waited for the GPU lease"),
+    "kcoral_request_lease_held_seconds": ("histogram", "Time a request's worker held the GPU lease"),
+    "kcoral_request_duration_seconds": ("histogram", "Time from a request's first byte to its answer"),
+    "kcoral_request_queue_seconds": ("histogram", "Time a request waited for a worker (and in HAProxy's queue)"),
+    "kcoral_request_body_bytes_total": ("counter", "Bytes of request bodies read"),
+    "kcoral_response_body_bytes_total": ("counter", "Bytes of response bodies sent"),
+    "kcoral_events_total": ("counter", "Event log records, by event and level"),
+    "kcoral_reads_refused_total": ("counter", "GET /health and /metrics refused for their token (probes, scrapes)"),
+    "kcoral_requests_in_progress": ("gauge", "POST requests being read, run or answered"),
+    "kcoral_requests_waiting": ("gauge", "Requests waiting for a free worker"),
+    "kcoral_capacity": ("gauge", "Requests this node runs at once (0 while draining)"),
+    "kcoral_worker_starts_total": ("counter", "Worker processes started"),
+    "kcoral_worker_crashes_total": ("counter", "Workers that died or broke the protocol during a request"),
+    "kcoral_worker_replacements_total": ("counter", "Workers replaced after serving"),
+    "kcoral_cache_hits_total": ("counter", "Blobs a request referenced without sending, found in the cache"),
+    "kcoral_cache_misses_total": ("counter", "Blobs a request referenced without sending, not in the cache"),
+    "kcoral_cache_evictions_total": ("counter", "Cache entries evicted to stay within the cache's budget"),
+    "kcoral_cache_bytes": ("gauge", "Bytes the cache holds (the disk cache: blocks its files occupy)"),
+    "kcoral_cache_entries": ("gauge", "Entries the cache holds"),
+    "kcoral_gpu_lease_busy_seconds_total": ("counter", "Seconds of released GPU leases, by GPU"),
+    "kcoral_tenant_requests_running": ("gauge", "Requests running, per tenant named in --token-file"),
+    "kcoral_tenant_requests_waiting": ("gauge", "Requests waiting for a worker, per tenant named in --token-file"),
+    "kcoral_info": ("gauge", "This node's version, device and sandbox mode (always 1)"),
+    "kcoral_requests_cancelled_total": ("counter", "Requests stopped as their client left, by phase and tenant"),
+}
+DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0)
+KNOWN_KINDS = kcoral_worker.ERROR_KINDS | {"busy", "timeout", "request_too_large", "response_too_large",
+                                           "unauthorized"}
+Labels = tuple[tuple[str, str], ...]
+# Every (status, code, kind) a node answers a POST with, and the ERROR events an operator alerts on:
+# their series exist at 0 from the start, so that a ratio or increase() over them has a value on a
+# node that never had one (Prometheus sees no increase in a series that first appears at 1).
+ANSWERS = ((("COMPLETED", "200", ""), ("CACHE_MISS", "200", ""))
+           + tuple(("FAILED", "200", kind) for kind in sorted(kcoral_worker.ERROR_KINDS))
+           + tuple(("ERROR", code, kind) for code, kind in (
+               ("400", "parse"), ("401", "unauthorized"), ("408", "parse"), ("413", "request_too_large"),
+               ("431", "parse"), ("500", "engine"), ("500", "response_too_large"), ("503", "busy"),
+               ("504", "timeout"))))
+ALERTED_EVENTS = ("gpu_quarantined", "worker_replace_failed", "cleanup_failed", "tokens_reload_failed", "server_error")
 
 
-def empty_directory_at(top: int) -> None:
-    """Remove what the open directory `top` holds.
+@dataclasses.dataclass
+class Histogram:
+    """Observations per bucket of DURATION_BUCKETS, the last one +Inf's (not cumulative: rendering adds them up)."""
+    counts: list[int] = dataclasses.field(default_factory=lambda: [0] * (len(DURATION_BUCKETS) + 1))
+    total: float = 0.0
 
-    Everything is opened relative to its parent without following a link, and each directory is
-    made ours (0700) before it is emptied, so nothing a program renamed, linked or chmod-ed can
-    steer the removal outside `top` or stop it.  Iterative, with at most EMPTYING_DEPTH
-    directories open: a program may nest directories deeper than Python's recursion or the fd
-    limit allows."""
-    stack = [(os.dup(top), "")]  # (open directory, its name in the one below it on the stack)
-    try:
-        while stack:
-            fd, name = stack[-1]
-            os.fchmod(fd, 0o700)
-            below = next_directory_to_empty(fd)
-            if below is None:  # emptied: removed from its parent
-                stack.pop()
-                os.close(fd)
-                if stack:
-                    os.rmdir(name, dir_fd=stack[-1][0])
-            elif len(stack) >= EMPTYING_DEPTH:
-                os.rename(below, f".kcoral-deep-{secrets.token_hex(8)}", src_dir_fd=fd, dst_dir_fd=stack[0][0])
-            else:
-                stack.append((os.open(below, NOFOLLOW_DIR, dir_fd=fd), below))
-    finally:
-        for fd, _ in stack:
-            os.close(fd)
+    def observe(self, value: float) -> None:
+        self.counts[bucket_index(DURATION_BUCKETS, value)] += 1
+        self.total += value
+
+    def lines(self, name: str) -> list[str]:
+        """The exposition's cumulative buckets (each counts every observation at or below its bound,
+        so +Inf's equals _count), then _sum and _count."""
+        lines, running = [], 0
+        for bound, count in zip(DURATION_BUCKETS + (math.inf,), self.counts):
+            running += count
+            lines.append(f'{name}_bucket{{le="{"+Inf" if bound == math.inf else f"{bound:g}"}"}} {running}')
+        return lines + [f"{name}_sum {sample_value(self.total)}", f"{name}_count {running}"]
 
 
-def next_directory_to_empty(fd: int) -> str | None:
-    """Unlink the files and links of the open directory `fd` up to its next directory -> that one's name."""
-    with os.scandir(fd) as entries:
-        for entry in entries:
-            if entry.is_dir(follow_symlinks=False):
-                return entry.name
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(entry.name, dir_fd=fd)
-    return None
+class Metrics:
+    """Counters and histograms of one node, fed by its event log's records (`record`), and the
+    text GET /metrics answers (`render`, given the gauges read at scrape time).
+
+    Label values come from closed sets (result statuses, HTTP codes our code answers, error
+    kinds, event names, GPU ids), never from what a client sends: the number of series stays
+    bounded whatever the traffic."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.counters: dict[tuple[str, Labels], float] = collections.defaultdict(float)
+        for status, code, kind in ANSWERS:
+            self.counters["kcoral_requests_total", (("status", status), ("code", code), ("kind", kind))] = 0
+        for event in ALERTED_EVENTS:
+            self.counters["kcoral_events_total", (("event", event), ("level", "ERROR"))] = 0
+        for name in ("kcoral_reads_refused_total", "kcoral_request_body_bytes_total",
+                     "kcoral_response_body_bytes_total", "kcoral_worker_starts_total",
+                     "kcoral_worker_crashes_total", "kcoral_worker_replacements_total"):
+            self.counters[name, ()] = 0
+        self.histograms = {name: Histogram() for name, (kind, _) in METRIC_HELP.items() if kind == "histogram"}
+
+    def add(self, name: str, value: float = 1.0) -> None:
+        with self.lock:
+            self.counters[name, ()] += value
+
+    def record(self, event: str, level: str, fields: dict[str, Any]) -> None:
+        with self.lock:
+            self.counters["kcoral_events_total", (("event", event), ("level", level))] += 1
+            self.count_request(event, fields)
+            if event == "request_cancelled":
+                self.counters["kcoral_requests_cancelled_total", (("phase", fields["phase"]),
+                                                                  *tenant_label(fields))] += 1
+
+    def count_request(self, event: str, fields: dict[str, Any]) -> None:
+        """A request's answer (sent, refused, or lost with the client), from its event's fields.
+        Called with the lock held."""
+        answered = event in ("request_finished", "request_refused") or (
+            event == "client_disconnected" and fields.get("phase") == "response")
+        if not answered or fields.get("http_status") is None:
+            return
+        if event == "request_refused" and fields.get("request_id") == "":
+            # a GET (/health, /metrics) without the token: a probe or a scrape, not a client's request
+            self.counters["kcoral_reads_refused_total", ()] += 1
+            return
+        kind = fields.get("error_kind") or ""
+        labels = (("status", str(fields.get("status", "ERROR"))), ("code", str(fields["http_status"])),
+                  ("kind", kind if kind in KNOWN_KINDS or not kind else "other"), *tenant_label(fields))
+        self.counters["kcoral_requests_total", labels] += 1
+        self.counters["kcoral_request_body_bytes_total", ()] += fields.get("request_bytes") or 0
+        self.counters["kcoral_response_body_bytes_total", ()] += fields.get("response_bytes") or 0
+        for name, field in (("kcoral_request_queue_seconds", "queue_ms"),
+                            ("kcoral_request_lease_wait_seconds", "lease_wait_ms"),
+                            ("kcoral_request_lease_held_seconds", "lease_held_ms"),
+                            ("kcoral_request_duration_seconds", "total_ms")):
+            if isinstance(fields.get(field), (int, float)):
+                self.histograms[name].observe(fields[field] / 1e3)
+
+    def render(self, gauges: list[tuple[str, Labels, float]]) -> str:
+        """The exposition text: this node's counters and histograms, then `gauges` (name,
+        labels, value: read from the pool, caches and lease just now)."""
+        with self.lock:
+            series = [(name, labels, value) for (name, labels), value in self.counters.items()]
+            histograms = {name: histogram.lines(name) for name, histogram in self.histograms.items()}
+        series += gauges
+        lines = []
+        for name, (kind, text) in METRIC_HELP.items():
+            lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
+            lines += histograms.get(name, [])
+            lines += [f"{name}{label_text(labels)} {sample_value(value)}" for n, labels, value in sorted(series)
+                      if n == name]
+        return "\n".join(lines) + "\n"
+
+
+def tenant_label(fields: dict[str, Any]) -> Labels:
+    """A request event's tenant as a label: a name from --token-file (the server puts no other in its
+    events), none for anonymous requests, so a server without named tokens keeps its series."""
+    return (("tenant", fields["tenant"]),) if fields.get("tenant") else ()
+
+
+def bucket_index(bounds: tuple[float, ...], value: float) -> int:
+    """The index of the first bucket whose upper bound holds `value` (len(bounds): +Inf only)."""
+    return next((i for i, bound in enumerate(bounds) if value <= bound), len(bounds))
+
+
+def sample_value(value: float) -> str:
+    """Exact: a byte counter past a million must not lose digits (`:g` keeps six)."""
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def label_text(labels: Labels) -> str:
+    if not labels:
+        return ""
+    escaped = (value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") for _, value in labels)
+    return "{" + ",".join(f'{key}="{value}"' for (key, _), value in zip(labels, escaped)) + "}"
 
 
 # --- 12. command line (docs/server.md §9.2) -------------------------------------------------------

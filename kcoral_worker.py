@@ -39,8 +39,10 @@ must stay cheap (the front-end does): torch, numpy and tvm_ffi are imported
 by the template process or on first use.
 
 Sections, top-down: the shared contract (types, errors, path rules; raw bytes and the staged
-blobs; the messages) and the process helpers, which kcoral.py imports too; the worker process
-(`worker_main` -> `serve_request` per request); one program (`ProgramRun`, output capture,
+blobs; the messages), the process helpers and the one home of process trees (finding them,
+ending them with a grace, confirming them gone), all of which kcoral.py imports too; the
+sandbox's template (`template_main`, `fork_request`), which forks workers in a container; the
+worker process (`worker_main` -> `serve_request` per request); one program (`ProgramRun`, output capture,
 workspace files, value encoding); the runtimes (tensors and libraries per device, the GPU lease,
 CUDA's guards); last, `kcoral.builtins` and `kcoral.errors`, what uploaded code imports, with
 `evaluate`'s kernel processes (a fresh interpreter per kernel under test, its own messages).
@@ -795,72 +797,7 @@ def killed_already(pid: int) -> bool:
     return any(mask & 1 << (signal.SIGKILL - 1) for mask in pending)
 
 
-# --- the worker process: start, serve requests, exit ----------------------------------------------
-
-def worker_main(conn: Connection, device: str, visible_gpus: list[str]) -> None:
-    """Entry point of a worker process forked from the template.
-
-    It leads its own process group so that the front-end can kill everything
-    a program started with one signal.
-    """
-    os.setsid()
-    ignore_tree_signals()
-    die_with_parent()
-    become_subreaper()
-    detach_standard_streams()
-    set_oom_score(1000)  # when the host runs out of memory, a worker goes first, never the front-end
-    os.environ[WORKER_MARK] = str(os.getpid())  # inherited: finds what escapes after a crash
-    # a native crash prints the Python frames it happened under into fd 2, the request's captured stderr
-    faulthandler.enable(file=2, all_threads=False)
-    problem = template_cuda_problem(device)
-    if problem:
-        send_message(conn, WorkerFailed(problem))
-        os._exit(1)
-    if device == "cuda":
-        prepare_gpu(visible_gpus)
-    runtime = Runtime(device)
-    install_kcoral_modules()
-    import gc
-    gc.freeze()  # the template's objects are permanent: later collections skip them
-    env = dict(os.environ)
-    torch_settings = TorchSettings.capture()
-    send_message(conn, WorkerReady(os.getpid()))
-    for message in messages(conn):
-        match message:
-            case StopWorker():
-                os._exit(0)
-            case InitGpu():
-                send_message(conn, initialize_gpu())
-                env = dict(os.environ)
-                if torch_settings is not None:
-                    torch_settings.capture_cuda()
-            case JobRequest():
-                poisoned = serve_request(conn, message, runtime)
-                if message.retire or poisoned:
-                    os._exit(0)
-                reset_process_state(env, torch_settings)
-            case _:
-                raise UnexpectedMessage(f"a worker cannot serve {message!r}")
-
-
-def detach_standard_streams() -> None:
-    """stdin, stdout and stderr on /dev/null: a program writes to its request's capture pipes
-    (`Capture`) or nowhere, never to the server's own log or console."""
-    null = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(null, fd)
-    os.close(null)
-
-
-def messages(conn: Connection) -> Iterator[object]:
-    """What the front-end sends, one message at a time; when it closes the pipe, this process
-    (a worker or a sandbox template) has nothing left to do and exits quietly."""
-    while True:
-        try:
-            yield receive_message(conn)[0]
-        except EOFError:
-            os._exit(0)
-
+# --- the sandbox's template: the container's PID 1, a request's namespaces (docs/sandbox.md) ----
 
 def template_main(fd: int, preload: list[str], import_env: dict[str, str], space_frame: bytes) -> None:
     """Entry point of a slot's template: PID 1 of its bubblewrap container (kcoral.py SandboxTemplate).
@@ -1102,6 +1039,73 @@ def wait_for_child(pid: int) -> int:
         done, status = os.waitpid(-1, 0)
         if done == pid:
             return status
+
+
+# --- the worker process: start, serve requests, exit ----------------------------------------------
+
+def worker_main(conn: Connection, device: str, visible_gpus: list[str]) -> None:
+    """Entry point of a worker process forked from the template.
+
+    It leads its own process group so that the front-end can kill everything
+    a program started with one signal.
+    """
+    os.setsid()
+    ignore_tree_signals()
+    die_with_parent()
+    become_subreaper()
+    detach_standard_streams()
+    set_oom_score(1000)  # when the host runs out of memory, a worker goes first, never the front-end
+    os.environ[WORKER_MARK] = str(os.getpid())  # inherited: finds what escapes after a crash
+    # a native crash prints the Python frames it happened under into fd 2, the request's captured stderr
+    faulthandler.enable(file=2, all_threads=False)
+    problem = template_cuda_problem(device)
+    if problem:
+        send_message(conn, WorkerFailed(problem))
+        os._exit(1)
+    if device == "cuda":
+        prepare_gpu(visible_gpus)
+    runtime = Runtime(device)
+    install_kcoral_modules()
+    import gc
+    gc.freeze()  # the template's objects are permanent: later collections skip them
+    env = dict(os.environ)
+    torch_settings = TorchSettings.capture()
+    send_message(conn, WorkerReady(os.getpid()))
+    for message in messages(conn):
+        match message:
+            case StopWorker():
+                os._exit(0)
+            case InitGpu():
+                send_message(conn, initialize_gpu())
+                env = dict(os.environ)
+                if torch_settings is not None:
+                    torch_settings.capture_cuda()
+            case JobRequest():
+                poisoned = serve_request(conn, message, runtime)
+                if message.retire or poisoned:
+                    os._exit(0)
+                reset_process_state(env, torch_settings)
+            case _:
+                raise UnexpectedMessage(f"a worker cannot serve {message!r}")
+
+
+def detach_standard_streams() -> None:
+    """stdin, stdout and stderr on /dev/null: a program writes to its request's capture pipes
+    (`Capture`) or nowhere, never to the server's own log or console."""
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.close(null)
+
+
+def messages(conn: Connection) -> Iterator[object]:
+    """What the front-end sends, one message at a time; when it closes the pipe, this process
+    (a worker or a sandbox template) has nothing left to do and exits quietly."""
+    while True:
+        try:
+            yield receive_message(conn)[0]
+        except EOFError:
+            os._exit(0)
 
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",

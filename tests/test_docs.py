@@ -119,3 +119,24 @@ def test_the_worker_message_table_lists_every_message_type():
     assert set(kcoral_worker.MESSAGE_TYPES) == listed, (
         f"missing from the table: {sorted(set(kcoral_worker.MESSAGE_TYPES) - listed)}; "
         f"listed but no message: {sorted(listed - set(kcoral_worker.MESSAGE_TYPES))}")
+
+
+def test_each_lifecycle_verb_means_what_the_glossary_says():
+    """kcoral.py's docstring lists, for each lifecycle verb, the classes that have a method of that
+    name; a class with another such method gives the verb a second meaning."""
+    import ast
+
+    import kcoral
+    glossary = kcoral.__doc__.split("Lifecycle verbs mean one thing each")[1].split("\n\n")[0]
+    clauses = re.findall(r"`(start|drain|stop|kill|close)` ([^;]*)", glossary)
+    listed = {verb: set(re.findall(r"`(\w+)`", text)) for verb, text in clauses}
+    with open(os.path.join(ROOT, "kcoral.py"), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    defined = {verb: set() for verb in listed}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            for method in node.body:
+                if isinstance(method, ast.FunctionDef) and method.name in defined:
+                    defined[method.name].add(node.name)
+    assert set(listed) == {"start", "drain", "stop", "kill", "close"}
+    assert defined == listed
