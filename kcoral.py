@@ -1360,8 +1360,8 @@ class BodyCut(Exception):
 
 
 def default_max_connections() -> int:
-    """A quarter of the fd limit (a connection in a request may hold a few more fds: staging
-    files, pipes, cache files), so fds run out after connections do."""
+    """A quarter of the fd limit (a connection in a request may hold a few more fds: the staged
+    blobs' memfd, pipes, cache files), so fds run out after connections do."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         soft = 1 << 16
@@ -2400,7 +2400,7 @@ class BlobStore:
         Until the writes land, `resolve` finds the blobs in `unwritten`: a later request never
         misses them.  They start once the request has run (settle_file_blobs): creating hundreds
         of small files takes a core for a while, which the request's worker, creating its own
-        copies in the workspace, needs more (on 2 cores they used to share it).
+        copies in the workspace, needs more.
         (Not a daemon: an exiting server finishes its writes rather than leaving staging files.)
         """
         items = [(digest, data) for digest, data in supplied.items() if "file" in program.blob_kinds[digest]]
@@ -3292,8 +3292,8 @@ class Execution:
 
         The worker reads each straight into its final object.  One file, because creating a
         file costs far more than writing it (500 small uploads would be 500 inodes); in memory,
-        because the blobs are in memory already (a disk file's page cache was 2-3x slower to
-        fill on fresh memory here, docs/performance.md), and passed as an fd, so it has no path
+        because the blobs are in memory already (a disk file's page cache is slower to fill,
+        docs/performance.md), and passed as an fd, so it has no path
         anyone could open or swap.  The seals forbid any write, resize or unsealing: what the
         worker reads is what the front-end staged, whatever the program does with the fd.
         """
