@@ -189,11 +189,6 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"JSON constant {name} is not allowed")
 
 
-def _compact_json(value: Any) -> bytes:
-    return json.dumps(value, ensure_ascii=False, allow_nan=False,
-                      separators=(",", ":")).encode("utf-8")
-
-
 def _bytes_snapshot(value: object, error_message: str) -> bytes:
     """The bytes of a bytes-like value, copied so later mutation cannot change them."""
     if type(value) is bytes:  # immutable: sharing it is as good as a copy, and free
@@ -250,41 +245,23 @@ class Program:
             if source is not None:
                 raise TypeError("tensor upload takes no 'source'")
             dtype, shape, data = _tensor_payload(value, dtype, shape)
-            digest = hashlib.sha256(data).hexdigest()
-            fields = {"kind": "tensor", "blob": digest, "dtype": dtype, "shape": shape}
-            return self._append("upload", id, fields, blob=(digest, data))
+            return self._append_blob(id, "tensor", data, dtype=dtype, shape=shape)
         if kind in ("bytes", "library"):
             if source is not None or dtype is not None or shape is not None:
                 raise TypeError(f"{kind} upload takes only 'value'")
-            data = _bytes_snapshot(value, f"{kind} upload requires a bytes-like 'value'")
-            digest = hashlib.sha256(data).hexdigest()
-            return self._append("upload", id, {"kind": kind, "blob": digest}, blob=(digest, data))
+            return self._append_blob(id, kind, _bytes_snapshot(value, f"{kind} upload requires a bytes-like 'value'"))
         raise ValueError("upload kind must be 'module', 'tensor', 'bytes', or 'library'")
 
     def upload_file(self, *, blob: Any, path: str, id: str | None = None) -> Register:
         """Upload bytes that the server writes to ``path`` in the request's workspace."""
         self._check_custom_id(id)
         path = _normalize_path(path)
-        data = _bytes_snapshot(blob, "file upload requires a bytes-like 'blob'")
-        file_paths, file_dirs = self._with_file_paths([path])
-        digest = hashlib.sha256(data).hexdigest()
-        fields = {"kind": "file", "blob": digest, "path": path}
-        register = self._append("upload", id, fields, blob=(digest, data))
-        self._file_paths, self._file_dirs = file_paths, file_dirs
-        return register
+        return self._append_files([(path, _bytes_snapshot(blob, "file upload requires a bytes-like 'blob'"))], id)[0]
 
     def upload_folder(self, folder: str | os.PathLike[str], *, path: str) -> None:
         """Snapshot a local directory tree as file uploads under ``path``, all or nothing."""
         base = _normalize_path(path)
-        files = sorted((_normalize_path(f"{base}/{rel}"), data)
-                       for rel, data in _snapshot_folder(folder))
-        file_paths, file_dirs = self._with_file_paths([dest for dest, _ in files])
-        # Nothing can fail from here on, so the program changes only if everything succeeded.
-        for dest, data in files:
-            digest = hashlib.sha256(data).hexdigest()
-            self._append("upload", None, {"kind": "file", "blob": digest, "path": dest},
-                         blob=(digest, data))
-        self._file_paths, self._file_dirs = file_paths, file_dirs
+        self._append_files(sorted((_normalize_path(f"{base}/{rel}"), data) for rel, data in _snapshot_folder(folder)))
 
     def get_function(self, *, id: str | None = None, module: Register | dict[str, str],
                      name: str, cpu_only: bool = False) -> Register:
@@ -305,15 +282,12 @@ class Program:
         JSON literals (not validated until execute serialises them, as in the reference)."""
         if not isinstance(fn, Register):
             raise TypeError("run requires a Register 'fn'")
-        if fn.id not in self._ids:
-            raise ValueError(f"unknown instruction id {fn.id!r}")
-        if args is None:
-            args = []
-        if not isinstance(args, (list, tuple)):
+        fn_id = self._existing_ref(fn)
+        if not isinstance(args, (list, tuple, type(None))):
             raise TypeError("run 'args' must be a list")
-        wire_args = [{"$ref": arg.id} if isinstance(arg, Register) else arg for arg in args]
+        wire_args = [{"$ref": arg.id} if isinstance(arg, Register) else arg for arg in args or []]
         self._check_custom_id(id)
-        return self._append("run", id, {"fn": {"$ref": fn.id}, "args": wire_args})
+        return self._append("run", id, {"fn": {"$ref": fn_id}, "args": wire_args})
 
     # -- returns
 
@@ -335,12 +309,7 @@ class Program:
 
     def _return_path(self, kind: str, key: str, path: str | Register) -> None:
         self._check_return_key(key)
-        if isinstance(path, Register):
-            if path.id not in self._ids:
-                raise ValueError(f"unknown instruction id {path.id!r}")
-            wire_path: str | dict[str, str] = {"$ref": path.id}
-        else:
-            wire_path = _normalize_path(path)
+        wire_path = {"$ref": self._existing_ref(path)} if isinstance(path, Register) else _normalize_path(path)
         self._append_return({"op": "return", "key": key, "kind": kind, "path": wire_path})
 
     def _check_custom_id(self, id: str | None) -> None:
@@ -375,12 +344,25 @@ class Program:
         for path in paths:
             if path in taken:
                 raise ValidationError(f"duplicate file upload path {path!r}")
-            prefixes = list(_directory_prefixes(path))
+            parts = path.split("/")
+            prefixes = ["/".join(parts[:end]) for end in range(1, len(parts))]  # 'a/b/c' -> 'a', 'a/b'
             if path in dirs or any(prefix in taken for prefix in prefixes):
                 raise ValidationError(f"conflicting file upload paths at {path!r}")
             taken.add(path)
             dirs.update(prefixes)
         return taken, dirs
+
+    def _append_files(self, files: list[tuple[str, bytes]], id: str | None = None) -> list[Register]:
+        """File uploads of (normalised path, bytes), all or nothing: the paths are checked first,
+        and nothing can fail after that."""
+        file_paths, file_dirs = self._with_file_paths([path for path, _ in files])
+        registers = [self._append_blob(id, "file", data, path=path) for path, data in files]
+        self._file_paths, self._file_dirs = file_paths, file_dirs
+        return registers
+
+    def _append_blob(self, id: str | None, kind: str, data: bytes, **fields: Any) -> Register:
+        digest = hashlib.sha256(data).hexdigest()
+        return self._append("upload", id, {"kind": kind, "blob": digest, **fields}, blob=(digest, data))
 
     def _append(self, op: str, id: str | None, fields: dict[str, Any],
                 blob: tuple[str, bytes] | None = None) -> Register:
@@ -399,14 +381,6 @@ class Program:
     def _append_return(self, instruction: dict[str, Any]) -> None:
         self._return_keys.add(instruction["key"])
         self._instructions.append(instruction)
-
-
-def _directory_prefixes(path: str) -> collections.abc.Iterator[str]:
-    """'a/b/c' -> 'a', 'a/b'."""
-    index = path.find("/")
-    while index != -1:
-        yield path[:index]
-        index = path.find("/", index + 1)
 
 
 def _tensor_payload(value: Any, dtype: Any, shape: Any) -> tuple[str, list[int], bytes]:
@@ -555,20 +529,16 @@ class ReturnedFile:
             if st is not None and not stat.S_ISREG(st.st_mode):
                 raise ValueError("overwrite requires a regular file destination")
             staged = _write_new_file(parent_fd, f".kcoral-{secrets.token_hex(16)}", self._data)
-            staging: str | None = staged  # None once renamed into place
             try:
-                if overwrite:
-                    # rename replaces whatever is at the name now, even a symlink swapped in
-                    # after the check, and never follows it.
+                if overwrite:  # rename replaces whatever is there now, a symlink swapped in too, never following it
                     os.rename(staged, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
-                    staging = None
-                else:
-                    # link fails if the name appeared after the check: no silent overwrite.
-                    os.link(staged, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd,
-                            follow_symlinks=False)
-            finally:
-                if staging is not None:
-                    os.unlink(staging, dir_fd=parent_fd)
+                else:  # link fails if the name appeared after the check: no silent overwrite
+                    os.link(staged, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd, follow_symlinks=False)
+            except BaseException:
+                os.unlink(staged, dir_fd=parent_fd)
+                raise
+            if not overwrite:  # linked into place: the staged name goes
+                os.unlink(staged, dir_fd=parent_fd)
         finally:
             os.close(parent_fd)
         return pathlib.Path(destination)
@@ -1208,12 +1178,6 @@ class _DeadlineReader(io.RawIOBase):
         super().close()
 
 
-class _DeadlineResponse(http.client.HTTPResponse):
-    def __init__(self, sock: Any, deadline: _Deadline, *args: Any, **kwargs: Any) -> None:
-        super().__init__(sock, *args, **kwargs)
-        self.fp = io.BufferedReader(_DeadlineReader(self.fp.detach(), sock, deadline))
-
-
 class _DeadlineConnection:
     """Connecting is limited by connect_timeout_seconds; everything after it by the deadline
     `_exchange` sets for each request (docs/client.md §4.8)."""
@@ -1225,7 +1189,9 @@ class _DeadlineConnection:
         self.deadline.run(self.sock, lambda: super(_DeadlineConnection, self).send(data))  # type: ignore[misc]
 
     def response_class(self, sock: Any, *args: Any, **kwargs: Any) -> http.client.HTTPResponse:
-        return _DeadlineResponse(sock, self.deadline, *args, **kwargs)
+        response = http.client.HTTPResponse(sock, *args, **kwargs)
+        response.fp = io.BufferedReader(_DeadlineReader(response.fp.detach(), sock, self.deadline))
+        return response
 
 
 # http.client only calls response_class(sock, method=...); typeshed declares it a type[HTTPResponse]
@@ -1423,7 +1389,7 @@ class Client:
         body: dict[str, Any] = {"instructions": program.instructions}
         if options:
             body["options"] = options
-        program_json = _compact_json(body)
+        program_json = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
         blobs = program._blobs
         needs = _blob_caches(program)
         unknown = self._memory.not_held(needs)
@@ -1478,6 +1444,8 @@ class Client:
                  on_output: Callable[[str, bytes], None] | None = None) -> _Response:
         conn = self._checkout()
         try:
+            if conn.sock is None:  # a new connection: connect_timeout_seconds applies
+                conn.connect()
             response, (status, content_type, body), reusable = _exchange(
                 conn, method, self._path + path, _merge_headers(self._headers, headers or {}), chunks or [],
                 deadline, self._max_response_bytes, on_output)
@@ -1502,13 +1470,7 @@ class Client:
                 if conn.sock is not None and not _peer_closed(conn.sock):
                     return conn
                 conn.close()
-        conn = self._connection_class(self._host, self._port, timeout=self._connect_timeout)
-        try:
-            conn.connect()
-        except OSError as exc:
-            conn.close()
-            raise TransportError(str(exc) or type(exc).__name__) from exc
-        return conn
+        return self._connection_class(self._host, self._port, timeout=self._connect_timeout)
 
     def _checkin(self, conn: http.client.HTTPConnection, reusable: bool) -> None:
         with self._lock:
@@ -1590,10 +1552,14 @@ def _read_stream(response: http.client.HTTPResponse, limit: int, on_output: Call
 def _read_body(response: http.client.HTTPResponse, limit: int) -> _Body:
     """The whole body, read into one preallocated buffer when its length is known, so
     that binary parts can be views of it rather than copies. A body above ``limit`` bytes is
-    refused: before any of it is read when its length is declared, at ``limit`` + 1 otherwise.
-    Plain pages, as the server's receive buffers: huge ones were no faster (docs/performance.md)."""
+    refused: before any of it is read when its length is declared, at ``limit`` + 1 otherwise."""
     if response.chunked or response.length is None:
-        return _read_unknown_length(response, limit)
+        growing = bytearray()
+        while piece := response.read(min(_READ_PIECE_BYTES, limit + 1 - len(growing))):
+            growing += piece
+            if len(growing) > limit:
+                raise _too_large("the server's response runs past", limit)
+        return growing
     if response.length > limit:
         raise _too_large(f"the server declares a response of {response.length} bytes, above", limit)
     body = bytearray(response.length)
@@ -1604,15 +1570,6 @@ def _read_body(response: http.client.HTTPResponse, limit: int) -> _Body:
         if not count:
             raise http.client.IncompleteRead(b"", len(body) - filled)
         filled += count
-    return body
-
-
-def _read_unknown_length(response: http.client.HTTPResponse, limit: int) -> bytearray:
-    body = bytearray()
-    while piece := response.read(min(_READ_PIECE_BYTES, limit + 1 - len(body))):
-        body += piece
-        if len(body) > limit:
-            raise _too_large("the server's response runs past", limit)
     return body
 
 
@@ -1857,21 +1814,14 @@ def _check_free_names(fn: Any, source: str, name: str) -> None:
         pending.extend(table.get_children())
         for symbol in table.get_symbols():
             symbol_name = symbol.get_name()
-            if symbol.is_declared_global():
-                rejected.add(symbol_name)
-            elif (symbol.is_global() and symbol.is_referenced() and symbol_name != name
-                  and not _is_unshadowed_builtin(fn, symbol_name)):
+            builtin = getattr(builtins, symbol_name, None)
+            unshadowed_builtin = hasattr(builtins, symbol_name) and fn.__globals__.get(symbol_name, builtin) is builtin
+            if symbol.is_declared_global() or (symbol.is_global() and symbol.is_referenced()
+                                               and symbol_name != name and not unshadowed_builtin):
                 rejected.add(symbol_name)
     if rejected:
         raise ValueError(f"remote function references external globals: {', '.join(sorted(rejected))}; "
                          "import dependencies inside the function and pass values as arguments")
-
-
-def _is_unshadowed_builtin(fn: Any, name: str) -> bool:
-    if not hasattr(builtins, name):
-        return False
-    builtin = getattr(builtins, name)
-    return fn.__globals__.get(name, builtin) is builtin
 
 
 def _json_literal(value: Any) -> Any:
