@@ -109,9 +109,8 @@ class RemoteExecutionError(RuntimeError):
 
     def __init__(self, result: ProgramResult) -> None:
         error = result.error or {}
-        kind = error.get("kind") or "unknown"
-        message = error.get("message") or "no error details"
-        super().__init__(f"Remote execution {result.request_id} failed: {kind}: {message}")
+        super().__init__(f"Remote execution {result.request_id} failed: {error.get('kind') or 'unknown'}: "
+                         f"{error.get('message') or 'no error details'}")
         self.result = result
 
 
@@ -313,9 +312,7 @@ class Program:
         self._append_return({"op": "return", "key": key, "kind": kind, "path": wire_path})
 
     def _check_custom_id(self, id: str | None) -> None:
-        if id is None:
-            return
-        if not isinstance(id, str) or not id:
+        if id is not None and (not isinstance(id, str) or not id):
             raise ValueError("instruction id must be a non-empty str")
         if id in self._ids:
             raise ValueError(f"duplicate instruction id {id!r}")
@@ -518,8 +515,8 @@ class ReturnedFile:
     def save(self, destination: str | os.PathLike[str], *, overwrite: bool = False) -> pathlib.Path:
         """Write the contents to ``destination`` (mode 0600) atomically. An existing
         destination is an error unless ``overwrite`` is true and it is a regular file."""
-        parent_fd, name = _open_parent(destination)
-        try:
+
+        def publish(parent_fd: int, name: str) -> None:
             try:
                 st: os.stat_result | None = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
             except FileNotFoundError:
@@ -539,9 +536,7 @@ class ReturnedFile:
                 raise
             if not overwrite:  # linked into place: the staged name goes
                 os.unlink(staged, dir_fd=parent_fd)
-        finally:
-            os.close(parent_fd)
-        return pathlib.Path(destination)
+        return _at_destination(destination, publish)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -575,8 +570,8 @@ class ReturnedFolder:
     def save(self, destination: str | os.PathLike[str]) -> pathlib.Path:
         """Create ``destination`` (which must not exist) and write the tree into it.
         On failure the partial tree is removed and the exception re-raised."""
-        parent_fd, name = _open_parent(destination)
-        try:
+
+        def write_tree(parent_fd: int, name: str) -> None:
             os.mkdir(name, 0o700, dir_fd=parent_fd)
             try:
                 root_fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent_fd)
@@ -591,54 +586,47 @@ class ReturnedFolder:
             except BaseException:
                 _remove_tree(parent_fd, name)
                 raise
-        finally:
-            os.close(parent_fd)
-        return pathlib.Path(destination)
+        return _at_destination(destination, write_tree)
 
 
-def _open_parent(destination: str | os.PathLike[str]) -> tuple[int, str]:
-    """(fd of the destination's parent directory, final name), opening every component
-    without following symbolic links. The caller closes the fd."""
+def _at_destination(destination: str | os.PathLike[str], action: Callable[[int, str], object]) -> pathlib.Path:
+    """Run ``action(fd of its parent directory, final name)`` for a local ``destination``;
+    -> the destination as a Path."""
     path = os.fspath(destination)
     if not isinstance(path, str):
         raise TypeError("destination must be a str or path-like")
     components = path.split("/")
-    name = components[-1]
-    if ".." in components or name in ("", ".", ".."):
+    if ".." in components or components[-1] in ("", ".", ".."):
         raise ValueError(f"destination {path!r} must name a file without '..' components")
-    fd = os.open("/" if path.startswith("/") else ".", os.O_RDONLY | os.O_DIRECTORY)
+    start_fd = os.open("/" if path.startswith("/") else ".", os.O_RDONLY | os.O_DIRECTORY)
     try:
-        for component in components[:-1]:
-            if component in ("", "."):
+        _in_directory(start_fd, path, action)
+    finally:
+        os.close(start_fd)
+    return pathlib.Path(destination)
+
+
+def _in_directory(start_fd: int, path: str, action: Callable[[int, str], object]) -> None:
+    """Run ``action(dir_fd, name)`` for ``path`` below start_fd, opening each parent without
+    following a symbolic link (a tree being written is visible, so it could be tampered with)."""
+    *parents, name = path.split("/")
+    fd = start_fd
+    try:
+        for parent in parents:
+            if parent in ("", "."):  # 'a//b', './a'
                 continue
             try:
-                next_fd = os.open(component, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+                next_fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
             except OSError as exc:
                 if exc.errno == errno.ELOOP:
                     raise NotADirectoryError(errno.ENOTDIR, "symbolic link in destination path", path) from None
                 raise
-            os.close(fd)
-            fd = next_fd
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, name
-
-
-def _in_directory(root_fd: int, path: str, action: Callable[[int, str], object]) -> None:
-    """Run ``action(dir_fd, name)`` for ``path`` under root_fd, opening each parent
-    without following links (the tree is visible, so it could be tampered with)."""
-    *parents, name = path.split("/")
-    fd = root_fd
-    try:
-        for parent in parents:
-            next_fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
-            if fd != root_fd:
+            if fd != start_fd:
                 os.close(fd)
             fd = next_fd
         action(fd, name)
     finally:
-        if fd != root_fd:
+        if fd != start_fd:
             os.close(fd)
 
 
@@ -655,14 +643,12 @@ def _write_new_file(dir_fd: int, name: str, data: bytes) -> str:
     """Create ``name`` exclusively with mode 0600 and write ``data``; return the name."""
     fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd)
     try:
-        os.fchmod(fd, 0o600)  # the umask may have narrowed it
-        with open(fd, "wb", closefd=False) as f:
+        with open(fd, "wb") as f:  # closes fd
+            os.fchmod(fd, 0o600)  # the umask may have narrowed it
             f.write(data)
     except BaseException:
-        os.close(fd)
         _remove_tree(dir_fd, name)
         raise
-    os.close(fd)
     return name
 
 
@@ -751,13 +737,11 @@ def _decode_result(payload: dict[str, Any], parts: dict[str, memoryview]) -> Pro
         decoded = {key: reader.decode(value) for key, value in results.items()}
     except RecursionError:
         raise _malformed("results are nested too deeply") from None
-    error = None
     if status == "COMPLETED" and "error" in payload:
         raise _malformed("a COMPLETED response must not carry 'error'")
-    if status == "FAILED":
-        if "error" not in payload:
-            raise _malformed("a FAILED response must carry 'error'")
-        error = _validated_error(payload["error"])
+    if status == "FAILED" and "error" not in payload:
+        raise _malformed("a FAILED response must carry 'error'")
+    error = _validated_error(payload["error"]) if status == "FAILED" else None
     if reader.used != len(parts):
         raise _malformed("unreferenced binary response parts")
     return ProgramResult(
@@ -876,11 +860,7 @@ class _PartReader:
             return value
         if kind == "bytes":
             return self._take(encoded, bytes)
-        if kind == "file":
-            return self._file(encoded)
-        if kind == "folder":
-            return self._folder(encoded)
-        return self._tensor(encoded)
+        return {"file": self._file, "folder": self._folder, "tensor": self._tensor}[kind](encoded)
 
     def _take(self, encoded: dict[str, Any], copy: Callable[[memoryview], T]) -> T:
         """The part `encoded` names, checked against its sha256 and turned into its own object
@@ -1382,20 +1362,17 @@ class Client:
             raise TypeError("execute expects a Program")
         if gpu_count is not None and (type(gpu_count) is not int or not 1 <= gpu_count <= 8):
             raise ValueError("gpu_count must be an int from 1 to 8")
-        options = {name: value for name, value in (("gpu_count", gpu_count),
-                                                   ("timeout_seconds", timeout_seconds),
-                                                   ("output_limit_bytes", output_limit_bytes))
-                   if value is not None}
+        options = {"gpu_count": gpu_count, "timeout_seconds": timeout_seconds, "output_limit_bytes": output_limit_bytes}
+        options = {name: value for name, value in options.items() if value is not None}
         body: dict[str, Any] = {"instructions": program.instructions}
         if options:
             body["options"] = options
         program_json = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
         blobs = program._blobs
         needs = _blob_caches(program)
-        unknown = self._memory.not_held(needs)
-        eager = (unknown is not None and self._eager_upload_bytes > 0
-                 and sum(len(blobs[h]) for h in unknown) <= self._eager_upload_bytes)
-        send = [h for h in blobs if h in unknown] if eager and unknown is not None else []
+        unknown = self._memory.not_held(needs) or set()  # None: the server names no instance, so ask first
+        eager = self._eager_upload_bytes > 0 and sum(len(blobs[h]) for h in unknown) <= self._eager_upload_bytes
+        send = [h for h in blobs if h in unknown] if eager else []
         node = None
         affinity = _affinity_key(blobs)
         seconds = _execution_seconds(timeout_seconds) + self._response_margin
@@ -1956,8 +1933,10 @@ def run_command(argv: list[str]) -> int:
     """`kcoral run ...`: the exit status of the remote process, 1 on any other failure;
     usage errors leave through argparse (SystemExit 2)."""
     parser = _run_parser()
-    options_part, separated, tool_args = _split_at_separator(argv)
-    args, extra = parser.parse_known_args(options_part)
+    separated = "--" in argv  # the first '--' is ours; a later one is the tool's (a profiler's own, say)
+    cut = argv.index("--") if separated else len(argv)
+    args, extra = parser.parse_known_args(argv[:cut])
+    tool_args = argv[cut + 1:]
     tool_parser = args.tool_parser
     unknown = [token for token in extra if token.startswith("-")]
     if unknown:
@@ -1986,15 +1965,6 @@ def run_command(argv: list[str]) -> int:
 def _complain(line: str) -> None:
     """One line on stderr; it may quote the server (error messages, remote names)."""
     print(_for_terminal(sys.stderr, line), file=sys.stderr)
-
-
-def _split_at_separator(argv: list[str]) -> tuple[list[str], bool, list[str]]:
-    """(kcoral options, whether '--' was given, the tool's arguments). The first '--' is
-    ours; any later one belongs to the tool (the profilers' own separator, say)."""
-    if "--" not in argv:
-        return argv, False, []
-    cut = argv.index("--")
-    return argv[:cut], True, argv[cut + 1:]
 
 
 def _run_parser() -> Any:
