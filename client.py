@@ -432,9 +432,8 @@ def _array_payload(value: Any) -> tuple[str, list[int], bytes]:
 
 
 def _snapshot_folder(folder: str | os.PathLike[str]) -> list[tuple[str, bytes]]:
-    """(relative path, contents) of every regular file under ``folder``, read without
-    following symbolic links; each directory is opened relative to its parent so that a
-    path swapped during the walk cannot redirect it."""
+    """(relative path, contents) of every regular file under ``folder``, read without following symbolic
+    links; each directory is opened relative to its parent so that a path swapped during the walk cannot redirect it."""
     st = os.lstat(folder)
     if stat.S_ISLNK(st.st_mode):
         raise ValueError(f"upload_folder: {os.fspath(folder)!r} is a symbolic link")
@@ -922,9 +921,8 @@ class _PartReader:
 
 
 def _copy_and_hash(data: memoryview, copy: Callable[[memoryview], T]) -> tuple[T, str]:
-    """-> (copy(data), SHA-256 hex of data).  A large part is hashed on a second thread while
-    this one copies it: hashlib lets go of the GIL, so the two passes over the data overlap
-    instead of adding up."""
+    """-> (copy(data), SHA-256 hex of data). A large part is hashed on a second thread while this one
+    copies it: hashlib lets go of the GIL, so the two passes over the data overlap."""
     if data.nbytes < _PARALLEL_HASH_BYTES:
         return copy(data), hashlib.sha256(data).hexdigest()
     hashed: list[str] = []
@@ -1120,9 +1118,8 @@ _READ_PIECE_BYTES = 1 << 20  # a body of unknown length is read in pieces this b
 
 
 class _Deadline:
-    """The moment by which one exchange (sending, waiting, receiving) must be over. Every
-    socket operation is given only the time left, so a server that stalls, or trickles a byte
-    at a time, cannot hold the client past it."""
+    """The moment by which one exchange (sending, waiting, receiving) must be over. Every socket operation is
+    given only the time left, so a server that stalls, or trickles a byte at a time, cannot hold the client past it."""
 
     def __init__(self, seconds: float, why: str) -> None:
         self.seconds, self.why = seconds, why
@@ -1193,12 +1190,10 @@ class _Response:
 
 
 class _BlobMemory:
-    """Which blobs each recently seen server instance has confirmed holding, so that a
-    client talking to a server that names its instance can skip the ask-first round trip.
-
-    Entries are (hash, cache) pairs: a server keeps file blobs and in-memory blobs in
-    separate caches (docs/protocol.md §7.1), so holding a hash for one kind of upload says nothing about
-    the other. Bounded: a few instances, an LRU of hashes each."""
+    """Which blobs each recently seen server instance has confirmed holding, so that a client talking
+    to a server that names its instance can skip the ask-first round trip. Entries are (hash, cache)
+    pairs: file and in-memory blobs are separate caches (docs/protocol.md §7.1), and holding a hash in
+    one says nothing of the other. Bounded: a few instances, an LRU of hashes each."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -1245,13 +1240,12 @@ class _BlobMemory:
 
 
 class Client:
-    """A connection to one KCoral server. Safe to share between threads; connections
-    are kept alive and reused.
+    """A connection to one KCoral server. Safe to share between threads; connections are kept alive and reused.
 
-    ``eager_upload_bytes``: when the server names its instance (X-KCoral-Instance), blobs
-    it is not known to hold are sent with the first attempt if they total at most this
-    many bytes, saving the CACHE_MISS round trip; 0 always asks first, as the reference
-    client does. Larger uploads always ask first: the server may hold them already.
+    ``eager_upload_bytes``: when the server names its instance (X-KCoral-Instance), blobs it is not known to
+    hold are sent with the first attempt if they total at most this many bytes, saving the CACHE_MISS round
+    trip; 0 always asks first, as the reference client does. Larger uploads always ask first: the server may
+    hold them already.
 
     What a broken or hostile server can cost is bounded (docs/client.md §4.8): an answer larger
     than ``max_response_bytes`` is refused (ProtocolError), and every exchange has a deadline:
@@ -1336,11 +1330,10 @@ class Client:
     def execute(self, program: Program, *, timeout_seconds: float | None = None,
                 gpu_count: int | None = None, output_limit_bytes: int | None = None,
                 on_output: Callable[[str, bytes], None] | None = None) -> ProgramResult:
-        """Run ``program``; returns its COMPLETED or FAILED result. Blobs the server lacks
-        are negotiated with at most three attempts (docs/client.md §4.2), all of them sent under
-        one client request id so that the server's log links them: the result and any
-        KCoralError, TransportError or ProtocolError raised carry it as ``client_request_id``
-        (docs/operations.md, "Trace a failed request": HAProxy logs it too).
+        """Run ``program``; returns its COMPLETED or FAILED result. Blobs the server lacks are negotiated with at most
+        three attempts (docs/client.md §4.2), all of them sent under one client request id so that the server's log
+        links them: the result and any KCoralError, TransportError or ProtocolError raised carry it as
+        ``client_request_id`` (docs/operations.md, "Trace a failed request": HAProxy logs it too).
 
         ``on_output("stdout" | "stderr", data)``, if given, receives the captured output while the
         program runs, from a server that streams it (ours, docs/protocol.md §13); the result still
@@ -1408,12 +1401,9 @@ class Client:
         headers = {"Content-Type": f"multipart/form-data; boundary={boundary}",
                    "Content-Length": str(sum(memoryview(c).nbytes for c in chunks)),
                    "X-KCoral-Client-Request-ID": client_request_id}
-        if node is not None:
-            headers["X-KCoral-Node"] = node
-        if affinity is not None:
-            headers["X-KCoral-Affinity"] = affinity
-        if on_output is not None:
-            headers[_STREAM_HEADER] = "output"
+        optional = {"X-KCoral-Node": node, "X-KCoral-Affinity": affinity,
+                    _STREAM_HEADER: "output" if on_output is not None else None}
+        headers.update({name: value for name, value in optional.items() if value is not None})
         return self._request("POST", "/execute", headers, chunks, deadline=deadline, on_output=on_output)
 
     def _request(self, method: str, path: str, headers: dict[str, str] | None = None,
@@ -1584,11 +1574,9 @@ def _multipart_chunks(boundary: str, program_json: bytes,
 
 
 def _affinity_key(blobs: dict[str, bytes]) -> str | None:
-    """The hash of the program's largest blob (ties: the smaller hash), or None without blobs.
-
-    A cohort behind HAProxy hashes on it (`python -m kcoral haproxy-config`), so a program
-    that reuses a large blob lands on the node that already caches it; a single server
-    ignores the header."""
+    """The hash of the program's largest blob (ties: the smaller hash), or None without blobs. A cohort
+    behind HAProxy hashes on it (`python -m kcoral haproxy-config`), so a program that reuses a large
+    blob lands on the node that already caches it; a single server ignores the header."""
     if not blobs:
         return None
     return min(blobs, key=lambda digest: (-len(blobs[digest]), digest))
@@ -2226,10 +2214,9 @@ def _for_terminal(stream: Any, text: str) -> str:
 
 
 class _LiveOutput:
-    """The remote output on the local stdout/stderr: each chunk as our server streams it
-    (docs/protocol.md §13), then what the answer holds beyond what was shown (all of it, from a
-    server that does not stream). The streamed bytes are the answer's captured bytes, so the
-    text decoded from them is a prefix of the answer's text."""
+    """The remote output on the local stdout/stderr: each chunk as our server streams it (docs/protocol.md
+    §13), then what the answer holds beyond what was shown (all of it, from a server that does not
+    stream). The streamed bytes are the answer's, so the text decoded from them is a prefix of its text."""
 
     def __init__(self) -> None:
         self.decoders = {name: codecs.getincrementaldecoder("utf-8")("replace") for name in ("stdout", "stderr")}
