@@ -132,8 +132,7 @@ _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _RETURN_PART = re.compile(r"return:(0|[1-9][0-9]*)")
 _ERROR_KINDS = frozenset({"parse", "compile", "runtime", "gpu_access", "correctness",
                           "serialization", "unavailable", "engine"})
-_ERROR_KEYS = frozenset({"kind", "message", "instruction_index", "instruction_op",
-                         "instruction_id", "traceback"})
+_ERROR_KEYS = frozenset({"kind", "message", "instruction_index", "instruction_op", "instruction_id", "traceback"})
 _GPU_ACCESS_KEYS = _ERROR_KEYS | {"cuda_call", "location", "interfered_request_id"}
 _TIMINGS = ("queue_ms", "elapsed_ms", "lease_wait_ms", "lease_held_ms")
 
@@ -448,8 +447,7 @@ def _snapshot_folder(folder: str | os.PathLike[str]) -> list[tuple[str, bytes]]:
     return files
 
 
-def _walk_folder(dir_fd: int, prefix: str, seen: set[tuple[int, int]],
-                 files: list[tuple[str, bytes]]) -> None:
+def _walk_folder(dir_fd: int, prefix: str, seen: set[tuple[int, int]], files: list[tuple[str, bytes]]) -> None:
     for name in sorted(os.listdir(dir_fd)):
         rel = prefix + name
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
@@ -476,8 +474,7 @@ def _walk_folder(dir_fd: int, prefix: str, seen: set[tuple[int, int]],
             raise ValueError(f"upload_folder: {rel!r} is a symbolic link or special file")
 
 
-def _open_same(name: str | os.PathLike[str], dir_fd: int | None, expected: os.stat_result,
-               flags: int) -> int:
+def _open_same(name: str | os.PathLike[str], dir_fd: int | None, expected: os.stat_result, flags: int) -> int:
     """Open ``name`` without following a link, and check it is still what was listed."""
     fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | flags, dir_fd=dir_fd)
     if not _same_version(expected, os.fstat(fd)):
@@ -847,8 +844,7 @@ class _PartReader:
             return None
         if kind == "number":
             return _finite_number(value, "a number value")
-        expected_type = {"boolean": bool, "integer": int, "string": str, "array": list,
-                         "object": dict}.get(kind)
+        expected_type = {"boolean": bool, "integer": int, "string": str, "array": list, "object": dict}.get(kind)
         if expected_type is not None:
             if type(value) is not expected_type:  # exact: a bool is not an integer
                 raise _malformed(f"a {kind} value has a {type(value).__name__} payload")
@@ -1459,8 +1455,7 @@ def _exchange(conn: http.client.HTTPConnection, method: str, url: str, headers: 
     """Send one request and read the whole response, at most ``limit`` body bytes, all before
     ``deadline``: (response, its answer, connection reusable)."""
     conn.deadline = deadline  # type: ignore[attr-defined]
-    conn.putrequest(method, url, skip_host="host" in {k.lower() for k in headers},
-                    skip_accept_encoding=True)
+    conn.putrequest(method, url, skip_host="host" in {k.lower() for k in headers}, skip_accept_encoding=True)
     for name, value in headers.items():
         conn.putheader(name, value)
     try:
@@ -1555,8 +1550,7 @@ def _peer_closed(sock: Any) -> bool:
     return bool(select.select([sock], [], [], 0)[0])
 
 
-def _multipart_chunks(boundary: str, program_json: bytes,
-                      blobs: list[tuple[str, bytes]]) -> list[bytes | memoryview]:
+def _multipart_chunks(boundary: str, program_json: bytes, blobs: list[tuple[str, bytes]]) -> list[bytes | memoryview]:
     """The request body as a list of pieces: framing as small bytes, each blob as a view of
     its own buffer. The boundary holds 128 random bits drawn per request, so no payload can
     contain it by accident, and scanning every blob for it would cost a pass over the data."""
@@ -1592,8 +1586,7 @@ def _blob_caches(program: Program) -> dict[str, set[str]]:
     return needs
 
 
-def _missing_blobs(payload: dict[str, Any], parts: dict[str, memoryview],
-                   blobs: dict[str, bytes]) -> set[str]:
+def _missing_blobs(payload: dict[str, Any], parts: dict[str, memoryview], blobs: dict[str, bytes]) -> set[str]:
     """Validate the first CACHE_MISS answer (docs/client.md §4.2) and return what it lists."""
     missing = payload.get("missing_blobs")
     if parts:
@@ -1695,8 +1688,7 @@ class RemoteFunction(Generic[P, R]):
         values = (*bound.args, *bound.kwargs.values())
         program = Program()
         module = program.upload(id="module", kind="module", source=self._source)
-        function = program.get_function(id="function", module=module, name=self._entry_point,
-                                        cpu_only=self._cpu_only)
+        function = program.get_function(id="function", module=module, name=self._entry_point, cpu_only=self._cpu_only)
         encoded: list[Any] = []
         for index, value in enumerate(values):
             if isinstance(value, (bytes, bytearray, memoryview)):
@@ -1707,8 +1699,7 @@ class RemoteFunction(Generic[P, R]):
                 # Wrapped, so that a user dict shaped like {"$ref": ...} stays a literal.
                 encoded.append({"value": _json_literal(value)})
         literals = [not isinstance(value, Register) for value in encoded]
-        output = program.run(id="output", fn=function,
-                             args=[len(bound.args), list(bound.kwargs), literals, *encoded])
+        output = program.run(id="output", fn=function, args=[len(bound.args), list(bound.kwargs), literals, *encoded])
         program.return_(key="output", value=output)
         return program
 
@@ -1762,8 +1753,7 @@ def _strip_local_only_syntax(node: ast.FunctionDef) -> None:
     arguments = node.args
     arguments.defaults = []
     arguments.kw_defaults = [None] * len(arguments.kwonlyargs)
-    for arg in (*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs,
-                arguments.vararg, arguments.kwarg):
+    for arg in (*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs, arguments.vararg, arguments.kwarg):
         if arg is not None:
             arg.annotation = None
 
@@ -1781,8 +1771,8 @@ def _check_free_names(fn: Any, source: str, name: str) -> None:
             symbol_name = symbol.get_name()
             builtin = getattr(builtins, symbol_name, None)
             unshadowed_builtin = hasattr(builtins, symbol_name) and fn.__globals__.get(symbol_name, builtin) is builtin
-            if symbol.is_declared_global() or (symbol.is_global() and symbol.is_referenced()
-                                               and symbol_name != name and not unshadowed_builtin):
+            free = symbol.is_global() and symbol.is_referenced() and symbol_name != name and not unshadowed_builtin
+            if symbol.is_declared_global() or free:
                 rejected.add(symbol_name)
     if rejected:
         raise ValueError(f"remote function references external globals: {', '.join(sorted(rejected))}; "
@@ -2034,11 +2024,9 @@ def _environment(parser: Any, entries: list[str]) -> dict[str, str]:
             parser.error(f"environment variable names must be identifiers: {entry!r}")
         if name == "CUDA_VISIBLE_DEVICES":
             parser.error("CUDA_VISIBLE_DEVICES is managed by the server")
-        if not has_value:
-            if name not in os.environ:
-                parser.error(f"local environment variable {name} is not set")
-            value = os.environ[name]
-        env[name] = value
+        if not has_value and name not in os.environ:
+            parser.error(f"local environment variable {name} is not set")
+        env[name] = value if has_value else os.environ[name]
     return env
 
 
