@@ -639,12 +639,14 @@ def _write_new_file(dir_fd: int, name: str, data: bytes) -> str:
     """Create ``name`` exclusively with mode 0600 and write ``data``; return the name."""
     fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd)
     try:
-        with open(fd, "wb") as f:  # closes fd
-            os.fchmod(fd, 0o600)  # the umask may have narrowed it
+        os.fchmod(fd, 0o600)  # the umask may have narrowed it
+        with open(fd, "wb", closefd=False) as f:
             f.write(data)
     except BaseException:
         _remove_tree(dir_fd, name)
         raise
+    finally:
+        os.close(fd)
     return name
 
 
@@ -1106,7 +1108,6 @@ _STREAM_FRAME_HEAD_BYTES = 4096  # a frame's head line: a name, a length, a stat
 _PARALLEL_HASH_BYTES = 1 << 20  # response parts this big are hashed while they are copied
 _REMEMBERED_BLOBS_PER_INSTANCE = 4096
 _REMEMBERED_INSTANCES = 4
-
 
 _DEFAULT_EXECUTION_SECONDS = 300.0  # the server's timeout for a request that sets none (docs/protocol.md §5.3)
 _LONGEST_SOCKET_WAIT_SECONDS = 1e8  # what settimeout accepts everywhere; years, so never the binding limit
