@@ -109,9 +109,8 @@ class RemoteExecutionError(RuntimeError):
 
     def __init__(self, result: ProgramResult) -> None:
         error = result.error or {}
-        kind = error.get("kind") or "unknown"
-        message = error.get("message") or "no error details"
-        super().__init__(f"Remote execution {result.request_id} failed: {kind}: {message}")
+        super().__init__(f"Remote execution {result.request_id} failed: {error.get('kind') or 'unknown'}: "
+                         f"{error.get('message') or 'no error details'}")
         self.result = result
 
 
@@ -133,8 +132,7 @@ _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _RETURN_PART = re.compile(r"return:(0|[1-9][0-9]*)")
 _ERROR_KINDS = frozenset({"parse", "compile", "runtime", "gpu_access", "correctness",
                           "serialization", "unavailable", "engine"})
-_ERROR_KEYS = frozenset({"kind", "message", "instruction_index", "instruction_op",
-                         "instruction_id", "traceback"})
+_ERROR_KEYS = frozenset({"kind", "message", "instruction_index", "instruction_op", "instruction_id", "traceback"})
 _GPU_ACCESS_KEYS = _ERROR_KEYS | {"cuda_call", "location", "interfered_request_id"}
 _TIMINGS = ("queue_ms", "elapsed_ms", "lease_wait_ms", "lease_held_ms")
 
@@ -187,11 +185,6 @@ def _object_without_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def _reject_constant(name: str) -> None:
     raise ValueError(f"JSON constant {name} is not allowed")
-
-
-def _compact_json(value: Any) -> bytes:
-    return json.dumps(value, ensure_ascii=False, allow_nan=False,
-                      separators=(",", ":")).encode("utf-8")
 
 
 def _bytes_snapshot(value: object, error_message: str) -> bytes:
@@ -250,41 +243,23 @@ class Program:
             if source is not None:
                 raise TypeError("tensor upload takes no 'source'")
             dtype, shape, data = _tensor_payload(value, dtype, shape)
-            digest = hashlib.sha256(data).hexdigest()
-            fields = {"kind": "tensor", "blob": digest, "dtype": dtype, "shape": shape}
-            return self._append("upload", id, fields, blob=(digest, data))
+            return self._append_blob(id, "tensor", data, dtype=dtype, shape=shape)
         if kind in ("bytes", "library"):
             if source is not None or dtype is not None or shape is not None:
                 raise TypeError(f"{kind} upload takes only 'value'")
-            data = _bytes_snapshot(value, f"{kind} upload requires a bytes-like 'value'")
-            digest = hashlib.sha256(data).hexdigest()
-            return self._append("upload", id, {"kind": kind, "blob": digest}, blob=(digest, data))
+            return self._append_blob(id, kind, _bytes_snapshot(value, f"{kind} upload requires a bytes-like 'value'"))
         raise ValueError("upload kind must be 'module', 'tensor', 'bytes', or 'library'")
 
     def upload_file(self, *, blob: Any, path: str, id: str | None = None) -> Register:
         """Upload bytes that the server writes to ``path`` in the request's workspace."""
         self._check_custom_id(id)
         path = _normalize_path(path)
-        data = _bytes_snapshot(blob, "file upload requires a bytes-like 'blob'")
-        file_paths, file_dirs = self._with_file_paths([path])
-        digest = hashlib.sha256(data).hexdigest()
-        fields = {"kind": "file", "blob": digest, "path": path}
-        register = self._append("upload", id, fields, blob=(digest, data))
-        self._file_paths, self._file_dirs = file_paths, file_dirs
-        return register
+        return self._append_files([(path, _bytes_snapshot(blob, "file upload requires a bytes-like 'blob'"))], id)[0]
 
     def upload_folder(self, folder: str | os.PathLike[str], *, path: str) -> None:
         """Snapshot a local directory tree as file uploads under ``path``, all or nothing."""
         base = _normalize_path(path)
-        files = sorted((_normalize_path(f"{base}/{rel}"), data)
-                       for rel, data in _snapshot_folder(folder))
-        file_paths, file_dirs = self._with_file_paths([dest for dest, _ in files])
-        # Nothing can fail from here on, so the program changes only if everything succeeded.
-        for dest, data in files:
-            digest = hashlib.sha256(data).hexdigest()
-            self._append("upload", None, {"kind": "file", "blob": digest, "path": dest},
-                         blob=(digest, data))
-        self._file_paths, self._file_dirs = file_paths, file_dirs
+        self._append_files(sorted((_normalize_path(f"{base}/{rel}"), data) for rel, data in _snapshot_folder(folder)))
 
     def get_function(self, *, id: str | None = None, module: Register | dict[str, str],
                      name: str, cpu_only: bool = False) -> Register:
@@ -305,15 +280,12 @@ class Program:
         JSON literals (not validated until execute serialises them, as in the reference)."""
         if not isinstance(fn, Register):
             raise TypeError("run requires a Register 'fn'")
-        if fn.id not in self._ids:
-            raise ValueError(f"unknown instruction id {fn.id!r}")
-        if args is None:
-            args = []
-        if not isinstance(args, (list, tuple)):
+        fn_id = self._existing_ref(fn)
+        if not isinstance(args, (list, tuple, type(None))):
             raise TypeError("run 'args' must be a list")
-        wire_args = [{"$ref": arg.id} if isinstance(arg, Register) else arg for arg in args]
+        wire_args = [{"$ref": arg.id} if isinstance(arg, Register) else arg for arg in args or []]
         self._check_custom_id(id)
-        return self._append("run", id, {"fn": {"$ref": fn.id}, "args": wire_args})
+        return self._append("run", id, {"fn": {"$ref": fn_id}, "args": wire_args})
 
     # -- returns
 
@@ -335,18 +307,11 @@ class Program:
 
     def _return_path(self, kind: str, key: str, path: str | Register) -> None:
         self._check_return_key(key)
-        if isinstance(path, Register):
-            if path.id not in self._ids:
-                raise ValueError(f"unknown instruction id {path.id!r}")
-            wire_path: str | dict[str, str] = {"$ref": path.id}
-        else:
-            wire_path = _normalize_path(path)
+        wire_path = {"$ref": self._existing_ref(path)} if isinstance(path, Register) else _normalize_path(path)
         self._append_return({"op": "return", "key": key, "kind": kind, "path": wire_path})
 
     def _check_custom_id(self, id: str | None) -> None:
-        if id is None:
-            return
-        if not isinstance(id, str) or not id:
+        if id is not None and (not isinstance(id, str) or not id):
             raise ValueError("instruction id must be a non-empty str")
         if id in self._ids:
             raise ValueError(f"duplicate instruction id {id!r}")
@@ -375,12 +340,25 @@ class Program:
         for path in paths:
             if path in taken:
                 raise ValidationError(f"duplicate file upload path {path!r}")
-            prefixes = list(_directory_prefixes(path))
+            parts = path.split("/")
+            prefixes = ["/".join(parts[:end]) for end in range(1, len(parts))]  # 'a/b/c' -> 'a', 'a/b'
             if path in dirs or any(prefix in taken for prefix in prefixes):
                 raise ValidationError(f"conflicting file upload paths at {path!r}")
             taken.add(path)
             dirs.update(prefixes)
         return taken, dirs
+
+    def _append_files(self, files: list[tuple[str, bytes]], id: str | None = None) -> list[Register]:
+        """File uploads of (normalised path, bytes), all or nothing: the paths are checked first,
+        and nothing can fail after that."""
+        file_paths, file_dirs = self._with_file_paths([path for path, _ in files])
+        registers = [self._append_blob(id, "file", data, path=path) for path, data in files]
+        self._file_paths, self._file_dirs = file_paths, file_dirs
+        return registers
+
+    def _append_blob(self, id: str | None, kind: str, data: bytes, **fields: Any) -> Register:
+        digest = hashlib.sha256(data).hexdigest()
+        return self._append("upload", id, {"kind": kind, "blob": digest, **fields}, blob=(digest, data))
 
     def _append(self, op: str, id: str | None, fields: dict[str, Any],
                 blob: tuple[str, bytes] | None = None) -> Register:
@@ -399,14 +377,6 @@ class Program:
     def _append_return(self, instruction: dict[str, Any]) -> None:
         self._return_keys.add(instruction["key"])
         self._instructions.append(instruction)
-
-
-def _directory_prefixes(path: str) -> collections.abc.Iterator[str]:
-    """'a/b/c' -> 'a', 'a/b'."""
-    index = path.find("/")
-    while index != -1:
-        yield path[:index]
-        index = path.find("/", index + 1)
 
 
 def _tensor_payload(value: Any, dtype: Any, shape: Any) -> tuple[str, list[int], bytes]:
@@ -461,9 +431,8 @@ def _array_payload(value: Any) -> tuple[str, list[int], bytes]:
 
 
 def _snapshot_folder(folder: str | os.PathLike[str]) -> list[tuple[str, bytes]]:
-    """(relative path, contents) of every regular file under ``folder``, read without
-    following symbolic links; each directory is opened relative to its parent so that a
-    path swapped during the walk cannot redirect it."""
+    """(relative path, contents) of every regular file under ``folder``, read without following symbolic
+    links; each directory is opened relative to its parent so that a path swapped during the walk cannot redirect it."""
     st = os.lstat(folder)
     if stat.S_ISLNK(st.st_mode):
         raise ValueError(f"upload_folder: {os.fspath(folder)!r} is a symbolic link")
@@ -478,8 +447,7 @@ def _snapshot_folder(folder: str | os.PathLike[str]) -> list[tuple[str, bytes]]:
     return files
 
 
-def _walk_folder(dir_fd: int, prefix: str, seen: set[tuple[int, int]],
-                 files: list[tuple[str, bytes]]) -> None:
+def _walk_folder(dir_fd: int, prefix: str, seen: set[tuple[int, int]], files: list[tuple[str, bytes]]) -> None:
     for name in sorted(os.listdir(dir_fd)):
         rel = prefix + name
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
@@ -506,8 +474,7 @@ def _walk_folder(dir_fd: int, prefix: str, seen: set[tuple[int, int]],
             raise ValueError(f"upload_folder: {rel!r} is a symbolic link or special file")
 
 
-def _open_same(name: str | os.PathLike[str], dir_fd: int | None, expected: os.stat_result,
-               flags: int) -> int:
+def _open_same(name: str | os.PathLike[str], dir_fd: int | None, expected: os.stat_result, flags: int) -> int:
     """Open ``name`` without following a link, and check it is still what was listed."""
     fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | flags, dir_fd=dir_fd)
     if not _same_version(expected, os.fstat(fd)):
@@ -544,8 +511,8 @@ class ReturnedFile:
     def save(self, destination: str | os.PathLike[str], *, overwrite: bool = False) -> pathlib.Path:
         """Write the contents to ``destination`` (mode 0600) atomically. An existing
         destination is an error unless ``overwrite`` is true and it is a regular file."""
-        parent_fd, name = _open_parent(destination)
-        try:
+
+        def publish(parent_fd: int, name: str) -> None:
             try:
                 st: os.stat_result | None = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
             except FileNotFoundError:
@@ -555,23 +522,17 @@ class ReturnedFile:
             if st is not None and not stat.S_ISREG(st.st_mode):
                 raise ValueError("overwrite requires a regular file destination")
             staged = _write_new_file(parent_fd, f".kcoral-{secrets.token_hex(16)}", self._data)
-            staging: str | None = staged  # None once renamed into place
             try:
-                if overwrite:
-                    # rename replaces whatever is at the name now, even a symlink swapped in
-                    # after the check, and never follows it.
+                if overwrite:  # rename replaces whatever is there now, a symlink swapped in too, never following it
                     os.rename(staged, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
-                    staging = None
-                else:
-                    # link fails if the name appeared after the check: no silent overwrite.
-                    os.link(staged, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd,
-                            follow_symlinks=False)
-            finally:
-                if staging is not None:
-                    os.unlink(staging, dir_fd=parent_fd)
-        finally:
-            os.close(parent_fd)
-        return pathlib.Path(destination)
+                else:  # link fails if the name appeared after the check: no silent overwrite
+                    os.link(staged, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd, follow_symlinks=False)
+            except BaseException:
+                os.unlink(staged, dir_fd=parent_fd)
+                raise
+            if not overwrite:  # linked into place: the staged name goes
+                os.unlink(staged, dir_fd=parent_fd)
+        return _at_destination(destination, publish)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -605,8 +566,8 @@ class ReturnedFolder:
     def save(self, destination: str | os.PathLike[str]) -> pathlib.Path:
         """Create ``destination`` (which must not exist) and write the tree into it.
         On failure the partial tree is removed and the exception re-raised."""
-        parent_fd, name = _open_parent(destination)
-        try:
+
+        def write_tree(parent_fd: int, name: str) -> None:
             os.mkdir(name, 0o700, dir_fd=parent_fd)
             try:
                 root_fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent_fd)
@@ -621,54 +582,47 @@ class ReturnedFolder:
             except BaseException:
                 _remove_tree(parent_fd, name)
                 raise
-        finally:
-            os.close(parent_fd)
-        return pathlib.Path(destination)
+        return _at_destination(destination, write_tree)
 
 
-def _open_parent(destination: str | os.PathLike[str]) -> tuple[int, str]:
-    """(fd of the destination's parent directory, final name), opening every component
-    without following symbolic links. The caller closes the fd."""
+def _at_destination(destination: str | os.PathLike[str], action: Callable[[int, str], object]) -> pathlib.Path:
+    """Run ``action(fd of its parent directory, final name)`` for a local ``destination``;
+    -> the destination as a Path."""
     path = os.fspath(destination)
     if not isinstance(path, str):
         raise TypeError("destination must be a str or path-like")
     components = path.split("/")
-    name = components[-1]
-    if ".." in components or name in ("", ".", ".."):
+    if ".." in components or components[-1] in ("", ".", ".."):
         raise ValueError(f"destination {path!r} must name a file without '..' components")
-    fd = os.open("/" if path.startswith("/") else ".", os.O_RDONLY | os.O_DIRECTORY)
+    start_fd = os.open("/" if path.startswith("/") else ".", os.O_RDONLY | os.O_DIRECTORY)
     try:
-        for component in components[:-1]:
-            if component in ("", "."):
+        _in_directory(start_fd, path, action)
+    finally:
+        os.close(start_fd)
+    return pathlib.Path(destination)
+
+
+def _in_directory(start_fd: int, path: str, action: Callable[[int, str], object]) -> None:
+    """Run ``action(dir_fd, name)`` for ``path`` below start_fd, opening each parent without
+    following a symbolic link (a tree being written is visible, so it could be tampered with)."""
+    *parents, name = path.split("/")
+    fd = start_fd
+    try:
+        for parent in parents:
+            if parent in ("", "."):  # 'a//b', './a'
                 continue
             try:
-                next_fd = os.open(component, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+                next_fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
             except OSError as exc:
                 if exc.errno == errno.ELOOP:
                     raise NotADirectoryError(errno.ENOTDIR, "symbolic link in destination path", path) from None
                 raise
-            os.close(fd)
-            fd = next_fd
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, name
-
-
-def _in_directory(root_fd: int, path: str, action: Callable[[int, str], object]) -> None:
-    """Run ``action(dir_fd, name)`` for ``path`` under root_fd, opening each parent
-    without following links (the tree is visible, so it could be tampered with)."""
-    *parents, name = path.split("/")
-    fd = root_fd
-    try:
-        for parent in parents:
-            next_fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
-            if fd != root_fd:
+            if fd != start_fd:
                 os.close(fd)
             fd = next_fd
         action(fd, name)
     finally:
-        if fd != root_fd:
+        if fd != start_fd:
             os.close(fd)
 
 
@@ -689,10 +643,10 @@ def _write_new_file(dir_fd: int, name: str, data: bytes) -> str:
         with open(fd, "wb", closefd=False) as f:
             f.write(data)
     except BaseException:
-        os.close(fd)
         _remove_tree(dir_fd, name)
         raise
-    os.close(fd)
+    finally:
+        os.close(fd)
     return name
 
 
@@ -781,13 +735,11 @@ def _decode_result(payload: dict[str, Any], parts: dict[str, memoryview]) -> Pro
         decoded = {key: reader.decode(value) for key, value in results.items()}
     except RecursionError:
         raise _malformed("results are nested too deeply") from None
-    error = None
     if status == "COMPLETED" and "error" in payload:
         raise _malformed("a COMPLETED response must not carry 'error'")
-    if status == "FAILED":
-        if "error" not in payload:
-            raise _malformed("a FAILED response must carry 'error'")
-        error = _validated_error(payload["error"])
+    if status == "FAILED" and "error" not in payload:
+        raise _malformed("a FAILED response must carry 'error'")
+    error = _validated_error(payload["error"]) if status == "FAILED" else None
     if reader.used != len(parts):
         raise _malformed("unreferenced binary response parts")
     return ProgramResult(
@@ -894,8 +846,7 @@ class _PartReader:
             return None
         if kind == "number":
             return _finite_number(value, "a number value")
-        expected_type = {"boolean": bool, "integer": int, "string": str, "array": list,
-                         "object": dict}.get(kind)
+        expected_type = {"boolean": bool, "integer": int, "string": str, "array": list, "object": dict}.get(kind)
         if expected_type is not None:
             if type(value) is not expected_type:  # exact: a bool is not an integer
                 raise _malformed(f"a {kind} value has a {type(value).__name__} payload")
@@ -906,11 +857,7 @@ class _PartReader:
             return value
         if kind == "bytes":
             return self._take(encoded, bytes)
-        if kind == "file":
-            return self._file(encoded)
-        if kind == "folder":
-            return self._folder(encoded)
-        return self._tensor(encoded)
+        return {"file": self._file, "folder": self._folder, "tensor": self._tensor}[kind](encoded)
 
     def _take(self, encoded: dict[str, Any], copy: Callable[[memoryview], T]) -> T:
         """The part `encoded` names, checked against its sha256 and turned into its own object
@@ -972,9 +919,8 @@ class _PartReader:
 
 
 def _copy_and_hash(data: memoryview, copy: Callable[[memoryview], T]) -> tuple[T, str]:
-    """-> (copy(data), SHA-256 hex of data).  A large part is hashed on a second thread while
-    this one copies it: hashlib lets go of the GIL, so the two passes over the data overlap
-    instead of adding up."""
+    """-> (copy(data), SHA-256 hex of data). A large part is hashed on a second thread while this one
+    copies it: hashlib lets go of the GIL, so the two passes over the data overlap."""
     if data.nbytes < _PARALLEL_HASH_BYTES:
         return copy(data), hashlib.sha256(data).hexdigest()
     hashed: list[str] = []
@@ -1163,16 +1109,14 @@ _PARALLEL_HASH_BYTES = 1 << 20  # response parts this big are hashed while they 
 _REMEMBERED_BLOBS_PER_INSTANCE = 4096
 _REMEMBERED_INSTANCES = 4
 
-
 _DEFAULT_EXECUTION_SECONDS = 300.0  # the server's timeout for a request that sets none (docs/protocol.md §5.3)
 _LONGEST_SOCKET_WAIT_SECONDS = 1e8  # what settimeout accepts everywhere; years, so never the binding limit
 _READ_PIECE_BYTES = 1 << 20  # a body of unknown length is read in pieces this big, to stop at the cap
 
 
 class _Deadline:
-    """The moment by which one exchange (sending, waiting, receiving) must be over. Every
-    socket operation is given only the time left, so a server that stalls, or trickles a byte
-    at a time, cannot hold the client past it."""
+    """The moment by which one exchange (sending, waiting, receiving) must be over. Every socket operation is
+    given only the time left, so a server that stalls, or trickles a byte at a time, cannot hold the client past it."""
 
     def __init__(self, seconds: float, why: str) -> None:
         self.seconds, self.why = seconds, why
@@ -1208,12 +1152,6 @@ class _DeadlineReader(io.RawIOBase):
         super().close()
 
 
-class _DeadlineResponse(http.client.HTTPResponse):
-    def __init__(self, sock: Any, deadline: _Deadline, *args: Any, **kwargs: Any) -> None:
-        super().__init__(sock, *args, **kwargs)
-        self.fp = io.BufferedReader(_DeadlineReader(self.fp.detach(), sock, deadline))
-
-
 class _DeadlineConnection:
     """Connecting is limited by connect_timeout_seconds; everything after it by the deadline
     `_exchange` sets for each request (docs/client.md §4.8)."""
@@ -1225,7 +1163,9 @@ class _DeadlineConnection:
         self.deadline.run(self.sock, lambda: super(_DeadlineConnection, self).send(data))  # type: ignore[misc]
 
     def response_class(self, sock: Any, *args: Any, **kwargs: Any) -> http.client.HTTPResponse:
-        return _DeadlineResponse(sock, self.deadline, *args, **kwargs)
+        response = http.client.HTTPResponse(sock, *args, **kwargs)
+        response.fp = io.BufferedReader(_DeadlineReader(response.fp.detach(), sock, self.deadline))
+        return response
 
 
 # http.client only calls response_class(sock, method=...); typeshed declares it a type[HTTPResponse]
@@ -1247,12 +1187,10 @@ class _Response:
 
 
 class _BlobMemory:
-    """Which blobs each recently seen server instance has confirmed holding, so that a
-    client talking to a server that names its instance can skip the ask-first round trip.
-
-    Entries are (hash, cache) pairs: a server keeps file blobs and in-memory blobs in
-    separate caches (docs/protocol.md §7.1), so holding a hash for one kind of upload says nothing about
-    the other. Bounded: a few instances, an LRU of hashes each."""
+    """Which blobs each recently seen server instance has confirmed holding, so that a client talking
+    to a server that names its instance can skip the ask-first round trip. Entries are (hash, cache)
+    pairs: file and in-memory blobs are separate caches (docs/protocol.md §7.1), and holding a hash in
+    one says nothing of the other. Bounded: a few instances, an LRU of hashes each."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -1299,13 +1237,12 @@ class _BlobMemory:
 
 
 class Client:
-    """A connection to one KCoral server. Safe to share between threads; connections
-    are kept alive and reused.
+    """A connection to one KCoral server. Safe to share between threads; connections are kept alive and reused.
 
-    ``eager_upload_bytes``: when the server names its instance (X-KCoral-Instance), blobs
-    it is not known to hold are sent with the first attempt if they total at most this
-    many bytes, saving the CACHE_MISS round trip; 0 always asks first, as the reference
-    client does. Larger uploads always ask first: the server may hold them already.
+    ``eager_upload_bytes``: when the server names its instance (X-KCoral-Instance), blobs it is not known to
+    hold are sent with the first attempt if they total at most this many bytes, saving the CACHE_MISS round
+    trip; 0 always asks first, as the reference client does. Larger uploads always ask first: the server may
+    hold them already.
 
     What a broken or hostile server can cost is bounded (docs/client.md §4.8): an answer larger
     than ``max_response_bytes`` is refused (ProtocolError), and every exchange has a deadline:
@@ -1390,11 +1327,10 @@ class Client:
     def execute(self, program: Program, *, timeout_seconds: float | None = None,
                 gpu_count: int | None = None, output_limit_bytes: int | None = None,
                 on_output: Callable[[str, bytes], None] | None = None) -> ProgramResult:
-        """Run ``program``; returns its COMPLETED or FAILED result. Blobs the server lacks
-        are negotiated with at most three attempts (docs/client.md §4.2), all of them sent under
-        one client request id so that the server's log links them: the result and any
-        KCoralError, TransportError or ProtocolError raised carry it as ``client_request_id``
-        (docs/operations.md, "Trace a failed request": HAProxy logs it too).
+        """Run ``program``; returns its COMPLETED or FAILED result. Blobs the server lacks are negotiated with at most
+        three attempts (docs/client.md §4.2), all of them sent under one client request id so that the server's log
+        links them: the result and any KCoralError, TransportError or ProtocolError raised carry it as
+        ``client_request_id`` (docs/operations.md, "Trace a failed request": HAProxy logs it too).
 
         ``on_output("stdout" | "stderr", data)``, if given, receives the captured output while the
         program runs, from a server that streams it (ours, docs/protocol.md §13); the result still
@@ -1416,20 +1352,17 @@ class Client:
             raise TypeError("execute expects a Program")
         if gpu_count is not None and (type(gpu_count) is not int or not 1 <= gpu_count <= 8):
             raise ValueError("gpu_count must be an int from 1 to 8")
-        options = {name: value for name, value in (("gpu_count", gpu_count),
-                                                   ("timeout_seconds", timeout_seconds),
-                                                   ("output_limit_bytes", output_limit_bytes))
-                   if value is not None}
+        options = {"gpu_count": gpu_count, "timeout_seconds": timeout_seconds, "output_limit_bytes": output_limit_bytes}
+        options = {name: value for name, value in options.items() if value is not None}
         body: dict[str, Any] = {"instructions": program.instructions}
         if options:
             body["options"] = options
-        program_json = _compact_json(body)
+        program_json = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
         blobs = program._blobs
         needs = _blob_caches(program)
-        unknown = self._memory.not_held(needs)
-        eager = (unknown is not None and self._eager_upload_bytes > 0
-                 and sum(len(blobs[h]) for h in unknown) <= self._eager_upload_bytes)
-        send = [h for h in blobs if h in unknown] if eager and unknown is not None else []
+        unknown = self._memory.not_held(needs) or set()  # None: the server names no instance, so ask first
+        eager = self._eager_upload_bytes > 0 and sum(len(blobs[h]) for h in unknown) <= self._eager_upload_bytes
+        send = [h for h in blobs if h in unknown] if eager else []
         node = None
         affinity = _affinity_key(blobs)
         seconds = _execution_seconds(timeout_seconds) + self._response_margin
@@ -1465,12 +1398,9 @@ class Client:
         headers = {"Content-Type": f"multipart/form-data; boundary={boundary}",
                    "Content-Length": str(sum(memoryview(c).nbytes for c in chunks)),
                    "X-KCoral-Client-Request-ID": client_request_id}
-        if node is not None:
-            headers["X-KCoral-Node"] = node
-        if affinity is not None:
-            headers["X-KCoral-Affinity"] = affinity
-        if on_output is not None:
-            headers[_STREAM_HEADER] = "output"
+        optional = {"X-KCoral-Node": node, "X-KCoral-Affinity": affinity,
+                    _STREAM_HEADER: "output" if on_output is not None else None}
+        headers.update({name: value for name, value in optional.items() if value is not None})
         return self._request("POST", "/execute", headers, chunks, deadline=deadline, on_output=on_output)
 
     def _request(self, method: str, path: str, headers: dict[str, str] | None = None,
@@ -1478,6 +1408,8 @@ class Client:
                  on_output: Callable[[str, bytes], None] | None = None) -> _Response:
         conn = self._checkout()
         try:
+            if conn.sock is None:  # a new connection: connect_timeout_seconds applies
+                conn.connect()
             response, (status, content_type, body), reusable = _exchange(
                 conn, method, self._path + path, _merge_headers(self._headers, headers or {}), chunks or [],
                 deadline, self._max_response_bytes, on_output)
@@ -1502,13 +1434,7 @@ class Client:
                 if conn.sock is not None and not _peer_closed(conn.sock):
                     return conn
                 conn.close()
-        conn = self._connection_class(self._host, self._port, timeout=self._connect_timeout)
-        try:
-            conn.connect()
-        except OSError as exc:
-            conn.close()
-            raise TransportError(str(exc) or type(exc).__name__) from exc
-        return conn
+        return self._connection_class(self._host, self._port, timeout=self._connect_timeout)
 
     def _checkin(self, conn: http.client.HTTPConnection, reusable: bool) -> None:
         with self._lock:
@@ -1530,8 +1456,7 @@ def _exchange(conn: http.client.HTTPConnection, method: str, url: str, headers: 
     """Send one request and read the whole response, at most ``limit`` body bytes, all before
     ``deadline``: (response, its answer, connection reusable)."""
     conn.deadline = deadline  # type: ignore[attr-defined]
-    conn.putrequest(method, url, skip_host="host" in {k.lower() for k in headers},
-                    skip_accept_encoding=True)
+    conn.putrequest(method, url, skip_host="host" in {k.lower() for k in headers}, skip_accept_encoding=True)
     for name, value in headers.items():
         conn.putheader(name, value)
     try:
@@ -1590,10 +1515,14 @@ def _read_stream(response: http.client.HTTPResponse, limit: int, on_output: Call
 def _read_body(response: http.client.HTTPResponse, limit: int) -> _Body:
     """The whole body, read into one preallocated buffer when its length is known, so
     that binary parts can be views of it rather than copies. A body above ``limit`` bytes is
-    refused: before any of it is read when its length is declared, at ``limit`` + 1 otherwise.
-    Plain pages, as the server's receive buffers: huge ones were no faster (docs/performance.md)."""
+    refused: before any of it is read when its length is declared, at ``limit`` + 1 otherwise."""
     if response.chunked or response.length is None:
-        return _read_unknown_length(response, limit)
+        growing = bytearray()
+        while piece := response.read(min(_READ_PIECE_BYTES, limit + 1 - len(growing))):
+            growing += piece
+            if len(growing) > limit:
+                raise _too_large("the server's response runs past", limit)
+        return growing
     if response.length > limit:
         raise _too_large(f"the server declares a response of {response.length} bytes, above", limit)
     body = bytearray(response.length)
@@ -1604,15 +1533,6 @@ def _read_body(response: http.client.HTTPResponse, limit: int) -> _Body:
         if not count:
             raise http.client.IncompleteRead(b"", len(body) - filled)
         filled += count
-    return body
-
-
-def _read_unknown_length(response: http.client.HTTPResponse, limit: int) -> bytearray:
-    body = bytearray()
-    while piece := response.read(min(_READ_PIECE_BYTES, limit + 1 - len(body))):
-        body += piece
-        if len(body) > limit:
-            raise _too_large("the server's response runs past", limit)
     return body
 
 
@@ -1631,8 +1551,7 @@ def _peer_closed(sock: Any) -> bool:
     return bool(select.select([sock], [], [], 0)[0])
 
 
-def _multipart_chunks(boundary: str, program_json: bytes,
-                      blobs: list[tuple[str, bytes]]) -> list[bytes | memoryview]:
+def _multipart_chunks(boundary: str, program_json: bytes, blobs: list[tuple[str, bytes]]) -> list[bytes | memoryview]:
     """The request body as a list of pieces: framing as small bytes, each blob as a view of
     its own buffer. The boundary holds 128 random bits drawn per request, so no payload can
     contain it by accident, and scanning every blob for it would cost a pass over the data."""
@@ -1650,11 +1569,9 @@ def _multipart_chunks(boundary: str, program_json: bytes,
 
 
 def _affinity_key(blobs: dict[str, bytes]) -> str | None:
-    """The hash of the program's largest blob (ties: the smaller hash), or None without blobs.
-
-    A cohort behind HAProxy hashes on it (`python -m kcoral haproxy-config`), so a program
-    that reuses a large blob lands on the node that already caches it; a single server
-    ignores the header."""
+    """The hash of the program's largest blob (ties: the smaller hash), or None without blobs. A cohort
+    behind HAProxy hashes on it (`python -m kcoral haproxy-config`), so a program that reuses a large
+    blob lands on the node that already caches it; a single server ignores the header."""
     if not blobs:
         return None
     return min(blobs, key=lambda digest: (-len(blobs[digest]), digest))
@@ -1670,8 +1587,7 @@ def _blob_caches(program: Program) -> dict[str, set[str]]:
     return needs
 
 
-def _missing_blobs(payload: dict[str, Any], parts: dict[str, memoryview],
-                   blobs: dict[str, bytes]) -> set[str]:
+def _missing_blobs(payload: dict[str, Any], parts: dict[str, memoryview], blobs: dict[str, bytes]) -> set[str]:
     """Validate the first CACHE_MISS answer (docs/client.md §4.2) and return what it lists."""
     missing = payload.get("missing_blobs")
     if parts:
@@ -1773,8 +1689,7 @@ class RemoteFunction(Generic[P, R]):
         values = (*bound.args, *bound.kwargs.values())
         program = Program()
         module = program.upload(id="module", kind="module", source=self._source)
-        function = program.get_function(id="function", module=module, name=self._entry_point,
-                                        cpu_only=self._cpu_only)
+        function = program.get_function(id="function", module=module, name=self._entry_point, cpu_only=self._cpu_only)
         encoded: list[Any] = []
         for index, value in enumerate(values):
             if isinstance(value, (bytes, bytearray, memoryview)):
@@ -1785,8 +1700,7 @@ class RemoteFunction(Generic[P, R]):
                 # Wrapped, so that a user dict shaped like {"$ref": ...} stays a literal.
                 encoded.append({"value": _json_literal(value)})
         literals = [not isinstance(value, Register) for value in encoded]
-        output = program.run(id="output", fn=function,
-                             args=[len(bound.args), list(bound.kwargs), literals, *encoded])
+        output = program.run(id="output", fn=function, args=[len(bound.args), list(bound.kwargs), literals, *encoded])
         program.return_(key="output", value=output)
         return program
 
@@ -1840,8 +1754,7 @@ def _strip_local_only_syntax(node: ast.FunctionDef) -> None:
     arguments = node.args
     arguments.defaults = []
     arguments.kw_defaults = [None] * len(arguments.kwonlyargs)
-    for arg in (*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs,
-                arguments.vararg, arguments.kwarg):
+    for arg in (*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs, arguments.vararg, arguments.kwarg):
         if arg is not None:
             arg.annotation = None
 
@@ -1857,21 +1770,14 @@ def _check_free_names(fn: Any, source: str, name: str) -> None:
         pending.extend(table.get_children())
         for symbol in table.get_symbols():
             symbol_name = symbol.get_name()
-            if symbol.is_declared_global():
-                rejected.add(symbol_name)
-            elif (symbol.is_global() and symbol.is_referenced() and symbol_name != name
-                  and not _is_unshadowed_builtin(fn, symbol_name)):
+            builtin = getattr(builtins, symbol_name, None)
+            unshadowed_builtin = hasattr(builtins, symbol_name) and fn.__globals__.get(symbol_name, builtin) is builtin
+            free = symbol.is_global() and symbol.is_referenced() and symbol_name != name and not unshadowed_builtin
+            if symbol.is_declared_global() or free:
                 rejected.add(symbol_name)
     if rejected:
         raise ValueError(f"remote function references external globals: {', '.join(sorted(rejected))}; "
                          "import dependencies inside the function and pass values as arguments")
-
-
-def _is_unshadowed_builtin(fn: Any, name: str) -> bool:
-    if not hasattr(builtins, name):
-        return False
-    builtin = getattr(builtins, name)
-    return fn.__globals__.get(name, builtin) is builtin
 
 
 def _json_literal(value: Any) -> Any:
@@ -2006,8 +1912,10 @@ def run_command(argv: list[str]) -> int:
     """`kcoral run ...`: the exit status of the remote process, 1 on any other failure;
     usage errors leave through argparse (SystemExit 2)."""
     parser = _run_parser()
-    options_part, separated, tool_args = _split_at_separator(argv)
-    args, extra = parser.parse_known_args(options_part)
+    separated = "--" in argv  # the first '--' is ours; a later one is the tool's (a profiler's own, say)
+    cut = argv.index("--") if separated else len(argv)
+    args, extra = parser.parse_known_args(argv[:cut])
+    tool_args = argv[cut + 1:]
     tool_parser = args.tool_parser
     unknown = [token for token in extra if token.startswith("-")]
     if unknown:
@@ -2036,15 +1944,6 @@ def run_command(argv: list[str]) -> int:
 def _complain(line: str) -> None:
     """One line on stderr; it may quote the server (error messages, remote names)."""
     print(_for_terminal(sys.stderr, line), file=sys.stderr)
-
-
-def _split_at_separator(argv: list[str]) -> tuple[list[str], bool, list[str]]:
-    """(kcoral options, whether '--' was given, the tool's arguments). The first '--' is
-    ours; any later one belongs to the tool (the profilers' own separator, say)."""
-    if "--" not in argv:
-        return argv, False, []
-    cut = argv.index("--")
-    return argv[:cut], True, argv[cut + 1:]
 
 
 def _run_parser() -> Any:
@@ -2126,11 +2025,9 @@ def _environment(parser: Any, entries: list[str]) -> dict[str, str]:
             parser.error(f"environment variable names must be identifiers: {entry!r}")
         if name == "CUDA_VISIBLE_DEVICES":
             parser.error("CUDA_VISIBLE_DEVICES is managed by the server")
-        if not has_value:
-            if name not in os.environ:
-                parser.error(f"local environment variable {name} is not set")
-            value = os.environ[name]
-        env[name] = value
+        if not has_value and name not in os.environ:
+            parser.error(f"local environment variable {name} is not set")
+        env[name] = value if has_value else os.environ[name]
     return env
 
 
@@ -2306,10 +2203,9 @@ def _for_terminal(stream: Any, text: str) -> str:
 
 
 class _LiveOutput:
-    """The remote output on the local stdout/stderr: each chunk as our server streams it
-    (docs/protocol.md §13), then what the answer holds beyond what was shown (all of it, from a
-    server that does not stream). The streamed bytes are the answer's captured bytes, so the
-    text decoded from them is a prefix of the answer's text."""
+    """The remote output on the local stdout/stderr: each chunk as our server streams it (docs/protocol.md
+    §13), then what the answer holds beyond what was shown (all of it, from a server that does not
+    stream). The streamed bytes are the answer's, so the text decoded from them is a prefix of its text."""
 
     def __init__(self) -> None:
         self.decoders = {name: codecs.getincrementaldecoder("utf-8")("replace") for name in ("stdout", "stderr")}
