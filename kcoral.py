@@ -836,25 +836,17 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         """Send an Outcome; -> bytes sent."""
         if self.stream is not None and self.stream.end_output():  # output went out: the answer is its last frame
             return self.stream.finish(*self.answer_pieces(request_id, outcome))
-        if outcome.http_status != 200:
-            return self.send_error_body(outcome.http_status, request_id, outcome.kind, outcome.message,
-                                        {"Retry-After": "1"} if outcome.http_status in (429, 503) else {}, outcome)
-        if not outcome.parts:
-            encoded = json_bytes(outcome.body)
-            if len(encoded) > self.app.config.max_response_bytes:
-                return self.too_large(request_id)
-            return self.send_json(200, outcome.body, {"X-Request-ID": request_id}, encoded)
-        content_type, pieces = multipart_result(outcome.body, outcome.parts)
+        status, content_type, pieces = self.answer_pieces(request_id, outcome)
         total = sum(len(p) for p in pieces)
-        if total > self.app.config.max_response_bytes:
-            return self.too_large(request_id)
-        self.send_response(200)
-        self.send_common_headers(content_type, total, {"X-Request-ID": request_id})
+        self.send_response(status)
+        self.send_common_headers(content_type, total, {"X-Request-ID": request_id,
+                                                       **({"Retry-After": "1"} if status in (429, 503) else {})})
         self.send_pieces(pieces)
         return total
 
     def answer_pieces(self, request_id: str, outcome: Outcome) -> tuple[int, str, list[Buffer]]:
-        """What `respond` would send, as (status, content type, body pieces): a stream's last frame."""
+        """What an answer sends, as (status, content type, body pieces): the results (JSON, or
+        multipart with their parts) within --max-response-bytes, else the ERROR body."""
         if outcome.http_status == 200:
             pieces: list[Buffer]
             if outcome.parts:
@@ -880,12 +872,8 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         timeout for room: a client that stops reading is dropped, as with send_all."""
         kcoral_worker.write_batches(self.connection.sendmsg, pieces)
 
-    def too_large(self, request_id: str) -> int:
-        return self.send_error_body(500, request_id, "response_too_large",
-                                    "results exceed the configured response-size limit")
-
-    def send_json(self, status: int, body: Json, headers: ExtraHeaders = (), encoded: bytes | None = None) -> int:
-        encoded = encoded if encoded is not None else json_bytes(body)
+    def send_json(self, status: int, body: Json, headers: ExtraHeaders = ()) -> int:
+        encoded = json_bytes(body)
         self.send_response(status)
         self.send_common_headers("application/json", len(encoded), dict(headers))
         self.send_all(encoded)
