@@ -12,14 +12,14 @@ docs/protocol.md; docs/design.md gives the decisions behind this file's shape.
 
 Processes and threads (one node):
 
-    kcoral (this file)                           forkserver template (or, sandboxed, a
-      main thread: serve_forever, signals          bwrap container per slot running
-      KCoralHTTPServer: a connection a thread  ->    kcoral_worker.template_main)
-        RequestHandler -> handle_execute               | fork
-        -> Pool.run_job -> Execution.run   <--pipe-->  worker process (kcoral_worker.worker_main)
-      ConnectionGuard thread: cuts slow clients          serves one request at a time, in its
-      OutputReader thread per request: stdout/err  <--    own process group; retires after one
-      slot replacement threads (fresh workers)          request by default
+    kcoral (this file)                                forkserver template (or, sandboxed, a
+      main thread: serve_forever, signals             bwrap container per slot running
+      KCoralHTTPServer: a thread per connection       kcoral_worker.template_main)
+        RequestHandler -> handle_execute                | fork
+        -> Pool.run_job -> Execution.run  <--pipe-->  worker process (kcoral_worker.worker_main):
+      ConnectionGuard thread: cuts slow clients       serves one request at a time, in its
+      OutputReader thread per request: stdout/err <-- own process group; retires after one
+      slot replacement threads (fresh workers)        request by default
 
 Sections, in the order a request travels (each section's functions in call order):
  0. configuration: `ServerConfig`, every setting once; the command line is generated from it
