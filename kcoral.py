@@ -83,6 +83,7 @@ import json
 import math
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 import queue
 import re
@@ -1542,16 +1543,19 @@ class KCoralServer:
 
     def serve_forever(self) -> None:
         """Serve until SIGTERM/SIGINT, then drain in-flight requests and exit cleanly.  SIGHUP reloads."""
-        stop, hangup = threading.Event(), threading.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
-        signal.signal(signal.SIGHUP, lambda *_: hangup.set())  # its default would end the server
+        # The handlers only note the signal: one runs between any two steps of this thread, and
+        # would deadlock on a lock the step holds (an Event's, the log's).  SIGHUP's default
+        # would end the server.
+        received: list[int] = []
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, lambda number, _: received.append(number))
         self.start()
         notify_systemd("READY=1")  # listening, workers up: /health answers
-        while not stop.wait(0.5):
-            if hangup.is_set():  # here, not in the handler: the handler may interrupt a thread holding the log
-                hangup.clear()
+        while signal.SIGTERM not in received and signal.SIGINT not in received:
+            if signal.SIGHUP in received:
+                received.remove(signal.SIGHUP)
                 self.reload()
+            time.sleep(0.1)
         notify_systemd("STOPPING=1")
         self.stop()
 
@@ -3868,15 +3872,16 @@ def start_forkserver(context: multiprocessing.context.BaseContext) -> None:
     nothing else runs yet, so the process-wide chdir is seen by no one."""
     start = os.getcwd()
     os.chdir(PROJECT_DIR)
-    # it ignores SIGINT itself; SIGTERM too, inherited: a signal to the whole tree must not take it
-    # (and, through their parent-death signal, the workers forked from it) down mid-request
-    main_thread = threading.current_thread() is threading.main_thread()  # only it may set handlers
-    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN) if main_thread else None
+    # It ignores SIGINT itself; SIGTERM it inherits blocked from this thread, and keeps so: a signal to
+    # the whole tree must not take it (and, through their parent-death signal, the workers forked
+    # from it) down mid-request.  Blocked, not ignored: a SIGTERM for us meanwhile waits, not lost.
+    # (The resource tracker first: starting it unblocks SIGTERM in the thread that does.)
+    multiprocessing.resource_tracker.ensure_running()
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
         multiprocessing.forkserver.ensure_running()
     finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         os.chdir(start)
 
 

@@ -539,9 +539,11 @@ def ignore_tree_signals() -> None:
     Ctrl+C its whole foreground group; a worker that died of it would fail the request the
     server is finishing for its graceful stop.  The front-end ends workers with SIGKILL
     (`terminate(at_once=...)`).  A Python handler rather than SIG_IGN: exec resets handlers,
-    so the programs a request starts get the default dispositions back."""
+    so the programs a request starts get the default dispositions back; and unblocked, as the
+    front-end's template hands it down blocked (kcoral.start_forkserver): a mask survives exec."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
 
 
 def prctl(option: int, value: int) -> None:

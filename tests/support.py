@@ -795,6 +795,18 @@ def wait_for(predicate, timeout=10.0, interval=0.02):
     return predicate()
 
 
+def scrape_when(url, ready, headers=None, timeout=10.0):
+    """GET /metrics until `ready(text)` -> that text (the last one read if it never is: the caller's
+    asserts then say what is missing).  A request is counted when its log record is written, just
+    after its answer went out (docs/operations.md): a scrape made the instant the answer arrived
+    may not count it yet."""
+    def scrape():
+        status, _, body = request("GET", url + "/metrics", headers=headers)
+        assert status == 200, body
+        return body.decode()
+    return wait_for(lambda: text if ready(text := scrape()) else None, timeout) or scrape()
+
+
 def run_directories(log_dir):
     """The run directories a server made under its --log-dir, oldest first."""
     runs = os.path.join(str(log_dir), "runs")
@@ -826,12 +838,14 @@ def marked_pids(marker):
     return found
 
 
-def process_gone(pid):
+def is_alive(pid):
+    """Running or stopped, not a zombie: an orphan zombie nobody reaps (this test process may be a
+    subreaper, after an embedded server) runs nothing, and a process may end while /proc is read."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] not in (b"Z", b"X")
+    except OSError:
+        return False
 
 
 def ok_run(url, answer=7):

@@ -26,6 +26,7 @@ from tests.support import (
     post,
     prog,
     request,
+    scrape_when,
     simple_program,
     up_blob,
     wait_for,
@@ -89,7 +90,9 @@ def test_counters_say_what_the_test_did(node):
     assert post(node.url, miss, headers=AUTH)[2]["status"] == "COMPLETED"  # now a memory-cache hit
     assert post(node.url, {"instructions": "nope"}, headers=AUTH)[0] == 400
     assert post(node.url, ok)[0] == 401  # no token: refused before anything is read
-    after = scrape(node.url)
+    refused = {"status": "ERROR", "code": "401", "kind": "unauthorized"}
+    counted = value(before, "kcoral_requests_total", **refused) + 1
+    after = scrape_when(node.url, lambda text: value(text, "kcoral_requests_total", **refused) >= counted, AUTH)
 
     def grew(name, **labels):
         return value(after, name, **labels) - value(before, name, **labels)
@@ -314,7 +317,8 @@ def test_requests_in_progress_while_one_runs(node):
     finally:
         thread.join(30)
     assert not thread.is_alive() and done == [200]
-    assert value(scrape(node.url), "kcoral_requests_in_progress") == 0
+    # it counts until the answer is out, a moment after the client has it
+    assert wait_for(lambda: value(scrape(node.url), "kcoral_requests_in_progress") == 0, timeout=10)
 
 
 @needs_promtool
@@ -353,9 +357,11 @@ def test_histogram_buckets_are_cumulative_and_inf_is_the_count(node):
     """Each bucket counts every observation at or below its bound; +Inf equals _count, whatever the
     sum of the observations (the +Inf bucket once held count plus sum)."""
     sleeper = call_program("import time\ndef f():\n    time.sleep(0.3)\n    return 1\n", "f")
+    counted = value(scrape(node.url), "kcoral_request_duration_seconds_count") + 3
     for _ in range(3):
         assert post(node.url, sleeper, headers=AUTH)[0] == 200
-    found = histograms(scrape(node.url))
+    found = histograms(scrape_when(
+        node.url, lambda text: value(text, "kcoral_request_duration_seconds_count") >= counted, AUTH))
     assert set(found) == {n for n, (kind, _) in kcoral.METRIC_HELP.items() if kind == "histogram"}
     for name, (buckets, _, count) in found.items():
         assert_well_formed(name, buckets, count)
@@ -400,7 +406,8 @@ def test_refused_scrapes_are_not_counted_as_client_requests(node):
     before = scrape(node.url)
     assert request("GET", node.url + "/metrics", headers={"Authorization": "Bearer old-token"})[0] == 401
     assert request("GET", node.url + "/health")[0] == 401
-    after = scrape(node.url)
+    counted = value(before, "kcoral_reads_refused_total") + 2
+    after = scrape_when(node.url, lambda text: value(text, "kcoral_reads_refused_total") >= counted, AUTH)
     assert value(after, "kcoral_reads_refused_total") - value(before, "kcoral_reads_refused_total") == 2
     assert value(after, "kcoral_requests_total", status="ERROR", code="401", kind="unauthorized") == \
         value(before, "kcoral_requests_total", status="ERROR", code="401", kind="unauthorized")

@@ -9,6 +9,7 @@ files, /proc/<pid>/cmdline, the records in events.jsonl, the answers to requests
 import contextlib
 import http.client
 import json
+import multiprocessing.forkserver
 import os
 import re
 import shutil
@@ -28,6 +29,7 @@ from tests.support import (
     ServerProcess,
     assert_completed,
     free_port,
+    is_alive,
     join_threads,
     log_records,
     post,
@@ -522,11 +524,38 @@ def test_a_stop_signal_runs_the_queued_requests_too(tmp_path, whole_tree):
     srv.stderr.close()
 
 
-def is_alive(pid):
-    """Running or stopped, not a zombie: an orphan zombie nobody reaps (this test process may be a
-    subreaper, after an embedded server) is dead all the same."""
+def test_a_stop_signal_while_the_template_starts_is_not_lost(monkeypatch):
+    """The template must not inherit a SIGTERM handler (it would die of a signal to the whole tree),
+    so start_forkserver holds SIGTERM back while it forks it: one sent to the server meanwhile (as
+    right after the server starts) is delivered afterwards, not ignored (the server ran on)."""
+    received = []
+    monkeypatch.setattr(multiprocessing.forkserver, "ensure_running", lambda: os.kill(os.getpid(), signal.SIGTERM))
+    previous = signal.signal(signal.SIGTERM, lambda number, _: received.append(number))
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rpartition(b")")[2].split()[0] not in (b"Z", b"X")
-    except OSError:
-        return False
+        kcoral.start_forkserver(multiprocessing.get_context("forkserver"))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert received == [signal.SIGTERM]
+
+
+SIGNAL_STATE = """import subprocess
+def f():
+    status = subprocess.run(["cat", "/proc/self/status"], capture_output=True, text=True).stdout
+    return {k: int(v, 16) for k, v in (line.split(":\\t") for line in status.splitlines())
+            if k in ("SigBlk", "SigIgn")}
+"""
+
+
+@pytest.mark.parametrize("sandbox", ["none", "bubblewrap"])
+def test_what_a_program_starts_gets_the_stop_signals_back(tmp_path, sandbox):
+    """Workers take no SIGTERM or SIGINT (a stop signal to the whole tree must not fail the
+    requests it drains), but the processes a program starts do: neither blocked nor ignored."""
+    if sandbox == "bubblewrap" and shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap missing")
+    stop_signals = 1 << (signal.SIGTERM - 1) | 1 << (signal.SIGINT - 1)
+    with ServerProcess("--sandbox", sandbox, workers=1, tmp_path=tmp_path) as srv:
+        status, _, body = post(srv.url, simple_program(SIGNAL_STATE))
+    assert status == 200 and body["status"] == "COMPLETED", body
+    state = {name: value["value"] for name, value in body["results"]["out"]["value"].items()}
+    assert state.keys() == {"SigBlk", "SigIgn"} and not state["SigBlk"] & stop_signals \
+        and not state["SigIgn"] & stop_signals, state

@@ -46,6 +46,7 @@ from tests.support import (
     ServerProcess,
     assert_error_body,
     decode_response,
+    is_alive,
     join_threads,
     multipart,
     post,
@@ -117,14 +118,6 @@ def descendants(pid, table=None):
 def tagged(tag):
     """Live processes whose command line carries `tag` (the `sleep 600 <tag>` of a fault)."""
     return {p: cmd for p, (_, _, cmd) in proc_table().items() if tag in cmd}
-
-
-def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rpartition(b")")[2].split()[0] not in (b"Z", b"X")
-    except OSError:
-        return False
 
 
 class Server(ServerProcess):
@@ -1742,9 +1735,9 @@ def shutdown_round(workdir, counts):
         with pytest.raises(ConnectionRefusedError):
             request("GET", server.url + "/health", timeout=10)
         deadline = time.monotonic() + 10
-        while [p for p in before if alive(p)] and time.monotonic() < deadline:
+        while [p for p in before if is_alive(p)] and time.monotonic() < deadline:
             time.sleep(0.1)
-        orphans = {p: cmd for p, cmd in before.items() if alive(p)}
+        orphans = {p: cmd for p, cmd in before.items() if is_alive(p)}
         assert not orphans, f"orphans after shutdown: {orphans}"
         assert not server.workspaces(), server.workspaces()
         counts["in-flight completed"] += len(answers)
