@@ -24,6 +24,7 @@ import time
 
 import kcoral
 from tests.support import (
+    cpu_seconds,
     join_threads,
     multipart,
     program_parts,
@@ -87,12 +88,6 @@ def pss_kib(pids):
 
 def tree_pss_kib(server):
     return pss_kib([server.pid, *descendants(server.pid)])
-
-
-def cpu_seconds(pid):
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def health_seconds(server, timeout=60):
