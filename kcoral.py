@@ -472,6 +472,7 @@ STREAM_HEADER = "X-KCoral-Stream"  # our client's opt-in to the streamed answer 
 CLIENT_REQUEST_ID_HEADER = "X-KCoral-Client-Request-ID"
 STREAM_MEDIA_TYPE = "application/x-kcoral-stream"
 SEND_SLICE = 1 << 20  # the send timeout applies to each slice: a slow reader is fine, a stalled one is not
+ZEROS = memoryview(bytes(1 << 20))  # what a body buffer grows by, at most, before a read fills it
 
 
 class RequestHandler(http.server.BaseHTTPRequestHandler):
@@ -638,18 +639,12 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             self.app.log.event("request_finished", response_bytes=size, **fields)
 
     def client_gone(self) -> bool:
-        """Whether the client closed its side of the connection (end of file, or a reset).  Bytes
-        waiting to be read are a pipelined next request, not a goodbye; nothing is read here."""
+        """Whether the client has left: its FIN (a close, or a half-close: HAProxy reads that as
+        gone too) or a reset, even with bytes still unread before it.  Bytes alone on a live
+        connection are a pipelined next request, not a goodbye; nothing is read here."""
         poller = select.poll()
-        poller.register(self.connection, select.POLLIN)
-        if not poller.poll(0):
-            return False
-        try:
-            return not self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            return False
-        except OSError:
-            return True
+        poller.register(self.connection, select.POLLRDHUP)  # POLLHUP and POLLERR are always reported
+        return bool(poller.poll(0))
 
     def cancelled(self, request_id: str, phase: str, started: float) -> None:
         """The one log line for a request stopped because its client left; nothing is answered."""
@@ -744,32 +739,33 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
 
     def read_body(self, size: int, reservation: BodyReservation | None = None) -> bytearray:
         """Read `size` body bytes under the guard's rate rule (and the body budget) -> a new buffer."""
-        body = bytearray(size)  # plain pages, as kcoral_worker.recv_raw says why
+        body = bytearray()  # plain pages, as kcoral_worker.recv_raw says why
         self.watch("body")
         try:
-            self.read_into(body, reservation)
+            self.read_into(body, size, reservation)
         finally:
             self.unwatch()
         return body
 
-    def read_exact(self, size: int, reservation: BodyReservation | None) -> bytearray:
-        body = bytearray(size)
-        self.read_into(body, reservation)
-        return body
-
-    def read_into(self, body: bytearray, reservation: BodyReservation | None) -> None:
-        view = memoryview(body)
-        while view:
-            room = len(view) if reservation is None else self.budget_room(reservation)
-            n = self.rfile.readinto1(view[:room])  # one socket read at a time: the guard sees the progress
+    def read_into(self, body: bytearray, size: int, reservation: BodyReservation | None) -> None:
+        """Append `size` bytes to `body`, one socket read at a time (the guard sees the progress).
+        The buffer grows by at most one read ahead of the bytes received, and within the body's
+        reservation: what a client declares costs nothing until it arrives."""
+        filled, end = len(body), len(body) + size
+        while filled < end:
+            if filled == len(body):
+                room = end - filled if reservation is None else min(end - filled, self.budget_room(reservation))
+                body += ZEROS[:min(room, len(ZEROS))]  # realloc grows large buffers in place (mremap)
+            with memoryview(body)[filled:] as view:  # released before the next growth
+                n = self.rfile.readinto1(view)
             if not n:
                 if self.cut_reason:
                     raise BodyCut(self.cut_reason)
                 raise ConnectionError("client closed the connection mid-body")
+            filled += n
             self.phase.received += n
             if reservation is not None:
                 reservation.received += n
-            view = view[n:]
 
     def budget_room(self, reservation: BodyReservation) -> int:
         """Bytes the body may read now; waits for the budget to grow its reservation first, unwatched
@@ -807,7 +803,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             if len(body) + size > limit:
                 self.close_connection = True
                 return None
-            body += self.read_exact(size, reservation)
+            self.read_into(body, size, reservation)
             self.rfile.readline(1024)
 
     def cut_outcome(self, reason: str) -> Outcome:
@@ -1653,9 +1649,9 @@ class KCoralServer:
             assert data is not None  # split_request refused a request without a program part
             program = parts.program()                                    # strict JSON, then the program
             check_no_unreferenced_blobs(program, supplied)
-            disk_writes = self.blob_store.keep_file_blobs(program, supplied)  # cached even if refused below
+            disk_writes = self.blob_store.keep_file_blobs(program, supplied, tenant)  # cached even if refused below
             try:
-                blobs, missing = self.blob_store.resolve(program, supplied)
+                blobs, missing = self.blob_store.resolve(program, supplied, tenant)
                 check_tensor_sizes(program, blobs)
                 if missing:
                     return Outcome(body={"status": "CACHE_MISS", "request_id": request_id,
@@ -2370,7 +2366,12 @@ UNWRITTEN_LIMIT = 64 << 20  # request bodies kept alive for file blobs not yet i
 
 class BlobStore:
     """What survives between requests: blobs by SHA-256, in memory (bytes, tensors and
-    libraries) and on disk (file uploads), docs/protocol.md §7.4-7.5."""
+    libraries) and on disk (file uploads), docs/protocol.md §7.4-7.5.
+
+    A blob is present for a tenant only once that tenant has supplied its bytes: otherwise a
+    CACHE_MISS would tell one tenant which files another has sent (a guessed hash answered as
+    present is a confirmed guess).  Storage stays shared: each copy records its suppliers.  On a
+    server without named tenants every client is the anonymous tenant "", as one."""
 
     def __init__(self, config: ServerConfig) -> None:
         self.memory = MemoryCache(config.cache_capacity_bytes, config.cache_max_entries)
@@ -2380,12 +2381,13 @@ class BlobStore:
         self.hits = {"memory": 0, "disk": 0}  # lookups of blobs a request referenced but did not supply
         self.misses = {"memory": 0, "disk": 0}
         self.lock = threading.Lock()
-        # file blobs on their way to the disk cache: hash -> (data, writes pending), and the bytes of
-        # request bodies those views keep alive (charged once per request)
-        self.unwritten: dict[str, tuple[Buffer, int]] = {}
+        # file blobs on their way to the disk cache: (tenant, hash) -> (data, writes pending), and the
+        # bytes of request bodies those views keep alive (charged once per request)
+        self.unwritten: dict[tuple[str, str], tuple[Buffer, int]] = {}
         self.unwritten_bytes = 0
 
-    def keep_file_blobs(self, program: ValidProgram, supplied: dict[str, memoryview]) -> threading.Thread | None:
+    def keep_file_blobs(self, program: ValidProgram, supplied: dict[str, memoryview],
+                        tenant: str = "") -> threading.Thread | None:
         """Keep supplied file-upload blobs for the disk cache -> the thread that will write them,
         for `settle_file_blobs`, or None.
 
@@ -2401,21 +2403,22 @@ class BlobStore:
         charge = pinned_bytes(items[0][1])  # every part is a view of the one request body
         with self.lock:
             for digest, data in items:
-                self.unwritten[digest] = (data, self.unwritten.get(digest, (data, 0))[1] + 1)
+                key = (tenant, digest)
+                self.unwritten[key] = (data, self.unwritten.get(key, (data, 0))[1] + 1)
             self.unwritten_bytes += charge
-        return threading.Thread(target=self.write_file_blobs, args=(self.disk, items, charge))
+        return threading.Thread(target=self.write_file_blobs, args=(self.disk, items, charge, tenant))
 
-    def write_file_blobs(self, disk: DiskCache, items: list[tuple[str, Buffer]], charge: int) -> None:
+    def write_file_blobs(self, disk: DiskCache, items: list[tuple[str, Buffer]], charge: int, tenant: str) -> None:
         try:
-            disk.put_all(items)
+            disk.put_all(items, tenant)
         finally:
             with self.lock:
                 for digest, _ in items:
-                    data, pending = self.unwritten[digest]
+                    data, pending = self.unwritten[tenant, digest]
                     if pending > 1:
-                        self.unwritten[digest] = (data, pending - 1)
+                        self.unwritten[tenant, digest] = (data, pending - 1)
                     else:
-                        del self.unwritten[digest]
+                        del self.unwritten[tenant, digest]
                 self.unwritten_bytes -= charge
 
     def settle_file_blobs(self, writes: threading.Thread) -> None:
@@ -2429,28 +2432,30 @@ class BlobStore:
         if over:
             writes.join()
 
-    def unwritten_blob(self, digest: str) -> Buffer | None:
+    def unwritten_blob(self, digest: str, tenant: str) -> Buffer | None:
         with self.lock:
-            entry = self.unwritten.get(digest)
+            entry = self.unwritten.get((tenant, digest))
         return None if entry is None else entry[0]
 
-    def resolve(self, program: ValidProgram, supplied: dict[str, memoryview]) -> tuple[Blobs, list[str]]:
+    def resolve(self, program: ValidProgram, supplied: dict[str, memoryview],
+                tenant: str = "") -> tuple[Blobs, list[str]]:
         """docs/protocol.md §7.1: supplied parts go into the memory cache (the disk cache: keep_file_blobs),
-        then every referenced blob is looked up, supplied parts first -> (blobs, missing)."""
+        then every referenced blob is looked up, supplied parts first, the rest among those
+        `tenant` supplied before -> (blobs, missing)."""
         for digest, part in supplied.items():
             if "memory" in program.blob_kinds[digest]:
                 # a small blob must not keep a large request body alive in the cache
                 keep = part if len(part) * 2 >= len(typing.cast(Body, part.obj)) else bytes(part)  # a view of the body
-                self.memory.put(digest, keep)
+                self.memory.put(digest, keep, tenant)
         blobs: Blobs = {}
         missing: list[str] = []
         for digest, kinds in program.blob_kinds.items():
             data: Buffer | None = supplied.get(digest)
             if data is None and "file" in kinds and self.disk is not None:
-                data = self.unwritten_blob(digest)
-                data = self.count_lookup("disk", data if data is not None else self.disk.get(digest))
+                data = self.unwritten_blob(digest, tenant)
+                data = self.count_lookup("disk", data if data is not None else self.disk.get(digest, tenant))
             if data is None and "memory" in kinds:
-                data = self.count_lookup("memory", self.memory.get(digest))
+                data = self.count_lookup("memory", self.memory.get(digest, tenant))
             if data is None:
                 missing.append(digest)
             else:
@@ -2475,7 +2480,8 @@ class BlobStore:
 
 
 class MemoryCache:
-    """LRU of blob bytes by SHA-256; pinned entries are never evicted.
+    """LRU of blob bytes by SHA-256, each with the tenants that supplied it (found only for
+    them); pinned entries are never evicted.
 
     Entries are charged for the memory they keep alive (pinned_bytes) plus CACHE_ENTRY_OVERHEAD
     (key, tuple, buffer object, dict slot: ~330 B, which 20 000 blobs of 8 bytes each would
@@ -2486,8 +2492,10 @@ class MemoryCache:
     def __init__(self, capacity: int, max_entries: int) -> None:
         self.capacity = capacity
         self.max_entries = max_entries
-        self.entries: collections.OrderedDict[str, tuple[Buffer, int]] = collections.OrderedDict()
-        self.held: dict[str, tuple[Buffer, int]] = {}  # pinned entries
+        # hash -> (data, cost, its suppliers); pinned entries wait in `held`
+        self.entries: collections.OrderedDict[str, tuple[Buffer, int, frozenset[str]]] = collections.OrderedDict()
+        self.held: dict[str, tuple[Buffer, int, frozenset[str]]] = {}
+        self.only: dict[str, frozenset[str]] = {}  # one shared set per lone supplier: an entry costs no more
         self.size = 0
         self.pins: collections.Counter[str] = collections.Counter()
         self.evictions = 0
@@ -2496,28 +2504,34 @@ class MemoryCache:
     def __len__(self) -> int:
         return len(self.entries) + len(self.held)
 
-    def get(self, digest: str) -> Buffer | None:
+    def get(self, digest: str, tenant: str = "") -> Buffer | None:
         with self.lock:
             entry = self.entries.get(digest) or self.held.get(digest)
-            if entry is None:
+            if entry is None or tenant not in entry[2]:
                 return None
             if digest in self.entries:
                 self.entries.move_to_end(digest)
             return entry[0]
 
-    def put(self, digest: str, data: Buffer) -> None:
+    def put(self, digest: str, data: Buffer, tenant: str = "") -> None:
         cost = pinned_bytes(data) + CACHE_ENTRY_OVERHEAD
         if cost * 4 > self.capacity:
             return
         with self.lock:
-            if digest in self.entries:
-                self.entries.move_to_end(digest)
-                return
-            if digest in self.held:
-                return
-            (self.held if self.pins[digest] else self.entries)[digest] = (data, cost)
+            for where in (self.entries, self.held):
+                if digest in where:
+                    kept, kept_cost, suppliers = where[digest]
+                    if tenant not in suppliers:
+                        where[digest] = (kept, kept_cost, suppliers | self.only_by(tenant))
+                    if where is self.entries:
+                        self.entries.move_to_end(digest)
+                    return
+            (self.held if self.pins[digest] else self.entries)[digest] = (data, cost, self.only_by(tenant))
             self.size += cost
             self.evict()
+
+    def only_by(self, tenant: str) -> frozenset[str]:
+        return self.only.setdefault(tenant, frozenset((tenant,)))
 
     def evict(self) -> None:
         """Least recently used unpinned entries go while over the byte or entry budget (lock held)."""
@@ -2551,10 +2565,13 @@ def disk_cost(info: os.stat_result) -> int:
 class DiskCache:
     """Blobs of file uploads under <dir>/v1/<ab>/<hash>; persistent, verified on read.
 
-    Every disk problem is a miss or an ignored write: the cache can never
-    make a request fail.  Files are charged the blocks they occupy (disk_cost) and counted: a
-    file system runs out of inodes long before thousands of 1-byte blobs fill a byte budget.
-    Once over either budget, eviction takes both down to nine tenths of it, so the directory is
+    Each tenant that supplied a blob holds a hard link to it, <hash>+<tenant> ("+" alone for
+    the anonymous tenant): one copy on disk, and who may find it survives a restart.  A blob is
+    found for a tenant only while its link is the same file as <hash>.  Every disk problem is a
+    miss or an ignored write: the cache can never make a request fail.  A blob's file is
+    charged the blocks it occupies (disk_cost) and counted once, whatever its links: a file
+    system runs out of inodes long before thousands of 1-byte blobs fill a byte budget.  Once
+    over either budget, eviction takes both down to nine tenths of it, so the directory is
     scanned once per tenth of the budget written, not on every put.
     """
 
@@ -2576,13 +2593,15 @@ class DiskCache:
     def path(self, digest: str) -> str:
         return os.path.join(self.root, digest[:2], digest)
 
-    def get(self, digest: str) -> bytearray | None:
+    def get(self, digest: str, tenant: str = "") -> bytearray | None:
         path = self.path(digest)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
             with open(fd, "rb") as f:
                 info = os.fstat(fd)
                 if stat.S_ISREG(info.st_mode):
+                    if not os.path.samestat(info, os.lstat(path + "+" + tenant)):
+                        return None  # not supplied by this tenant (or supplied before the blob was replaced)
                     data = bytearray(info.st_size)
                     if f.readinto(data) == info.st_size and hashlib.sha256(data).hexdigest() == digest:
                         os.utime(fd)
@@ -2603,60 +2622,76 @@ class DiskCache:
         except OSError:
             pass
 
-    def put(self, digest: str, data: Buffer) -> None:
+    def put(self, digest: str, data: Buffer, tenant: str = "") -> None:
         if len(data) > self.capacity:
             return
         try:
             target = self.path(digest)
             if os.path.exists(target):
                 os.utime(target)
-                return
-            os.makedirs(os.path.dirname(target), mode=0o700, exist_ok=True)
-            fd, staging = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".tmp-")
-            try:
-                with open(fd, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    cost = disk_cost(os.fstat(fd))
-                os.replace(staging, target)
-            except BaseException:
-                os.unlink(staging)
-                raise
-            with self.lock:
-                self.total += cost
-                self.files += 1
-                over = self.total > self.capacity or self.files > self.max_files
-            if over:
-                self.evict()
+            else:
+                self.write(target, data)
+            self.link(target, target + "+" + tenant)
         except OSError:
             pass
 
-    def put_all(self, items: list[tuple[str, Buffer]]) -> None:
+    def write(self, target: str, data: Buffer) -> None:
+        os.makedirs(os.path.dirname(target), mode=0o700, exist_ok=True)
+        fd, staging = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".tmp-")
+        try:
+            with open(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                cost = disk_cost(os.fstat(fd))
+            os.replace(staging, target)
+        except BaseException:
+            os.unlink(staging)
+            raise
+        with self.lock:
+            self.total += cost
+            self.files += 1
+            over = self.total > self.capacity or self.files > self.max_files
+        if over:
+            self.evict()
+
+    @staticmethod
+    def link(target: str, name: str) -> None:
+        """Point the tenant's link `name` at `target` (replacing a link to an earlier copy)."""
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.lstat(target), os.lstat(name)):
+                return
+        staging = f"{os.path.dirname(target)}/.tmp-{secrets.token_hex(8)}"
+        os.link(target, staging, follow_symlinks=False)
+        os.replace(staging, name)
+
+    def put_all(self, items: list[tuple[str, Buffer]], tenant: str = "") -> None:
         for digest, data in items:
-            self.put(digest, data)
+            self.put(digest, data, tenant)
 
     def evict(self) -> None:
-        """Remove least recently used entries while over nine tenths of either budget (writers
-        serialised by a lock file)."""
+        """Remove least recently used blobs, each with its links, while over nine tenths of either
+        budget (writers serialised by a lock file)."""
         with self.lock, open(os.path.join(self.root, ".lock"), "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            entries = []
+            blobs: dict[tuple[int, int], tuple[int, int, list[str]]] = {}  # file -> (mtime, cost, its names)
             for sub in os.scandir(self.root):
                 if sub.is_dir(follow_symlinks=False):
                     for entry in os.scandir(sub.path):
                         if entry.is_file(follow_symlinks=False):
                             info = entry.stat(follow_symlinks=False)
-                            entries.append((info.st_mtime_ns, disk_cost(info), entry.path))
-            entries.sort()
+                            blobs.setdefault((info.st_dev, info.st_ino),
+                                             (info.st_mtime_ns, disk_cost(info), []))[2].append(entry.path)
+            entries = sorted(blobs.values())
             self.total, self.files = sum(cost for _, cost, _ in entries), len(entries)
             if self.total <= self.capacity and self.files <= self.max_files:
                 return
             bytes_left, files_left = self.capacity - self.capacity // 10, self.max_files - self.max_files // 10
-            for _, cost, path in entries:
+            for _, cost, paths in entries:
                 if self.total <= bytes_left and self.files <= files_left:
                     break
                 try:
-                    os.unlink(path)
+                    for path in sorted(paths, reverse=True):  # the links first: <hash>+... sorts after <hash>
+                        os.unlink(path)
                     self.total -= cost
                     self.files -= 1
                     self.evictions += 1

@@ -150,7 +150,7 @@ def file_blob_store(tmp_path, release):
     store = kcoral.BlobStore(dataclasses.replace(kcoral.DEFAULT_LIMITS, disk_cache_dir=str(tmp_path),
                                                  disk_cache_capacity_mbytes=256))
     put_all = store.disk.put_all
-    store.disk.put_all = lambda items: (release.wait(30), put_all(items))
+    store.disk.put_all = lambda items, tenant="": (release.wait(30), put_all(items, tenant))
     return store
 
 
@@ -183,14 +183,15 @@ def test_file_blobs_not_yet_on_disk_are_found_and_the_memory_they_hold_is_bounde
 
 
 def cache_usage(directory):
-    """(files, bytes of blocks) under a disk cache directory, its lock file left out."""
-    files = blocks = 0
+    """(files, bytes of blocks) under a disk cache directory, its lock file left out.  A file is an
+    inode, counted once however many names link to it (each tenant that supplied a blob has one)."""
+    seen = {}
     for folder, _, names in os.walk(directory):
         for name in names:
             if name != ".lock":
-                files += 1
-                blocks += os.stat(os.path.join(folder, name)).st_blocks * 512
-    return files, blocks
+                info = os.lstat(os.path.join(folder, name))
+                seen[info.st_dev, info.st_ino] = info.st_blocks * 512
+    return len(seen), sum(seen.values())
 
 
 def settled_cache_usage(directory, timeout=30.0):
