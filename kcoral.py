@@ -293,6 +293,15 @@ class ServerConfig:
     body_rate_window_seconds: float = option(30.0, "a request body must bring --body-rate-min-bytes in every "
                                              "window of this length (408 and close otherwise)")
     body_rate_min_bytes: int = option(64 << 10, "least body bytes per --body-rate-window-seconds")
+    body_min_average_bytes_per_second: int = option(
+        128 << 10, "least average rate of a whole body, from its first --body-rate-window-seconds on (408 "
+        "and close otherwise): a body just above the window rule cannot hold its connection for hours")
+    max_bodies_per_tenant: int = option(0, "request bodies one named tenant may be sending at once (429 "
+                                        "beyond it; 0: a quarter of --max-connections)")
+    max_bodies_per_address: int = option(0, "request bodies one client address may be sending at once (429 "
+                                         "beyond it; 0: a quarter of --max-connections)")
+    reserved_connections: int = option(0, "connections request bodies may not take, kept for /health, "
+                                       "/metrics and short requests (0: an eighth of --max-connections, at least 2)")
     # request bodies in memory, all clients together
     max_body_bytes_in_flight: int = option(768 << 20, "request bodies held in memory at once, all clients "
                                            "together; later ones wait before being read")
@@ -422,6 +431,7 @@ class KCoralHTTPServer(http.server.ThreadingHTTPServer):
         self.app = app
         self.guard = ConnectionGuard(app.config)
         self.max_connections = app.config.max_connections or default_max_connections()
+        self.senders = BodySenders(app.config, self.max_connections)
         self.open_connections = 0
         self.slots = threading.Condition()
         super().__init__(address, handler)
@@ -704,7 +714,8 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             return Outcome(500, "engine", "internal server error")
 
     def read_and_execute(self, request_id: str) -> Outcome:
-        """Read the body (admitted against the in-flight budget first) and hand it to the app."""
+        """Read the body (admitted against the senders' caps and the in-flight budget first) and
+        hand it to the app."""
         config = self.app.config
         limit = config.max_request_bytes
         chunked = "Transfer-Encoding" in self.headers  # framing_problem let only exactly `chunked` through
@@ -713,22 +724,11 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         if size > limit:
             self.close_connection = True  # the body stays unread
             return Outcome(413, "request_too_large", "request exceeds the configured size limit")
-        if self.expects_continue:
-            keep_open, self.close_connection = not self.close_connection, True  # a refusal leaves the body unsent
-            request_boundary(self.headers.get("Content-Type"))
         reservation = BodyReservation(self.app.bodies, limit if chunked else size, config.body_admission_wait_seconds)
-        if not reservation.grow():
-            self.close_connection = True
-            return self.app.refuse_while_draining() if self.app.closing else Outcome(503, "busy", "server saturated")
         try:
-            if self.expects_continue:
-                self.send_response_only(100)
-                self.end_headers()
-                self.close_connection = not keep_open
-            body = self.read_chunked(limit, reservation) if chunked else self.read_body(size, reservation)
-            self.body_done = True
-            if body is None:
-                return Outcome(413, "request_too_large", "request exceeds the configured size limit")
+            body = self.read_admitted_body(size if not chunked else None, reservation)
+            if isinstance(body, Outcome):
+                return body
             self.request_bytes = len(body)
             return self.app.handle_execute(request_id, body, self.headers.get("Content-Type"),
                                            proxy_queue_ms(self.headers.get("X-Request-Start"), self.head_arrived),
@@ -736,6 +736,26 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
                                            tenant=self.tenant, client_gone=self.client_gone)
         finally:
             reservation.release()
+
+    def read_admitted_body(self, size: int | None, reservation: BodyReservation) -> bytearray | Outcome:
+        """The body of `size` bytes (None: chunked), once this connection may send one (BodySenders)
+        and the budget has room for its first bytes -> the body, or the refusal."""
+        if self.expects_continue:
+            keep_open, self.close_connection = not self.close_connection, True  # a refusal leaves the body unsent
+            request_boundary(self.headers.get("Content-Type"))
+        with self.server.senders.admit(self.tenant, self.client_address[0]) as refusal:
+            if refusal is not None or not reservation.grow():
+                self.close_connection = True
+                return refusal or (self.app.refuse_while_draining() if self.app.closing
+                                   else Outcome(503, "busy", "server saturated"))
+            if self.expects_continue:
+                self.send_response_only(100)
+                self.end_headers()
+                self.close_connection = not keep_open
+            body = (self.read_chunked(self.app.config.max_request_bytes, reservation) if size is None
+                    else self.read_body(size, reservation))
+        self.body_done = True
+        return Outcome(413, "request_too_large", "request exceeds the configured size limit") if body is None else body
 
     def read_body(self, size: int, reservation: BodyReservation | None = None) -> bytearray:
         """Read `size` body bytes under the guard's rate rule (and the body budget) -> a new buffer."""
@@ -812,6 +832,11 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             self.disconnected("body", reason=reason)
             return Outcome(408, "parse", f"request body slower than {config.body_rate_min_bytes} bytes per "
                                          f"{config.body_rate_window_seconds:g} s")
+        if reason == "body_average":
+            self.disconnected("body", reason=reason)
+            return Outcome(408, "parse", f"request body averaged less than "
+                                         f"{self.app.config.body_min_average_bytes_per_second} bytes per second "
+                                         "(--body-min-average-bytes-per-second)")
         if reason == "budget":  # read halfway, no room for the rest within the admission wait
             return Outcome(503, "busy", "server saturated")
         return self.app.refuse_while_draining()
@@ -1194,6 +1219,8 @@ class ConnectionGuard:
             return None
         if phase.received - phase.window_bytes < config.body_rate_min_bytes:
             return "body_rate"
+        if phase.received < config.body_min_average_bytes_per_second * (now - phase.since):
+            return "body_average"
         phase.window_start, phase.window_bytes = now, phase.received  # the next window
         return None
 
@@ -1342,6 +1369,52 @@ class BodyCut(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+class BodySenders:
+    """Connections sending a request body, counted per named tenant and per client address, so
+    that one tenant's (or one address's) slow bodies cannot hold every connection; and never
+    more than --max-connections less --reserved-connections, so /health and /metrics are
+    answered while every body slot is taken.  (The anonymous tenant is everyone without a name:
+    its clients are held apart by address only.)"""
+
+    def __init__(self, config: ServerConfig, max_connections: int) -> None:
+        quarter = max(1, max_connections // 4)
+        reserved = config.reserved_connections or max(2, max_connections // 8)
+        self.total = max(1, max_connections - reserved)
+        self.per_tenant = config.max_bodies_per_tenant or quarter
+        self.per_address = config.max_bodies_per_address or quarter
+        self.tenants: collections.Counter[str] = collections.Counter()
+        self.addresses: collections.Counter[str] = collections.Counter()
+        self.lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def admit(self, tenant: str, address: str) -> Iterator[Outcome | None]:
+        """While the body arrives: None when admitted, else the refusal to answer (429/503 busy)."""
+        with self.lock:
+            refusal = self.refusal(tenant, address)
+            if refusal is None:
+                self.tenants[tenant] += 1
+                self.addresses[address] += 1
+        try:
+            yield refusal
+        finally:
+            if refusal is None:
+                with self.lock:  # no zero counts kept: a count per address ever seen would grow for ever
+                    self.tenants -= collections.Counter({tenant: 1})
+                    self.addresses -= collections.Counter({address: 1})
+
+    def refusal(self, tenant: str, address: str) -> Outcome | None:
+        if tenant and self.tenants[tenant] >= self.per_tenant:
+            return Outcome(429, "busy", f"tenant {tenant} is sending {self.per_tenant} request bodies already, "
+                                        "its limit (--max-bodies-per-tenant); retry once one has arrived")
+        if self.addresses[address] >= self.per_address:
+            return Outcome(429, "busy", f"{address} is sending {self.per_address} request bodies already, the "
+                                        "limit per client address (--max-bodies-per-address)")
+        if self.addresses.total() >= self.total:
+            return Outcome(503, "busy", f"{self.total} request bodies are arriving already; the other connections "
+                                        "are kept for /health and /metrics (--reserved-connections)")
+        return None
 
 
 def default_max_connections() -> int:
