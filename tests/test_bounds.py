@@ -418,8 +418,10 @@ def tricklers_item(scale, workdir):
     budget = (scale.budget_mib or 768) << 20
     window = scale.rate_window or 30.0
     piece = scale.rate_min or 64 << 10
+    # the whole-body average at the window's own rate, so the least rate allowed is the window's
     server = Server(workdir, *flags(max_body_bytes_in_flight=scale.budget_mib << 20,
                                     body_rate_window_seconds=scale.rate_window, body_rate_min_bytes=scale.rate_min,
+                                    body_min_average_bytes_per_second=int(piece / window),
                                     body_admission_wait_seconds=scale.admission_wait), workers=1)
     program = json.dumps(prog(up_module("m", "def f(x):\n    return len(x)\n"), up_blob("b", "bytes", "0" * 64),
                               get_fn("fn", "m", "f"), run("r", "fn", ref("b")), ret("out", "r"))).encode()
