@@ -170,7 +170,7 @@ def test_output_within_the_limit_adds_no_field(server):
 
 CRASHES = {
     "segfault": ("import ctypes\n    ctypes.string_at(0)", "killed by signal 11 (SIGSEGV, Segmentation fault); "
-                 "the Python frames it crashed in are at the end of stderr"),
+                 'the Python frames it crashed in are in stderr, under "Stack (most recent call first)"'),
     "sigkill": ("os.kill(os.getpid(), signal.SIGKILL)", "killed by signal 9 (SIGKILL, Killed)"),
     "exit": ("os._exit(3)", "it exited with status 3 (os._exit, sys.exit or a native exit())"),
 }
