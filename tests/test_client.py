@@ -595,10 +595,30 @@ def test_run_rules():
     with pytest.raises(ValueError):
         p.run(fn=Register("nope"))
     p.run(fn=f)
-    nested = [Register("upload_0")]
-    p.run(fn=f, args=[m, 1, {"$ref": "m"}, nested, Register("unknown")])
+    p.run(fn=f, args=[m, 1, {"$ref": "m"}, [{"$ref": "m"}], Register("unknown")])
     assert p.instructions[2]["args"] == []
-    assert p.instructions[3]["args"] == [{"$ref": "upload_0"}, 1, {"$ref": "m"}, nested, {"$ref": "unknown"}]
+    assert p.instructions[3]["args"] == [{"$ref": "upload_0"}, 1, {"$ref": "m"}, [{"$ref": "m"}], {"$ref": "unknown"}]
+
+
+@pytest.mark.parametrize("arg,where", [([Register("upload_0")], "args[1][0]"),
+                                       ({"x": (1, Register("upload_0"))}, "args[1]['x'][1]")])
+def test_run_refuses_a_nested_register_and_says_how_to_pass_it(arg, where):
+    """The protocol resolves only top-level references (docs/protocol.md §6.2): a nested Register
+    would reach execute() as an object json cannot encode; run() says so, and records nothing."""
+    p = Program()
+    m = p.upload(kind="module", source="")
+    f = p.get_function(module=m, name="f")
+    before = p.instructions
+    with pytest.raises(TypeError) as caught:
+        p.run(fn=f, args=[1, arg])
+    assert str(caught.value) == (
+        f"run {where} is Register(id='upload_0') inside a list or dict: only a top-level argument can be a "
+        "Register; pass it as one of run's own args (args=[..., register, ...]) and build the list or dict "
+        "inside the function")
+    assert p.instructions == before
+    cyclic: list = [1]
+    cyclic.append(cyclic)
+    p.run(fn=f, args=[cyclic])  # not a Register: json refuses it when execute encodes it, as before
 
 
 def test_returns():
@@ -665,7 +685,7 @@ def test_execute_local_checks(stub, cli):
         cli.execute(Program(), timeout_seconds=float("nan"))
     p = Program()
     f = p.get_function(module=p.upload(kind="module", source=""), name="f")
-    p.run(fn=f, args=[[Register("upload_0")]])
+    p.run(fn=f, args=[[object()]])  # JSON-encoded by execute, which refuses it before any request
     with pytest.raises(TypeError):
         cli.execute(p)
     assert stub.requests == []
