@@ -1970,3 +1970,37 @@ def test_interop_large_blob_and_concurrency(live):
         t.start()
     join_threads(threads, 240)
     assert outcomes == [sha256(big)] * 3
+
+
+# --- busy answers retried when asked (docs/client.md §4.10) ---------------------------------
+
+def busy(status: int, retry_after: str | None) -> tuple:
+    return json_response({"status": "ERROR", "request_id": RID, "error": {"kind": "busy", "message": "full"}},
+                         status=status, headers={"Retry-After": retry_after} if retry_after is not None else None)
+
+
+def test_a_429_with_retry_after_is_retried_when_asked(stub):
+    stub.queue(busy(429, "1"), busy(503, "0"), completed({"x": {"type": "integer", "value": 1}}))
+    with Client(stub.url, retry_busy_seconds=5) as c:
+        started = time.monotonic()
+        result = c.execute(Program())
+    assert time.monotonic() - started >= 1.0  # the wait the server named
+    assert result["x"] == 1 and len(stub.requests) == 3 and result.round_trips == 3
+    assert len({r.headers["x-kcoral-client-request-id"] for r in stub.requests}) == 1  # one call, one id
+
+
+@pytest.mark.parametrize("retry_busy_seconds,answer", [(0, busy(429, "1")), (5, busy(503, None)),
+                                                       (5, busy(503, "Wed, 21 Oct 2015 07:28:00 GMT")),
+                                                       (5, busy(429, "6"))],
+                         ids=["not-asked", "no-retry-after", "an-http-date", "beyond-the-budget"])
+def test_a_busy_answer_is_raised_at_once_unless_a_retry_is_asked_for_and_fits(stub, retry_busy_seconds, answer):
+    stub.queue(answer, completed())
+    with Client(stub.url, retry_busy_seconds=retry_busy_seconds) as c, pytest.raises(KCoralError) as caught:
+        c.execute(Program())
+    assert caught.value.kind == "busy" and len(stub.requests) == 1
+
+
+def test_retry_busy_seconds_is_checked():
+    for bad in (-1, math.inf, True, "5"):
+        with pytest.raises(ValueError, match="retry_busy_seconds"):
+            Client("http://127.0.0.1:1", retry_busy_seconds=bad)
