@@ -2060,8 +2060,7 @@ def _watch_process_limit(stopped):
         return
     while not stopped.wait(0.2):
         if _tasks() + max(4, limit // 50) >= limit:
-            print(f"@PROCESS_LIMIT_NOTE@, {limit} (--process-limit): new ones fail with EAGAIN",
-                  file=sys.stderr, flush=True)
+            print("@PROCESS_LIMIT_NOTE@ (--process-limit): new ones fail with EAGAIN", file=sys.stderr, flush=True)
             return
 
 
