@@ -716,7 +716,7 @@ class ProgramResult:
     truncation: str = ""
     # set by Client.execute: the id its attempts were sent under (about the call, not the answer: not compared)
     client_request_id: str | None = dataclasses.field(default=None, init=False, compare=False)
-    # set by Client.execute: what getting the answer took (docs/client.md §5.5): blob bytes sent, blobs
+    # set by Client.execute: what getting the answer took (docs/client.md §5.6): blob bytes sent, blobs
     # the server already held (never sent), HTTP requests made (CACHE_MISS answers, blobs sent on their
     # own, a /health asked for the size limit, busy answers retried)
     blob_bytes_sent: int = dataclasses.field(default=0, init=False, compare=False)
@@ -1451,7 +1451,7 @@ class Client:
             node = response.node
         raise ProtocolError("the server still reports missing blobs after every blob was sent")
 
-    # -- requests near the server's size limit (docs/client.md §4.9)
+    # -- requests near the server's size limit (docs/client.md §4.10)
 
     def _fits(self, program_json: bytes, blobs: list[tuple[str, bytes]], transfer: _Transfer) -> bool:
         """Whether a request with these blobs is within the server's max_request_bytes. Only a large
