@@ -1487,7 +1487,7 @@ class Client:
         groups = _pack_blobs([(h, blobs[h]) for h in send], needs, limit)
         if groups is None or transfer.sent_separately:
             size = _request_size(program_json, [(h, blobs[h]) for h in send])
-            raise KCoralError(413, request_too_large_message(size, limit), kind="request_too_large")
+            raise KCoralError(413, _request_too_large_message(size, limit), kind="request_too_large")
         transfer.sent_separately = True
         seconds = _DEFAULT_EXECUTION_SECONDS + self._response_margin
         for group in groups:
@@ -1702,7 +1702,7 @@ def _request_size(program_json: bytes, blobs: list[tuple[str, bytes]]) -> int:
     return sum(memoryview(c).nbytes for c in _multipart_chunks(_REQUEST_SIZE_BOUNDARY, program_json, blobs))
 
 
-def request_too_large_message(size: int | None, limit: int) -> str:
+def _request_too_large_message(size: int | None, limit: int) -> str:
     """The 413's words, the server's and the client's refusal before sending alike (tests/test_shared_rules.py)."""
     what = f"request of {size} bytes" if size is not None else "request"
     return (f"{what} exceeds the server's size limit of {limit} bytes (max_request_bytes; the server's "
