@@ -1630,7 +1630,8 @@ def test_health_fields_and_types(server):
     health = json.loads(data)
     assert set(health) == {"status", "instance_id", "started_at", "gpu_count", "load", "target", "versions",
                            "sandbox", "version", "limits"}
-    assert set(health["limits"]) == {"memory_limit_bytes", "process_limit", "disk_limit_bytes", "file_limit"}
+    assert set(health["limits"]) == {"max_request_bytes", "memory_limit_bytes", "process_limit", "disk_limit_bytes",
+                                     "file_limit"}
     assert all(type(limit["value"]) is int and limit["value"] > 0 and limit["enforced"]
                for limit in health["limits"].values())
     assert health["status"] == "ok" and health["sandbox"] == server.sandbox
