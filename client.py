@@ -1456,10 +1456,11 @@ class Client:
     def _fits(self, program_json: bytes, blobs: list[tuple[str, bytes]], transfer: _Transfer) -> bool:
         """Whether a request with these blobs is within the server's max_request_bytes. Only a large
         one asks (/health's `limits`, once per server instance); a server that does not say is sent it."""
-        if _request_size(program_json, blobs) <= _ASSUMED_REQUEST_LIMIT:
+        size = _request_size(program_json, blobs)
+        if size <= _ASSUMED_REQUEST_LIMIT:
             return True
         limit = self._server_request_limit(transfer)
-        return limit is None or _request_size(program_json, blobs) <= limit
+        return limit is None or size <= limit
 
     def _server_request_limit(self, transfer: _Transfer) -> int | None:
         instance = self._memory.current()
@@ -1711,35 +1712,39 @@ def _request_too_large_message(size: int | None, limit: int) -> str:
 
 def _caching_instructions(digests: list[str], needs: dict[str, set[str]]) -> list[dict[str, Any]]:
     """A program that only uploads blobs, into each cache a later program needs them in: in memory
-    as bytes, on disk as files (docs/protocol.md §7.1)."""
+    as bytes, on disk as files (docs/protocol.md §7.1). Ids and paths come from the hash, so that
+    what one blob adds to the request does not depend on its company (_pack_blobs)."""
     instructions = []
-    for index, digest in enumerate(digests):
+    for digest in digests:
         for cache in sorted(needs[digest]):
             fields = {"kind": "bytes"} if cache == "memory" else {"kind": "file", "path": f"blobs/{digest}"}
-            instructions.append({"op": "upload", "id": f"{cache}_{index}", **fields, "blob": digest})
+            instructions.append({"op": "upload", "id": f"{cache}_{digest}", **fields, "blob": digest})
     return instructions
-
-
-def _pack_blobs(blobs: list[tuple[str, bytes]], needs: dict[str, set[str]], limit: int) -> list[list[str]] | None:
-    """Blobs in groups that each fit one caching request under ``limit``, largest first (first fit);
-    None when one alone does not."""
-    groups: list[tuple[list[tuple[str, bytes]], list[str]]] = []
-    for digest, data in sorted(blobs, key=lambda blob: -len(blob[1])):
-        for members, digests in groups:
-            if _caching_request_size([*members, (digest, data)], needs) <= limit:
-                members.append((digest, data))
-                digests.append(digest)
-                break
-        else:
-            if _caching_request_size([(digest, data)], needs) > limit:
-                return None
-            groups.append(([(digest, data)], [digest]))
-    return [digests for _, digests in groups]
 
 
 def _caching_request_size(blobs: list[tuple[str, bytes]], needs: dict[str, set[str]]) -> int:
     program = json.dumps({"instructions": _caching_instructions([h for h, _ in blobs], needs)}).encode()
     return _request_size(program, blobs)
+
+
+def _pack_blobs(blobs: list[tuple[str, bytes]], needs: dict[str, set[str]], limit: int) -> list[list[str]] | None:
+    """Blobs in groups that each fit one caching request under ``limit``, largest first (first fit);
+    None when one alone does not. A group's request is the empty one plus what each blob adds, and
+    json's ", " between two blobs' instructions."""
+    empty = _caching_request_size([], needs)
+    groups: list[tuple[list[str], list[int]]] = []  # (hashes, [request size so far])
+    for digest, data in sorted(blobs, key=lambda blob: -len(blob[1])):
+        alone = _caching_request_size([(digest, data)], needs)
+        if alone > limit:
+            return None
+        for digests, size in groups:
+            if size[0] + alone - empty + len(", ") <= limit:
+                digests.append(digest)
+                size[0] += alone - empty + len(", ")
+                break
+        else:
+            groups.append(([digest], [alone]))
+    return [digests for digests, _ in groups]
 
 
 def _retry_after(value: str | None) -> float | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import hashlib
 import http.client
 import http.server
 import json
@@ -2004,3 +2005,22 @@ def test_retry_busy_seconds_is_checked():
     for bad in (-1, math.inf, True, "5"):
         with pytest.raises(ValueError, match="retry_busy_seconds"):
             Client("http://127.0.0.1:1", retry_busy_seconds=bad)
+
+
+def test_blobs_are_packed_into_caching_requests_under_the_limit():
+    """docs/client.md §4.10: every blob in exactly one group, each group's request (measured as sent)
+    within the limit, fewer groups as the limit grows; a blob too large alone packs nothing."""
+    rng = np.random.default_rng(7)
+    blobs = [(hashlib.sha256(data).hexdigest(), data) for data in (bytes(rng.integers(0, 256, int(n), dtype=np.uint8))
+                                                        for n in rng.integers(1, 5000, 200))]
+    needs = {digest: [{"memory"}, {"file"}, {"memory", "file"}][i % 3] for i, (digest, _) in enumerate(blobs)}
+    counts = []
+    for limit in (6000, 20000, 100000, 10 ** 7):
+        groups = client._pack_blobs(blobs, needs, limit)
+        assert sorted(h for group in groups for h in group) == sorted(h for h, _ in blobs)
+        data = dict(blobs)
+        sizes = [client._caching_request_size([(h, data[h]) for h in group], needs) for group in groups]
+        assert max(sizes) <= limit and (len(groups) == 1 or max(sizes) > limit * 0.9), (limit, max(sizes))
+        counts.append(len(groups))
+    assert counts == sorted(counts, reverse=True) and counts[-1] == 1
+    assert client._pack_blobs(blobs, needs, 3000) is None

@@ -64,12 +64,23 @@ def test_the_client_refuses_a_request_over_the_limit_before_sending_in_the_serve
 
 
 def test_blobs_too_large_together_are_sent_in_requests_of_their_own(limited):
-    blobs = [os.urandom(50 * MIB), os.urandom(50 * MIB)]
+    """A tensor, bytes and a file of 40 MiB each: no two fit one 80 MiB request, so each goes in one
+    of its own, into the cache its upload needs (memory or file), and the program finds all three."""
+    tensor = np.frombuffer(os.urandom(40 * MIB), dtype=np.float32)
+    raw, file = os.urandom(40 * MIB), os.urandom(40 * MIB)
+    program = Program()
+    module = program.upload(kind="module", source="def sizes(t, b):\n    return [t.numel() * 4, len(b), "
+                            "len(open('in/f.bin', 'rb').read())]\n")
+    program.upload_file(blob=file, path="in/f.bin")
+    sizes = program.get_function(module=module, name="sizes")
+    program.return_(key="sizes", value=program.run(fn=sizes, args=[program.upload(kind="tensor", value=tensor),
+                                                                    program.upload(kind="bytes", value=raw)]))
     with Client(limited.url) as c:
-        result = c.execute(size_program(*blobs))
-    assert result.completed and result["size"] == 100 * MIB
-    # asked first, asked the limit, one request per blob, then the program found both cached
-    assert (result.blob_bytes_sent, result.blobs_cached, result.round_trips) == (100 * MIB, 0, 5)
+        result = c.execute(program)
+    assert result.completed, result.error
+    assert result["sizes"] == [40 * MIB] * 3
+    # asked first, asked the limit, one request per blob, then the program found all three cached
+    assert (result.blob_bytes_sent, result.blobs_cached, result.round_trips) == (120 * MIB, 0, 6)
 
 
 def test_transfer_accounting_on_a_cache_miss_then_a_hit(front_end_server):
