@@ -2148,10 +2148,10 @@ class _Inputs:
     directories: list[str]
 
 
-def run_command(argv: list[str]) -> int:
+def run_command(argv: list[str], prog: str = "kcoral run") -> int:
     """`kcoral run ...`: the exit status of the remote process, 1 on any other failure;
-    usage errors leave through argparse (SystemExit 2)."""
-    parser = _run_parser()
+    usage errors leave through argparse (SystemExit 2). ``prog``: how the usage lines name the command."""
+    parser = _run_parser(prog)
     separated = "--" in argv  # the first '--' is ours; a later one is the tool's (a profiler's own, say)
     cut = argv.index("--") if separated else len(argv)
     args, extra = parser.parse_known_args(argv[:cut])
@@ -2186,14 +2186,14 @@ def _complain(line: str) -> None:
     print(_for_terminal(sys.stderr, line), file=sys.stderr)
 
 
-def _run_parser() -> Any:
+def _run_parser(prog: str) -> Any:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="kcoral run", description="Run a tool on a remote KCoral server.")
+    parser = argparse.ArgumentParser(prog=prog, description="Run a tool on a remote KCoral server.")
     tools = parser.add_subparsers(dest="tool", required=True, metavar="TOOL")
     for tool, summary in _TOOLS.items():
         sub = tools.add_parser(tool, help=summary, description=f"Run {tool} on a KCoral worker: {summary}.",
-                               usage=f"kcoral run {tool} [options] -- ARGS...")
+                               usage=f"{prog} {tool} [options] -- ARGS...")
         sub.set_defaults(tool_parser=sub)
         sub.add_argument("--url", help="server URL; default: KCORAL_URL; cannot combine with --host or --port")
         sub.add_argument("--host", help="server hostname or IP; overrides KCORAL_URL (default with --port: 127.0.0.1)")
@@ -2541,9 +2541,10 @@ KCoral server (KCORAL_URL, or --url), runs a tool there and prints its output he
 def main(argv: list[str]) -> int:
     """A vendored copy's command line: `python client.py run ...` is `kcoral run ...`."""
     if argv[:1] == ["run"]:
-        return run_command(argv[1:])
+        return run_command(argv[1:], "python client.py run")
     asked = argv[:1] in (["-h"], ["--help"])
-    print(_VENDORED_HELP + _run_parser().format_help(), end="", file=sys.stdout if asked else sys.stderr)
+    print(_VENDORED_HELP + _run_parser("python client.py run").format_help(), end="",
+          file=sys.stdout if asked else sys.stderr)
     return 0 if asked else 2
 
 

@@ -67,6 +67,8 @@ def test_python_client_py_help_is_real_help(project, python):
         assert promise in done.stdout
     wrong = run_in(project, python, "client.py", "fly")
     assert wrong.returncode == 2 and wrong.stdout == "" and "usage: python client.py run" in wrong.stderr
+    misused = run_in(project, python, "client.py", "run", "python", "job.py")
+    assert misused.returncode == 2 and misused.stderr.startswith("usage: python client.py run python [options]")
 
 
 def test_python_client_py_run_is_kcoral_run(project, python, server):
