@@ -76,3 +76,15 @@ def test_python_client_py_run_is_kcoral_run(project, python, server):
     done = run_in(project, python, "client.py", "run", "python", "--send", "job.py", "--", "job.py", "x",
                   url=server.url)
     assert (done.returncode, done.stdout) == (3, "args ['x']\n"), done.stderr
+
+
+def test_the_alias_the_help_gives_makes_the_docs_kcoral_run_lines_work(project, python, server):
+    """`alias kcoral="python $PWD/client.py"`, as the help writes it, in a shell whose python is the
+    project's: the docs' `kcoral run python --send ...` runs as written."""
+    alias = next(line.strip() for line in run_in(project, python, "client.py", "--help").stdout.splitlines()
+                 if line.strip().startswith("alias kcoral="))
+    (project / "bench.py").write_text("import sys\nprint('size', sys.argv[2])\n")
+    script = f"shopt -s expand_aliases\n{alias}\nkcoral run python --send bench.py -- bench.py --size 4096\n"
+    env = {"PATH": f"{os.path.dirname(python)}:/usr/bin:/bin", "KCORAL_URL": server.url, "HOME": str(project)}
+    done = subprocess.run(["bash", "-c", script], cwd=project, env=env, capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (0, "size 4096\n"), done.stderr
