@@ -2533,8 +2533,9 @@ As a library (docs/client.md), under the name it has in your project:
 As a command, `python client.py run` is `kcoral run` (docs/cli.md): it sends local files to a
 KCoral server (KCORAL_URL, or --url), runs a tool there and prints its output here, e.g.
     python client.py run python --send bench.py -- bench.py --size 4096
-`python client.py run TOOL --help` lists a tool's options. For the docs' `kcoral run ...` as
-written: alias kcoral="python $PWD/client.py"
+`python client.py run TOOL --help` lists a tool's options. For the docs' `kcoral run ...` lines
+as written, in the directory that holds this file:
+    alias kcoral="python $PWD/client.py"
 
 """
 
