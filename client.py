@@ -35,6 +35,7 @@ import pathlib
 import re
 import secrets
 import select
+import signal
 import stat
 import symtable
 import sys
@@ -283,6 +284,9 @@ class Program:
         fn_id = self._existing_ref(fn)
         if not isinstance(args, (list, tuple, type(None))):
             raise TypeError("run 'args' must be a list")
+        for index, arg in enumerate(args or []):
+            if not isinstance(arg, Register):
+                _refuse_nested_register(arg, f"args[{index}]", set())
         wire_args = [{"$ref": arg.id} if isinstance(arg, Register) else arg for arg in args or []]
         self._check_custom_id(id)
         return self._append("run", id, {"fn": {"$ref": fn_id}, "args": wire_args})
@@ -377,6 +381,20 @@ class Program:
     def _append_return(self, instruction: dict[str, Any]) -> None:
         self._return_keys.add(instruction["key"])
         self._instructions.append(instruction)
+
+
+def _refuse_nested_register(value: Any, where: str, containers: set[int]) -> None:
+    """A Register inside a list or dict argument: the protocol resolves references only at the top
+    level of `args` (docs/protocol.md §6.2), so it would reach execute() as an unserialisable object."""
+    if isinstance(value, Register):
+        raise TypeError(f"run {where} is {value!r} inside a list or dict: only a top-level argument can be a "
+                        "Register; pass it as one of run's own args (args=[..., register, ...]) and build "
+                        "the list or dict inside the function")
+    if isinstance(value, (list, tuple, dict)) and id(value) not in containers:
+        containers.add(id(value))  # a container that holds itself is json's to refuse, at execute
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            _refuse_nested_register(item, f"{where}[{key!r}]", containers)
 
 
 def _tensor_payload(value: Any, dtype: Any, shape: Any) -> tuple[str, list[int], bytes]:
@@ -698,6 +716,12 @@ class ProgramResult:
     truncation: str = ""
     # set by Client.execute: the id its attempts were sent under (about the call, not the answer: not compared)
     client_request_id: str | None = dataclasses.field(default=None, init=False, compare=False)
+    # set by Client.execute: what getting the answer took (docs/client.md §5.6): blob bytes sent, blobs
+    # the server already held (never sent), HTTP requests made (CACHE_MISS answers, blobs sent on their
+    # own, a /health asked for the size limit, busy answers retried)
+    blob_bytes_sent: int = dataclasses.field(default=0, init=False, compare=False)
+    blobs_cached: int = dataclasses.field(default=0, init=False, compare=False)
+    round_trips: int = dataclasses.field(default=0, init=False, compare=False)
 
     @property
     def completed(self) -> bool:
@@ -1112,6 +1136,8 @@ _REMEMBERED_INSTANCES = 4
 _DEFAULT_EXECUTION_SECONDS = 300.0  # the server's timeout for a request that sets none (docs/protocol.md §5.3)
 _LONGEST_SOCKET_WAIT_SECONDS = 1e8  # what settimeout accepts everywhere; years, so never the binding limit
 _READ_PIECE_BYTES = 1 << 20  # a body of unknown length is read in pieces this big, to stop at the cap
+_DEFAULT_MAX_RESPONSE_BYTES = (1 << 30) + (64 << 20)  # a returned 1 GiB tensor and more: the server's default
+_ASSUMED_REQUEST_LIMIT = 64 << 20  # smaller requests are sent without asking the server's size limit first
 
 
 class _Deadline:
@@ -1184,6 +1210,26 @@ class _Response:
     instance: str | None  # X-KCoral-Instance: which server process answered
     node: str | None      # X-KCoral-Node: router affinity to echo on the next attempt
     body: _Body
+    retry_after: float | None = None  # Retry-After in seconds (an HTTP date is not honoured)
+
+
+@dataclasses.dataclass
+class _Transfer:
+    """What one execute sent, for ProgramResult's account of it."""
+
+    round_trips: int = 0
+    sent: set[str] = dataclasses.field(default_factory=set)  # hashes of the blobs sent
+    sent_bytes: int = 0
+    sent_separately: bool = False  # blobs too large for one request went in requests of their own
+
+    def count(self, blobs: list[tuple[str, bytes]]) -> None:
+        self.round_trips += 1
+        self.sent.update(digest for digest, _ in blobs)
+        self.sent_bytes += sum(len(data) for _, data in blobs)
+
+    def report(self, result: ProgramResult, blobs: dict[str, bytes]) -> None:
+        result.blob_bytes_sent, result.round_trips = self.sent_bytes, self.round_trips
+        result.blobs_cached = len(blobs.keys() - self.sent)
 
 
 class _BlobMemory:
@@ -1201,6 +1247,10 @@ class _BlobMemory:
     def observe(self, instance: str | None) -> None:
         with self._lock:
             self._current = instance
+
+    def current(self) -> str | None:
+        with self._lock:
+            return self._current
 
     def not_held(self, needs: dict[str, set[str]]) -> set[str] | None:
         """Hashes the current instance is not known to hold in every cache the program
@@ -1247,14 +1297,19 @@ class Client:
     What a broken or hostile server can cost is bounded (docs/client.md §4.8): an answer larger
     than ``max_response_bytes`` is refused (ProtocolError), and every exchange has a deadline:
     ``execute`` waits the request's execution timeout plus ``response_margin_seconds``,
-    ``health`` waits ``health_timeout_seconds`` (TransportError beyond it)."""
+    ``health`` waits ``health_timeout_seconds`` (TransportError beyond it).
+
+    ``retry_busy_seconds``: a 429 or 503 answer to ``execute`` that carries Retry-After is retried
+    after the wait it names, for at most this many seconds of waiting in all (0, the default: never,
+    the KCoralError is raised at once). Neither answer ran anything, so a retry runs nothing twice."""
 
     def __init__(self, base_url: str, *, headers: dict[str, str] | None = None,
                  connect_timeout_seconds: float = 10.0,
                  eager_upload_bytes: int = 8 * 1024 * 1024,
-                 max_response_bytes: int = 256 * 1024 * 1024,
+                 max_response_bytes: int = _DEFAULT_MAX_RESPONSE_BYTES,
                  response_margin_seconds: float = 1860.0,
-                 health_timeout_seconds: float = 30.0) -> None:
+                 health_timeout_seconds: float = 30.0,
+                 retry_busy_seconds: float = 0.0) -> None:
         self.base_url = base_url.rstrip("/")
         url = urllib.parse.urlsplit(self.base_url)
         if url.scheme not in ("http", "https") or not url.hostname:
@@ -1267,6 +1322,8 @@ class Client:
                               ("health_timeout_seconds", health_timeout_seconds)):
             if not _is_real(seconds) or not 0 < seconds < math.inf:
                 raise ValueError(f"{name} must be a positive number of seconds")
+        if not _is_real(retry_busy_seconds) or not 0 <= retry_busy_seconds < math.inf:
+            raise ValueError("retry_busy_seconds must be a non-negative number of seconds")
         self._connection_class = _HTTPSConnection if url.scheme == "https" else _HTTPConnection
         self._host, self._port, self._path = url.hostname, url.port, url.path
         self._headers = dict(headers or {})
@@ -1275,6 +1332,8 @@ class Client:
         self._max_response_bytes = max_response_bytes
         self._response_margin = float(response_margin_seconds)
         self._health_timeout = float(health_timeout_seconds)
+        self._retry_busy_seconds = float(retry_busy_seconds)
+        self._request_limit: tuple[str | None, int | None] | None = None  # (instance, its max_request_bytes)
         self._lock = threading.Lock()
         self._idle: list[http.client.HTTPConnection] = []
         self._closed = False
@@ -1366,16 +1425,20 @@ class Client:
         node = None
         affinity = _affinity_key(blobs)
         seconds = _execution_seconds(timeout_seconds) + self._response_margin
+        transfer = _Transfer()
         for attempt in (1, 2, 3):
-            deadline = _Deadline(seconds, "the request's timeout plus response_margin_seconds")
-            response = self._post_execute(program_json, [(h, blobs[h]) for h in send], node, affinity,
-                                          client_request_id, deadline, on_output)
+            if not self._fits(program_json, [(h, blobs[h]) for h in send], transfer):
+                self._send_separately(program_json, blobs, needs, send, transfer, client_request_id)
+                send = []
+            response = self._post_retrying_busy(program_json, [(h, blobs[h]) for h in send], node, affinity,
+                                                client_request_id, seconds, on_output, transfer)
             if response.status != 200:
                 raise _http_error(response)
             payload, parts = _response_body(response.content_type, response.body)
             if payload.get("status") != "CACHE_MISS":
                 result = _decode_result(payload, parts)
                 self._memory.confirm(response.instance, needs, needs)
+                transfer.report(result, blobs)
                 return result
             if attempt == 1:
                 missing = _missing_blobs(payload, parts, blobs)
@@ -1387,6 +1450,70 @@ class Client:
                 send = list(blobs)
             node = response.node
         raise ProtocolError("the server still reports missing blobs after every blob was sent")
+
+    # -- requests near the server's size limit (docs/client.md §4.10)
+
+    def _fits(self, program_json: bytes, blobs: list[tuple[str, bytes]], transfer: _Transfer) -> bool:
+        """Whether a request with these blobs is within the server's max_request_bytes. Only a large
+        one asks (/health's `limits`, once per server instance); a server that does not say is sent it."""
+        size = _request_size(program_json, blobs)
+        if size <= _ASSUMED_REQUEST_LIMIT:
+            return True
+        limit = self._server_request_limit(transfer)
+        return limit is None or size <= limit
+
+    def _server_request_limit(self, transfer: _Transfer) -> int | None:
+        instance = self._memory.current()
+        known = self._request_limit
+        if known is not None and known[0] == instance:
+            return known[1]
+        transfer.round_trips += 1
+        try:
+            health = self.health()
+        except (KCoralError, TransportError, ProtocolError):
+            return None  # the request itself will tell
+        entry = health.get("limits", {}).get("max_request_bytes") if isinstance(health.get("limits"), dict) else None
+        value = entry.get("value") if isinstance(entry, dict) else None
+        limit = value if type(value) is int and value > 0 else None
+        self._request_limit = (self._memory.current(), limit)
+        return limit
+
+    def _send_separately(self, program_json: bytes, blobs: dict[str, bytes], needs: dict[str, set[str]],
+                         send: list[str], transfer: _Transfer, client_request_id: str) -> None:
+        """Send the blobs of a request that would not fit in requests of their own, each under the
+        limit, so that the program then finds them cached; KCoralError 413, in the server's words,
+        when one blob alone is too large, or when they were sent separately once already."""
+        limit = self._request_limit[1] if self._request_limit else None
+        assert limit is not None  # _fits said no: it knows the limit
+        groups = _pack_blobs([(h, blobs[h]) for h in send], needs, limit)
+        if groups is None or transfer.sent_separately:
+            size = _request_size(program_json, [(h, blobs[h]) for h in send])
+            raise KCoralError(413, _request_too_large_message(size, limit), kind="request_too_large")
+        transfer.sent_separately = True
+        seconds = _DEFAULT_EXECUTION_SECONDS + self._response_margin
+        for group in groups:
+            program = json.dumps({"instructions": _caching_instructions(group, needs)}).encode()
+            response = self._post_retrying_busy(program, [(h, blobs[h]) for h in group], None,
+                                                _affinity_key({h: blobs[h] for h in group}), client_request_id,
+                                                seconds, None, transfer)
+            if response.status != 200:
+                raise _http_error(response)
+            self._memory.confirm(response.instance, needs, group)
+
+    def _post_retrying_busy(self, program_json: bytes, blobs: list[tuple[str, bytes]], node: str | None,
+                            affinity: str | None, client_request_id: str, seconds: float,
+                            on_output: Callable[[str, bytes], None] | None, transfer: _Transfer) -> _Response:
+        """One POST /execute, sent again after each 429/503 with Retry-After while retry_busy_seconds last."""
+        waited = 0.0
+        while True:
+            deadline = _Deadline(seconds, "the request's timeout plus response_margin_seconds")
+            response = self._post_execute(program_json, blobs, node, affinity, client_request_id, deadline, on_output)
+            transfer.count(blobs)
+            wait = response.retry_after
+            if response.status not in (429, 503) or wait is None or waited + wait > self._retry_busy_seconds:
+                return response
+            time.sleep(wait)
+            waited += wait
 
     # -- HTTP plumbing
 
@@ -1423,7 +1550,8 @@ class Client:
         instance = (response.getheader("X-KCoral-Instance") or "").strip() or None
         self._memory.observe(instance)
         node = response.getheader("X-KCoral-Node")
-        return _Response(status, content_type, instance, node if node and len(node) <= 512 else None, body)
+        return _Response(status, content_type, instance, node if node and len(node) <= 512 else None, body,
+                         _retry_after(response.getheader("Retry-After")))
 
     def _checkout(self) -> http.client.HTTPConnection:
         with self._lock:
@@ -1566,6 +1694,63 @@ def _multipart_chunks(boundary: str, program_json: bytes, blobs: list[tuple[str,
     framing.append(f"\r\n--{boundary}--\r\n".encode())
     chunks.append(b"".join(framing))
     return chunks
+
+
+_REQUEST_SIZE_BOUNDARY = "kcoral-" + "0" * 32  # as long as _post_execute's: the same framing bytes
+
+
+def _request_size(program_json: bytes, blobs: list[tuple[str, bytes]]) -> int:
+    return sum(memoryview(c).nbytes for c in _multipart_chunks(_REQUEST_SIZE_BOUNDARY, program_json, blobs))
+
+
+def _request_too_large_message(size: int | None, limit: int) -> str:
+    """The 413's words, the server's and the client's refusal before sending alike (tests/test_shared_rules.py)."""
+    what = f"request of {size} bytes" if size is not None else "request"
+    return (f"{what} exceeds the server's size limit of {limit} bytes (max_request_bytes; the server's "
+            "--max-request-bytes flag raises it)")
+
+
+def _caching_instructions(digests: list[str], needs: dict[str, set[str]]) -> list[dict[str, Any]]:
+    """A program that only uploads blobs, into each cache a later program needs them in: in memory
+    as bytes, on disk as files (docs/protocol.md §7.1). Ids and paths come from the hash, so that
+    what one blob adds to the request does not depend on its company (_pack_blobs)."""
+    instructions = []
+    for digest in digests:
+        for cache in sorted(needs[digest]):
+            fields = {"kind": "bytes"} if cache == "memory" else {"kind": "file", "path": f"blobs/{digest}"}
+            instructions.append({"op": "upload", "id": f"{cache}_{digest}", **fields, "blob": digest})
+    return instructions
+
+
+def _caching_request_size(blobs: list[tuple[str, bytes]], needs: dict[str, set[str]]) -> int:
+    program = json.dumps({"instructions": _caching_instructions([h for h, _ in blobs], needs)}).encode()
+    return _request_size(program, blobs)
+
+
+def _pack_blobs(blobs: list[tuple[str, bytes]], needs: dict[str, set[str]], limit: int) -> list[list[str]] | None:
+    """Blobs in groups that each fit one caching request under ``limit``, largest first (first fit);
+    None when one alone does not. A group's request is the empty one plus what each blob adds, and
+    json's ", " between two blobs' instructions."""
+    empty = _caching_request_size([], needs)
+    groups: list[tuple[list[str], list[int]]] = []  # (hashes, [request size so far])
+    for digest, data in sorted(blobs, key=lambda blob: -len(blob[1])):
+        alone = _caching_request_size([(digest, data)], needs)
+        if alone > limit:
+            return None
+        for digests, size in groups:
+            if size[0] + alone - empty + len(", ") <= limit:
+                digests.append(digest)
+                size[0] += alone - empty + len(", ")
+                break
+        else:
+            groups.append(([digest], [alone]))
+    return [digests for digests, _ in groups]
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Retry-After's delay-seconds (RFC 9110 §10.2.3); None when absent or an HTTP date."""
+    value = (value or "").strip()
+    return float(value) if value.isdigit() and value.isascii() and len(value) <= 9 else None
 
 
 def _affinity_key(blobs: dict[str, bytes]) -> str | None:
@@ -1816,9 +2001,12 @@ def _check_literal(value: Any, containers: set[int]) -> None:
 # and 2 shared, so its output is the request's captured output) and copies the requested
 # artifacts into outputs/, which comes back as a folder.
 
-_REMOTE_RUNNER = '''
-import os, shutil, subprocess, sys
+_PROCESS_LIMIT_NOTE = "kcoral: the request's processes and threads reached its process limit"
+_RUNNER_SOURCE = '''
+import os, resource, shutil, subprocess, sys, threading
 from pathlib import Path
+
+SANDBOX_ROOT = "/kcoral"  # a sandboxed request's tmpfs (docs/sandbox.md): where its limits are its own
 
 
 def _command(tool, arguments, reports):
@@ -1859,6 +2047,49 @@ def _collect(workdir, reports, paths):
     return missing
 
 
+def _tasks():
+    count = 0
+    for pid in os.listdir("/proc"):
+        try:
+            count += len(os.listdir(f"/proc/{pid}/task")) if pid.isdigit() else 0
+        except OSError:  # it ended meanwhile
+            pass
+    return count
+
+
+def _watch_process_limit(stopped):
+    # In a sandbox /proc shows the request's own PID namespace, whose tasks RLIMIT_NPROC counts.
+    # Said as it happens: a tool stuck at the limit is often ended by the timeout, not by itself.
+    limit = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+    if limit == resource.RLIM_INFINITY or not os.getcwd().startswith(SANDBOX_ROOT):
+        return
+    while not stopped.wait(0.2):
+        if _tasks() + max(4, limit // 50) >= limit:
+            print("@PROCESS_LIMIT_NOTE@ (--process-limit): new ones fail with EAGAIN", file=sys.stderr, flush=True)
+            return
+
+
+def _full_workspace(workdir):
+    # The words of the program path's hint (kcoral_worker.limit_hint) for a tool that failed.
+    if not str(workdir).startswith(SANDBOX_ROOT):
+        return None
+    space = os.statvfs(workdir)
+    if space.f_files and not space.f_ffree:
+        return f"the request's file limit, {space.f_files} files and directories, is reached: --file-limit"
+    if space.f_bavail * space.f_frsize < 1 << 16:
+        return (f"the request's disk limit, {space.f_blocks * space.f_frsize} bytes in its workspace, /tmp "
+                "and /dev/shm together, is reached: --disk-limit-bytes")
+    return None
+
+
+def _oom_kills():
+    try:
+        with open("/proc/vmstat") as f:
+            return next((int(line.split()[1]) for line in f if line.startswith("oom_kill ")), 0)
+    except OSError:
+        return 0
+
+
 def run(tool, arguments, overrides, executables, directories, fetch, expected):
     workdir = Path("inputs").absolute()
     reports = Path("outputs").absolute()
@@ -1876,10 +2107,19 @@ def run(tool, arguments, overrides, executables, directories, fetch, expected):
     program = _executable(command[0], workdir, env["PATH"])
     if program is None:
         return {"returncode": None, "absent": command[0], "missing": []}
-    code = subprocess.run([program, *command[1:]], cwd=workdir, env=env, stdin=subprocess.DEVNULL).returncode
+    stopped, oom_kills = threading.Event(), _oom_kills()
+    watch = threading.Thread(target=_watch_process_limit, args=(stopped,), daemon=True)
+    watch.start()  # before the tool: at the limit, no thread can start
+    try:
+        code = subprocess.run([program, *command[1:]], cwd=workdir, env=env, stdin=subprocess.DEVNULL).returncode
+    finally:
+        stopped.set()
     missing = [name for name in expected if not (reports / name).exists()]
-    return {"returncode": code, "absent": None, "missing": missing + _collect(workdir, reports, fetch)}
+    return {"returncode": code, "absent": None, "missing": missing + _collect(workdir, reports, fetch),
+            "limit": _full_workspace(workdir) if code else None,
+            "oom_killed": code == -9 and _oom_kills() > oom_kills}
 '''
+_REMOTE_RUNNER = _RUNNER_SOURCE.replace("@PROCESS_LIMIT_NOTE@", _PROCESS_LIMIT_NOTE)
 
 _TOOLS = {
     "python": "run a script, -c code or -m module with the server's Python",
@@ -1908,10 +2148,10 @@ class _Inputs:
     directories: list[str]
 
 
-def run_command(argv: list[str]) -> int:
+def run_command(argv: list[str], prog: str = "kcoral run") -> int:
     """`kcoral run ...`: the exit status of the remote process, 1 on any other failure;
-    usage errors leave through argparse (SystemExit 2)."""
-    parser = _run_parser()
+    usage errors leave through argparse (SystemExit 2). ``prog``: how the usage lines name the command."""
+    parser = _run_parser(prog)
     separated = "--" in argv  # the first '--' is ours; a later one is the tool's (a profiler's own, say)
     cut = argv.index("--") if separated else len(argv)
     args, extra = parser.parse_known_args(argv[:cut])
@@ -1946,14 +2186,14 @@ def _complain(line: str) -> None:
     print(_for_terminal(sys.stderr, line), file=sys.stderr)
 
 
-def _run_parser() -> Any:
+def _run_parser(prog: str) -> Any:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="kcoral run", description="Run a tool on a remote KCoral server.")
+    parser = argparse.ArgumentParser(prog=prog, description="Run a tool on a remote KCoral server.")
     tools = parser.add_subparsers(dest="tool", required=True, metavar="TOOL")
     for tool, summary in _TOOLS.items():
         sub = tools.add_parser(tool, help=summary, description=f"Run {tool} on a KCoral worker: {summary}.",
-                               usage=f"kcoral run {tool} [options] -- ARGS...")
+                               usage=f"{prog} {tool} [options] -- ARGS...")
         sub.set_defaults(tool_parser=sub)
         sub.add_argument("--url", help="server URL; default: KCORAL_URL; cannot combine with --host or --port")
         sub.add_argument("--host", help="server hostname or IP; overrides KCORAL_URL (default with --port: 127.0.0.1)")
@@ -2089,13 +2329,12 @@ def _run_remote(args: Any, tool_args: list[str]) -> int:
         except KCoralError as exc:  # a timeout keeps what the tool printed until it was killed
             output.finish(exc)
             if exc.kind == "timeout":
-                raise _CommandError(_timeout_message(args, exc)) from None
+                _complain(f"kcoral run {args.tool}: {_timeout_message(args, exc)}")
+                return _TIMED_OUT
             raise
     output.finish(result)
     if not result.completed:
-        error = result.error or {}
-        message = (str(error.get("message") or "").strip().splitlines() or ["the program failed"])[0]
-        raise _CommandError(f"{error.get('kind', 'error')}: {message}")
+        return _explain_failure(args, result.error or {})
     outcome = result["outcome"]
     if outcome["absent"]:
         raise _CommandError(f"{outcome['absent']} is not installed on the server (or is not executable there)")
@@ -2110,15 +2349,44 @@ def _run_remote(args: Any, tool_args: list[str]) -> int:
         what = f"--fetch {name}" if name in args.fetch else f"the {args.tool} report {name}"
         _complain(f"kcoral run {args.tool}: {what}: no such file or directory in the remote working directory")
     code = outcome["returncode"]
-    if code < 0:
-        return 128 - code  # killed by signal N: the shell's 128+N
+    if outcome.get("limit"):
+        _complain(f"kcoral run {args.tool}: {outcome['limit']}")
+    if code < 0:  # killed by signal N: said, and the shell's 128+N
+        oom = "; by the kernel's OOM killer: the server ran out of memory" if outcome.get("oom_killed") else ""
+        _complain(f"kcoral run {args.tool}: {args.tool} was killed by {_signal_words(-code)}{oom}")
+        return 128 - code
     return 1 if code == 0 and outcome["missing"] else code
 
 
+_TIMED_OUT = 124  # as timeout(1)
+_STOPPED_FOR_MEMORY = 128 + 9  # the server SIGKILLs a request over its memory limit
+
+
+def _signal_words(number: int) -> str:
+    try:
+        name = signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+    return f"signal {number} ({name}, {signal.strsignal(number) or 'unknown'})"
+
+
+def _explain_failure(args: Any, error: dict[str, Any]) -> int:
+    """A FAILED program, in one line: the runner itself failed, or the server stopped the request (its
+    memory limit, the OOM killer, a crash) -> the exit status."""
+    message = (str(error.get("message") or "").strip().splitlines() or ["the program failed"])[0]
+    _complain(f"kcoral run {args.tool}: {error.get('kind', 'error')}: {message}")
+    stopped = "--memory-limit-bytes" in message or "OOM killer" in message
+    return _STOPPED_FOR_MEMORY if stopped else 1
+
+
 def _timeout_message(args: Any, exc: KCoralError) -> str:
-    """A 504 in the words of the command line: the tool and --timeout, not the program's instructions."""
+    """A 504 in the words of the command line: the tool and --timeout, not the program's instructions;
+    and the process limit, when the tool was stuck at it."""
     if exc.instruction_op == "run" and "teardown" not in exc.message:
-        return f"{args.tool} timed out: still running after --timeout {args.timeout:g} s (its output so far is above)"
+        stuck = ("; it was at its process limit, where new processes fail with EAGAIN: --process-limit"
+                 if _PROCESS_LIMIT_NOTE in exc.stderr + exc.stderr_tail else "")
+        return (f"{args.tool} timed out: still running after --timeout {args.timeout:g} s{stuck} "
+                "(its output so far is above)")
     return f"timed out after --timeout {args.timeout:g} s, outside {args.tool} itself ({exc.message})"
 
 
@@ -2252,8 +2520,35 @@ class _ProgressClient(Client):
         return response
 
 
-if __name__ == "__main__":  # a vendored copy: `python client.py run TOOL [options] -- ARGS...`
-    if sys.argv[1:2] != ["run"]:
-        print("usage: python client.py run TOOL [options] -- ARGS...", file=sys.stderr)
-        sys.exit(2)
-    sys.exit(run_command(sys.argv[2:]))
+_VENDORED_HELP = """\
+usage: python client.py run TOOL [options] -- ARGS...
+       python client.py --help
+
+The KCoral client in one file: stdlib and NumPy only (ml_dtypes to decode bfloat16 and float8).
+
+As a library (docs/client.md), under the name it has in your project:
+    from client import Client, Program    # this file, copied into your project as client.py
+    from kcoral import Client, Program    # the same client, from the installed kcoral package
+
+As a command, `python client.py run` is `kcoral run` (docs/cli.md): it sends local files to a
+KCoral server (KCORAL_URL, or --url), runs a tool there and prints its output here, e.g.
+    python client.py run python --send bench.py -- bench.py --size 4096
+`python client.py run TOOL --help` lists a tool's options. For the docs' `kcoral run ...` lines
+as written, in the directory that holds this file:
+    alias kcoral="python $PWD/client.py"
+
+"""
+
+
+def main(argv: list[str]) -> int:
+    """A vendored copy's command line: `python client.py run ...` is `kcoral run ...`."""
+    if argv[:1] == ["run"]:
+        return run_command(argv[1:], "python client.py run")
+    asked = argv[:1] in (["-h"], ["--help"])
+    print(_VENDORED_HELP + _run_parser("python client.py run").format_help(), end="",
+          file=sys.stdout if asked else sys.stderr)
+    return 0 if asked else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

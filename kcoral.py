@@ -221,6 +221,9 @@ def parse_gpu_ids(text: str) -> tuple[int, ...]:
         raise ValueError("--gpus takes comma-separated physical GPU ids") from None
 
 
+LARGE_REQUEST_BYTES = (1 << 30) + (64 << 20)  # the size limits' default: a 1 GiB tensor, its program and more
+
+
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
     """Server settings; field names and defaults follow the reference where it has them."""
@@ -272,7 +275,8 @@ class ServerConfig:
                                             "template's imports may take at start-up (tvm_ffi may "
                                             "compile its torch add-on); beyond it the add-on is disabled")
     # the size of a request and its program (docs/protocol.md §4, 5)
-    max_request_bytes: int = option(256 << 20, "request size limit (413 beyond it)")
+    max_request_bytes: int = option(LARGE_REQUEST_BYTES, "request size limit (413 beyond it); the default holds a "
+                                    "1 GiB tensor and 64 MiB more")
     max_request_parts: int = option(50_000, "multipart parts in one request (413 beyond it); a request whose "
                                     "first part is its program may have only one more than it references blobs")
     max_part_header_lines: int = option(16, "header lines of one multipart part (400 beyond it)")
@@ -310,7 +314,8 @@ class ServerConfig:
     # responses and captured output
     send_timeout_seconds: float = option(30.0, "drop a client that takes longer than this to take 1 MiB "
                                          "of its response")
-    max_response_bytes: int = option(256 << 20, "response size limit (500 response_too_large beyond it)")
+    max_response_bytes: int = option(LARGE_REQUEST_BYTES, "response size limit (500 response_too_large beyond "
+                                     "it); the default holds a returned 1 GiB tensor and 64 MiB more")
     max_response_parts: int = option(100_000, "binary parts one response may carry (returned bytes, tensors "
                                      "and files; a folder's files each count): a return beyond it is FAILED "
                                      "serialization")
@@ -411,6 +416,13 @@ def quota_enforcement(config: ServerConfig) -> dict[str, str]:
            "file_limit": "inodes of the request's tmpfs" if sandboxed else ""}
     return {name: ("off (0)" if not getattr(config, name) else how[name] or "not enforced without the sandbox")
             for name in QUOTA_NAMES}
+
+
+def request_too_large_message(size: int | None, limit: int) -> str:
+    """The 413's words, the server's and the client's refusal before sending alike (tests/test_shared_rules.py)."""
+    what = f"request of {size} bytes" if size is not None else "request"
+    return (f"{what} exceeds the server's size limit of {limit} bytes (max_request_bytes; the server's "
+            "--max-request-bytes flag raises it)")
 
 
 # --- 1. HTTP front-end: the server, the request handler, then the limits it reads under -----------
@@ -723,7 +735,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         assert size is not None  # parse_request (framing_problem) refused any other Content-Length
         if size > limit:
             self.close_connection = True  # the body stays unread
-            return Outcome(413, "request_too_large", "request exceeds the configured size limit")
+            return Outcome(413, "request_too_large", request_too_large_message(size, limit))
         reservation = BodyReservation(self.app.bodies, limit if chunked else size, config.body_admission_wait_seconds)
         try:
             body = self.read_admitted_body(size if not chunked else None, reservation)
@@ -755,7 +767,9 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             body = (self.read_chunked(self.app.config.max_request_bytes, reservation) if size is None
                     else self.read_body(size, reservation))
         self.body_done = True
-        return Outcome(413, "request_too_large", "request exceeds the configured size limit") if body is None else body
+        if body is None:  # chunked, past the limit: its whole size is unknown
+            return Outcome(413, "request_too_large", request_too_large_message(None, self.app.config.max_request_bytes))
+        return body
 
     def read_body(self, size: int, reservation: BodyReservation | None = None) -> bytearray:
         """Read `size` body bytes under the guard's rate rule (and the body budget) -> a new buffer."""
@@ -1693,8 +1707,10 @@ class KCoralServer:
                 "gpu_count": self.gpu_count, "load": self.pool.load(tenant),
                 "target": self.target, "versions": self.versions, "sandbox": self.config.sandbox,
                 "version": __version__,
-                "limits": {name: {"value": getattr(self.config, name), "enforced": how}
-                           for name, how in quota_enforcement(self.config).items()}}
+                "limits": {"max_request_bytes": {"value": self.config.max_request_bytes,
+                                                 "enforced": "front-end: 413 request_too_large beyond it"},
+                           **{name: {"value": getattr(self.config, name), "enforced": how}
+                              for name, how in quota_enforcement(self.config).items()}}}
 
     @contextlib.contextmanager
     def request_in_flight(self) -> Iterator[None]:
@@ -3645,7 +3661,7 @@ def worker_exit_cause(exit_code: int | None) -> str:
         name = f"signal {number}"
     cause = f": killed by signal {number} ({name}, {signal.strsignal(number) or 'unknown'})"
     if number in FAULT_SIGNALS:
-        cause += "; the Python frames it crashed in are at the end of stderr"
+        cause += "; the Python frames it crashed in are in stderr, under \"Stack (most recent call first)\""
     return cause
 
 

@@ -91,13 +91,16 @@ def test_trivial_program_completes(server):
 # --- docs/protocol.md §4.1 size limit and transfer encoding --------------------------------------
 
 def test_413_from_content_length_before_reading_the_body(front_end_server):
-    """The declared length alone decides: no body byte is ever sent here."""
+    """The declared length alone decides: no body byte is ever sent here. The answer names the
+    size, the limit (a 1 GiB tensor and 64 MiB more, by default) and the flag that raises it."""
+    limit = (1 << 30) + (64 << 20)
+    assert kcoral.ServerConfig().max_request_bytes == limit
     for content_type in (CT, "text/plain"):  # docs/protocol.md §4.7: 413 wins over a bad envelope
         conn = http.client.HTTPConnection(f"127.0.0.1:{front_end_server.port}", timeout=10)
         try:
             conn.putrequest("POST", "/execute")
             conn.putheader("Content-Type", content_type)
-            conn.putheader("Content-Length", str((256 << 20) + 1))
+            conn.putheader("Content-Length", str(limit + 1))
             conn.endheaders()
             response = conn.getresponse()
             data = response.read()
@@ -105,6 +108,9 @@ def test_413_from_content_length_before_reading_the_body(front_end_server):
         finally:
             conn.close()
         assert_error_body(response.status, headers, json.loads(data), 413, "request_too_large")
+        assert json.loads(data)["error"]["message"] == (
+            f"request of {limit + 1} bytes exceeds the server's size limit of {limit} bytes (max_request_bytes; "
+            "the server's --max-request-bytes flag raises it)")
 
 
 def test_chunked_request_body_is_accepted(server):
@@ -1406,7 +1412,7 @@ def crash():
     print("printed-in-crash")
     {stmt}
 """
-FRAMES_IN_STDERR = "; the Python frames it crashed in are at the end of stderr"
+FRAMES_IN_STDERR = '; the Python frames it crashed in are in stderr, under "Stack (most recent call first)"'
 CRASHES = [  # (id, statement, the cause the message names, or its start)
     ("os-exit-3", "os._exit(3)", "it exited with status 3 (os._exit, sys.exit or a native exit())"),
     ("os-exit-0", "os._exit(0)", "it exited with status 0 (os._exit, sys.exit or a native exit())"),
@@ -1624,7 +1630,8 @@ def test_health_fields_and_types(server):
     health = json.loads(data)
     assert set(health) == {"status", "instance_id", "started_at", "gpu_count", "load", "target", "versions",
                            "sandbox", "version", "limits"}
-    assert set(health["limits"]) == {"memory_limit_bytes", "process_limit", "disk_limit_bytes", "file_limit"}
+    assert set(health["limits"]) == {"max_request_bytes", "memory_limit_bytes", "process_limit", "disk_limit_bytes",
+                                     "file_limit"}
     assert all(type(limit["value"]) is int and limit["value"] > 0 and limit["enforced"]
                for limit in health["limits"].values())
     assert health["status"] == "ok" and health["sandbox"] == server.sandbox
@@ -1843,6 +1850,8 @@ def test_request_limit_declared_and_chunked(limits_server):
         assert response.status == expected, data
         if expected == 413:
             assert data["error"]["kind"] == "request_too_large"
+            assert data["error"]["message"] == ("request exceeds the server's size limit of 65536 bytes "
+                                                "(max_request_bytes; the server's --max-request-bytes flag raises it)")
 
 
 def test_unusable_disk_cache_never_rejects_a_request(limits_server):

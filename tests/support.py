@@ -436,9 +436,18 @@ def reference_venv() -> str:
     our kcoral.py would shadow it.  A file lock lets concurrent test processes share one
     installation; `KCORAL_REFERENCE_VENV` names another place for it.
     """
+    return cached_venv(os.environ.get("KCORAL_REFERENCE_VENV") or kcoral_test_cache(f"reference-{REFERENCE_VERSION}"),
+                       install_reference)
+
+
+def kcoral_test_cache(name: str) -> str:
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    venv = os.environ.get("KCORAL_REFERENCE_VENV") or os.path.join(
-        cache, "kcoral-test", f"reference-{REFERENCE_VERSION}")
+    return os.path.join(cache, "kcoral-test", name)
+
+
+def cached_venv(venv: str, install) -> str:
+    """`venv`, made by `install(venv)` on first use, then reused; a file lock lets concurrent test
+    processes share one installation."""
     ready = os.path.join(venv, ".kcoral-reference-ready")
     if os.path.exists(ready):
         return venv
@@ -446,9 +455,27 @@ def reference_venv() -> str:
     with open(venv + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if not os.path.exists(ready):
-            install_reference(venv)
+            install(venv)
             open(ready, "w").close()
     return venv
+
+
+def numpy_only_python() -> str:
+    """The python of a virtualenv holding NumPy alone: a project that vendors client.py, with no
+    kcoral, torch or ml_dtypes to import."""
+    venv = cached_venv(kcoral_test_cache(f"numpy-only-py{sys.version_info[0]}.{sys.version_info[1]}"),
+                       install_numpy_only)
+    return os.path.join(venv, "bin", "python")
+
+
+def install_numpy_only(venv: str) -> None:
+    shutil.rmtree(venv, ignore_errors=True)  # a half-made one from an interrupted run
+    python = os.path.join(venv, "bin", "python")
+    for argv in ([PYTHON, "-m", "venv", venv],
+                 [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "numpy"]):
+        result = subprocess.run(argv, cwd=tempfile.gettempdir(), env=reference_env(), capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"making a numpy-only virtualenv failed: {argv}\n{result.stdout}{result.stderr}")
 
 
 def install_reference(venv: str) -> None:

@@ -137,6 +137,7 @@ def test_inline_code_stdin_less_and_signals(url, work):
     killed = cli("python", "--url", url, "--", "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
                  cwd=work)
     assert killed.returncode == 128 + signal.SIGKILL, killed.stderr
+    assert one_line(killed.stderr) == "kcoral run python: python was killed by signal 9 (SIGKILL, Killed)"
     module = cli("python", "--url", url, "--", "-m", "platform", cwd=work)
     assert module.returncode == 0 and module.stdout.startswith("Linux"), module.stderr
 
@@ -262,16 +263,16 @@ def test_remote_output_streams_to_the_local_terminal_as_it_is_printed(our_server
 def test_a_timeout_keeps_what_was_printed_before_it(our_server, work):
     result = cli("python", "--url", our_server.url, "--timeout", "2", "--", "-c",
                  "import sys, time; print('so far'); print('warn', file=sys.stderr); time.sleep(60)", cwd=work)
-    assert (result.returncode, result.stdout) == (1, "so far\n"), result.stderr
+    assert (result.returncode, result.stdout) == (124, "so far\n"), result.stderr
     assert result.stderr.splitlines() == [  # in the command's words: the tool and --timeout, no instruction ids
         "warn", "kcoral run python: python timed out: still running after --timeout 2 s (its output so far is above)"]
 
 
-def test_timeout_is_one_line_and_exit_1(our_server, work):
+def test_timeout_is_one_line_and_exit_124(our_server, work):
     started = time.monotonic()
     result = cli("python", "--url", our_server.url, "--timeout", "1", "--", "-c", "import time; time.sleep(60)",
                  cwd=work)
-    assert result.returncode == 1 and "timed out" in one_line(result.stderr)
+    assert result.returncode == 124 and "timed out" in one_line(result.stderr)  # as timeout(1)
     assert time.monotonic() - started < 30
 
 

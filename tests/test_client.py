@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import hashlib
 import http.client
 import http.server
 import json
@@ -595,10 +596,30 @@ def test_run_rules():
     with pytest.raises(ValueError):
         p.run(fn=Register("nope"))
     p.run(fn=f)
-    nested = [Register("upload_0")]
-    p.run(fn=f, args=[m, 1, {"$ref": "m"}, nested, Register("unknown")])
+    p.run(fn=f, args=[m, 1, {"$ref": "m"}, [{"$ref": "m"}], Register("unknown")])
     assert p.instructions[2]["args"] == []
-    assert p.instructions[3]["args"] == [{"$ref": "upload_0"}, 1, {"$ref": "m"}, nested, {"$ref": "unknown"}]
+    assert p.instructions[3]["args"] == [{"$ref": "upload_0"}, 1, {"$ref": "m"}, [{"$ref": "m"}], {"$ref": "unknown"}]
+
+
+@pytest.mark.parametrize("arg,where", [([Register("upload_0")], "args[1][0]"),
+                                       ({"x": (1, Register("upload_0"))}, "args[1]['x'][1]")])
+def test_run_refuses_a_nested_register_and_says_how_to_pass_it(arg, where):
+    """The protocol resolves only top-level references (docs/protocol.md §6.2): a nested Register
+    would reach execute() as an object json cannot encode; run() says so, and records nothing."""
+    p = Program()
+    m = p.upload(kind="module", source="")
+    f = p.get_function(module=m, name="f")
+    before = p.instructions
+    with pytest.raises(TypeError) as caught:
+        p.run(fn=f, args=[1, arg])
+    assert str(caught.value) == (
+        f"run {where} is Register(id='upload_0') inside a list or dict: only a top-level argument can be a "
+        "Register; pass it as one of run's own args (args=[..., register, ...]) and build the list or dict "
+        "inside the function")
+    assert p.instructions == before
+    cyclic: list = [1]
+    cyclic.append(cyclic)
+    p.run(fn=f, args=[cyclic])  # not a Register: json refuses it when execute encodes it, as before
 
 
 def test_returns():
@@ -665,7 +686,7 @@ def test_execute_local_checks(stub, cli):
         cli.execute(Program(), timeout_seconds=float("nan"))
     p = Program()
     f = p.get_function(module=p.upload(kind="module", source=""), name="f")
-    p.run(fn=f, args=[[Register("upload_0")]])
+    p.run(fn=f, args=[[object()]])  # JSON-encoded by execute, which refuses it before any request
     with pytest.raises(TypeError):
         cli.execute(p)
     assert stub.requests == []
@@ -1950,3 +1971,56 @@ def test_interop_large_blob_and_concurrency(live):
         t.start()
     join_threads(threads, 240)
     assert outcomes == [sha256(big)] * 3
+
+
+# --- busy answers retried when asked (docs/client.md §4.10) ---------------------------------
+
+def busy(status: int, retry_after: str | None) -> tuple:
+    return json_response({"status": "ERROR", "request_id": RID, "error": {"kind": "busy", "message": "full"}},
+                         status=status, headers={"Retry-After": retry_after} if retry_after is not None else None)
+
+
+def test_a_429_with_retry_after_is_retried_when_asked(stub):
+    stub.queue(busy(429, "1"), busy(503, "0"), completed({"x": {"type": "integer", "value": 1}}))
+    with Client(stub.url, retry_busy_seconds=5) as c:
+        started = time.monotonic()
+        result = c.execute(Program())
+    assert time.monotonic() - started >= 1.0  # the wait the server named
+    assert result["x"] == 1 and len(stub.requests) == 3 and result.round_trips == 3
+    assert len({r.headers["x-kcoral-client-request-id"] for r in stub.requests}) == 1  # one call, one id
+
+
+@pytest.mark.parametrize("retry_busy_seconds,answer", [(0, busy(429, "1")), (5, busy(503, None)),
+                                                       (5, busy(503, "Wed, 21 Oct 2015 07:28:00 GMT")),
+                                                       (5, busy(429, "6"))],
+                         ids=["not-asked", "no-retry-after", "an-http-date", "beyond-the-budget"])
+def test_a_busy_answer_is_raised_at_once_unless_a_retry_is_asked_for_and_fits(stub, retry_busy_seconds, answer):
+    stub.queue(answer, completed())
+    with Client(stub.url, retry_busy_seconds=retry_busy_seconds) as c, pytest.raises(KCoralError) as caught:
+        c.execute(Program())
+    assert caught.value.kind == "busy" and len(stub.requests) == 1
+
+
+def test_retry_busy_seconds_is_checked():
+    for bad in (-1, math.inf, True, "5"):
+        with pytest.raises(ValueError, match="retry_busy_seconds"):
+            Client("http://127.0.0.1:1", retry_busy_seconds=bad)
+
+
+def test_blobs_are_packed_into_caching_requests_under_the_limit():
+    """docs/client.md §4.10: every blob in exactly one group, each group's request (measured as sent)
+    within the limit, fewer groups as the limit grows; a blob too large alone packs nothing."""
+    rng = np.random.default_rng(7)
+    blobs = [(hashlib.sha256(data).hexdigest(), data) for data in (bytes(rng.integers(0, 256, int(n), dtype=np.uint8))
+                                                        for n in rng.integers(1, 5000, 200))]
+    needs = {digest: [{"memory"}, {"file"}, {"memory", "file"}][i % 3] for i, (digest, _) in enumerate(blobs)}
+    counts = []
+    for limit in (6000, 20000, 100000, 10 ** 7):
+        groups = client._pack_blobs(blobs, needs, limit)
+        assert sorted(h for group in groups for h in group) == sorted(h for h, _ in blobs)
+        data = dict(blobs)
+        sizes = [client._caching_request_size([(h, data[h]) for h in group], needs) for group in groups]
+        assert max(sizes) <= limit and (len(groups) == 1 or max(sizes) > limit * 0.9), (limit, max(sizes))
+        counts.append(len(groups))
+    assert counts == sorted(counts, reverse=True) and counts[-1] == 1
+    assert client._pack_blobs(blobs, needs, 3000) is None

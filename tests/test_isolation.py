@@ -887,6 +887,7 @@ def test_files_beyond_the_limit_fail_to_be_created(limited):
 def test_limits_are_reported_with_how_they_are_enforced(limited, tmp_path):
     limits = limited.health()["limits"]
     assert {name: limits[name]["value"] for name in limits} == {
+        "max_request_bytes": (1 << 30) + (64 << 20),
         "memory_limit_bytes": 512 << 20, "process_limit": 64, "disk_limit_bytes": 32 << 20, "file_limit": 500}
     assert "tmpfs" in limits["disk_limit_bytes"]["enforced"]
     with ServerProcess("--sandbox", "none", workers=1, tmp_path=tmp_path) as srv:

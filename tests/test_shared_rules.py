@@ -315,3 +315,11 @@ def test_folder_walks_agree(files, special):
         build_tree(root, files, special)
         client_outcome, server_outcome = outcome(client_walk, root), outcome(server_walk, root)
     assert client_outcome == server_outcome, (files, special)
+
+
+# --- the size limit's words (docs/client.md §4.10) ----------------------------------------
+
+@EXAMPLES
+@given(st.one_of(st.none(), st.integers(min_value=0, max_value=1 << 50)), st.integers(min_value=1, max_value=1 << 50))
+def test_the_413_and_the_clients_refusal_say_the_same(size, limit):
+    assert client._request_too_large_message(size, limit) == kcoral.request_too_large_message(size, limit)

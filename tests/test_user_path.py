@@ -12,6 +12,7 @@ import pytest
 from kcoral import Client, KCoralError, Program
 from tests.support import (
     ROOT,
+    ServerProcess,
     assert_completed,
     assert_failed,
     call_program,
@@ -170,7 +171,7 @@ def test_output_within_the_limit_adds_no_field(server):
 
 CRASHES = {
     "segfault": ("import ctypes\n    ctypes.string_at(0)", "killed by signal 11 (SIGSEGV, Segmentation fault); "
-                 "the Python frames it crashed in are at the end of stderr"),
+                 'the Python frames it crashed in are in stderr, under "Stack (most recent call first)"'),
     "sigkill": ("os.kill(os.getpid(), signal.SIGKILL)", "killed by signal 9 (SIGKILL, Killed)"),
     "exit": ("os._exit(3)", "it exited with status 3 (os._exit, sys.exit or a native exit())"),
 }
@@ -211,7 +212,7 @@ def test_kcoral_run_names_the_tool_and_the_timeout(front_end_server, tmp_path):
     (tmp_path / "slow.py").write_text("import time\nprint('started', flush=True)\ntime.sleep(60)\n")
     done = kcoral_run(front_end_server.url, "python", "--send", str(tmp_path / "slow.py"), "--timeout", "2", "--",
                       "slow.py")
-    assert done.returncode == 1 and done.stdout == "started\n"
+    assert done.returncode == 124 and done.stdout == "started\n"
     assert done.stderr.strip().splitlines()[-1] == \
         "kcoral run python: python timed out: still running after --timeout 2 s (its output so far is above)"
     assert "run_" not in done.stderr
@@ -239,3 +240,64 @@ def test_a_vendored_client_without_ml_dtypes_says_what_a_bfloat16_result_needs(f
     with Client(front_end_server.url) as client, pytest.raises(ImportError) as caught:
         client.execute(program)
     assert str(caught.value) == "a returned bfloat16 tensor needs ml_dtypes to decode: pip install ml_dtypes"
+
+
+# --- `kcoral run` explains a failure (docs/cli.md, "Exit status") ---------------------------
+
+@pytest.fixture(scope="module")
+def tight_server(tmp_path_factory):
+    """Sandboxed, with small request limits, so that a script runs into each of them quickly."""
+    with ServerProcess("--sandbox", "bubblewrap", "--disk-limit-bytes", str(8 << 20), "--file-limit", "200",
+                       "--process-limit", "64", "--memory-limit-bytes", str(768 << 20), workers=1,
+                       tmp_path=tmp_path_factory.mktemp("tight")) as srv:
+        yield srv
+
+
+def kcoral_run_script(url, tmp_path, script, *options, timeout=120):
+    (tmp_path / "job.py").write_text(script)
+    return kcoral_run(url, "python", "--send", str(tmp_path / "job.py"), *options, "--", "job.py", timeout=timeout)
+
+
+def test_kcoral_run_names_the_signal_that_killed_the_tool(front_end_server, tmp_path):
+    done = kcoral_run_script(front_end_server.url, tmp_path, "import ctypes\nprint('before', flush=True)\n"
+                             "ctypes.string_at(0)\n")
+    assert (done.returncode, done.stdout) == (139, "before\n")
+    assert done.stderr.splitlines()[-1] == \
+        "kcoral run python: python was killed by signal 11 (SIGSEGV, Segmentation fault)"
+
+
+def test_kcoral_run_names_the_disk_limit_a_tool_filled(tight_server, tmp_path):
+    done = kcoral_run_script(tight_server.url, tmp_path, "with open('big', 'wb') as f:\n"
+                             "    f.write(bytes(16 << 20))\n")
+    assert done.returncode == 1
+    assert "OSError: [Errno 28] No space left on device" in done.stderr
+    assert done.stderr.splitlines()[-1] == (
+        f"kcoral run python: the request's disk limit, {8 << 20} bytes in its workspace, /tmp and /dev/shm "
+        "together, is reached: --disk-limit-bytes")
+
+
+def test_kcoral_run_names_the_file_limit_a_tool_reached(tight_server, tmp_path):
+    done = kcoral_run_script(tight_server.url, tmp_path, "for i in range(400):\n    open(f'f{i}', 'w').close()\n")
+    assert done.returncode == 1 and "No space left on device" in done.stderr
+    last = done.stderr.splitlines()[-1]
+    assert last.startswith("kcoral run python: the request's file limit, ") and last.endswith(
+        " files and directories, is reached: --file-limit"), done.stderr
+
+
+def test_kcoral_run_says_a_fork_bomb_timed_out_at_the_process_limit(tight_server, tmp_path):
+    bomb = "import os, time\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        time.sleep(0.05)\n"
+    done = kcoral_run_script(tight_server.url, tmp_path, bomb, "--timeout", "5")
+    assert done.returncode == 124, done.stderr
+    assert "kcoral: the request's processes and threads reached its process limit (--process-limit): " \
+           "new ones fail with EAGAIN\n" in done.stderr
+    assert done.stderr.splitlines()[-1] == (
+        "kcoral run python: python timed out: still running after --timeout 5 s; it was at its process limit, "
+        "where new processes fail with EAGAIN: --process-limit (its output so far is above)")
+
+
+def test_kcoral_run_says_the_memory_limit_stopped_the_tool(tight_server, tmp_path):
+    done = kcoral_run_script(tight_server.url, tmp_path, "import time\nheld = b'x' * (1536 << 20)\ntime.sleep(30)\n")
+    assert done.returncode == 137, done.stderr
+    last = done.stderr.splitlines()[-1]
+    assert last.startswith("kcoral run python: runtime: the request's processes used ") and last.endswith(
+        f" bytes of memory, over the {768 << 20} of --memory-limit-bytes; they were stopped"), done.stderr
