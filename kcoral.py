@@ -4274,7 +4274,8 @@ def probe_bubblewrap(config: ServerConfig) -> None:
     if shutil.which("bwrap") is None:
         raise SystemExit("kcoral: --sandbox bubblewrap needs bwrap on PATH (Debian: apt-get install bubblewrap)")
     project, _ = project_files()
-    code = f"import sys; sys.path.insert(0, {project!r}); import kcoral_worker"
+    # the same filter as each request's, installed in a child: the start fails if it cannot be
+    code = f"import sys; sys.path.insert(0, {project!r}); import kcoral_worker; kcoral_worker.check_seccomp()"
     try:
         process = start_container(config, [], [sys.executable, "-I", "-c", code], ())
         output = process.communicate(timeout=60)[0]
