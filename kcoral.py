@@ -3167,7 +3167,8 @@ class Execution:
         self.last_moment = started + 2 * self.job.timeout
         self.reader, self.output, self.program_done = None, None, False
         self.oom_kills = oom_kill_count()
-        self.memory = MemoryWatch(self.worker.pid, self.config.memory_limit_bytes or 0)
+        self.memory = MemoryWatch(self.worker.pid, self.config.memory_limit_bytes or 0,
+                                  sandboxed=self.worker.template is not None)
         try:
             self.send_job()
             error, retire = self.converse(), False
@@ -3298,6 +3299,8 @@ class Execution:
                 for data in self.job.blobs.values():
                     write_all(fd, data)
                 fcntl.fcntl(fd, fcntl.F_ADD_SEALS, STAGED_SEALS)
+                info = os.fstat(fd)
+                self.memory.exempt.add((info.st_dev, info.st_ino))  # sealed, the size the request was
                 reduction.send_handle(self.worker.conn, fd, self.worker.pid)
             finally:  # the worker holds its own copy of the fd: the memory goes with its last reference
                 os.close(fd)
@@ -3542,31 +3545,44 @@ def worker_exit_cause(exit_code: int | None) -> str:
 
 
 class MemoryWatch:
-    """Samples the memory of a running request's processes (its worker and every descendant) every
-    MEMORY_SAMPLE_SECONDS and SIGKILLs the worker when they use more than `limit` bytes together
-    (0: no limit); `exceeded` is then what it measured.  A sampled limit can be overshot for a
-    moment; the kernel's OOM killer, which takes workers first (oom_score_adj), covers that moment.
+    """Samples the memory a running request holds (its worker and every descendant: `request_memory`)
+    and SIGKILLs the worker when it holds more than `limit` bytes (0: no limit); `exceeded` is then
+    what it measured.  Every MEMORY_SAMPLE_SECONDS, and every MEMORY_CLOSE_SAMPLE_SECONDS once past
+    half the limit: a burst (3 GiB touched at once) is then caught within a few tens of MiB of the
+    limit, while a request far below it costs ten reads a second.  The kernel's OOM killer, which
+    takes workers first (oom_score_adj), covers what a sample can still miss.
 
-    Resident anonymous memory (statm) is cheap to read but counts the pages a fork shares with
-    its template once per process; only when that sum is over the limit are the shares weighed
-    (PSS, smaps_rollup), so that forked helpers are not charged for torch's pages over and over."""
+    A sandboxed request has its own IPC namespace: the watch's thread enters it first (`enter_ipc`),
+    to bound its System V shared memory and message queues (`IPC_LIMITS`) and to count the shared
+    memory segments no process maps any more.  `exempt` holds the (device, inode) of memory files
+    the front-end itself passed in (the staged blobs), which are not the request's doing."""
 
-    def __init__(self, pid: int, limit: int) -> None:
+    def __init__(self, pid: int, limit: int, sandboxed: bool) -> None:
         self.pid, self.limit = pid, limit
         self.exceeded = 0
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self.watch, name="memory-watch", daemon=True) if limit else None
+        self.exempt: set[tuple[int, int]] = set()
+        self.own_ipc = False  # whether the thread is in the request's IPC namespace
+        self.stopped, self.entered = threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=self.watch, args=(sandboxed,), name="memory-watch",
+                                       daemon=True) if limit else None
         if self.thread is not None:
             self.thread.start()
+            self.entered.wait(MEMORY_SAMPLE_SECONDS)  # the IPC limits are set before the program starts
 
-    def watch(self) -> None:
-        while not self.stopped.wait(MEMORY_SAMPLE_SECONDS):
-            used = request_memory([self.pid] + descendants(self.pid), self.limit)
+    def watch(self, sandboxed: bool) -> None:
+        try:
+            self.own_ipc = sandboxed and enter_ipc(self.pid, self.limit)
+        finally:
+            self.entered.set()
+        interval = MEMORY_SAMPLE_SECONDS
+        while not self.stopped.wait(interval):
+            used = request_memory([self.pid] + descendants(self.pid), self.limit, self.exempt, self.own_ipc)
             if used > self.limit:
                 self.exceeded = used
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(self.pid, signal.SIGKILL)
                 return
+            interval = MEMORY_SAMPLE_SECONDS if used < self.limit // 2 else MEMORY_CLOSE_SAMPLE_SECONDS
 
     def stop(self) -> None:
         self.stopped.set()
@@ -3575,24 +3591,100 @@ class MemoryWatch:
 
 
 MEMORY_SAMPLE_SECONDS = 0.1
+MEMORY_CLOSE_SAMPLE_SECONDS = 0.005  # past half the limit: about 15 MiB touched between two samples
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+# a request's own IPC namespace: System V shared memory within its memory limit (set by enter_ipc),
+# and few, small message queues (the kernel's defaults allow 32 000 System V queues of 16 KiB each,
+# 500 MiB that no process's memory shows)
+IPC_LIMITS = {"kernel/shmmni": 256, "kernel/msgmni": 16, "kernel/msgmnb": 16384, "kernel/msgmax": 8192,
+              "fs/mqueue/queues_max": 16, "fs/mqueue/msg_max": 10, "fs/mqueue/msgsize_max": 8192}
+PROCESS_MEMORY_FIELDS = (b"RssAnon:", b"RssShmem:", b"VmPTE:")  # of /proc/PID/status, in KiB
 
 
-def request_memory(pids: list[int], limit: int) -> int:
-    """Bytes the processes use: anonymous resident memory, weighed by sharing once it is over `limit`."""
-    cheap = 0
+def enter_ipc(pid: int, limit: int) -> bool:
+    """Move the calling thread (only it: setns) into the IPC namespace of the sandboxed worker
+    `pid` and set that namespace's limits: System V shared memory at most `limit` bytes all
+    together, IPC_LIMITS for the rest.  -> whether it could: it takes the host's root (the
+    namespace's sysctls belong to its user namespace's root, which only a root server maps)."""
+    try:
+        fd = os.open(f"/proc/{pid}/ns/ipc", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            kcoral_worker.libc_call("setns", fd, kcoral_worker.CLONE_NEWIPC)
+        finally:
+            os.close(fd)
+        limits = {**IPC_LIMITS, "kernel/shmmax": limit, "kernel/shmall": -(-limit // PAGE_BYTES)}
+        for name, value in limits.items():
+            with open(f"/proc/sys/{name}", "w") as f:
+                f.write(str(value))
+    except OSError:
+        return False
+    return True
+
+
+def request_memory(pids: list[int], limit: int, exempt: Iterable[tuple[int, int]], own_ipc: bool) -> int:
+    """Bytes the request holds: each process's anonymous and shared resident memory (shared
+    anonymous maps, memfd and System V pages it maps) and page tables; memory files (memfd) its
+    processes hold open but map nowhere; and, when the calling thread is in its IPC namespace,
+    System V segments no process maps.  The resident sum counts the pages a fork shares with its
+    template once per process: only when the total is over `limit` are the shares weighed (PSS,
+    smaps_rollup), so that forked helpers are not charged for torch's pages over and over."""
+    resident, page_tables = 0, 0
     for pid in pids:
-        with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{pid}/statm", "rb") as f:
-            fields = f.read().split()
-            cheap += (int(fields[1]) - int(fields[2])) * PAGE_BYTES  # resident minus file-backed and shared
-    if cheap <= limit:
-        return cheap
+        fields = process_memory(pid)
+        resident += fields.get(b"RssAnon:", 0) + fields.get(b"RssShmem:", 0)
+        page_tables += fields.get(b"VmPTE:", 0)
+    held = unmapped_memory_files(pids, exempt) + (unattached_shared_memory() if own_ipc else 0)
+    if resident + page_tables + held <= limit:
+        return resident + page_tables + held
     weighed = 0
     for pid in pids:
         with contextlib.suppress(OSError, ValueError), open(f"/proc/{pid}/smaps_rollup", "rb") as f:
             weighed += sum(int(line.split()[1]) * 1024 for line in f
                            if line.startswith((b"Pss_Anon:", b"Pss_Shmem:")))
-    return weighed
+    return weighed + page_tables + held
+
+
+def process_memory(pid: int) -> dict[bytes, int]:
+    """PROCESS_MEMORY_FIELDS of one process, in bytes ({} once it is gone)."""
+    fields = {}
+    with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{pid}/status", "rb") as f:
+        for line in f:
+            if line.startswith(PROCESS_MEMORY_FIELDS):
+                fields[line.split(b":")[0] + b":"] = int(line.split()[1]) * 1024
+    return fields
+
+
+def unmapped_memory_files(pids: list[int], exempt: Iterable[tuple[int, int]]) -> int:
+    """Bytes of the memory files (memfd_create) the processes hold open, those `exempt` and those
+    any of them maps aside (a mapped one's touched pages are its mappers' RssShmem): a memfd
+    filled with write() and never mapped shows in no process's memory."""
+    files: dict[tuple[int, int], int] = {}
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:"):
+                        info = os.stat(f"/proc/{pid}/fd/{fd}")
+                        files[(info.st_dev, info.st_ino)] = info.st_blocks * 512
+    for key in exempt:
+        files.pop(key, None)
+    if files:
+        mapped = set()
+        for pid in pids:
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/maps", "rb") as f:
+                mapped.update(int(line.split()[4]) for line in f if b" /memfd:" in line)
+        files = {key: size for key, size in files.items() if key[1] not in mapped}
+    return sum(files.values())
+
+
+def unattached_shared_memory() -> int:
+    """Resident bytes of the System V segments of the calling thread's IPC namespace that no
+    process has attached (an attached one's pages are its attachers' RssShmem)."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/sysvipc/shm", "rb") as f:
+        header = f.readline().split()
+        nattch, rss = header.index(b"nattch"), header.index(b"rss")
+        return sum(int(row[rss]) for row in map(bytes.split, f) if len(row) > rss and row[nattch] == b"0")
+    return 0
 
 
 def oom_kill_count() -> int:

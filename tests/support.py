@@ -1063,3 +1063,47 @@ def documented_log_events(server_doc):
             names = [set(re.findall(r"`(\w+)`", re.sub(r"\([^)]*\)", "", cell))) for cell in cells]
             events[cells[0].strip("`")] = (set(re.findall(r"[A-Z]+", cells[1])), names[2], names[3])
     return events
+
+
+def mem_available():
+    """The host's MemAvailable, in bytes."""
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+
+
+class HostMemoryPeak:
+    """Samples MemAvailable every 2 ms while in use -> `peak`, the most it fell below what it was
+    before: all the memory an attack held, whatever its form (the host's truth, which no
+    per-process count can miss; other work on the host only ever adds to it)."""
+
+    def __init__(self):
+        self.before = mem_available()
+        self.lowest = self.before
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.sample, daemon=True)
+
+    def sample(self):
+        while not self.done.wait(0.002):
+            self.lowest = min(self.lowest, mem_available())
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join()
+
+    @property
+    def peak(self):
+        return self.before - self.lowest
+
+    def back_within(self, seconds, slack=256 << 20):
+        """Whether MemAvailable came back to within `slack` of where it was, within `seconds`."""
+        return wait_for(lambda: mem_available() >= self.before - slack, seconds, 0.01)
+
+
+def skip_without_memory(needed):
+    """Skip a memory attack the host has no room for (it must never push the host into its OOM killer)."""
+    if mem_available() < needed + (1 << 30):
+        pytest.skip(f"the host has {mem_available() >> 20} MiB available, the attack needs {needed >> 20} MiB more")
