@@ -4456,8 +4456,8 @@ class SandboxTemplate:
         preload = ["numpy"] + [m for m in ("torch", "tvm_ffi") if importlib.util.find_spec(m)]
         import_env = {"TVM_FFI_CACHE_DIR": SANDBOX_ADDONS} if torch_addons() else {}
         uid, gid = sandbox_ids(config)
-        space = kcoral_worker.RequestSpace(uid, gid, config.disk_limit_bytes or 0, config.file_limit or 0,
-                                           config.process_limit or 0, kept_mounts(config))
+        space = kcoral_worker.RequestSpace(uid, gid, config.memory_limit_bytes or 0, config.disk_limit_bytes or 0,
+                                           config.file_limit or 0, config.process_limit or 0, kept_mounts(config))
         frame = kcoral_worker.encode_message(space)[kcoral_worker.MESSAGE_HEADER.size:]
         code = (f"import sys; sys.path[:] = {[project, *server_import_path()]!r}; import kcoral_worker; "
                 f"kcoral_worker.template_main({child.fileno()}, {preload!r}, {import_env!r}, {frame!r})")

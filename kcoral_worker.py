@@ -500,6 +500,7 @@ class RequestSpace:
     under /tmp, /var/tmp or /dev/shm, which each request's fresh writable space must keep showing."""
     uid: int
     gid: int
+    memory_bytes: int
     disk_bytes: int
     files: int
     processes: int
@@ -918,6 +919,8 @@ def fork_request(conn: Connection, pipe: int, message: ForkWorker, space: Reques
             init = os.fork()
             if init == 0:
                 enter_request_space(space, tasks + 2, seccomp)  # + the holder and this init
+                if message.device == "cpu" and space.memory_bytes:
+                    limit_private_memory(space.memory_bytes)
                 worker = os.fork()
                 if worker == 0:
                     os.close(status_w)
@@ -993,6 +996,18 @@ def enter_request_space(space: RequestSpace, others: int, seccomp: bytes) -> Non
     install_seccomp_filter(seccomp)
     SANDBOXED["worker"] = True
 
+
+
+def limit_private_memory(memory_bytes: int) -> None:
+    """RLIMIT_DATA: no process of the request may hold more than `memory_bytes` of private writable
+    memory beyond what it was forked with (this init's, the template's).  The front-end samples the
+    request's memory, all its kinds and processes together; between two samples a program that
+    asks for 3 GiB at once (`bytearray(3 << 30)`) would outrun it, and is refused here at once
+    instead (MemoryError).  CPU workers only: CUDA's driver maps private memory the request's
+    limit was never meant to count."""
+    with open("/proc/self/status", "rb") as f:
+        data = next(int(line.split()[1]) * 1024 for line in f if line.startswith(b"VmData:"))
+    resource_limit("RLIMIT_DATA", data + memory_bytes)
 
 
 def hide_other_gpu_folders(own: list[str], folder: str = NVIDIA_PROC_GPUS) -> None:
@@ -1662,9 +1677,17 @@ def limit_hint(exc: BaseException) -> str:
             return f" (the request's file limit, {space.f_files} files and directories, is reached: --file-limit)"
         return (f" (the request's disk limit, {space.f_blocks * space.f_frsize} bytes in its workspace, /tmp "
                 "and /dev/shm together, is reached: --disk-limit-bytes)")
+    if (errno.ENOMEM in errnos or any(isinstance(e, MemoryError) for e in chain)) and private_memory_limited():
+        return " (the request's memory limit, for one process's private memory, is reached: --memory-limit-bytes)"
     if errno.EAGAIN in errnos or any("can't start new thread" in str(e) for e in chain):
         return " (the request may have reached its limit of processes and threads: --process-limit)"
     return ""
+
+
+def private_memory_limited() -> bool:
+    """Whether this sandboxed process runs under `limit_private_memory`."""
+    import resource
+    return resource.getrlimit(resource.RLIMIT_DATA)[0] != resource.RLIM_INFINITY
 
 
 def passes_through_uploaded_code(exc: BaseException) -> bool:

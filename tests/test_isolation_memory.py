@@ -66,13 +66,15 @@ def memory_attack(srv, source):
     skip_without_memory(3 << 30)
     with HostMemoryPeak() as host:
         body = execute(srv, source)
-    back = host.back_within(2.0)
+    ended = time.monotonic()
+    back = host.back_within(2.0, SLACK)
+    back_after = time.monotonic() - ended
     print(f"\n{source.strip().splitlines()[0]}: {body['status']}, host memory peak "
-          f"{host.peak / (1 << 30):.2f} GiB, back within 2 s: {back}, error: {body.get('error', {}).get('message')}")
+          f"{host.peak / (1 << 30):.2f} GiB, back after {back_after:.2f} s, error: {body.get('error', {}).get('message')}")
     assert body["status"] == "FAILED", body
     assert "--memory-limit-bytes" in body["error"]["message"], body["error"]
-    assert host.peak <= LIMIT + SLACK, f"the host's available memory fell {host.peak >> 20} MiB"
-    assert back, "the host's available memory did not come back within 2 s"
+    assert host.peak <= LIMIT + SLACK, f"the host's processes held {host.peak >> 20} MiB more at the peak"
+    assert back, "the host's memory did not come back within 2 s (other work on the host may hold it)"
     assert_served_at_once(srv)
 
 
@@ -132,7 +134,7 @@ def test_detached_system_v_segments_are_counted(limited):
 
 def test_page_tables_of_read_faults_over_a_huge_mapping_are_counted(limited):
     """Before: read faults over a 1 TiB read-only mapping made 2.1 GB of page tables with 160 MB of
-    RSS, COMPLETED.  The faults are made by the kernel (MADV_POPULATE_READ), in 16 GiB steps."""
+    RSS, COMPLETED.  One read every 2 MiB: each fault maps the zero page and costs a page table."""
     memory_attack(limited, """
     # page tables of read faults over 1 TiB
     import ctypes, mmap, time
@@ -141,14 +143,13 @@ def test_page_tables_of_read_faults_over_a_huge_mapping_are_counted(limited):
         libc.mmap.restype = ctypes.c_void_p
         libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        size, step = 1 << 40, 16 << 30
+        size, step = 1 << 40, 2 << 20
         address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x4000, -1, 0)
         if address in (None, ctypes.c_void_p(-1).value):
             raise OSError(ctypes.get_errno(), "mmap")
-        libc.madvise(address, size, 15)  # MADV_NOHUGEPAGE: a page table per 2 MiB, not the huge zero page
+        libc.madvise(address, size, 15)  # MADV_NOHUGEPAGE: no huge zero page, a page table per 2 MiB
         for offset in range(0, size, step):
-            if libc.madvise(address + offset, step, 22) != 0:  # MADV_POPULATE_READ
-                raise OSError(ctypes.get_errno(), "MADV_POPULATE_READ")
+            ctypes.string_at(address + offset, 1)
         time.sleep(2)
         with open("/proc/self/status") as status:
             return next(line for line in status if line.startswith("VmPTE"))
