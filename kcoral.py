@@ -316,8 +316,9 @@ class ServerConfig:
     sandbox_uid: int = option(2_000_000_000, "host uid and gid sandboxed programs run as when the server runs "
                               "as root (pick one no account uses); an unprivileged server runs them as itself")
     # one request's resources
-    memory_limit_bytes: int | None = option(None, "memory of all of one request's processes together, sampled "
-                                            "every 0.1 s; beyond it the request is stopped (0: no limit; "
+    memory_limit_bytes: int | None = option(None, "memory of all of one request's processes together (anonymous, "
+                                            "shared, page tables, memfds, System V), sampled every 0.1 s "
+                                            "(5 ms past half of it); beyond it the request is stopped (0: no limit; "
                                             "default: half the machine's memory shared among the slots)")
     process_limit: int | None = option(None, "processes and threads one request may have alive at once; "
                                        "a fork beyond it fails with EAGAIN (sandbox only; 0: no limit; "
@@ -396,12 +397,30 @@ def machine_quotas(config: ServerConfig, slots: int) -> dict[str, Any]:
 def quota_enforcement(config: ServerConfig) -> dict[str, str]:
     """How each request limit is enforced here, or why it is not (for /health and the start-up line)."""
     sandboxed = config.sandbox == "bubblewrap"
-    how = {"memory_limit_bytes": "front-end, PSS of the request's processes every 0.1 s",
+    system_v = sandboxed and os.getuid() == 0  # enter_ipc: the request's IPC namespace, from a root front-end
+    memory = ("front-end, every 0.1 s (every 5 ms past half the limit), all the request's processes together: "
+              "anonymous and shared memory (PSS), page tables, memfds held but not mapped"
+              + (", System V segments no process attaches (its IPC namespace: shmall = the limit)" if system_v else "")
+              + ("; RLIMIT_DATA per process on CPU workers (a burst is refused at once)" if sandboxed else ""))
+    how = {"memory_limit_bytes": memory,
            "process_limit": "RLIMIT_NPROC in the request's user namespace" if sandboxed else "",
            "disk_limit_bytes": "size of the request's tmpfs" if sandboxed else "",
            "file_limit": "inodes of the request's tmpfs" if sandboxed else ""}
     return {name: ("off (0)" if not getattr(config, name) else how[name] or "not enforced without the sandbox")
             for name in QUOTA_NAMES}
+
+
+def memory_unseen(config: ServerConfig) -> str:
+    """What the memory limit cannot see here (for /health): the fallback's honest blind spots."""
+    sandboxed = config.sandbox == "bubblewrap"
+    unseen = ["kernel memory other than page tables (pipe and socket buffers, inode and dentry caches, "
+              "the kernel's own objects)", "a burst on a GPU worker between two samples"
+              if sandboxed else "a burst between two samples"]
+    if not (sandboxed and os.getuid() == 0):
+        unseen.append("System V segments no process attaches")
+    if not sandboxed:
+        unseen.append("files in /dev/shm or /tmp no process maps (no tmpfs of its own)")
+    return "; ".join(unseen)
 
 
 # --- 1. HTTP front-end: the server, the request handler, then the limits it reads under -----------
@@ -1624,7 +1643,8 @@ class KCoralServer:
                 "gpu_count": self.gpu_count, "load": self.pool.load(tenant),
                 "target": self.target, "versions": self.versions, "sandbox": self.config.sandbox,
                 "version": __version__,
-                "limits": {name: {"value": getattr(self.config, name), "enforced": how}
+                "limits": {name: {"value": getattr(self.config, name), "enforced": how,
+                                  **({"unseen": memory_unseen(self.config)} if name == "memory_limit_bytes" else {})}
                            for name, how in quota_enforcement(self.config).items()}}
 
     @contextlib.contextmanager

@@ -276,3 +276,12 @@ def test_the_filter_kills_a_call_of_another_architecture():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert result.returncode == -31, (result.returncode, result.stdout, result.stderr)  # SIGSYS
+
+
+def test_health_says_how_memory_is_enforced_and_what_it_cannot_see(limited):
+    memory = limited.health()["limits"]["memory_limit_bytes"]
+    assert memory["value"] == LIMIT
+    for seen in ("PSS", "page tables", "memfds", "RLIMIT_DATA"):
+        assert seen in memory["enforced"], memory
+    assert ("System V" in memory["enforced"]) == (os.geteuid() == 0)
+    assert "pipe and socket buffers" in memory["unseen"] and "GPU worker" in memory["unseen"]
