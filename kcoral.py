@@ -3689,7 +3689,7 @@ def unmapped_memory_files(pids: list[int], exempt: Iterable[tuple[int, int]]) ->
     for key in exempt:
         files.pop(key, None)
     if files:
-        mapped = set()
+        mapped: set[int] = set()
         for pid in pids:
             with contextlib.suppress(OSError), open(f"/proc/{pid}/maps", "rb") as f:
                 mapped.update(int(line.split()[4]) for line in f if b" /memfd:" in line)

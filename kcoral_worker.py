@@ -1107,8 +1107,8 @@ def seccomp_filter(machine: str | None = None) -> bytes:
     if machine not in SECCOMP_ARCHES:
         raise OSError(errno.ENOSYS, f"no seccomp table for {machine} (only {', '.join(SECCOMP_ARCHES)})")
     arch, column, foreign_abi = SECCOMP_ARCHES[machine]
-    numbers = sorted({pair[column] for pair in SECCOMP_DENIED.values() if pair[column] is not None})
-    checks = [(BPF_JGE, foreign_abi)] if foreign_abi is not None else []
+    numbers = sorted({number for pair in SECCOMP_DENIED.values() if (number := pair[column]) is not None})
+    checks: list[tuple[int, int]] = [(BPF_JGE, foreign_abi)] if foreign_abi is not None else []
     checks += [(BPF_JEQ, number) for number in numbers]
     program = [(BPF_LOAD, 0, 0, 4), (BPF_JEQ, 1, 0, arch), (BPF_RETURN, 0, 0, SECCOMP_KILL_PROCESS),
                (BPF_LOAD, 0, 0, 0)]
