@@ -7,6 +7,7 @@ and whether the next request is served.  Each memory attack asks for 3 GiB again
 (and is skipped where the host has no room for that); before this round each one COMPLETED.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from tests.support import (
     call_program,
     execute_ok,
     plain,
+    request,
     skip_without_memory,
 )
 
@@ -279,7 +281,9 @@ def test_the_filter_kills_a_call_of_another_architecture():
 
 
 def test_health_says_how_memory_is_enforced_and_what_it_cannot_see(limited):
-    memory = limited.health()["limits"]["memory_limit_bytes"]
+    status, _, body = request("GET", limited.url + "/health", headers={"Authorization": f"Bearer {ALICE}"})
+    assert status == 200, body
+    memory = json.loads(body)["limits"]["memory_limit_bytes"]
     assert memory["value"] == LIMIT
     for seen in ("PSS", "page tables", "memfds", "RLIMIT_DATA"):
         assert seen in memory["enforced"], memory
