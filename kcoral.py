@@ -316,6 +316,10 @@ class ServerConfig:
     sandbox_uid: int = option(2_000_000_000, "host uid and gid sandboxed programs run as when the server runs "
                               "as root (pick one no account uses); an unprivileged server runs them as itself")
     # one request's resources
+    cgroup: str = option("auto", "cgroup v2 subtree delegated to the server (systemd Delegate=yes), where each "
+                         "request runs in a child cgroup of its own with memory.max, memory.swap.max 0 and "
+                         "pids.max, killed by the kernel beyond them; auto: the server's own cgroup when it is "
+                         "delegated, none: never (the front-end samples memory instead)")
     memory_limit_bytes: int | None = option(None, "memory of all of one request's processes together (anonymous, "
                                             "shared, page tables, memfds, System V), sampled every 0.1 s "
                                             "(5 ms past half of it); beyond it the request is stopped (0: no limit; "
@@ -397,6 +401,16 @@ def machine_quotas(config: ServerConfig, slots: int) -> dict[str, Any]:
 def quota_enforcement(config: ServerConfig) -> dict[str, str]:
     """How each request limit is enforced here, or why it is not (for /health and the start-up line)."""
     sandboxed = config.sandbox == "bubblewrap"
+    if config.cgroup != "none":  # resolved at start: the delegated subtree's path
+        return {**fallback_enforcement(config, sandboxed),
+                "memory_limit_bytes": f"the kernel: memory.max of the request's own cgroup under {config.cgroup} "
+                                      "(everything it charges: anonymous, shared, page tables, kernel memory), "
+                                      "memory.swap.max 0"}
+    return fallback_enforcement(config, sandboxed)
+
+
+def fallback_enforcement(config: ServerConfig, sandboxed: bool) -> dict[str, str]:
+    """How each limit is enforced without a delegated cgroup: per process and per namespace."""
     system_v = sandboxed and os.getuid() == 0  # enter_ipc: the request's IPC namespace, from a root front-end
     memory = ("front-end, every 0.1 s (every 5 ms past half the limit), all the request's processes together: "
               "anonymous and shared memory (PSS), page tables, memfds held but not mapped"
@@ -412,6 +426,8 @@ def quota_enforcement(config: ServerConfig) -> dict[str, str]:
 
 def memory_unseen(config: ServerConfig) -> str:
     """What the memory limit cannot see here (for /health): the fallback's honest blind spots."""
+    if config.cgroup != "none":
+        return "the processes the request's init and holder were forked as (before the worker joined its cgroup)"
     sandboxed = config.sandbox == "bubblewrap"
     unseen = ["kernel memory other than page tables (pipe and socket buffers, inode and dentry caches, "
               "the kernel's own objects)", "a burst on a GPU worker between two samples"
@@ -1532,7 +1548,7 @@ class KCoralServer:
         sandbox, why_not = resolve_sandbox(self.config)
         if why_not:
             self.log.event("sandbox_off", "WARNING", reason=why_not)
-        self.config = dataclasses.replace(self.config, sandbox=sandbox)
+        self.config = dataclasses.replace(self.config, sandbox=sandbox, cgroup=enter_delegated_cgroup(self.config))
         device, gpu_ids, gpu_names = resolve_device(self.config)
         slots = len(gpu_ids) * self.config.workers_per_gpu if device == "cuda" else self.config.num_workers
         self.config = dataclasses.replace(self.config, **machine_quotas(self.config, slots))
@@ -3187,7 +3203,10 @@ class Execution:
         self.last_moment = started + 2 * self.job.timeout
         self.reader, self.output, self.program_done = None, None, False
         self.oom_kills = oom_kill_count()
-        self.memory = MemoryWatch(self.worker.pid, self.config.memory_limit_bytes or 0,
+        # with a delegated cgroup the kernel holds the limit; without, the front-end samples
+        self.cgroup = (RequestCgroup(self.config.cgroup, self.job.request_id, self.worker.pid, self.config)
+                       if self.config.cgroup != "none" else None)
+        self.memory = MemoryWatch(self.worker.pid, 0 if self.cgroup else self.config.memory_limit_bytes or 0,
                                   sandboxed=self.worker.template is not None)
         try:
             self.send_job()
@@ -3222,6 +3241,8 @@ class Execution:
             raise
         finally:
             self.memory.stop()
+            if self.cgroup is not None:
+                self.cgroup.leave(self.worker.pid, self.pool.log)
             self.release_lease()
             output = self.captured_output()
             if not self.keep_workspace:
@@ -3505,6 +3526,9 @@ class Execution:
         if self.memory.exceeded:
             return (f"the request's processes used {self.memory.exceeded} bytes of memory, over the "
                     f"{self.memory.limit} of --memory-limit-bytes; they were stopped")
+        if self.cgroup is not None and self.cgroup.oom_killed():
+            return (f"the request's processes used all the {self.config.memory_limit_bytes} bytes of "
+                    "--memory-limit-bytes; the kernel stopped them (its cgroup's memory.max)")
         if exit_code == -signal.SIGKILL and oom_kill_count() > self.oom_kills:
             return "worker killed by the kernel's OOM killer: the machine ran out of memory"
         return "worker exited while executing the instruction" + worker_exit_cause(exit_code)
@@ -3562,6 +3586,90 @@ def worker_exit_cause(exit_code: int | None) -> str:
     if number in FAULT_SIGNALS:
         cause += "; the Python frames it crashed in are at the end of stderr"
     return cause
+
+
+def enter_delegated_cgroup(config: ServerConfig) -> str:
+    """--cgroup resolved at start -> the delegated cgroup v2 directory requests get children in, or
+    "none".  The server first moves itself into a leaf of its own, SERVER_CGROUP (cgroup v2 lets
+    only a cgroup without processes give its children controllers), then enables memory and pids
+    for the children.  auto finds the server's own cgroup, only when it is v2 and writable."""
+    root = own_delegated_cgroup() if config.cgroup == "auto" else config.cgroup
+    if root in (None, "none"):
+        return "none"
+    assert root is not None  # narrowed above
+    os.makedirs(os.path.join(root, SERVER_CGROUP), exist_ok=True)
+    write_cgroup(os.path.join(root, SERVER_CGROUP), "cgroup.procs", os.getpid())
+    write_cgroup(root, "cgroup.subtree_control", "+memory +pids")
+    return root
+
+
+SERVER_CGROUP = "kcoral-server"  # the front-end's own leaf in the delegated subtree
+
+
+def own_delegated_cgroup() -> str | None:
+    """The server's cgroup when it is cgroup v2 (one `0::` line), writable and offers memory and pids."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+        if len(lines) != 1 or not lines[0].startswith("0::"):
+            return None  # cgroup v1 or hybrid: nothing to delegate
+        path = "/sys/fs/cgroup" + lines[0][3:]
+        with open(os.path.join(path, "cgroup.controllers")) as f:
+            controllers = set(f.read().split())
+    except OSError:
+        return None
+    writable = all(os.access(os.path.join(path, name), os.W_OK) for name in ("cgroup.procs", "cgroup.subtree_control"))
+    return path if writable and {"memory", "pids"} <= controllers else None
+
+
+def write_cgroup(path: str, name: str, value: object) -> None:
+    with open(os.path.join(path, name), "w") as f:
+        f.write(f"{value}\n")
+
+
+class RequestCgroup:
+    """A request's own child of the delegated cgroup: its worker (and all it starts) is charged
+    there, the kernel kills the whole group beyond memory.max (memory.oom.group), with no swap to
+    spill into, and refuses a fork beyond pids.max.  Removed once its processes are gone."""
+
+    def __init__(self, root: str, request_id: str, pid: int, config: ServerConfig) -> None:
+        self.root, self.path = root, os.path.join(root, f"request-{request_id}")
+        os.mkdir(self.path)
+        write_cgroup(self.path, "memory.max", config.memory_limit_bytes or "max")
+        write_cgroup(self.path, "pids.max", config.process_limit or "max")
+        for name, value in (("memory.swap.max", 0), ("memory.oom.group", 1)):
+            with contextlib.suppress(FileNotFoundError, PermissionError):  # a kernel without swap accounting
+                write_cgroup(self.path, name, value)
+        write_cgroup(self.path, "cgroup.procs", pid)
+
+    def oom_killed(self) -> bool:
+        """Whether the kernel killed in this cgroup for its memory.max (memory.events)."""
+        with contextlib.suppress(OSError, ValueError), open(os.path.join(self.path, "memory.events")) as f:
+            return any(line.split()[0] in ("oom_kill", "oom_group_kill") and int(line.split()[1]) > 0 for line in f)
+        return False
+
+    def leave(self, pid: int | None, log: EventLog) -> None:
+        """A worker that serves on goes back to the server's leaf; the cgroup is removed once empty,
+        on a thread of its own (the killed processes may take a moment to exit)."""
+        if pid is not None and is_live(pid):
+            with contextlib.suppress(OSError):
+                write_cgroup(os.path.join(self.root, SERVER_CGROUP), "cgroup.procs", pid)
+        threading.Thread(target=self.remove, args=(log,), name="remove-cgroup").start()
+
+    def remove(self, log: EventLog) -> None:
+        deadline = time.monotonic() + CGROUP_REMOVE_SECONDS
+        while True:
+            try:
+                os.rmdir(self.path)
+                return
+            except OSError as exc:
+                if time.monotonic() > deadline:
+                    log.event("cgroup_not_removed", "WARNING", path=self.path, error=str(exc))
+                    return
+            time.sleep(0.05)
+
+
+CGROUP_REMOVE_SECONDS = 5.0
 
 
 class MemoryWatch:

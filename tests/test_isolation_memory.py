@@ -289,3 +289,58 @@ def test_health_says_how_memory_is_enforced_and_what_it_cannot_see(limited):
         assert seen in memory["enforced"], memory
     assert ("System V" in memory["enforced"]) == (os.geteuid() == 0)
     assert "pipe and socket buffers" in memory["unseen"] and "GPU worker" in memory["unseen"]
+
+
+# --- 4. a delegated cgroup v2 subtree: the kernel's limit -----------------------------------------
+
+CGROUP_FILES = """
+import glob, os
+def f(root):
+    mine = [path for path in glob.glob(os.path.join(root, "request-*"))
+            if open(os.path.join(path, "cgroup.procs")).read().split() == [str(os.getpid())]]
+    return {name: open(os.path.join(mine[0], name)).read().strip()
+            for name in ("memory.max", "memory.swap.max", "pids.max", "memory.oom.group")} if len(mine) == 1 else mine
+"""
+KILLED_OVER_MEMORY_MAX = """
+import glob, os, signal
+def f(root):
+    '''What the kernel does beyond memory.max, played in the test's tree: count the kill, kill.'''
+    mine = next(path for path in glob.glob(os.path.join(root, "request-*"))
+                if open(os.path.join(path, "cgroup.procs")).read().split() == [str(os.getpid())])
+    with open(os.path.join(mine, "memory.events"), "w") as events:
+        events.write("low 0\\nhigh 0\\nmax 3\\noom 1\\noom_kill 1\\noom_group_kill 1\\n")
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_with_a_delegated_cgroup_each_request_gets_its_own_with_the_limits(tmp_path):
+    """Against a cgroup v2 tree the test provides (plain files: this host has no delegated cgroup v2,
+    and tests never create real cgroups): the server moves itself to a leaf, enables memory and pids
+    for children, puts each request's worker in a child with the limits, names the flag when the
+    kernel killed there, and /health says the kernel enforces the limit."""
+    root = tmp_path / "delegated"
+    root.mkdir()
+    (root / "cgroup.controllers").write_text("cpu memory pids\n")
+    (root / "cgroup.subtree_control").write_text("")
+    (root / "cgroup.procs").write_text("")
+    with ServerProcess("--sandbox", "none", "--cgroup", str(root), "--memory-limit-bytes", str(LIMIT),
+                       "--process-limit", "256", workers=1, tmp_path=tmp_path) as srv:
+        assert (root / "kcoral-server" / "cgroup.procs").read_text().split() == [str(srv.proc.pid)]
+        assert (root / "cgroup.subtree_control").read_text().split() == ["+memory", "+pids"]
+        body = execute_ok(srv.url, call_program(CGROUP_FILES, "f", str(root)))
+        assert plain(body["results"]["out"]) == {"memory.max": str(LIMIT), "memory.swap.max": "0",
+                                                 "pids.max": "256", "memory.oom.group": "1"}, body
+        body = execute_ok(srv.url, call_program(KILLED_OVER_MEMORY_MAX, "f", str(root)))
+        assert body["status"] == "FAILED" and "--memory-limit-bytes" in body["error"]["message"], body
+        assert "memory.max" in body["error"]["message"]
+        memory = srv.health()["limits"]["memory_limit_bytes"]
+        assert memory["enforced"].startswith("the kernel: memory.max") and str(root) in memory["enforced"]
+
+
+def test_auto_finds_no_delegated_cgroup_on_a_cgroup_v1_host():
+    import kcoral
+    with open("/proc/self/cgroup") as f:
+        v1 = any(not line.startswith("0::") for line in f)
+    if not v1:
+        pytest.skip("this host has cgroup v2: auto may find a delegated subtree here")
+    assert kcoral.own_delegated_cgroup() is None
