@@ -330,8 +330,13 @@ class ServerConfig:
     sandbox_uid: int = option(2_000_000_000, "host uid and gid sandboxed programs run as when the server runs "
                               "as root (pick one no account uses); an unprivileged server runs them as itself")
     # one request's resources
-    memory_limit_bytes: int | None = option(None, "memory of all of one request's processes together, sampled "
-                                            "every 0.1 s; beyond it the request is stopped (0: no limit; "
+    cgroup: str = option("auto", "cgroup v2 subtree delegated to the server (systemd Delegate=yes), where each "
+                         "request runs in a child cgroup of its own with memory.max, memory.swap.max 0 and "
+                         "pids.max, killed by the kernel beyond them; auto: the server's own cgroup when it is "
+                         "delegated, none: never (the front-end samples memory instead)")
+    memory_limit_bytes: int | None = option(None, "memory of all of one request's processes together (anonymous, "
+                                            "shared, page tables, memfds, System V), sampled every 0.1 s "
+                                            "(5 ms past half of it); beyond it the request is stopped (0: no limit; "
                                             "default: half the machine's memory shared among the slots)")
     process_limit: int | None = option(None, "processes and threads one request may have alive at once; "
                                        "a fork beyond it fails with EAGAIN (sandbox only; 0: no limit; "
@@ -410,7 +415,22 @@ def machine_quotas(config: ServerConfig, slots: int) -> dict[str, Any]:
 def quota_enforcement(config: ServerConfig) -> dict[str, str]:
     """How each request limit is enforced here, or why it is not (for /health and the start-up line)."""
     sandboxed = config.sandbox == "bubblewrap"
-    how = {"memory_limit_bytes": "front-end, PSS of the request's processes every 0.1 s",
+    if config.cgroup != "none":  # resolved at start: the delegated subtree's path
+        return {**fallback_enforcement(config, sandboxed),
+                "memory_limit_bytes": f"the kernel: memory.max of the request's own cgroup under {config.cgroup} "
+                                      "(everything it charges: anonymous, shared, page tables, kernel memory), "
+                                      "memory.swap.max 0"}
+    return fallback_enforcement(config, sandboxed)
+
+
+def fallback_enforcement(config: ServerConfig, sandboxed: bool) -> dict[str, str]:
+    """How each limit is enforced without a delegated cgroup: per process and per namespace."""
+    system_v = sandboxed and os.getuid() == 0  # enter_ipc: the request's IPC namespace, from a root front-end
+    memory = ("front-end, every 0.1 s (every 5 ms past half the limit), all the request's processes together: "
+              "anonymous and shared memory (PSS), page tables, memfds held but not mapped"
+              + (", System V segments no process attaches (its IPC namespace: shmall = the limit)" if system_v else "")
+              + ("; RLIMIT_DATA per process on CPU workers (a burst is refused at once)" if sandboxed else ""))
+    how = {"memory_limit_bytes": memory,
            "process_limit": "RLIMIT_NPROC in the request's user namespace" if sandboxed else "",
            "disk_limit_bytes": "size of the request's tmpfs" if sandboxed else "",
            "file_limit": "inodes of the request's tmpfs" if sandboxed else ""}
@@ -423,6 +443,21 @@ def request_too_large_message(size: int | None, limit: int) -> str:
     what = f"request of {size} bytes" if size is not None else "request"
     return (f"{what} exceeds the server's size limit of {limit} bytes (max_request_bytes; the server's "
             "--max-request-bytes flag raises it)")
+
+
+def memory_unseen(config: ServerConfig) -> str:
+    """What the memory limit cannot see here (for /health): the fallback's honest blind spots."""
+    if config.cgroup != "none":
+        return "the processes the request's init and holder were forked as (before the worker joined its cgroup)"
+    sandboxed = config.sandbox == "bubblewrap"
+    unseen = ["kernel memory other than page tables (pipe and socket buffers, inode and dentry caches, "
+              "the kernel's own objects)", "a burst on a GPU worker between two samples"
+              if sandboxed else "a burst between two samples"]
+    if not (sandboxed and os.getuid() == 0):
+        unseen.append("System V segments no process attaches")
+    if not sandboxed:
+        unseen.append("files in /dev/shm or /tmp no process maps (no tmpfs of its own)")
+    return "; ".join(unseen)
 
 
 # --- 1. HTTP front-end: the server, the request handler, then the limits it reads under -----------
@@ -1596,7 +1631,7 @@ class KCoralServer:
         sandbox, why_not = resolve_sandbox(self.config)
         if why_not:
             self.log.event("sandbox_off", "WARNING", reason=why_not)
-        self.config = dataclasses.replace(self.config, sandbox=sandbox)
+        self.config = dataclasses.replace(self.config, sandbox=sandbox, cgroup=enter_delegated_cgroup(self.config))
         device, gpu_ids, gpu_names = resolve_device(self.config)
         slots = len(gpu_ids) * self.config.workers_per_gpu if device == "cuda" else self.config.num_workers
         self.config = dataclasses.replace(self.config, **machine_quotas(self.config, slots))
@@ -1709,7 +1744,8 @@ class KCoralServer:
                 "version": __version__,
                 "limits": {"max_request_bytes": {"value": self.config.max_request_bytes,
                                                  "enforced": "front-end: 413 request_too_large beyond it"},
-                           **{name: {"value": getattr(self.config, name), "enforced": how}
+                           **{name: {"value": getattr(self.config, name), "enforced": how,
+                                     **({"unseen": memory_unseen(self.config)} if name == "memory_limit_bytes" else {})}
                               for name, how in quota_enforcement(self.config).items()}}}
 
     @contextlib.contextmanager
@@ -3291,7 +3327,11 @@ class Execution:
         self.last_moment = started + 2 * self.job.timeout
         self.reader, self.output, self.program_done = None, None, False
         self.oom_kills = oom_kill_count()
-        self.memory = MemoryWatch(self.worker.pid, self.config.memory_limit_bytes or 0)
+        # with a delegated cgroup the kernel holds the limit; without, the front-end samples
+        self.cgroup = (RequestCgroup(self.config.cgroup, self.job.request_id, self.worker.pid, self.config)
+                       if self.config.cgroup != "none" else None)
+        self.memory = MemoryWatch(self.worker.pid, 0 if self.cgroup else self.config.memory_limit_bytes or 0,
+                                  sandboxed=self.worker.template is not None)
         try:
             self.send_job()
             error, retire = self.converse(), False
@@ -3325,6 +3365,8 @@ class Execution:
             raise
         finally:
             self.memory.stop()
+            if self.cgroup is not None:
+                self.cgroup.leave(self.worker.pid, self.pool.log)
             self.release_lease()
             output = self.captured_output()
             if not self.keep_workspace:
@@ -3422,6 +3464,8 @@ class Execution:
                 for data in self.job.blobs.values():
                     write_all(fd, data)
                 fcntl.fcntl(fd, fcntl.F_ADD_SEALS, STAGED_SEALS)
+                info = os.fstat(fd)
+                self.memory.exempt.add((info.st_dev, info.st_ino))  # sealed, the size the request was
                 reduction.send_handle(self.worker.conn, fd, self.worker.pid)
             finally:  # the worker holds its own copy of the fd: the memory goes with its last reference
                 os.close(fd)
@@ -3606,6 +3650,9 @@ class Execution:
         if self.memory.exceeded:
             return (f"the request's processes used {self.memory.exceeded} bytes of memory, over the "
                     f"{self.memory.limit} of --memory-limit-bytes; they were stopped")
+        if self.cgroup is not None and self.cgroup.oom_killed():
+            return (f"the request's processes used all the {self.config.memory_limit_bytes} bytes of "
+                    "--memory-limit-bytes; the kernel stopped them (its cgroup's memory.max)")
         if exit_code == -signal.SIGKILL and oom_kill_count() > self.oom_kills:
             return "worker killed by the kernel's OOM killer: the machine ran out of memory"
         return "worker exited while executing the instruction" + worker_exit_cause(exit_code)
@@ -3665,32 +3712,129 @@ def worker_exit_cause(exit_code: int | None) -> str:
     return cause
 
 
+def enter_delegated_cgroup(config: ServerConfig) -> str:
+    """--cgroup resolved at start -> the delegated cgroup v2 directory requests get children in, or
+    "none".  The server first moves itself into a leaf of its own, SERVER_CGROUP (cgroup v2 lets
+    only a cgroup without processes give its children controllers), then enables memory and pids
+    for the children.  auto finds the server's own cgroup, only when it is v2 and writable."""
+    root = own_delegated_cgroup() if config.cgroup == "auto" else config.cgroup
+    if root in (None, "none"):
+        return "none"
+    assert root is not None  # narrowed above
+    os.makedirs(os.path.join(root, SERVER_CGROUP), exist_ok=True)
+    write_cgroup(os.path.join(root, SERVER_CGROUP), "cgroup.procs", os.getpid())
+    write_cgroup(root, "cgroup.subtree_control", "+memory +pids")
+    return root
+
+
+SERVER_CGROUP = "kcoral-server"  # the front-end's own leaf in the delegated subtree
+
+
+def own_delegated_cgroup() -> str | None:
+    """The server's cgroup when it is cgroup v2 (one `0::` line), writable and offers memory and pids."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+        if len(lines) != 1 or not lines[0].startswith("0::"):
+            return None  # cgroup v1 or hybrid: nothing to delegate
+        path = "/sys/fs/cgroup" + lines[0][3:]
+        with open(os.path.join(path, "cgroup.controllers")) as f:
+            controllers = set(f.read().split())
+    except OSError:
+        return None
+    writable = all(os.access(os.path.join(path, name), os.W_OK) for name in ("cgroup.procs", "cgroup.subtree_control"))
+    return path if writable and {"memory", "pids"} <= controllers else None
+
+
+def write_cgroup(path: str, name: str, value: object) -> None:
+    with open(os.path.join(path, name), "w") as f:
+        f.write(f"{value}\n")
+
+
+class RequestCgroup:
+    """A request's own child of the delegated cgroup: its worker (and all it starts) is charged
+    there, the kernel kills the whole group beyond memory.max (memory.oom.group), with no swap to
+    spill into, and refuses a fork beyond pids.max.  Removed once its processes are gone."""
+
+    def __init__(self, root: str, request_id: str, pid: int, config: ServerConfig) -> None:
+        self.root, self.path = root, os.path.join(root, f"request-{request_id}")
+        os.mkdir(self.path)
+        write_cgroup(self.path, "memory.max", config.memory_limit_bytes or "max")
+        write_cgroup(self.path, "pids.max", config.process_limit or "max")
+        for name, value in (("memory.swap.max", 0), ("memory.oom.group", 1)):
+            with contextlib.suppress(FileNotFoundError, PermissionError):  # a kernel without swap accounting
+                write_cgroup(self.path, name, value)
+        write_cgroup(self.path, "cgroup.procs", pid)
+
+    def oom_killed(self) -> bool:
+        """Whether the kernel killed in this cgroup for its memory.max (memory.events)."""
+        with contextlib.suppress(OSError, ValueError), open(os.path.join(self.path, "memory.events")) as f:
+            return any(line.split()[0] in ("oom_kill", "oom_group_kill") and int(line.split()[1]) > 0 for line in f)
+        return False
+
+    def leave(self, pid: int | None, log: EventLog) -> None:
+        """A worker that serves on goes back to the server's leaf; the cgroup is removed once empty,
+        on a thread of its own (the killed processes may take a moment to exit)."""
+        if pid is not None and is_live(pid):
+            with contextlib.suppress(OSError):
+                write_cgroup(os.path.join(self.root, SERVER_CGROUP), "cgroup.procs", pid)
+        threading.Thread(target=self.remove, args=(log,), name="remove-cgroup").start()
+
+    def remove(self, log: EventLog) -> None:
+        deadline = time.monotonic() + CGROUP_REMOVE_SECONDS
+        while True:
+            try:
+                os.rmdir(self.path)
+                return
+            except OSError as exc:
+                if time.monotonic() > deadline:
+                    log.event("cgroup_not_removed", "WARNING", path=self.path, error=str(exc))
+                    return
+            time.sleep(0.05)
+
+
+CGROUP_REMOVE_SECONDS = 5.0
+
+
 class MemoryWatch:
-    """Samples the memory of a running request's processes (its worker and every descendant) every
-    MEMORY_SAMPLE_SECONDS and SIGKILLs the worker when they use more than `limit` bytes together
-    (0: no limit); `exceeded` is then what it measured.  A sampled limit can be overshot for a
-    moment; the kernel's OOM killer, which takes workers first (oom_score_adj), covers that moment.
+    """Samples the memory a running request holds (its worker and every descendant: `request_memory`)
+    and SIGKILLs the worker when it holds more than `limit` bytes (0: no limit); `exceeded` is then
+    what it measured.  Every MEMORY_SAMPLE_SECONDS, and every MEMORY_CLOSE_SAMPLE_SECONDS once past
+    half the limit: a burst (3 GiB touched at once) is then caught within a few tens of MiB of the
+    limit, while a request far below it costs ten reads a second.  The kernel's OOM killer, which
+    takes workers first (oom_score_adj), covers what a sample can still miss.
 
-    Resident anonymous memory (statm) is cheap to read but counts the pages a fork shares with
-    its template once per process; only when that sum is over the limit are the shares weighed
-    (PSS, smaps_rollup), so that forked helpers are not charged for torch's pages over and over."""
+    A sandboxed request has its own IPC namespace: the watch's thread enters it first (`enter_ipc`),
+    to bound its System V shared memory and message queues (`IPC_LIMITS`) and to count the shared
+    memory segments no process maps any more.  `exempt` holds the (device, inode) of memory files
+    the front-end itself passed in (the staged blobs), which are not the request's doing."""
 
-    def __init__(self, pid: int, limit: int) -> None:
+    def __init__(self, pid: int, limit: int, sandboxed: bool) -> None:
         self.pid, self.limit = pid, limit
         self.exceeded = 0
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self.watch, name="memory-watch", daemon=True) if limit else None
+        self.exempt: set[tuple[int, int]] = set()
+        self.own_ipc = False  # whether the thread is in the request's IPC namespace
+        self.stopped, self.entered = threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=self.watch, args=(sandboxed,), name="memory-watch",
+                                       daemon=True) if limit else None
         if self.thread is not None:
             self.thread.start()
+            self.entered.wait(MEMORY_SAMPLE_SECONDS)  # the IPC limits are set before the program starts
 
-    def watch(self) -> None:
-        while not self.stopped.wait(MEMORY_SAMPLE_SECONDS):
-            used = request_memory([self.pid] + descendants(self.pid), self.limit)
+    def watch(self, sandboxed: bool) -> None:
+        try:
+            self.own_ipc = sandboxed and enter_ipc(self.pid, self.limit)
+        finally:
+            self.entered.set()
+        interval = MEMORY_SAMPLE_SECONDS
+        while not self.stopped.wait(interval):
+            used = request_memory([self.pid] + descendants(self.pid), self.limit, self.exempt, self.own_ipc)
             if used > self.limit:
                 self.exceeded = used
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(self.pid, signal.SIGKILL)
                 return
+            interval = MEMORY_SAMPLE_SECONDS if used < self.limit // 2 else MEMORY_CLOSE_SAMPLE_SECONDS
 
     def stop(self) -> None:
         self.stopped.set()
@@ -3699,24 +3843,100 @@ class MemoryWatch:
 
 
 MEMORY_SAMPLE_SECONDS = 0.1
+MEMORY_CLOSE_SAMPLE_SECONDS = 0.005  # past half the limit: about 15 MiB touched between two samples
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+# a request's own IPC namespace: System V shared memory within its memory limit (set by enter_ipc),
+# and few, small message queues (the kernel's defaults allow 32 000 System V queues of 16 KiB each,
+# 500 MiB that no process's memory shows)
+IPC_LIMITS = {"kernel/shmmni": 256, "kernel/msgmni": 16, "kernel/msgmnb": 16384, "kernel/msgmax": 8192,
+              "fs/mqueue/queues_max": 16, "fs/mqueue/msg_max": 10, "fs/mqueue/msgsize_max": 8192}
+PROCESS_MEMORY_FIELDS = (b"RssAnon:", b"RssShmem:", b"VmPTE:")  # of /proc/PID/status, in KiB
 
 
-def request_memory(pids: list[int], limit: int) -> int:
-    """Bytes the processes use: anonymous resident memory, weighed by sharing once it is over `limit`."""
-    cheap = 0
+def enter_ipc(pid: int, limit: int) -> bool:
+    """Move the calling thread (only it: setns) into the IPC namespace of the sandboxed worker
+    `pid` and set that namespace's limits: System V shared memory at most `limit` bytes all
+    together, IPC_LIMITS for the rest.  -> whether it could: it takes the host's root (the
+    namespace's sysctls belong to its user namespace's root, which only a root server maps)."""
+    try:
+        fd = os.open(f"/proc/{pid}/ns/ipc", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            kcoral_worker.libc_call("setns", fd, kcoral_worker.CLONE_NEWIPC)
+        finally:
+            os.close(fd)
+        limits = {**IPC_LIMITS, "kernel/shmmax": limit, "kernel/shmall": -(-limit // PAGE_BYTES)}
+        for name, value in limits.items():
+            with open(f"/proc/sys/{name}", "w") as f:
+                f.write(str(value))
+    except OSError:
+        return False
+    return True
+
+
+def request_memory(pids: list[int], limit: int, exempt: Iterable[tuple[int, int]], own_ipc: bool) -> int:
+    """Bytes the request holds: each process's anonymous and shared resident memory (shared
+    anonymous maps, memfd and System V pages it maps) and page tables; memory files (memfd) its
+    processes hold open but map nowhere; and, when the calling thread is in its IPC namespace,
+    System V segments no process maps.  The resident sum counts the pages a fork shares with its
+    template once per process: only when the total is over `limit` are the shares weighed (PSS,
+    smaps_rollup), so that forked helpers are not charged for torch's pages over and over."""
+    resident, page_tables = 0, 0
     for pid in pids:
-        with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{pid}/statm", "rb") as f:
-            fields = f.read().split()
-            cheap += (int(fields[1]) - int(fields[2])) * PAGE_BYTES  # resident minus file-backed and shared
-    if cheap <= limit:
-        return cheap
+        fields = process_memory(pid)
+        resident += fields.get(b"RssAnon:", 0) + fields.get(b"RssShmem:", 0)
+        page_tables += fields.get(b"VmPTE:", 0)
+    held = unmapped_memory_files(pids, exempt) + (unattached_shared_memory() if own_ipc else 0)
+    if resident + page_tables + held <= limit:
+        return resident + page_tables + held
     weighed = 0
     for pid in pids:
         with contextlib.suppress(OSError, ValueError), open(f"/proc/{pid}/smaps_rollup", "rb") as f:
             weighed += sum(int(line.split()[1]) * 1024 for line in f
                            if line.startswith((b"Pss_Anon:", b"Pss_Shmem:")))
-    return weighed
+    return weighed + page_tables + held
+
+
+def process_memory(pid: int) -> dict[bytes, int]:
+    """PROCESS_MEMORY_FIELDS of one process, in bytes ({} once it is gone)."""
+    fields = {}
+    with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{pid}/status", "rb") as f:
+        for line in f:
+            if line.startswith(PROCESS_MEMORY_FIELDS):
+                fields[line.split(b":")[0] + b":"] = int(line.split()[1]) * 1024
+    return fields
+
+
+def unmapped_memory_files(pids: list[int], exempt: Iterable[tuple[int, int]]) -> int:
+    """Bytes of the memory files (memfd_create) the processes hold open, those `exempt` and those
+    any of them maps aside (a mapped one's touched pages are its mappers' RssShmem): a memfd
+    filled with write() and never mapped shows in no process's memory."""
+    files: dict[tuple[int, int], int] = {}
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:"):
+                        info = os.stat(f"/proc/{pid}/fd/{fd}")
+                        files[(info.st_dev, info.st_ino)] = info.st_blocks * 512
+    for key in exempt:
+        files.pop(key, None)
+    if files:
+        mapped: set[int] = set()
+        for pid in pids:
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/maps", "rb") as f:
+                mapped.update(int(line.split()[4]) for line in f if b" /memfd:" in line)
+        files = {key: size for key, size in files.items() if key[1] not in mapped}
+    return sum(files.values())
+
+
+def unattached_shared_memory() -> int:
+    """Resident bytes of the System V segments of the calling thread's IPC namespace that no
+    process has attached (an attached one's pages are its attachers' RssShmem)."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/sysvipc/shm", "rb") as f:
+        header = f.readline().split()
+        nattch, rss = header.index(b"nattch"), header.index(b"rss")
+        return sum(int(row[rss]) for row in map(bytes.split, f) if len(row) > rss and row[nattch] == b"0")
+    return 0
 
 
 def oom_kill_count() -> int:
@@ -4398,7 +4618,8 @@ def probe_bubblewrap(config: ServerConfig) -> None:
     if shutil.which("bwrap") is None:
         raise SystemExit("kcoral: --sandbox bubblewrap needs bwrap on PATH (Debian: apt-get install bubblewrap)")
     project, _ = project_files()
-    code = f"import sys; sys.path.insert(0, {project!r}); import kcoral_worker"
+    # the same filter as each request's, installed in a child: the start fails if it cannot be
+    code = f"import sys; sys.path.insert(0, {project!r}); import kcoral_worker; kcoral_worker.check_seccomp()"
     try:
         process = start_container(config, [], [sys.executable, "-I", "-c", code], ())
         output = process.communicate(timeout=60)[0]
@@ -4487,8 +4708,8 @@ class SandboxTemplate:
         preload = ["numpy"] + [m for m in ("torch", "tvm_ffi") if importlib.util.find_spec(m)]
         import_env = {"TVM_FFI_CACHE_DIR": SANDBOX_ADDONS} if torch_addons() else {}
         uid, gid = sandbox_ids(config)
-        space = kcoral_worker.RequestSpace(uid, gid, config.disk_limit_bytes or 0, config.file_limit or 0,
-                                           config.process_limit or 0, kept_mounts(config))
+        space = kcoral_worker.RequestSpace(uid, gid, config.memory_limit_bytes or 0, config.disk_limit_bytes or 0,
+                                           config.file_limit or 0, config.process_limit or 0, kept_mounts(config))
         frame = kcoral_worker.encode_message(space)[kcoral_worker.MESSAGE_HEADER.size:]
         code = (f"import sys; sys.path[:] = {[project, *server_import_path()]!r}; import kcoral_worker; "
                 f"kcoral_worker.template_main({child.fileno()}, {preload!r}, {import_env!r}, {frame!r})")

@@ -500,6 +500,7 @@ class RequestSpace:
     under /tmp, /var/tmp or /dev/shm, which each request's fresh writable space must keep showing."""
     uid: int
     gid: int
+    memory_bytes: int
     disk_bytes: int
     files: int
     processes: int
@@ -815,6 +816,7 @@ def template_main(fd: int, preload: list[str], import_env: dict[str, str], space
     if not isinstance(space, RequestSpace):
         raise UnexpectedMessage(f"a sandbox template cannot start with {space!r}")
     become_sandbox_user(space)
+    seccomp = seccomp_filter()  # built once; each request's init installs it
     ignore_tree_signals()
     set_dumpable(False)  # a request may not ptrace or read the process that forks the next one
     saved = {name: os.environ.get(name) for name in import_env}
@@ -832,7 +834,7 @@ def template_main(fd: int, preload: list[str], import_env: dict[str, str], space
         if not isinstance(message, ForkWorker):
             raise UnexpectedMessage(f"a sandbox template cannot serve {message!r}")
         pipe = reduction.recv_handle(conn)
-        holder, status_pipe = fork_request(conn, pipe, message, space)
+        holder, status_pipe = fork_request(conn, pipe, message, space, seccomp)
         send_message(conn, WorkerForked(holder))
         wait_for_child(holder)
         send_message(conn, WorkerExited(worker_exit_code(status_pipe)))
@@ -893,7 +895,8 @@ def become_sandbox_user(space: RequestSpace) -> None:
     set_capabilities(TEMPLATE_CAPS)
 
 
-def fork_request(conn: Connection, pipe: int, message: ForkWorker, space: RequestSpace) -> tuple[int, int]:
+def fork_request(conn: Connection, pipe: int, message: ForkWorker, space: RequestSpace,
+                 seccomp: bytes) -> tuple[int, int]:
     """Fork the holder of a request's new mount, PID and IPC namespaces -> (its pid, once the
     request's worker exists; the pipe on which the worker's wait status follows).  In them, an
     init (PID 1) sets up the request's space (`enter_request_space`) and forks the worker (PID 2),
@@ -915,7 +918,9 @@ def fork_request(conn: Connection, pipe: int, message: ForkWorker, space: Reques
             libc_call("unshare", CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC)
             init = os.fork()
             if init == 0:
-                enter_request_space(space, tasks + 2)  # + the holder and this init
+                enter_request_space(space, tasks + 2, seccomp)  # + the holder and this init
+                if message.device == "cpu" and space.memory_bytes:
+                    limit_private_memory(space.memory_bytes)
                 worker = os.fork()
                 if worker == 0:
                     os.close(status_w)
@@ -951,13 +956,14 @@ def worker_exit_code(status_pipe: int) -> int:
 SANDBOXED = {"worker": False}  # set in a request's init: its worker ends its namespace's strays (terminate_escaped)
 
 
-def enter_request_space(space: RequestSpace, others: int) -> None:
+def enter_request_space(space: RequestSpace, others: int, seccomp: bytes) -> None:
     """In a request's init, PID 1 of new mount, PID and IPC namespaces: a /proc of its own (what
     changes the host read-only), no further user namespaces, a fresh tmpfs for everything the
     request may write (sized by --disk-limit-bytes and --file-limit), its own message queues; then
     no capabilities, at most --process-limit processes and threads for what it forks (counted per
     uid in the container's user namespace, where `others` are the template's threads, the holder
-    and the init) and no core dumps."""
+    and the init), no core dumps, and last the seccomp filter (`install_seccomp_filter`), which no
+    later process can shed."""
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     own_gpus = os.listdir(NVIDIA_PROC_GPUS) if os.path.isdir(NVIDIA_PROC_GPUS) else []  # the container shows its own
     mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
@@ -987,7 +993,21 @@ def enter_request_space(space: RequestSpace, others: int) -> None:
     if space.processes:
         resource_limit("RLIMIT_NPROC", space.processes + others)
     resource_limit("RLIMIT_CORE", 0)
+    install_seccomp_filter(seccomp)
     SANDBOXED["worker"] = True
+
+
+
+def limit_private_memory(memory_bytes: int) -> None:
+    """RLIMIT_DATA: no process of the request may hold more than `memory_bytes` of private writable
+    memory beyond what it was forked with (this init's, the template's).  The front-end samples the
+    request's memory, all its kinds and processes together; between two samples a program that
+    asks for 3 GiB at once (`bytearray(3 << 30)`) would outrun it, and is refused here at once
+    instead (MemoryError).  CPU workers only: CUDA's driver maps private memory the request's
+    limit was never meant to count."""
+    with open("/proc/self/status", "rb") as f:
+        data = next(int(line.split()[1]) * 1024 for line in f if line.startswith(b"VmData:"))
+    resource_limit("RLIMIT_DATA", data + memory_bytes)
 
 
 def hide_other_gpu_folders(own: list[str], folder: str = NVIDIA_PROC_GPUS) -> None:
@@ -1041,6 +1061,100 @@ def wait_for_child(pid: int) -> int:
         done, status = os.waitpid(-1, 0)
         if done == pid:
             return status
+
+
+# --- the request's seccomp filter: kernel calls no program or GPU tool needs (docs/sandbox.md) ----
+
+# Denied with EPERM in every sandboxed request, by name -> (x86_64 number, aarch64 number; None where
+# the architecture has no such call).  What Docker's default profile denies an unprivileged
+# container, less what CUDA, ncu, compute-sanitizer, nvcc, g++ and Triton use (docs/sandbox.md
+# lists what was kept and why).
+SECCOMP_DENIED = {
+    # the kernel keyring: a key outlives its request and is readable by the next (same uid)
+    "keyctl": (250, 219), "add_key": (248, 217), "request_key": (249, 218),
+    # mounts and namespaces: a request's init has set up its space; nothing after it needs them
+    "mount": (165, 40), "umount2": (166, 39), "pivot_root": (155, 41), "mount_setattr": (442, 442),
+    "fsopen": (430, 430), "fsconfig": (431, 431), "fsmount": (432, 432), "fspick": (433, 433),
+    "open_tree": (428, 428), "move_mount": (429, 429), "unshare": (272, 97), "setns": (308, 268),
+    # large kernel surfaces, each a source of privilege escalations, that no tool here uses
+    "bpf": (321, 280), "userfaultfd": (323, 282), "perf_event_open": (298, 241),
+    "io_uring_setup": (425, 425), "io_uring_enter": (426, 426), "io_uring_register": (427, 427),
+    # file handles (the "shocker" escape), the host's clock, log, modules, swap, accounting, reboot
+    "name_to_handle_at": (303, 264), "open_by_handle_at": (304, 265),
+    "settimeofday": (164, 170), "clock_settime": (227, 112), "clock_adjtime": (305, 266),
+    "syslog": (103, 116), "init_module": (175, 105), "finit_module": (313, 273), "delete_module": (176, 106),
+    "kexec_load": (246, 104), "kexec_file_load": (320, 294), "reboot": (169, 142), "acct": (163, 89),
+    "swapon": (167, 224), "swapoff": (168, 225), "quotactl": (179, 60), "vhangup": (153, 58),
+    "fanotify_init": (300, 262), "kcmp": (312, 272), "lookup_dcookie": (212, 18), "nfsservctl": (180, 42),
+    # x86_64 only: I/O ports and obsolete calls
+    "iopl": (172, None), "ioperm": (173, None), "create_module": (174, None), "get_kernel_syms": (177, None),
+    "query_module": (178, None), "uselib": (134, None), "ustat": (136, None), "sysfs": (139, None),
+    "_sysctl": (156, None),
+}
+# the machine -> (its AUDIT_ARCH_ value, which column of SECCOMP_DENIED, the first number of another ABI
+# sharing it: x32's calls on x86_64, which must not slip past the table)
+SECCOMP_ARCHES = {"x86_64": (0xC000003E, 0, 0x40000000), "aarch64": (0xC00000B7, 1, None)}
+BPF_LOAD, BPF_JEQ, BPF_JGE, BPF_RETURN = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, ..|JGE|K, BPF_RET|K
+SECCOMP_ALLOW, SECCOMP_KILL_PROCESS, SECCOMP_ERRNO = 0x7FFF0000, 0x80000000, 0x00050000
+BPF_INSTRUCTION = struct.Struct("=HBBI")  # struct sock_filter
+
+
+def seccomp_filter(machine: str | None = None) -> bytes:
+    """The request's filter for this machine, as classic BPF: a call of another architecture (an
+    i386 binary's int 0x80) kills the process, each SECCOMP_DENIED call fails with EPERM, every
+    other call is allowed.  OSError on a machine without a table (the sandbox then does not start)."""
+    machine = machine or os.uname().machine
+    if machine not in SECCOMP_ARCHES:
+        raise OSError(errno.ENOSYS, f"no seccomp table for {machine} (only {', '.join(SECCOMP_ARCHES)})")
+    arch, column, foreign_abi = SECCOMP_ARCHES[machine]
+    numbers = sorted({number for pair in SECCOMP_DENIED.values() if (number := pair[column]) is not None})
+    checks: list[tuple[int, int]] = [(BPF_JGE, foreign_abi)] if foreign_abi is not None else []
+    checks += [(BPF_JEQ, number) for number in numbers]
+    program = [(BPF_LOAD, 0, 0, 4), (BPF_JEQ, 1, 0, arch), (BPF_RETURN, 0, 0, SECCOMP_KILL_PROCESS),
+               (BPF_LOAD, 0, 0, 0)]
+    # each check jumps, when it matches, over the checks after it and the ALLOW to the EPERM
+    program += [(code, len(checks) - i, 0, k) for i, (code, k) in enumerate(checks)]
+    program += [(BPF_RETURN, 0, 0, SECCOMP_ALLOW), (BPF_RETURN, 0, 0, SECCOMP_ERRNO | errno.EPERM)]
+    return b"".join(BPF_INSTRUCTION.pack(*instruction) for instruction in program)
+
+
+def install_seccomp_filter(program: bytes) -> None:
+    """Apply `program` to this process and everything it starts, for good (filters only stack up:
+    nothing a request runs can remove it).  no_new_privs first, as the kernel requires of a process
+    without CAP_SYS_ADMIN; it also keeps any set-uid file from gaining privileges.  OSError if the
+    kernel refuses, which ends the request's set-up: no request runs unfiltered."""
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+
+    libc_call("prctl", 38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
+    fprog = SockFprog(len(program) // BPF_INSTRUCTION.size, program)
+    libc_call("prctl", 22, 2, ctypes.byref(fprog), 0, 0)  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+
+
+def check_seccomp() -> None:
+    """For the server's start-up probe, inside a container: install the filter in a child and
+    confirm a keyring call is refused there -> SystemExit naming what failed otherwise."""
+    program = seccomp_filter()
+    child = os.fork()
+    if child == 0:
+        code = 3
+        try:
+            install_seccomp_filter(program)
+            code = 0 if keyring_call_refused() else 2
+        finally:
+            os._exit(code)
+    status = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
+    if status != 0:
+        raise SystemExit("the request's seccomp filter " + ("did not refuse keyctl" if status == 2 else
+                                                            "cannot be installed here (prctl PR_SET_SECCOMP)"))
+
+
+def keyring_call_refused() -> bool:
+    """Whether keyctl(KEYCTL_GET_KEYRING_ID, KEY_SPEC_USER_KEYRING, 0) fails with EPERM, as the
+    filter makes it (unfiltered, it answers the user keyring's id)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.syscall(SECCOMP_DENIED["keyctl"][SECCOMP_ARCHES[os.uname().machine][1]], 0, -4, 0) == -1 \
+        and ctypes.get_errno() == errno.EPERM
 
 
 # --- the worker process: start, serve requests, exit ----------------------------------------------
@@ -1563,9 +1677,17 @@ def limit_hint(exc: BaseException) -> str:
             return f" (the request's file limit, {space.f_files} files and directories, is reached: --file-limit)"
         return (f" (the request's disk limit, {space.f_blocks * space.f_frsize} bytes in its workspace, /tmp "
                 "and /dev/shm together, is reached: --disk-limit-bytes)")
+    if (errno.ENOMEM in errnos or any(isinstance(e, MemoryError) for e in chain)) and private_memory_limited():
+        return " (the request's memory limit, for one process's private memory, is reached: --memory-limit-bytes)"
     if errno.EAGAIN in errnos or any("can't start new thread" in str(e) for e in chain):
         return " (the request may have reached its limit of processes and threads: --process-limit)"
     return ""
+
+
+def private_memory_limited() -> bool:
+    """Whether this sandboxed process runs under `limit_private_memory`."""
+    import resource
+    return resource.getrlimit(resource.RLIMIT_DATA)[0] != resource.RLIM_INFINITY
 
 
 def passes_through_uploaded_code(exc: BaseException) -> bool:

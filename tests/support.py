@@ -1090,3 +1090,58 @@ def documented_log_events(server_doc):
             names = [set(re.findall(r"`(\w+)`", re.sub(r"\([^)]*\)", "", cell))) for cell in cells]
             events[cells[0].strip("`")] = (set(re.findall(r"[A-Z]+", cells[1])), names[2], names[3])
     return events
+
+
+def mem_available():
+    """The host's MemAvailable, in bytes."""
+    return meminfo()["MemAvailable"]
+
+
+def meminfo():
+    with open("/proc/meminfo") as f:
+        return {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[-1] == "kB"}
+
+
+def memory_held():
+    """What the host's processes hold, in bytes: anonymous memory, shared memory (memfd, shared
+    anonymous maps, System V, tmpfs) and page tables, with no page cache (which other work on the
+    host fills and the kernel drops as it likes)."""
+    info = meminfo()
+    return info["AnonPages"] + info["Shmem"] + info["PageTables"]
+
+
+class HostMemoryPeak:
+    """Samples `memory_held` every 2 ms while in use -> `peak`, the most it rose above what it was
+    before: all the memory an attack held, whatever its form (the host's truth, which no
+    per-process count can miss; other work on the host only ever adds to it)."""
+
+    def __init__(self):
+        self.before = self.highest = memory_held()
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.sample, daemon=True)
+
+    def sample(self):
+        while not self.done.wait(0.002):
+            self.highest = max(self.highest, memory_held())
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join()
+
+    @property
+    def peak(self):
+        return self.highest - self.before
+
+    def back_within(self, seconds, slack=128 << 20):
+        """Whether the memory held came back to within `slack` of where it was, within `seconds`."""
+        return wait_for(lambda: memory_held() <= self.before + slack, seconds, 0.01)
+
+
+def skip_without_memory(needed):
+    """Skip a memory attack the host has no room for (it must never push the host into its OOM killer)."""
+    if mem_available() < needed + (1 << 30):
+        pytest.skip(f"the host has {mem_available() >> 20} MiB available, the attack needs {needed >> 20} MiB more")
