@@ -2443,15 +2443,21 @@ def check_close(actual: Any, expected: Any, *, rtol: float = 1e-5, atol: float =
     """Compare a kernel's output with a reference, element by element (docs/server.md §5.3).
 
     `actual`, `expected`: torch tensors (any device) or NumPy arrays (anything numpy.asarray
-    takes).  An element is close when |actual - expected| <= atol + rtol * |expected|
-    (numpy.isclose; NaN equals NaN only with `equal_nan`); the shapes must be equal, the
-    dtypes may differ (both sides are compared as float64).  -> a report of JSON values only,
-    so a program can return it (a non-finite number is written as the string "nan", "inf"
+    takes).  When both hold integers or bool they are compared exactly, and `rtol`, `atol` do not
+    apply (the report's are 0): a float64 holds 53 bits, so two 64-bit integers that differ below
+    their top bits would compare equal as floats.  Otherwise both sides are compared as float64:
+    an element is close when |actual - expected| <= atol + rtol * |expected| (numpy.isclose; NaN
+    equals NaN only with `equal_nan`).  The shapes must be equal.  -> a report of JSON values
+    only, so a program can return it (a non-finite number is written as the string "nan", "inf"
     or "-inf").  With `raise_on_mismatch`, a report that is not ok raises
     ExecutionError("correctness", <its summary>) instead.
     """
-    a, actual_dtype = as_float64(actual)
-    e, expected_dtype = as_float64(expected)
+    (a, actual_dtype), (e, expected_dtype) = as_numpy(actual), as_numpy(expected)
+    exact = is_integral(a) and is_integral(e)
+    if exact:
+        rtol = atol = 0.0
+    else:
+        a, e = a.astype("float64"), e.astype("float64")
     report: dict[str, Any] = {"ok": False, "shape": list(a.shape), "expected_shape": list(e.shape),
                               "dtype": actual_dtype, "expected_dtype": expected_dtype, "total": int(e.size),
                               "mismatches": None, "mismatch_fraction": None, "max_abs_error": None,
@@ -2459,6 +2465,8 @@ def check_close(actual: Any, expected: Any, *, rtol: float = 1e-5, atol: float =
                               "nonfinite_mismatches": None, "first_mismatches": [], "spread_mismatches": []}
     if a.shape != e.shape:
         report["summary"] = f"check_close: shape {list(a.shape)} differs from the expected {list(e.shape)}"
+    elif exact:
+        report.update(exact_mismatch_report(a, e, max_reported))
     else:
         report.update(mismatch_report(a, e, rtol, atol, equal_nan, max_reported))
     if raise_on_mismatch and not report["ok"]:
@@ -2466,14 +2474,49 @@ def check_close(actual: Any, expected: Any, *, rtol: float = 1e-5, atol: float =
     return report
 
 
-def as_float64(value: Any) -> tuple[Any, str]:
-    """A torch tensor (any device; bfloat16 and float8 have no NumPy view) or anything numpy.asarray
-    takes -> (a float64 NumPy array, the original dtype's name)."""
+def as_numpy(value: Any) -> tuple[Any, str]:
+    """A torch tensor (any device; a floating one as float64, since bfloat16 and float8 have no NumPy
+    view) or anything numpy.asarray takes -> (a NumPy array, the original dtype's name)."""
     import numpy
     if hasattr(value, "detach") and hasattr(value, "cpu"):
-        return value.detach().cpu().double().numpy(), str(value.dtype).removeprefix("torch.")
+        host = value.detach().cpu()
+        return (host.double() if host.is_floating_point() else host).numpy(), str(value.dtype).removeprefix("torch.")
     array = numpy.asarray(value)
-    return array.astype(numpy.float64), array.dtype.name
+    return array, array.dtype.name
+
+
+def is_integral(array: Any) -> bool:
+    return bool(array.dtype.kind in "biu")
+
+
+def exact_equal(a: Any, e: Any) -> Any:
+    """a == e element by element for integer or bool arrays, without NumPy's promotion of int64
+    against uint64 to float64."""
+    import numpy
+    if a.dtype == e.dtype:
+        return a == e
+    if numpy.can_cast(a.dtype, numpy.int64) and numpy.can_cast(e.dtype, numpy.int64):
+        return a.astype(numpy.int64) == e.astype(numpy.int64)
+    # one side is uint64: equal where the signs agree and so do the 64 bits
+    return (a.astype(numpy.uint64) == e.astype(numpy.uint64)) & ((a < 0) == (e < 0))
+
+
+def exact_mismatch_report(a: Any, e: Any, max_reported: int) -> dict[str, Any]:
+    """check_close's comparison of two integer or bool arrays of one shape: exact, the errors as
+    Python integers (computed for the differing elements only: no overflow, no rounding)."""
+    import numpy
+    wrong = numpy.flatnonzero(~exact_equal(a, e))
+    actual, expected = a.reshape(-1)[wrong].tolist(), e.reshape(-1)[wrong].tolist()  # Python ints and bools
+    abs_error = [abs(int(x) - int(y)) for x, y in zip(actual, expected)]
+    rel_error = [d / abs(int(y)) if y else 0.0 for d, y in zip(abs_error, expected)]
+
+    def element(k: int) -> dict[str, Any]:
+        return {"index": [int(i) for i in numpy.unravel_index(int(wrong[k]), a.shape)], "actual": actual[k],
+                "expected": expected[k], "abs_error": abs_error[k]}
+    worst = max(range(len(wrong)), key=abs_error.__getitem__, default=None)
+    return listed_mismatches(len(wrong), int(e.size), element, worst, None if worst is None else rel_error[worst],
+                             max(abs_error, default=0),
+                             max(rel_error, default=0.0), {"nan": 0, "inf": 0}, max_reported, "exact")
 
 
 def json_number(x: Any) -> float | str:
@@ -2483,10 +2526,8 @@ def json_number(x: Any) -> float | str:
 
 
 def mismatch_report(a: Any, e: Any, rtol: float, atol: float, equal_nan: bool, max_reported: int) -> dict[str, Any]:
-    """The comparison of two float64 arrays of one shape, as check_close reports it: which elements
-    differ, the worst (furthest outside the tolerance; a NaN or infinity first), the first ones and
-    some spread evenly over all of them (a bug in the last column shows up however many tiny
-    rounding differences come before it), and a one-line `summary` saying all that."""
+    """The comparison of two float64 arrays of one shape, as check_close reports it (listed_mismatches);
+    the worst element is the one furthest outside the tolerance, a NaN or infinity first."""
     import numpy
     with numpy.errstate(invalid="ignore", divide="ignore", over="ignore"):  # inf - inf, x / 0: judged below
         close = numpy.isclose(a, e, rtol=rtol, atol=atol, equal_nan=equal_nan)
@@ -2498,32 +2539,41 @@ def mismatch_report(a: Any, e: Any, rtol: float, atol: float, equal_nan: bool, m
     wrong = numpy.flatnonzero(~close)
     flat_excess = numpy.where(numpy.isfinite(excess), excess, numpy.inf).reshape(-1)  # NaN counts as worst
 
-    def element(flat: int) -> dict[str, Any]:
-        index = numpy.unravel_index(flat, a.shape)
+    def element(k: int) -> dict[str, Any]:
+        index = numpy.unravel_index(int(wrong[k]), a.shape)
         return {"index": [int(i) for i in index], "actual": json_number(a[index]),
                 "expected": json_number(e[index]), "abs_error": json_number(abs_error[index])}
-
-    spread = wrong[numpy.unique(numpy.linspace(0, wrong.size - 1, min(max_reported, wrong.size)).astype(int))]
     nonfinite = {"nan": int(numpy.isnan(a.reshape(-1)[wrong]).sum()),
                  "inf": int(numpy.isinf(a.reshape(-1)[wrong]).sum())}
-    worst = None
-    if wrong.size:
-        flat = int(wrong[numpy.argmax(flat_excess[wrong])])
-        worst = {**element(flat), "rel_error": json_number(rel_error.reshape(-1)[flat])}
-    report = {"ok": not wrong.size, "mismatches": int(wrong.size),
-              "mismatch_fraction": wrong.size / e.size if e.size else 0.0,
-              "max_abs_error": json_number(abs_error.max(initial=0.0)),
-              "max_rel_error": json_number(rel_error.max(initial=0.0)), "worst": worst,
+    worst = int(numpy.argmax(flat_excess[wrong])) if wrong.size else None
+    worst_rel = None if worst is None else json_number(rel_error.reshape(-1)[wrong[worst]])
+    return listed_mismatches(wrong.size, e.size, element, worst, worst_rel, json_number(abs_error.max(initial=0.0)),
+                             json_number(rel_error.max(initial=0.0)),
+                             nonfinite, max_reported, f"rtol={rtol:g}, atol={atol:g}")
+
+
+def listed_mismatches(count: int, total: int, element: Callable[[int], dict[str, Any]], worst: int | None,
+                      worst_rel: float | str | None, max_abs: float | str, max_rel: float | str,
+                      nonfinite: dict[str, int], max_reported: int, criterion: str) -> dict[str, Any]:
+    """check_close's report of the `count` differing elements (`element(k)`, k in 0..count-1, in
+    order): the worst, the first ones and some spread evenly over all of them (a bug in the last
+    column shows up however many tiny rounding differences come before it), and a one-line
+    `summary` saying all that."""
+    import numpy
+    spread = numpy.unique(numpy.linspace(0, count - 1, min(max_reported, count)).astype(int)) if count else []
+    report = {"ok": not count, "mismatches": int(count), "mismatch_fraction": count / total if total else 0.0,
+              "max_abs_error": max_abs, "max_rel_error": max_rel,
+              "worst": None if worst is None else {**element(worst), "rel_error": worst_rel},
               "nonfinite_mismatches": nonfinite,
-              "first_mismatches": [element(int(flat)) for flat in wrong[:max_reported]],
-              "spread_mismatches": [element(int(flat)) for flat in spread] if max_reported > 0 else []}
-    report["summary"] = mismatch_summary(report, e.size, rtol, atol)
+              "first_mismatches": [element(k) for k in range(min(count, max_reported))],
+              "spread_mismatches": [element(int(k)) for k in spread] if max_reported > 0 else []}
+    report["summary"] = mismatch_summary(report, total, criterion)
     return report
 
 
-def mismatch_summary(report: dict[str, Any], total: int, rtol: float, atol: float) -> str:
+def mismatch_summary(report: dict[str, Any], total: int, criterion: str) -> str:
     """check_close's one line: how many differ, the worst element, the non-finite ones, a spread sample."""
-    line = f"check_close: {report['mismatches']} of {total} elements differ (rtol={rtol:g}, atol={atol:g})"
+    line = f"check_close: {report['mismatches']} of {total} elements differ ({criterion})"
     if not report["mismatches"]:
         return line
     worst = report["worst"]
