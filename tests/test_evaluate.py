@@ -601,19 +601,21 @@ def test_the_other_kernels_whole_group_is_stopped_while_one_runs():
     stopped (the helper too, waited for) while the reference runs, and continued afterwards."""
     process = kcoral_worker.KernelProcess("candidate", SPAWNS_A_SPINNER, "kernel", False, 30)
     try:
-        process.loaded()
+        process.loaded()  # and stopped, as a kernel process is outside its turns
+        process.resume()
         with open(f"/proc/{process.proc.pid}/task/{process.proc.pid}/children") as f:
             (spinner,) = map(int, f.read().split())
 
         def states():
             return [kcoral_worker.proc_stat(pid)[0] for pid in (process.proc.pid, spinner)]
         assert states()[1] in (b"R", b"S")
-        with process.stopped():
-            assert states()[0] == b"T"
-            deadline = time.monotonic() + 5  # the helper's stop is delivered, not awaited: it follows at once
-            while states()[1] != b"T" and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert states()[1] == b"T"
+        process.halt()
+        assert states()[0] == b"T"
+        deadline = time.monotonic() + 5  # the helper's stop is delivered, not awaited: it follows at once
+        while states()[1] != b"T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert states()[1] == b"T"
+        process.resume()
         assert b"T" not in states()
     finally:
         process.close()  # SIGKILL to the group: the helper dies too, once it next runs
