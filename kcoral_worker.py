@@ -3257,16 +3257,28 @@ class KernelProcess:
         finally:
             self.halt()
         elapsed = (time.perf_counter() - start) * 1e3
+        for results in done:
+            for spec in results:
+                self.result_size(spec)
         return done, elapsed
+
+    def result_size(self, spec: dict) -> int:
+        """The bytes of a result spec the process sent (its address an integer): KernelFailed otherwise."""
+        try:
+            if type(spec) is not dict or type(spec.get("address")) is not int:
+                raise UnexpectedMessage(f"a result described as {spec!r:.200}")
+            return value_size(spec, EVAL_SPEC_KEYS | {"address"})
+        except UnexpectedMessage as exc:
+            raise KernelFailed(f"the {self.role}'s process broke the channel: {exc}") from None
 
     def read_results(self, layout: list[dict]) -> list[EvalValue]:
         """One call's results, read out of the stopped process's memory (process_vm_readv)."""
-        keys = EVAL_SPEC_KEYS | {"address"}
         values, budget = [], EVAL_MAX_BYTES
         for spec in layout:
-            size = value_size(spec, keys)
-            if type(spec["address"]) is not int or size > budget:
-                raise KernelFailed(f"the {self.role}'s process broke the channel: results described as {spec!r:.200}")
+            size = self.result_size(spec)
+            if size > budget:
+                raise KernelFailed(f"the {self.role}'s process broke the channel: values of more than "
+                                   f"{EVAL_MAX_BYTES} bytes")
             budget -= size
             try:
                 data = read_process_memory(self.proc.pid, spec["address"], size)

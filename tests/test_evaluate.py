@@ -256,8 +256,8 @@ import sys
 import time
 
 def kernel(x, y):
-    frame = json.dumps({"type": "EvalOutputs", "error": None,
-                        "values": [{"kind": "numpy", "dtype": "float32", "shape": [1 << 40], "device": "cpu"}]}).encode()
+    frame = json.dumps({"type": "EvalDone", "error": None, "calls": [[{"kind": "numpy", "dtype": "float32",
+                        "shape": [1 << 40], "device": "cpu", "address": 4096}]]}).encode()
     os.write(int(sys.argv[2]), struct.pack("!I", len(frame)) + frame)  # the channel's descriptor
     time.sleep(60)
 """
@@ -559,7 +559,8 @@ def test_the_worst_element_is_check_closes_a_nan_first_then_the_furthest_out():
 def test_a_captured_graph_takes_new_tensors_but_not_new_python_values():
     """cuda_graph's input handling, with tensors on the CPU standing in for the captured buffers."""
     import torch
-    kernel = kcoral_worker.KernelUnderTest(kcoral_worker.EvalLoad("def kernel(x, s):\n    return x * s\n", "kernel", True))
+    kernel = kcoral_worker.KernelUnderTest(kcoral_worker.EvalLoad("def kernel(x, s):\n    return x * s\n", "kernel", True,
+                                                                    False))
     static = torch.zeros(3)
     kernel.set_inputs([static, 2.0])
     kernel.graph = "captured"  # from now on the inputs are copied into the captured buffers
