@@ -3506,8 +3506,9 @@ class Evaluation:
                         f"checked {k + 1} before this one (a cache keyed on something that repeats, such as its "
                         "inputs' address)")
         if self.passed:
-            return (f"; the {self.passed} calls checked before were right: most likely it behaves differently from "
-                    "some point on (once timed, or after some number of calls)")
+            before = f"{self.passed} calls checked before were" if self.passed > 1 else "call checked before was"
+            return (f"; the {before} right: most likely it behaves differently from some point on (once timed, "
+                    "or after some number of calls)")
         return ""
 
     def race(self) -> dict[str, Any]:

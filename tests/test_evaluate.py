@@ -681,3 +681,133 @@ def test_a_helper_outside_the_candidates_group_is_flagged(tmp_path):
         assert str(helper) in verdict["flags"]["foreign_processes"], verdict["flags"]
     finally:
         os.kill(helper, 9)
+
+
+# --- round 2: exact integers, cheats aimed at the shared-memory rounds, likely causes ---------------
+
+HASH_REFERENCE = """
+import numpy
+
+def kernel(x):
+    return x * numpy.int64(0x5851F42D4C957F2D) ^ (x >> numpy.int64(29))  # wraps: a 64-bit hash
+"""
+
+HASH_IN_FLOAT64 = """
+import numpy
+
+def kernel(x):  # the same hash, but through float64: only 53 bits survive
+    exact = x * numpy.int64(0x5851F42D4C957F2D) ^ (x >> numpy.int64(29))
+    return exact.astype(numpy.float64).astype(numpy.int64)
+"""
+
+WRITES_AFTER_DONE = """
+import threading
+import time
+
+import numpy
+
+def kernel(x, y):
+    out = numpy.zeros_like(x)
+
+    def finish():
+        time.sleep({delay})
+        out[:] = numpy.sqrt(x) * y + 1.0
+    threading.Thread(target=finish).start()
+    return out  # "done" at once: the work lands after the answer
+"""
+
+CACHED_BY_POINTER = """
+import numpy
+
+cache = {}
+
+def kernel(x, y):
+    key = (x.ctypes.data, y.ctypes.data)  # the same buffer, so the same answer: not in a fresh round
+    if key not in cache:
+        cache[key] = numpy.sqrt(x) * y + 1.0
+    return cache[key]
+"""
+
+KEEPS_A_MAPPING = """
+import threading
+import time
+
+import numpy
+
+kept, answers = [], {}
+
+def precompute():  # watches the buffers of its first call for the next inputs, to answer before it is asked
+    while True:
+        x, y = kept[0]
+        key = x[:8].tobytes()
+        if key not in answers:
+            answer = numpy.sqrt(x) * y + 1.0
+            time.sleep(0.002)  # longer than the path from the go message to the call
+            answers[key] = answer
+        time.sleep(0.0001)
+
+def kernel(x, y):
+    if not kept:
+        kept.append((x, y))
+        threading.Thread(target=precompute, daemon=True).start()
+        return numpy.sqrt(x) * y + 1.0
+    return answers.get(x[:8].tobytes(), numpy.zeros_like(x))
+"""
+
+
+def make_pair(seed):
+    import numpy
+    rng = numpy.random.default_rng(seed)
+    return rng.random(4096, dtype=numpy.float32), rng.random(4096, dtype=numpy.float32)
+
+
+def evaluate_here(candidate, reference=HONEST, make_inputs=make_pair, **options):
+    """evaluate in this test's process (no server): the cheats aimed at its rounds."""
+    return kcoral_worker.evaluate(candidate, reference, make_inputs, **{**QUICK, **options})
+
+
+def test_a_64_bit_hash_that_keeps_53_bits_is_incorrect():
+    """Integers compare exactly: through float64 4 078 of 4 096 elements differ, and the verdict says so."""
+    import numpy
+
+    def make_keys(seed):
+        return numpy.random.default_rng(seed).integers(0, 1 << 62, size=4096, dtype=numpy.int64)
+    verdict = evaluate_here(HASH_IN_FLOAT64, HASH_REFERENCE, make_keys, timing=False)
+    assert verdict["status"] == "incorrect", verdict["message"]
+    assert "elements differ (exact)" in verdict["message"] and verdict["mismatch"]["mismatches"] > 4000
+    assert evaluate_here(HASH_REFERENCE, HASH_REFERENCE, make_keys, timing=False)["status"] == "correct"
+
+
+def test_writing_the_outputs_after_done_is_caught_and_named():
+    """The clock stops once the candidate is stopped, and its results are read while it is: work that
+    lands after its answer is not there.  The verdict says so, having let it run on and read again."""
+    verdict = evaluate_here(WRITES_AFTER_DONE.format(delay=0.01))
+    assert_fails(verdict, "incorrect", "elements differ", "most likely work still running after it said it was done")
+
+
+def test_racing_the_stop_wins_nothing():
+    """A thread that starts at once may finish before the stop lands: then its work was inside the
+    window (the clock runs until the process is stopped); otherwise it is caught."""
+    verdict = evaluate_here(WRITES_AFTER_DONE.format(delay=0), budget_ms=500)
+    if verdict["status"] == "correct":
+        timing = verdict["timing"]
+        assert timing["candidate_ms"] > 0.5 * timing["reference_ms"], timing
+    else:
+        assert verdict["status"] == "incorrect" and "elements differ" in verdict["message"], verdict
+
+
+def test_a_result_cached_by_data_pointer_is_caught_and_named():
+    """The region is reused, so the pointer repeats; the inputs do not."""
+    assert_fails(evaluate_here(CACHED_BY_POINTER), "incorrect", "on input set 2",
+                 "most likely a result kept from an earlier call")
+
+
+def test_keeping_a_mapping_of_earlier_buffers_sees_no_input_before_the_clock():
+    """Its kept views show each round's inputs, but those are written while it is stopped, and it
+    runs again only on the clock: its watcher never answers first."""
+    assert_fails(evaluate_here(KEEPS_A_MAPPING), "incorrect", "elements differ")
+
+
+def test_a_wrong_answer_after_right_ones_says_so():
+    verdict = evaluate_here(FIRST_INPUT_SET_ONLY)
+    assert_fails(verdict, "incorrect", "on input set 2", "the call checked before was right: most likely it behaves")
