@@ -25,7 +25,8 @@ sends as hostile input:
     front-end -> sandbox template   RequestSpace           once, its start-up argument
                                     ForkWorker + the worker's pipe as a passed fd
     sandbox template -> front-end   WorkerReady once, then WorkerForked and WorkerExited per worker
-    evaluate -> kernel process      EvalLoad, EvalCall, EvalSendInputs, each answered by EvalOutputs
+    evaluate -> kernel process      EvalLoad and EvalPublish, answered by EvalOutputs; EvalStage (+ a
+                                    region's memfd as a passed fd), EvalGo, EvalInputsBack, answered by EvalDone
 
 Payloads travel raw.  The front-end stages the request's blobs back to back in one
 sealed memfd (indexed by hash in JobRequest.blob_index, passed when the worker sends
@@ -2783,10 +2784,13 @@ def activity_spans(records: list[Activity], windows: list[tuple[int, int]],
 # --- kcoral.builtins.evaluate: a verdict the kernel under test cannot forge (docs/evaluate.md) ----
 #
 # The candidate, and for a fair race the reference, each run in a kernel process of their own,
-# started afresh (`python -I`: nothing of this process's memory), that receives every call's
-# inputs as raw bytes and answers with its outputs as raw bytes.  The seeds, the clock, the
-# comparison and the verdict stay in the process that called evaluate, which never runs the
-# candidate's code: what the candidate patches, reads or leaves running is in its own process.
+# started afresh (`python -I`: nothing of this process's memory).  Its arguments lie in shared
+# memory this process creates and writes while the kernel process is stopped; the clock runs from
+# the SIGCONT that lets it start a round to the moment it is stopped again, having said it was
+# done; its results are then read out of its memory (the candidate's) or sent by it (the trusted
+# reference's), and its arguments read back, bit for bit.  The seeds, the clock, the comparison
+# and the verdict stay in the process that called evaluate, which never runs the candidate's
+# code: what the candidate patches, reads or leaves running is in its own process.
 
 @message
 class EvalLoad:
