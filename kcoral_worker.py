@@ -3529,8 +3529,8 @@ class Evaluation:
             warm += 1
             call_bytes = self.round(f"warm-up round {warm}", calls, warming)  # the same protocol as a timed one
             estimates.append((warming["reference"][-1] - warming["echo"][-1]) / calls)
-            # the fastest round so far: the first ones pay for first touches
-            calls = calls_per_round(min(estimates), call_bytes, opts["round_ms"])
+            # the median of the rounds after the first, which pays for first touches
+            calls = calls_per_round(median(estimates[1:] or estimates), call_bytes, opts["round_ms"])
         start, stopped = time.perf_counter(), "max_rounds"
         for index in range(opts["max_rounds"]):
             self.round(f"timed round {index + 1}", calls, samples)
