@@ -2857,6 +2857,7 @@ EVAL_FRAME_BYTES = 1 << 20  # one answer's frame: specs only, the bytes follow i
 EVAL_ROUND_BYTES = 512 << 20
 EVAL_MAX_CALLS = 1000  # calls per round, whatever the kernel's time: make_inputs runs once per call
 EVAL_ALIGN = 64  # each tensor in the region starts at a cache line
+EVAL_MAX_WARMUP_ROUNDS = 10  # past them, the calls per round stay as they are
 # rtol, atol per output dtype when the caller sets none: torch.testing.assert_close's defaults,
 # float8's from its mantissa (3 and 2 bits); integers and bool compare exactly (check_close)
 EVAL_TOLERANCES = {"float64": (1e-7, 1e-7), "float32": (1.3e-6, 1e-5), "float16": (1e-3, 1e-5),
@@ -3524,13 +3525,17 @@ class Evaluation:
         samples: dict[str, list[float]] = {"reference": [], "candidate": [], "echo": []}
         warming: dict[str, list[float]] = {k: [] for k in samples}
         estimates: list[float] = []
-        calls, warm, start = 1, 0, time.perf_counter()
-        while warm < 2 or time.perf_counter() - start < opts["warmup_ms"] / 1e3:
+        calls, warm, settled, start = 1, 0, 0, time.perf_counter()
+        # at least 2 rounds at the final calls per round: a round of more calls than before
+        # allocates memory whose first touches (page faults) would be timed otherwise
+        while settled < 2 or time.perf_counter() - start < opts["warmup_ms"] / 1e3:
             warm += 1
             call_bytes = self.round(f"warm-up round {warm}", calls, warming)  # the same protocol as a timed one
             estimates.append((warming["reference"][-1] - warming["echo"][-1]) / calls)
             # the median of the rounds after the first, which pays for first touches
-            calls = calls_per_round(median(estimates[1:] or estimates), call_bytes, opts["round_ms"])
+            wanted = calls_per_round(median(estimates[1:] or estimates), call_bytes, opts["round_ms"])
+            settled = settled + 1 if wanted <= calls or warm >= EVAL_MAX_WARMUP_ROUNDS else 0
+            calls = max(calls, wanted) if warm < EVAL_MAX_WARMUP_ROUNDS else calls
         start, stopped = time.perf_counter(), "max_rounds"
         for index in range(opts["max_rounds"]):
             self.round(f"timed round {index + 1}", calls, samples)
