@@ -2561,7 +2561,7 @@ def listed_mismatches(count: int, total: int, element: Callable[[int], dict[str,
     column shows up however many tiny rounding differences come before it), and a one-line
     `summary` saying all that."""
     import numpy
-    spread = numpy.unique(numpy.linspace(0, count - 1, min(max_reported, count)).astype(int)) if count else []
+    spread: Any = numpy.unique(numpy.linspace(0, count - 1, min(max_reported, count)).astype(int)) if count else []
     report = {"ok": not count, "mismatches": int(count), "mismatch_fraction": count / total if total else 0.0,
               "max_abs_error": max_abs, "max_rel_error": max_rel,
               "worst": None if worst is None else {**element(worst), "rel_error": worst_rel},
@@ -3315,7 +3315,7 @@ class KernelProcess:
         deadline = time.monotonic() + self.timeout
         try:
             msg = receive_message(self.conn, EVAL_FRAME_BYTES, deadline)[0]
-            if not isinstance(msg, expected):
+            if not isinstance(msg, (EvalOutputs, EvalDone)) or not isinstance(msg, expected):
                 raise UnexpectedMessage(f"{type(msg).__name__} where {expected.__name__} was expected")
             if msg.error is not None:
                 raise KernelFailed(f"the {self.role} raised {msg.error}")
