@@ -2996,7 +2996,7 @@ class SharedRegion:
         view = memoryview(self.map)
         try:
             for i, (offset, value) in enumerate(placed):
-                if view[offset:offset + len(value.data)] != memoryview(value.data).cast("B"):
+                if not same_bytes(view[offset:offset + len(value.data)], value.data):
                     return i
             return None
         finally:
@@ -3005,6 +3005,14 @@ class SharedRegion:
     def close(self) -> None:
         self.map.close()
         os.close(self.fd)
+
+
+def same_bytes(a: Buffer, b: Buffer) -> bool:
+    """Two buffers' bytes equal, compared at memcmp's speed (a memoryview comparison goes element by
+    element through Python's struct rules: about 100 MB/s)."""
+    import numpy
+    x, y = (numpy.frombuffer(v, dtype=numpy.uint8) for v in (a, b))
+    return x.size == y.size and bool(numpy.array_equal(x, y))
 
 
 class IoVec(ctypes.Structure):
@@ -3619,7 +3627,7 @@ def compare_outputs(actual: list[EvalValue], expected: list[EvalValue], options:
     same_form([a.spec() for a in actual], expected, where)
     reports = []
     for i, (a, e) in enumerate(zip(actual, expected)):
-        if not full and memoryview(a.data).cast("B") == memoryview(e.data).cast("B"):
+        if not full and same_bytes(a.data, e.data):
             continue
         rtol, atol = tolerance(e.dtype, options)
         report = check_close(a.build("cpu", copy=False), e.build("cpu", copy=False), rtol=rtol, atol=atol,
