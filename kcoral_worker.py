@@ -25,7 +25,8 @@ sends as hostile input:
     front-end -> sandbox template   RequestSpace           once, its start-up argument
                                     ForkWorker + the worker's pipe as a passed fd
     sandbox template -> front-end   WorkerReady once, then WorkerForked and WorkerExited per worker
-    evaluate -> kernel process      EvalLoad, EvalCall, EvalSendInputs, each answered by EvalOutputs
+    evaluate -> kernel process      EvalLoad and EvalPublish, answered by EvalOutputs; EvalStage (+ a
+                                    region's memfd as a passed fd), EvalGo, EvalInputsBack, answered by EvalDone
 
 Payloads travel raw.  The front-end stages the request's blobs back to back in one
 sealed memfd (indexed by hash in JobRequest.blob_index, passed when the worker sends
@@ -2565,15 +2566,21 @@ def check_close(actual: Any, expected: Any, *, rtol: float = 1e-5, atol: float =
     """Compare a kernel's output with a reference, element by element (docs/server.md §5.3).
 
     `actual`, `expected`: torch tensors (any device) or NumPy arrays (anything numpy.asarray
-    takes).  An element is close when |actual - expected| <= atol + rtol * |expected|
-    (numpy.isclose; NaN equals NaN only with `equal_nan`); the shapes must be equal, the
-    dtypes may differ (both sides are compared as float64).  -> a report of JSON values only,
-    so a program can return it (a non-finite number is written as the string "nan", "inf"
+    takes).  When both hold integers or bool they are compared exactly, and `rtol`, `atol` do not
+    apply (the report's are 0): a float64 holds 53 bits, so two 64-bit integers that differ below
+    their top bits would compare equal as floats.  Otherwise both sides are compared as float64:
+    an element is close when |actual - expected| <= atol + rtol * |expected| (numpy.isclose; NaN
+    equals NaN only with `equal_nan`).  The shapes must be equal.  -> a report of JSON values
+    only, so a program can return it (a non-finite number is written as the string "nan", "inf"
     or "-inf").  With `raise_on_mismatch`, a report that is not ok raises
     ExecutionError("correctness", <its summary>) instead.
     """
-    a, actual_dtype = as_float64(actual)
-    e, expected_dtype = as_float64(expected)
+    (a, actual_dtype), (e, expected_dtype) = as_numpy(actual), as_numpy(expected)
+    exact = is_integral(a) and is_integral(e)
+    if exact:
+        rtol = atol = 0.0
+    else:
+        a, e = a.astype("float64"), e.astype("float64")
     report: dict[str, Any] = {"ok": False, "shape": list(a.shape), "expected_shape": list(e.shape),
                               "dtype": actual_dtype, "expected_dtype": expected_dtype, "total": int(e.size),
                               "mismatches": None, "mismatch_fraction": None, "max_abs_error": None,
@@ -2581,6 +2588,8 @@ def check_close(actual: Any, expected: Any, *, rtol: float = 1e-5, atol: float =
                               "nonfinite_mismatches": None, "first_mismatches": [], "spread_mismatches": []}
     if a.shape != e.shape:
         report["summary"] = f"check_close: shape {list(a.shape)} differs from the expected {list(e.shape)}"
+    elif exact:
+        report.update(exact_mismatch_report(a, e, max_reported))
     else:
         report.update(mismatch_report(a, e, rtol, atol, equal_nan, max_reported))
     if raise_on_mismatch and not report["ok"]:
@@ -2588,14 +2597,49 @@ def check_close(actual: Any, expected: Any, *, rtol: float = 1e-5, atol: float =
     return report
 
 
-def as_float64(value: Any) -> tuple[Any, str]:
-    """A torch tensor (any device; bfloat16 and float8 have no NumPy view) or anything numpy.asarray
-    takes -> (a float64 NumPy array, the original dtype's name)."""
+def as_numpy(value: Any) -> tuple[Any, str]:
+    """A torch tensor (any device; a floating one as float64, since bfloat16 and float8 have no NumPy
+    view) or anything numpy.asarray takes -> (a NumPy array, the original dtype's name)."""
     import numpy
     if hasattr(value, "detach") and hasattr(value, "cpu"):
-        return value.detach().cpu().double().numpy(), str(value.dtype).removeprefix("torch.")
+        host = value.detach().cpu()
+        return (host.double() if host.is_floating_point() else host).numpy(), str(value.dtype).removeprefix("torch.")
     array = numpy.asarray(value)
-    return array.astype(numpy.float64), array.dtype.name
+    return array, array.dtype.name
+
+
+def is_integral(array: Any) -> bool:
+    return bool(array.dtype.kind in "biu")
+
+
+def exact_equal(a: Any, e: Any) -> Any:
+    """a == e element by element for integer or bool arrays, without NumPy's promotion of int64
+    against uint64 to float64."""
+    import numpy
+    if a.dtype == e.dtype:
+        return a == e
+    if numpy.can_cast(a.dtype, numpy.int64) and numpy.can_cast(e.dtype, numpy.int64):
+        return a.astype(numpy.int64) == e.astype(numpy.int64)
+    # one side is uint64: equal where the signs agree and so do the 64 bits
+    return (a.astype(numpy.uint64) == e.astype(numpy.uint64)) & ((a < 0) == (e < 0))
+
+
+def exact_mismatch_report(a: Any, e: Any, max_reported: int) -> dict[str, Any]:
+    """check_close's comparison of two integer or bool arrays of one shape: exact, the errors as
+    Python integers (computed for the differing elements only: no overflow, no rounding)."""
+    import numpy
+    wrong = numpy.flatnonzero(~exact_equal(a, e))
+    actual, expected = a.reshape(-1)[wrong].tolist(), e.reshape(-1)[wrong].tolist()  # Python ints and bools
+    abs_error = [abs(int(x) - int(y)) for x, y in zip(actual, expected)]
+    rel_error = [d / abs(int(y)) if y else 0.0 for d, y in zip(abs_error, expected)]
+
+    def element(k: int) -> dict[str, Any]:
+        return {"index": [int(i) for i in numpy.unravel_index(int(wrong[k]), a.shape)], "actual": actual[k],
+                "expected": expected[k], "abs_error": abs_error[k]}
+    worst = max(range(len(wrong)), key=abs_error.__getitem__, default=None)
+    return listed_mismatches(len(wrong), int(e.size), element, worst, None if worst is None else rel_error[worst],
+                             max(abs_error, default=0),
+                             max(rel_error, default=0.0), {"nan": 0, "inf": 0}, max_reported, "exact")
 
 
 def json_number(x: Any) -> float | str:
@@ -2605,10 +2649,8 @@ def json_number(x: Any) -> float | str:
 
 
 def mismatch_report(a: Any, e: Any, rtol: float, atol: float, equal_nan: bool, max_reported: int) -> dict[str, Any]:
-    """The comparison of two float64 arrays of one shape, as check_close reports it: which elements
-    differ, the worst (furthest outside the tolerance; a NaN or infinity first), the first ones and
-    some spread evenly over all of them (a bug in the last column shows up however many tiny
-    rounding differences come before it), and a one-line `summary` saying all that."""
+    """The comparison of two float64 arrays of one shape, as check_close reports it (listed_mismatches);
+    the worst element is the one furthest outside the tolerance, a NaN or infinity first."""
     import numpy
     with numpy.errstate(invalid="ignore", divide="ignore", over="ignore"):  # inf - inf, x / 0: judged below
         close = numpy.isclose(a, e, rtol=rtol, atol=atol, equal_nan=equal_nan)
@@ -2620,32 +2662,41 @@ def mismatch_report(a: Any, e: Any, rtol: float, atol: float, equal_nan: bool, m
     wrong = numpy.flatnonzero(~close)
     flat_excess = numpy.where(numpy.isfinite(excess), excess, numpy.inf).reshape(-1)  # NaN counts as worst
 
-    def element(flat: int) -> dict[str, Any]:
-        index = numpy.unravel_index(flat, a.shape)
+    def element(k: int) -> dict[str, Any]:
+        index = numpy.unravel_index(int(wrong[k]), a.shape)
         return {"index": [int(i) for i in index], "actual": json_number(a[index]),
                 "expected": json_number(e[index]), "abs_error": json_number(abs_error[index])}
-
-    spread = wrong[numpy.unique(numpy.linspace(0, wrong.size - 1, min(max_reported, wrong.size)).astype(int))]
     nonfinite = {"nan": int(numpy.isnan(a.reshape(-1)[wrong]).sum()),
                  "inf": int(numpy.isinf(a.reshape(-1)[wrong]).sum())}
-    worst = None
-    if wrong.size:
-        flat = int(wrong[numpy.argmax(flat_excess[wrong])])
-        worst = {**element(flat), "rel_error": json_number(rel_error.reshape(-1)[flat])}
-    report = {"ok": not wrong.size, "mismatches": int(wrong.size),
-              "mismatch_fraction": wrong.size / e.size if e.size else 0.0,
-              "max_abs_error": json_number(abs_error.max(initial=0.0)),
-              "max_rel_error": json_number(rel_error.max(initial=0.0)), "worst": worst,
+    worst = int(numpy.argmax(flat_excess[wrong])) if wrong.size else None
+    worst_rel = None if worst is None else json_number(rel_error.reshape(-1)[wrong[worst]])
+    return listed_mismatches(wrong.size, e.size, element, worst, worst_rel, json_number(abs_error.max(initial=0.0)),
+                             json_number(rel_error.max(initial=0.0)),
+                             nonfinite, max_reported, f"rtol={rtol:g}, atol={atol:g}")
+
+
+def listed_mismatches(count: int, total: int, element: Callable[[int], dict[str, Any]], worst: int | None,
+                      worst_rel: float | str | None, max_abs: float | str, max_rel: float | str,
+                      nonfinite: dict[str, int], max_reported: int, criterion: str) -> dict[str, Any]:
+    """check_close's report of the `count` differing elements (`element(k)`, k in 0..count-1, in
+    order): the worst, the first ones and some spread evenly over all of them (a bug in the last
+    column shows up however many tiny rounding differences come before it), and a one-line
+    `summary` saying all that."""
+    import numpy
+    spread: Any = numpy.unique(numpy.linspace(0, count - 1, min(max_reported, count)).astype(int)) if count else []
+    report = {"ok": not count, "mismatches": int(count), "mismatch_fraction": count / total if total else 0.0,
+              "max_abs_error": max_abs, "max_rel_error": max_rel,
+              "worst": None if worst is None else {**element(worst), "rel_error": worst_rel},
               "nonfinite_mismatches": nonfinite,
-              "first_mismatches": [element(int(flat)) for flat in wrong[:max_reported]],
-              "spread_mismatches": [element(int(flat)) for flat in spread] if max_reported > 0 else []}
-    report["summary"] = mismatch_summary(report, e.size, rtol, atol)
+              "first_mismatches": [element(k) for k in range(min(count, max_reported))],
+              "spread_mismatches": [element(int(k)) for k in spread] if max_reported > 0 else []}
+    report["summary"] = mismatch_summary(report, total, criterion)
     return report
 
 
-def mismatch_summary(report: dict[str, Any], total: int, rtol: float, atol: float) -> str:
+def mismatch_summary(report: dict[str, Any], total: int, criterion: str) -> str:
     """check_close's one line: how many differ, the worst element, the non-finite ones, a spread sample."""
-    line = f"check_close: {report['mismatches']} of {total} elements differ (rtol={rtol:g}, atol={atol:g})"
+    line = f"check_close: {report['mismatches']} of {total} elements differ ({criterion})"
     if not report["mismatches"]:
         return line
     worst = report["worst"]
@@ -2855,33 +2906,62 @@ def activity_spans(records: list[Activity], windows: list[tuple[int, int]],
 # --- kcoral.builtins.evaluate: a verdict the kernel under test cannot forge (docs/evaluate.md) ----
 #
 # The candidate, and for a fair race the reference, each run in a kernel process of their own,
-# started afresh (`python -I`: nothing of this process's memory), that receives every call's
-# inputs as raw bytes and answers with its outputs as raw bytes.  The seeds, the clock, the
-# comparison and the verdict stay in the process that called evaluate, which never runs the
-# candidate's code: what the candidate patches, reads or leaves running is in its own process.
+# started afresh (`python -I`: nothing of this process's memory).  Its arguments lie in shared
+# memory this process creates and writes while the kernel process is stopped; the clock runs from
+# the SIGCONT that lets it start a round to the moment it is stopped again, having said it was
+# done; its results are then read out of its memory (the candidate's) or sent by it (the trusted
+# reference's), and its arguments read back, bit for bit.  The seeds, the clock, the comparison
+# and the verdict stay in the process that called evaluate, which never runs the candidate's
+# code: what the candidate patches, reads or leaves running is in its own process.
 
 @message
 class EvalLoad:
     """evaluate -> kernel process, once: run `source` as a module and call its `entry` from now on
-    (through one captured CUDA graph with `cuda_graph`); answered by an empty EvalOutputs."""
+    (through one captured CUDA graph with `cuda_graph`); answered by an empty EvalOutputs.  With
+    `readable` the process stays dumpable: evaluate reads its results out of its memory itself
+    (the candidate's; the reference's process, which the candidate could read, is not)."""
     source: str
     entry: str
     cuda_graph: bool
+    readable: bool
 
 
 @message
-class EvalCall:
-    """evaluate -> kernel process: a call's arguments as value specs, their bytes after the frame in
-    order.  The process builds them on the device and calls the kernel, or with `echo` answers its
-    last outputs again without calling it (what the exchange alone costs); answered by EvalOutputs.
-    The inputs travel with the call, so a kernel cannot compute its answer before the clock starts."""
-    values: list[dict]
-    echo: bool
+class EvalStage:
+    """evaluate -> kernel process: the arguments of the next calls, one list of value specs per call,
+    a tensor's bytes at its `offset` in the shared region (a memfd evaluate created; a new one
+    follows the frame, by SCM_RIGHTS, when `region_bytes` is not 0).  Answered by an empty EvalDone.
+    Evaluate writes the bytes afterwards, with the process stopped: it sees them only at EvalGo."""
+    calls: list[list[dict]]
+    region_bytes: int
 
 
 @message
-class EvalSendInputs:
-    """evaluate -> kernel process: answer the last inputs as they are now (did the call write them?)."""
+class EvalGo:
+    """evaluate -> kernel process, on the clock: the staged arguments built on their devices, the
+    kernel called on each in turn (with `call`; without it, nothing called: the empty round trip),
+    every result held in host memory; answered by EvalDone."""
+    call: bool
+
+
+@message
+class EvalDone:
+    """kernel process -> evaluate: per call, its results' value specs, each with the `address` of its
+    bytes in this process (read there with process_vm_readv while it is stopped); or what went wrong."""
+    calls: list[list[dict]]
+    error: str | None
+
+
+@message
+class EvalPublish:
+    """evaluate -> the reference's process: answer call `index`'s results as bytes (EvalOutputs)."""
+    index: int
+
+
+@message
+class EvalInputsBack:
+    """evaluate -> kernel process: copy every device argument back over its bytes in the region (did
+    the calls write them?); answered by an empty EvalDone."""
 
 
 @message
@@ -2894,8 +2974,14 @@ class EvalOutputs:
 EVAL_SPEC_KEYS = {"kind", "dtype", "shape", "device"}
 EVAL_MAX_BYTES = 1 << 30  # one answer's tensors: far above a kernel test's, far below a worker's memory
 EVAL_FRAME_BYTES = 1 << 20  # one answer's frame: specs only, the bytes follow it
+# a round's arguments and results per kernel process (the region, and the results it holds): what
+# bounds the calls per round when each has megabytes of data
+EVAL_ROUND_BYTES = 512 << 20
+EVAL_MAX_CALLS = 1000  # calls per round, whatever the kernel's time: make_inputs runs once per call
+EVAL_ALIGN = 64  # each tensor in the region starts at a cache line
+EVAL_MAX_WARMUP_ROUNDS = 10  # past them, the calls per round stay as they are
 # rtol, atol per output dtype when the caller sets none: torch.testing.assert_close's defaults,
-# float8's from its mantissa (3 and 2 bits); integers and bool compare exactly
+# float8's from its mantissa (3 and 2 bits); integers and bool compare exactly (check_close)
 EVAL_TOLERANCES = {"float64": (1e-7, 1e-7), "float32": (1.3e-6, 1e-5), "float16": (1e-3, 1e-5),
                    "bfloat16": (1.6e-2, 1e-5), "float8_e4m3fn": (1.25e-1, 1e-2), "float8_e5m2": (2.5e-1, 1e-2)}
 # NVML clock throttle reasons that slow a measurement down (idle, application clocks and the
@@ -2962,41 +3048,127 @@ def send_values(conn: Connection, values: list[EvalValue]) -> None:
     send_raw(conn, *(v.data for v in values if v.kind != "json"))
 
 
-def read_values(conn: Connection, specs: list[dict], deadline: float | None,
-                arguments: bool = False) -> list[EvalValue]:
-    """The values a frame announced, their bytes read off the channel; every spec is checked
-    first (UnexpectedMessage), so a hostile answer cannot make this process allocate at will."""
+def value_size(spec: dict, keys: set[str] = EVAL_SPEC_KEYS) -> int:
+    """The bytes of a tensor a peer described, its spec checked first (UnexpectedMessage), so that a
+    hostile answer cannot make this process allocate or read at will."""
+    shape = spec.get("shape")
+    if (set(spec) != keys or spec["kind"] not in ("torch", "numpy") or spec["dtype"] not in DTYPE_SIZES
+            or type(spec["device"]) is not str or type(shape) is not list or len(shape) > 64
+            or not all(type(n) is int and 0 <= n < 1 << 48 for n in shape)):
+        raise UnexpectedMessage(f"a value described as {spec!r:.200}")
+    size = DTYPE_SIZES[spec["dtype"]]
+    for n in shape:
+        size *= n
+    if size > EVAL_MAX_BYTES:
+        raise UnexpectedMessage(f"values of more than {EVAL_MAX_BYTES} bytes")
+    return size
+
+
+def read_values(conn: Connection, specs: list[dict], deadline: float | None) -> list[EvalValue]:
+    """The values a frame announced, their bytes read off the channel (at most EVAL_MAX_BYTES)."""
     values, budget = [], EVAL_MAX_BYTES
     for spec in specs:
-        if arguments and spec.get("kind") == "json" and set(spec) == {"kind", "value"}:
-            values.append(EvalValue("json", data=spec["value"]))
-            continue
-        shape = spec.get("shape")
-        if (set(spec) != EVAL_SPEC_KEYS or spec["kind"] not in ("torch", "numpy") or spec["dtype"] not in DTYPE_SIZES
-                or type(spec["device"]) is not str or type(shape) is not list or len(shape) > 64
-                or not all(type(n) is int and 0 <= n < 1 << 48 for n in shape)):
-            raise UnexpectedMessage(f"a value described as {spec!r:.200}")
-        size = DTYPE_SIZES[spec["dtype"]]
-        for n in shape:
-            size *= n
+        size = value_size(spec)
         if size > budget:
             raise UnexpectedMessage(f"values of more than {EVAL_MAX_BYTES} bytes")
         budget -= size
-        values.append(EvalValue(spec["kind"], spec["dtype"], shape, spec["device"], recv_raw(conn, size, deadline)))
+        values.append(EvalValue(spec["kind"], spec["dtype"], spec["shape"], spec["device"],
+                                recv_raw(conn, size, deadline)))
     return values
+
+
+def staged_layout(calls: list[list[EvalValue]]) -> tuple[list[list[dict]], list[tuple[int, EvalValue]], int]:
+    """Where each call's tensors go in a region: (the specs per call, each tensor with its `offset`;
+    (offset, value) for every tensor; the bytes the region needs)."""
+    specs, placed, end = [], [], 0
+    for args in calls:
+        call = []
+        for value in args:
+            if value.kind == "json":
+                call.append(value.spec())
+                continue
+            offset = -(-end // EVAL_ALIGN) * EVAL_ALIGN
+            call.append({**value.spec(), "offset": offset})
+            placed.append((offset, value))
+            end = offset + len(value.data)
+        specs.append(call)
+    return specs, placed, max(end, 1)
+
+
+class SharedRegion:
+    """A memfd this process creates, maps and shares with one kernel process, its pages allocated at
+    once (MAP_POPULATE): the kernel's arguments lie there, written here, read there in place."""
+
+    def __init__(self, size: int) -> None:
+        self.size = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+        self.fd = os.memfd_create("kcoral-evaluate", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, self.size)
+            self.map = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def write(self, placed: list[tuple[int, EvalValue]]) -> None:
+        for offset, value in placed:
+            self.map[offset:offset + len(value.data)] = value.data
+
+    def first_changed(self, placed: list[tuple[int, EvalValue]]) -> int | None:
+        """The index of the first tensor whose bytes here differ from what was written, or None."""
+        view = memoryview(self.map)
+        try:
+            for i, (offset, value) in enumerate(placed):
+                if not same_bytes(view[offset:offset + len(value.data)], value.data):
+                    return i
+            return None
+        finally:
+            view.release()
+
+    def close(self) -> None:
+        self.map.close()
+        os.close(self.fd)
+
+
+def same_bytes(a: Buffer, b: Buffer) -> bool:
+    """Two buffers' bytes equal, compared at memcmp's speed (a memoryview comparison goes element by
+    element through Python's struct rules: about 100 MB/s)."""
+    import numpy
+    x, y = (numpy.frombuffer(v, dtype=numpy.uint8) for v in (a, b))
+    return x.size == y.size and bool(numpy.array_equal(x, y))
+
+
+class IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("length", ctypes.c_size_t)]
+
+
+def read_process_memory(pid: int, address: int, size: int) -> bytearray:
+    """`size` bytes at `address` in process `pid` (process_vm_readv: the same user, and the process
+    dumpable); OSError where they are not all mapped there."""
+    buf = bytearray(size)
+    done = 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    while done < size:
+        local = IoVec(ctypes.addressof((ctypes.c_char * size).from_buffer(buf)) + done, size - done)
+        remote = IoVec(address + done, size - done)
+        n = libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        if n <= 0:
+            code = ctypes.get_errno() if n < 0 else errno.EFAULT
+            raise OSError(code, f"cannot read {size} bytes at {address:#x} in process {pid}: {os.strerror(code)}")
+        done += n
+    return buf
 
 
 def kernel_process_main(fd: int) -> None:
     """Entry point of one of evaluate's kernel processes (KernelProcess starts it): load the kernel,
-    then serve EvalCall and EvalSendInputs until evaluate closes the channel."""
-    set_dumpable(False)  # the other kernel process, running as the same user, cannot ptrace or read this one
-    die_with_parent()
-    keep_freed_memory()
-    install_kcoral_modules()
+    then serve EvalStage, EvalGo, EvalPublish and EvalInputsBack until evaluate closes the channel."""
     conn = Connection(fd)
     load = receive_message(conn)[0]
     if not isinstance(load, EvalLoad):
         raise UnexpectedMessage(f"a kernel process cannot start with {load!r}")
+    set_dumpable(load.readable)  # unreadable: the other kernel process, as the same user, cannot ptrace or read it
+    die_with_parent()
+    keep_freed_memory()
+    install_kcoral_modules()
     try:
         kernel = KernelUnderTest(load)
     except BaseException as exc:
@@ -3005,18 +3177,24 @@ def kernel_process_main(fd: int) -> None:
     send_message(conn, EvalOutputs([], None))
     for msg in messages(conn):
         try:
-            if isinstance(msg, EvalCall):
-                kernel.set_inputs([v.build(copy=False) for v in read_values(conn, msg.values, None, arguments=True)])
-                send_values(conn, kernel.outputs() if msg.echo else kernel.call())
-            elif isinstance(msg, EvalSendInputs):  # the tensors: a JSON argument cannot be written to
-                arguments = [eval_value(v, f"argument {i}", copy=False) for i, v in enumerate(kernel.inputs)]
-                send_values(conn, [v for v in arguments if v.kind != "json"])
+            if isinstance(msg, EvalStage):
+                region = reduction.recv_handle(conn) if msg.region_bytes else None
+                kernel.stage(msg.calls, region, msg.region_bytes)
+                send_message(conn, EvalDone([], None))
+            elif isinstance(msg, EvalGo):
+                send_message(conn, EvalDone(kernel.go(msg.call), None))
+            elif isinstance(msg, EvalPublish):
+                send_values(conn, kernel.held[msg.index])
+            elif isinstance(msg, EvalInputsBack):
+                kernel.inputs_back()
+                send_message(conn, EvalDone([], None))
             else:
                 raise UnexpectedMessage(f"a kernel process cannot serve {msg!r}")
         except UnexpectedMessage:
             raise
         except BaseException as exc:
-            send_message(conn, EvalOutputs([], error_line(exc)))
+            send_message(conn, (EvalOutputs([], error_line(exc)) if isinstance(msg, EvalPublish)
+                                else EvalDone([], error_line(exc))))
 
 
 def keep_freed_memory() -> None:
@@ -3041,17 +3219,79 @@ def error_line(exc: BaseException) -> str:
     return shorten(text)
 
 
+def address_of(data: Any) -> int:
+    """Where a buffer's bytes start in this process."""
+    import numpy
+    return int(numpy.frombuffer(data, dtype=numpy.uint8).__array_interface__["data"][0]) if len(data) else 0
+
+
 class KernelUnderTest:
-    """A kernel process's side: the loaded function, its last inputs and results; with `cuda_graph`,
-    one graph captured at the first call and replayed on static input buffers the inputs are copied into."""
+    """A kernel process's side: the loaded function, the staged arguments (views of the shared
+    region), and every result of the last round held in host memory, where evaluate reads it; with
+    `cuda_graph`, one graph captured at the first call and replayed on static input buffers the
+    inputs are copied into."""
 
     def __init__(self, load: EvalLoad) -> None:
         self.fn = module_function(load.source, load.entry)
         self.cuda_graph = load.cuda_graph
         self.graph: Any = None
-        self.inputs: list[Any] = []
-        self.results: list[Any] = []
+        self.inputs: list[Any] = []  # the arguments of the call in progress (a graph's: its static buffers)
         self.graph_outputs: Any = None
+        self.region: mmap.mmap | None = None
+        self.staged: list[list[EvalValue]] = []
+        self.host_args: list[list[Any]] = []  # the staged arguments, over the region
+        self.on_device = False  # some of them belong on a GPU
+        self.built: list[list[Any]] = []  # the last round's arguments on their devices
+        self.results: list[list[Any]] = []
+        self.held: list[list[EvalValue]] = []
+
+    def stage(self, calls: list[list[dict]], fd: int | None, size: int) -> None:
+        if fd is not None:  # pages mapped now, not on the kernel's first touch inside the window
+            try:
+                self.region = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            finally:
+                os.close(fd)
+        view = memoryview(self.region) if self.region is not None else memoryview(b"")
+        self.staged = [[EvalValue("json", data=spec["value"]) if spec["kind"] == "json" else
+                        EvalValue(spec["kind"], spec["dtype"], spec["shape"], spec["device"],
+                                  view[spec["offset"]:spec["offset"] + value_size(spec, EVAL_SPEC_KEYS | {"offset"})])
+                        for spec in call] for call in calls]
+        # views of the region, made now, while it does not yet hold this round's bytes; a device's
+        # copies are made on the clock (go), where they belong to the kernel's time
+        self.host_args = [[v.build("cpu", copy=False) for v in args] for args in self.staged]
+        self.on_device = any(v.device != "cpu" for args in self.staged for v in args if v.kind == "torch")
+
+    def go(self, call: bool) -> list[list[dict]]:
+        """The round: the arguments built over the region (on a GPU, copied to it), the kernel called
+        on each call's, and once the device has finished all its work (every stream's: nothing can
+        finish after the clock stops) every result in host memory.  Without `call`, all of that but
+        the calls: the last results read out again."""
+        self.built = self.host_args
+        if self.on_device:
+            self.built = [[a.to(v.device) if v.kind == "torch" else a for v, a in zip(staged, args)]
+                          for staged, args in zip(self.staged, self.host_args)]
+        if call:
+            self.results = [self.call(args) for args in self.built]
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        self.held = [[eval_value(v, f"output {i}", copy=False, output=True) for i, v in enumerate(results)]
+                     for results in self.results]
+        return [[{**v.spec(), "address": address_of(v.data)} for v in values] for values in self.held]
+
+    def call(self, args: list[Any]) -> list[Any]:
+        self.set_inputs(args)
+        if not self.cuda_graph:
+            result = self.fn(*self.inputs)
+            return list(result) if type(result) in (tuple, list) else [result]
+        result = self.replay()  # the graph's own output buffers, which its next replay rewrites: copied
+        return [v.clone() for v in (list(result) if type(result) in (tuple, list) else [result])]
+
+    def inputs_back(self) -> None:
+        for staged, built in zip(self.staged, self.built):
+            for value, arg in zip(staged, built):
+                if value.kind == "torch" and value.device != "cpu":
+                    value.build("cpu", copy=False).copy_(arg.cpu())
 
     def set_inputs(self, inputs: list[Any]) -> None:
         if self.graph is None:
@@ -3063,19 +3303,6 @@ class KernelUnderTest:
             elif static != new:
                 raise ValueError(f"cuda_graph: argument {i} changed from {static!r} to {new!r}, "
                                  "which a captured graph cannot follow")
-
-    def call(self) -> list[EvalValue]:
-        result = self.replay() if self.cuda_graph else self.fn(*self.inputs)
-        self.results = list(result) if type(result) in (tuple, list) else [result]
-        return self.outputs()
-
-    def outputs(self) -> list[EvalValue]:
-        """The last results read out, once the device has finished all its work (every stream's:
-        nothing can finish after the clock stops).  An echo reads them again, device copies included."""
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-        return [eval_value(v, f"output {i}", copy=False, output=True) for i, v in enumerate(self.results)]
 
     def replay(self) -> Any:
         torch = sys.modules.get("torch")
@@ -3113,41 +3340,116 @@ KERNEL_PROCESS_BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); import kcor
 
 class KernelProcess:
     """evaluate's handle on one kernel process: a fresh interpreter in a session of its own (so it
-    can be stopped and killed as a group), spoken to over a socket pair, every answer validated."""
+    can be stopped and killed as a group), spoken to over a socket pair, every answer validated.
+    It is stopped (halt) except while evaluate stages its arguments or runs it."""
 
     def __init__(self, role: str, source: str, entry: str, cuda_graph: bool, timeout: float) -> None:
         import socket
         import subprocess
         self.role, self.timeout = role, timeout
+        self.region: SharedRegion | None = None
         ours, theirs = socket.socketpair()
         with ours, theirs:
             self.proc = subprocess.Popen(
                 [sys.executable, "-I", "-c", KERNEL_PROCESS_BOOT, os.path.dirname(os.path.abspath(__file__)),
                  str(theirs.fileno())], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True)
             self.conn = Connection(os.dup(ours.fileno()))
-        send_message(self.conn, EvalLoad(source, entry, cuda_graph))
+        send_message(self.conn, EvalLoad(source, entry, cuda_graph, readable=role == "candidate"))
 
     def loaded(self) -> None:
-        self.answer()
+        self.answer(EvalOutputs)
+        self.halt()
 
-    def call(self, inputs: list[EvalValue], echo: bool = False) -> list[EvalValue]:
-        send_message(self.conn, EvalCall([v.spec() for v in inputs], echo))
-        send_raw(self.conn, *(v.data for v in inputs if v.kind != "json"))
-        return self.answer()
+    def stage(self, calls: list[list[EvalValue]]) -> list[tuple[int, EvalValue]]:
+        """The next round's arguments placed in the region (a larger one made when they do not fit),
+        written while the process is stopped -> where each tensor lies."""
+        specs, placed, size = staged_layout(calls)
+        fresh = self.region is None or self.region.size < size
+        if fresh:
+            if self.region is not None:
+                self.region.close()
+            self.region = SharedRegion(size)
+        assert self.region is not None
+        self.resume()
+        send_message(self.conn, EvalStage(specs, self.region.size if fresh else 0))
+        if fresh:
+            reduction.send_handle(self.conn, self.region.fd, self.proc.pid)
+        self.answer(EvalDone)
+        self.halt()
+        self.region.write(placed)
+        return placed
 
-    def inputs_now(self) -> list[EvalValue]:
-        send_message(self.conn, EvalSendInputs())
-        return self.answer()
+    def go(self, call: bool) -> tuple[list[list[dict]], float]:
+        """The round on the clock, this process's own: from its SIGCONT to its stop, after it said
+        it was done -> (its results' specs per call, each with its address there; ms).  Nothing it
+        writes after the clock stops, since it is stopped: every thread, and its group's other
+        processes as the same signal reaches them."""
+        start = time.perf_counter()
+        self.resume()
+        send_message(self.conn, EvalGo(call))
+        try:
+            done = self.answer(EvalDone)
+        finally:
+            self.halt()
+        elapsed = (time.perf_counter() - start) * 1e3
+        for results in done:
+            for spec in results:
+                self.result_size(spec)
+        return done, elapsed
 
-    def answer(self) -> list[EvalValue]:
+    def result_size(self, spec: dict) -> int:
+        """The bytes of a result spec the process sent (its address an integer): KernelFailed otherwise."""
+        try:
+            if type(spec) is not dict or type(spec.get("address")) is not int:
+                raise UnexpectedMessage(f"a result described as {spec!r:.200}")
+            return value_size(spec, EVAL_SPEC_KEYS | {"address"})
+        except UnexpectedMessage as exc:
+            raise KernelFailed(f"the {self.role}'s process broke the channel: {exc}") from None
+
+    def read_results(self, layout: list[dict]) -> list[EvalValue]:
+        """One call's results, read out of the stopped process's memory (process_vm_readv)."""
+        values, budget = [], EVAL_MAX_BYTES
+        for spec in layout:
+            size = self.result_size(spec)
+            if size > budget:
+                raise KernelFailed(f"the {self.role}'s process broke the channel: values of more than "
+                                   f"{EVAL_MAX_BYTES} bytes")
+            budget -= size
+            try:
+                data = read_process_memory(self.proc.pid, spec["address"], size)
+            except OSError as exc:
+                raise KernelFailed(f"the {self.role}'s results could not be read from its process: {exc}") from None
+            values.append(EvalValue(spec["kind"], spec["dtype"], spec["shape"], spec["device"], data))
+        return values
+
+    def publish(self, index: int) -> list[EvalValue]:
+        """Call `index`'s results, sent by the process (the reference's, trusted: evaluate cannot
+        read its memory)."""
+        self.resume()
+        send_message(self.conn, EvalPublish(index))
+        try:
+            return self.answer(EvalOutputs)
+        finally:
+            self.halt()
+
+    def inputs_back(self) -> None:
+        self.resume()
+        send_message(self.conn, EvalInputsBack())
+        try:
+            self.answer(EvalDone)
+        finally:
+            self.halt()
+
+    def answer(self, expected: type) -> Any:
+        """The next message, of type `expected`: EvalOutputs with their bytes, or EvalDone's specs."""
         deadline = time.monotonic() + self.timeout
         try:
             msg = receive_message(self.conn, EVAL_FRAME_BYTES, deadline)[0]
-            if not isinstance(msg, EvalOutputs):
-                raise UnexpectedMessage(f"{type(msg).__name__} where outputs were expected")
+            if not isinstance(msg, (EvalOutputs, EvalDone)) or not isinstance(msg, expected):
+                raise UnexpectedMessage(f"{type(msg).__name__} where {expected.__name__} was expected")
             if msg.error is not None:
                 raise KernelFailed(f"the {self.role} raised {msg.error}")
-            return read_values(self.conn, msg.values, deadline)
+            return read_values(self.conn, msg.values, deadline) if isinstance(msg, EvalOutputs) else msg.calls
         except TimeoutError:  # before OSError, of which it is one
             raise KernelFailed(f"the {self.role} did not answer within {self.timeout:g} s") from None
         except (EOFError, OSError):
@@ -3167,20 +3469,15 @@ class KernelProcess:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, sig)
 
-    @contextlib.contextmanager
-    def stopped(self) -> Iterator[None]:
-        """SIGSTOP to the whole group while the other kernel runs: nothing of this one (a spinning
-        thread, a helper process) competes with it for the CPU meanwhile."""
-        self.signal(signal.SIGSTOP)
-        self.wait_stopped()
-        try:
-            yield
-        finally:
-            self.signal(signal.SIGCONT)
+    def resume(self) -> None:
+        self.signal(signal.SIGCONT)
 
-    def wait_stopped(self) -> None:
-        """Until the process has stopped: a signal is delivered when the process next runs, and
-        a process woken to stop would compete with the other kernel at the start of its call."""
+    def halt(self) -> None:
+        """SIGSTOP to the whole group, until the process has stopped: nothing of this one (a
+        spinning thread, a helper process) competes with the other kernel meanwhile, or writes
+        its results once they are read.  A signal is delivered when the process next runs: a
+        process woken to stop would otherwise compete with the other kernel at the start of its call."""
+        self.signal(signal.SIGSTOP)
         if self.proc.returncode is not None:
             return
         pid, status = os.waitpid(self.proc.pid, os.WUNTRACED)
@@ -3191,12 +3488,14 @@ class KernelProcess:
         self.signal(signal.SIGKILL)
         self.proc.wait()
         self.conn.close()
+        if self.region is not None:
+            self.region.close()
 
 
 def evaluate(candidate: str, reference: str, make_inputs: Callable[[int], Any], *, entry: str = "kernel",
              seeds: int = 3, rtol: float | None = None, atol: float | None = None, timing: bool = True,
              warmup_ms: float = 100.0, target_rse: float = 0.01, budget_ms: float = 2000.0, min_rounds: int = 10,
-             max_rounds: int = 1000, flush_l2: bool = True, cuda_graph: bool = False,
+             max_rounds: int = 1000, round_ms: float = 20.0, flush_l2: bool = True, cuda_graph: bool = False,
              implausible_speedup: float = 10.0, confidence: float = 0.95,
              call_timeout_s: float = 60.0) -> dict[str, Any]:
     """Check a candidate kernel against a reference, then race them (docs/evaluate.md).
@@ -3212,11 +3511,12 @@ def evaluate(candidate: str, reference: str, make_inputs: Callable[[int], Any], 
                         "object's module has already run in this process, where it could patch the harness")
     if not callable(make_inputs):
         raise TypeError("evaluate's make_inputs must be a function of a seed")
-    if seeds < 1 or min_rounds < 3 or max_rounds < min_rounds or not 0 < confidence < 1:
-        raise ValueError("evaluate needs seeds >= 1, 3 <= min_rounds <= max_rounds and 0 < confidence < 1")
+    if seeds < 1 or min_rounds < 3 or max_rounds < min_rounds or not 0 < confidence < 1 or round_ms < 0:
+        raise ValueError("evaluate needs seeds >= 1, 3 <= min_rounds <= max_rounds, 0 < confidence < 1 "
+                         "and round_ms >= 0")
     options = dict(rtol=rtol, atol=atol, warmup_ms=warmup_ms, target_rse=target_rse, budget_ms=budget_ms,
-                   min_rounds=min_rounds, max_rounds=max_rounds, flush_l2=flush_l2, cuda_graph=cuda_graph,
-                   implausible_speedup=implausible_speedup, confidence=confidence)
+                   min_rounds=min_rounds, max_rounds=max_rounds, round_ms=round_ms, flush_l2=flush_l2,
+                   cuda_graph=cuda_graph, implausible_speedup=implausible_speedup, confidence=confidence)
     run = Evaluation(candidate, reference, make_inputs, entry, call_timeout_s, options)
     try:
         return run.verdict(seeds, timing)
@@ -3241,6 +3541,9 @@ class Evaluation:
             raise
         self.candidate, self.reference = self.processes["candidate"], self.processes["reference"]
         self.device = "cpu"
+        self.flush: Callable[[], None] = lambda: None  # the race's (cache_flush)
+        self.answers: collections.deque[list[EvalValue]] = collections.deque(maxlen=8)  # the last calls checked
+        self.passed = 0  # calls checked and found correct so far
         self.report: dict[str, Any] = {"status": "correct", "correct": True, "message": "", "seeds": [],
                                        "checks": [], "timing": None, "flags": {}}
 
@@ -3277,32 +3580,95 @@ class Evaluation:
         return values
 
     def check_input_set(self, seed: int) -> None:
-        """Correctness on one input set: the reference's outputs computed here, on copies."""
+        """Correctness on one input set: the reference's outputs computed here, on copies; the
+        candidate's call staged and run as a round of the race is, with the call alone."""
         self.report["seeds"].append(seed)
         sent = self.inputs(seed)
         result = self.reference_fn(*[v.build() for v in sent])
         expected = [eval_value(v, f"reference output {i}", output=True)
                     for i, v in enumerate(list(result) if type(result) in (tuple, list) else [result])]
         self.report["flags"].update(nonfinite_flag(expected))
-        reports = compare_outputs(self.candidate.call(sent), expected, self.options,
-                                  f"on input set {len(self.report['seeds'])} (seed {seed})")
+        placed = self.candidate.stage([sent])
+        layout, elapsed = self.candidate.go(True)
+        reports = self.check_call(layout, 1, 0, expected, placed, elapsed,
+                                  f"on input set {len(self.report['seeds'])} (seed {seed})", full=True)
         self.report["checks"].append({"seed": seed, "ok": True, "outputs": reports})
-        check_unchanged(self.candidate.inputs_now(), sent)
+
+    def check_call(self, layout: list[list[dict]], calls: int, index: int, expected: list[EvalValue],
+                   placed: list[tuple[int, EvalValue]], elapsed: float, where: str,
+                   full: bool = False) -> list[dict[str, Any]]:
+        """The candidate's results of call `index` of `calls`, read out of its stopped process, against
+        the reference's on the same inputs (every call's kinds, dtypes and shapes too), then its inputs
+        in the region, bit for bit: Incorrect at the first difference, saying what it most likely did.
+        `full`: check_close's reports even where the bytes are identical."""
+        if len(layout) != calls:
+            raise KernelFailed(f"the candidate's process broke the channel: results of {len(layout)} calls "
+                               f"where it made {calls}")
+        for results in layout:
+            same_form(results, expected, where)
+        actual = self.candidate.read_results(layout[index])
+        try:
+            reports = compare_outputs(actual, expected, self.options, where, full)
+        except Incorrect as exc:
+            raise Incorrect(f"{exc}{self.likely_cause(actual, expected, layout[index], elapsed)}", exc.report) from None
+        if any(v.kind == "torch" and v.device != "cpu" for _, v in placed):
+            self.candidate.inputs_back()
+        assert self.candidate.region is not None
+        changed = self.candidate.region.first_changed(placed)
+        if changed is not None:
+            raise Incorrect(f"the candidate modified its tensor argument {changed % (len(placed) // calls)} {where}")
+        self.answers.append(expected)
+        self.passed += 1
+        return reports
+
+    def likely_cause(self, actual: list[EvalValue], expected: list[EvalValue], layout: list[dict],
+                     elapsed: float) -> str:
+        """What a wrong answer most likely came from, where the evidence shows it ("; most likely ..."),
+        else "": its results becoming right once it runs on (work left running after it answered),
+        the reference's answer to an earlier call (a result kept across calls), or right answers
+        to every call checked before (behaving differently from some point on)."""
+        self.candidate.resume()
+        waited = min(1.0, max(0.05, 3 * elapsed / 1e3))
+        time.sleep(waited)
+        self.candidate.halt()
+        with contextlib.suppress(KernelFailed):
+            if matches(self.candidate.read_results(layout), expected, self.options):
+                return (f"; most likely work still running after it said it was done: its results were right "
+                        f"{waited * 1e3:.0f} ms later (a thread, or a stream it did not wait for)")
+        for k, earlier in enumerate(reversed(self.answers)):
+            if matches(actual, earlier, self.options):
+                return (f"; most likely a result kept from an earlier call: it is the reference's answer to the call "
+                        f"checked {k + 1} before this one (a cache keyed on something that repeats, such as its "
+                        "inputs' address)")
+        if self.passed:
+            before = f"{self.passed} calls checked before were" if self.passed > 1 else "call checked before was"
+            return (f"; the {before} right: most likely it behaves differently from some point on (once timed, "
+                    "or after some number of calls)")
+        return ""
 
     def race(self) -> dict[str, Any]:
-        """Interleaved rounds until the relative standard errors reach the target, or the budget ends."""
+        """Warm-up rounds (which set the calls per round), then interleaved timed rounds until the
+        relative standard errors reach the target, or the budget ends."""
         opts = self.options
-        flush = cache_flush(self.device, opts["flush_l2"])
+        self.flush = cache_flush(self.device, opts["flush_l2"])
         before = gpu_conditions() if self.device == "cuda" else None
         samples: dict[str, list[float]] = {"reference": [], "candidate": [], "echo": []}
-        warm, start = 0, time.perf_counter()
         warming: dict[str, list[float]] = {k: [] for k in samples}
-        while warm < 2 or time.perf_counter() - start < opts["warmup_ms"] / 1e3:
+        estimates: list[float] = []
+        calls, warm, settled, start = 1, 0, 0, time.perf_counter()
+        # at least 2 rounds at the final calls per round: a round of more calls than before
+        # allocates memory whose first touches (page faults) would be timed otherwise
+        while settled < 2 or time.perf_counter() - start < opts["warmup_ms"] / 1e3:
             warm += 1
-            self.round(f"warm-up round {warm}", flush, warming)  # the same protocol: it looks like a timed one
+            call_bytes = self.round(f"warm-up round {warm}", calls, warming)  # the same protocol as a timed one
+            estimates.append((warming["reference"][-1] - warming["echo"][-1]) / calls)
+            # the median of the rounds after the first, which pays for first touches
+            wanted = calls_per_round(median(estimates[1:] or estimates), call_bytes, opts["round_ms"])
+            settled = settled + 1 if wanted <= calls or warm >= EVAL_MAX_WARMUP_ROUNDS else 0
+            calls = max(calls, wanted) if warm < EVAL_MAX_WARMUP_ROUNDS else calls
         start, stopped = time.perf_counter(), "max_rounds"
         for index in range(opts["max_rounds"]):
-            self.round(f"timed round {index + 1}", flush, samples)
+            self.round(f"timed round {index + 1}", calls, samples)
             rse = {role: relative_standard_error(samples[role], samples["echo"]) for role in ("reference", "candidate")}
             if index + 1 >= opts["min_rounds"] and max(rse.values()) <= opts["target_rse"]:
                 stopped = "target_rse"
@@ -3310,8 +3676,9 @@ class Evaluation:
             if index + 1 >= 3 and (time.perf_counter() - start) * 1e3 >= opts["budget_ms"]:
                 stopped = "budget"
                 break
-        result = race_statistics(samples, opts["confidence"])
-        result.update(rounds=len(samples["candidate"]), warmup_rounds=warm, stopped=stopped,
+        result = race_statistics(samples, opts["confidence"], calls)
+        result.update(rounds=len(samples["candidate"]), calls_per_round=calls, warmup_rounds=warm, stopped=stopped,
+                      overhead_ms_per_call=median(samples["echo"]) / calls,
                       rse={k: (round(v, 6) if math.isfinite(v) else None) for k, v in rse.items()},
                       device=self.device, flush_l2=opts["flush_l2"], cuda_graph=opts["cuda_graph"], timer="host",
                       samples_ms={k: [round(v, 6) for v in s] for k, s in samples.items()})
@@ -3321,28 +3688,38 @@ class Evaluation:
             self.report["flags"].update(gpu_flags(result["gpu"]["before"], result["gpu"]["after"]))
         return result
 
-    def round(self, label: str, flush: Callable[[], None], samples: dict[str, list[float]]) -> None:
-        """One A/B round on fresh inputs: each kernel's call timed here while the other's process
-        group is stopped, then the reference's echo; the candidate's outputs checked against the
-        reference's on the same inputs, and its inputs unchanged."""
-        sent = self.inputs(random_seed())
-        outputs = {}
+    def round(self, label: str, calls: int, samples: dict[str, list[float]]) -> int:
+        """One A/B round of `calls` calls, each on fresh inputs: each kernel's round timed while the
+        other's process group is stopped, then the reference's empty round trip; the candidate's
+        results of one call drawn at random (after the round) checked against the reference's on
+        the same inputs, and all its inputs unchanged.  -> the bytes of a call's inputs and outputs."""
+        import secrets
+        sets = [self.inputs(random_seed()) for _ in range(calls)]
+        index = secrets.randbelow(calls)
+        placed, layout, elapsed = {}, {}, {}
         for role in ("reference", "candidate") if len(samples["echo"]) % 2 == 0 else ("candidate", "reference"):
-            # the other one stopped, either way round: each call starts alike, just after a SIGCONT
-            with self.processes["candidate" if role == "reference" else "reference"].stopped():
-                if role == "reference":
-                    self.report["flags"].update(foreign_flag(self.processes.values()))
-                flush()
-                outputs[role], elapsed = timed_call(self.processes[role], sent)
-                samples[role].append(elapsed)
-                if role == "reference":  # the exchange alone, in the trusted process: both kernels' baseline
-                    flush()
-                    samples["echo"].append(timed_call(self.reference, sent, echo=True)[1])
-                else:  # one more exchange each after its call, so that neither starts a round fresher
-                    inputs_after = self.candidate.inputs_now()
-        compare_outputs(outputs["candidate"], outputs["reference"], self.options,
-                        f"in {label}, against the reference on the same inputs")
-        check_unchanged(inputs_after, sent)
+            process = self.processes[role]
+            placed[role] = process.stage(sets)
+            if role == "reference":
+                self.report["flags"].update(foreign_flag(self.processes.values()))
+            self.flush()
+            layout[role], elapsed[role] = process.go(True)
+            samples[role].append(elapsed[role])
+            if role == "reference":  # the exchange alone, in the trusted process: both kernels' baseline
+                self.flush()
+                samples["echo"].append(process.go(False)[1])
+        expected = self.reference.publish(index)
+        self.check_call(layout["candidate"], calls, index, expected, placed["candidate"], elapsed["candidate"],
+                        f"in {label} (call {index + 1} of {calls}), against the reference on the same inputs")
+        return sum(len(v.data) for v in [*sets[0], *expected] if v.kind != "json")
+
+
+def calls_per_round(kernel_ms: float, call_bytes: int, round_ms: float) -> int:
+    """Calls enough for a round of `round_ms` at the reference's `kernel_ms` per call, within
+    EVAL_MAX_CALLS and EVAL_ROUND_BYTES: the fixed cost of a round (its empty round trip), spread
+    over them, becomes a small part of each call."""
+    wanted = math.ceil(round_ms / max(kernel_ms, 1e-3))
+    return max(1, min(wanted, EVAL_MAX_CALLS, EVAL_ROUND_BYTES // max(call_bytes, 1)))
 
 
 def foreign_flag(kernels: Iterable[KernelProcess]) -> dict[str, str]:
@@ -3364,24 +3741,16 @@ def random_seed() -> int:
     return secrets.randbits(63)
 
 
-def timed_call(process: KernelProcess, inputs: list[EvalValue], echo: bool = False) -> tuple[list[EvalValue], float]:
-    """-> (outputs, ms from sending the inputs to the outputs' last byte here).  The clock is this
-    process's: the candidate cannot patch it, start before it, or finish work after it stops."""
-    start = time.perf_counter()
-    outputs = process.call(inputs, echo)
-    return outputs, (time.perf_counter() - start) * 1e3
-
-
 def compare_outputs(actual: list[EvalValue], expected: list[EvalValue], options: dict[str, Any],
-                    where: str) -> list[dict[str, Any]]:
+                    where: str, full: bool = True) -> list[dict[str, Any]]:
     """check_close's report per output (NaN equal only to NaN, inf to inf of its sign, at the same
-    place; kind, device, dtype and shape exact); Incorrect at the first output that differs."""
-    if len(actual) != len(expected):
-        raise Incorrect(f"{len(actual)} outputs where the reference returns {len(expected)} {where}")
+    place; kind, device, dtype and shape exact); Incorrect at the first output that differs.
+    Without `full`, outputs identical byte for byte pass unreported (the race's calls)."""
+    same_form([a.spec() for a in actual], expected, where)
     reports = []
     for i, (a, e) in enumerate(zip(actual, expected)):
-        if (a.kind, a.device, a.dtype, a.shape) != (e.kind, e.device, e.dtype, e.shape):
-            raise Incorrect(f"output {i} is {a.describe()}, the reference's {e.describe()} {where}")
+        if not full and same_bytes(a.data, e.data):
+            continue
         rtol, atol = tolerance(e.dtype, options)
         report = check_close(a.build("cpu", copy=False), e.build("cpu", copy=False), rtol=rtol, atol=atol,
                              equal_nan=True)
@@ -3391,21 +3760,28 @@ def compare_outputs(actual: list[EvalValue], expected: list[EvalValue], options:
     return reports
 
 
+def same_form(specs: list[dict], expected: list[EvalValue], where: str) -> None:
+    """Outputs as many as the reference's, each of its kind, device, dtype and shape: Incorrect otherwise."""
+    if len(specs) != len(expected):
+        raise Incorrect(f"{len(specs)} outputs where the reference returns {len(expected)} {where}")
+    for i, (spec, e) in enumerate(zip(specs, expected)):
+        a = EvalValue(spec["kind"], spec["dtype"], spec["shape"], spec["device"])
+        if (a.kind, a.device, a.dtype, a.shape) != (e.kind, e.device, e.dtype, e.shape):
+            raise Incorrect(f"output {i} is {a.describe()}, the reference's {e.describe()} {where}")
+
+
+def matches(actual: list[EvalValue], expected: list[EvalValue], options: dict[str, Any]) -> bool:
+    try:
+        compare_outputs(actual, expected, options, "", full=False)
+    except Incorrect:
+        return False
+    return True
+
+
 def tolerance(dtype: str, options: dict[str, Any]) -> tuple[float, float]:
     rtol, atol = EVAL_TOLERANCES.get(dtype, (0.0, 0.0))
     return (rtol if options["rtol"] is None else options["rtol"],
             atol if options["atol"] is None else options["atol"])
-
-
-def check_unchanged(now: list[EvalValue], sent: list[EvalValue]) -> None:
-    """The candidate's inputs after its call, bit for bit: a kernel that writes its inputs fails
-    (in a shared harness that is how an answer gets planted where the check reads it)."""
-    tensors = [v for v in sent if v.kind != "json"]
-    for i, (after, before) in enumerate(zip(now, tensors)):
-        if after.shape != before.shape or memoryview(after.data).cast("B") != memoryview(before.data).cast("B"):
-            raise Incorrect(f"the candidate modified its tensor argument {i}")
-    if len(now) != len(tensors):
-        raise Incorrect("the candidate's arguments changed in number")
 
 
 def nonfinite_flag(expected: list[EvalValue]) -> dict[str, str]:
@@ -3461,16 +3837,18 @@ def relative_standard_error(windows: list[float], echoes: list[float]) -> float:
     return 1.2533 * spread / math.sqrt(len(windows)) / kernel if kernel > 0 else math.inf
 
 
-def race_statistics(samples: dict[str, list[float]], confidence: float, resamples: int = 2000) -> dict[str, Any]:
-    """Each kernel's time (median window less median echo, ms) and the speedup reference / candidate,
-    with a bootstrap interval over rounds (resampled whole: a round's drift hits both kernels)."""
+def race_statistics(samples: dict[str, list[float]], confidence: float, calls: int = 1,
+                    resamples: int = 2000) -> dict[str, Any]:
+    """Each kernel's time per call (median window less median echo, over the `calls` of a round; ms)
+    and the speedup reference / candidate, with a bootstrap interval over rounds (resampled whole:
+    a round's drift hits both kernels)."""
     import numpy
     arrays = {k: numpy.asarray(v, dtype=numpy.float64) for k, v in samples.items()}
     rounds = len(arrays["echo"])
     picks = numpy.random.default_rng(random_seed()).integers(0, rounds, size=(resamples, rounds))
 
     def kernel_ms(role: str, index: Any = slice(None)) -> Any:
-        return numpy.median(arrays[role][index], axis=-1) - numpy.median(arrays["echo"][index], axis=-1)
+        return (numpy.median(arrays[role][index], axis=-1) - numpy.median(arrays["echo"][index], axis=-1)) / calls
     reference, candidate = float(kernel_ms("reference")), float(kernel_ms("candidate"))
     result: dict[str, Any] = {"reference_ms": reference, "candidate_ms": candidate, "speedup": None,
                               "speedup_ci": None, "confidence": confidence}
@@ -3506,7 +3884,8 @@ def speedup_line(timing: dict[str, Any]) -> str:
     low, high = timing["speedup_ci"]
     return (f"speedup {timing['speedup']:.3g}x ({timing['confidence']:.0%} interval {low:.3g}-"
             f"{'inf' if high is None else format(high, '.3g')}), candidate {timing['candidate_ms']:.4g} ms, "
-            f"reference {timing['reference_ms']:.4g} ms over {timing['rounds']} rounds")
+            f"reference {timing['reference_ms']:.4g} ms over {timing['rounds']} rounds "
+            f"of {timing['calls_per_round']} calls")
 
 
 def gpu_conditions() -> dict[str, Any] | None:

@@ -5,17 +5,18 @@ The same judgement as evaluate_kernel.py with torch kernels on the GPU: a row-wi
 a 1024 x 1024 float32 matrix, the reference written out in elementary operations (several
 kernels), the candidate `torch.softmax` (one), and a candidate that does its work on a side
 stream and returns without waiting for it.  `make_inputs` returns CUDA tensors, so each kernel
-process copies its inputs to the GPU inside the timed window, and reads its outputs back only
-after a device-wide synchronisation: the side stream's work is counted, and nothing can land
-after the clock stops.  Before each timed call the evaluating process zeroes a buffer twice
+process copies its inputs from the shared region to the GPU inside the timed window, and holds
+its results in host memory only after a device-wide synchronisation: the side stream's work is
+counted, and the process is stopped before they are read.  Before each round the evaluating
+process zeroes a buffer twice
 the L2's size on the same GPU.  The vectorised candidate is judged twice, the second time with
 `cuda_graph=True` (captured once, replayed each call).  The verdict records the GPU's clocks,
 temperature and throttle reasons before and after the race (NVML, when nvidia-ml-py is
 installed) and flags a change.
 
 Expect the correctness verdicts to be the point here: the race's clock includes the exchange
-of 4 MiB each way (the echo subtracts its median), so kernels of tens of microseconds may come
-out `below_resolution` or `within_noise` (docs/evaluate.md, "What is exact").
+copies of 4 MiB each way between host and device (the empty round trip subtracts their median),
+so kernels of tens of microseconds may come out `within_noise` (docs/evaluate.md, "What is exact").
 
 Prints one line per judgement: the status, the message, the flags, and the SM clock before and
 after.  Exit status 0 when all three candidates are correct.

@@ -128,3 +128,35 @@ def test_in_a_server_program_the_report_returns_and_the_gate_fails(tmp_path):
     assert result["report"]["first_mismatches"] == [{"index": [1, 1], "actual": 9.0, "expected": 4.0,
                                                      "abs_error": 5.0}]
     assert result.error["message"] == local["summary"]
+
+
+def test_integers_are_compared_exactly_above_two_to_the_53():
+    """A 64-bit hash that keeps only the 53 bits a float64 holds: as floats every element looks equal."""
+    rng = np.random.default_rng(7)
+    expected = rng.integers(1 << 62, 1 << 63, size=4096, dtype=np.int64)
+    rounded = expected.astype(np.float64).astype(np.int64)  # the top 53 bits, the rest lost
+    assert (rounded != expected).sum() > 4000 and np.array_equal(rounded.astype(np.float64), expected.astype(np.float64))
+    report = strict_json(check_close(rounded, expected, rtol=1e-3, atol=1.0))
+    assert report["ok"] is False and report["mismatches"] == int((rounded != expected).sum())
+    assert (report["rtol"], report["atol"]) == (0.0, 0.0) and "differ (exact)" in report["summary"]
+    first = int(np.flatnonzero(rounded != expected)[0])
+    assert report["first_mismatches"][0] == {"index": [first], "actual": int(rounded[first]),
+                                             "expected": int(expected[first]),
+                                             "abs_error": abs(int(rounded[first]) - int(expected[first]))}
+    assert report["max_abs_error"] == max(abs(int(x) - int(y)) for x, y in zip(rounded, expected))
+    assert check_close(torch.from_numpy(expected), expected)["ok"] is True
+
+
+def test_uint64_against_int64_is_exact_with_no_float_promotion():
+    big = np.array([(1 << 64) - 1, 1 << 63, (1 << 53) + 1, 5], dtype=np.uint64)
+    report = check_close(big, np.array([-1, -(1 << 63), 1 << 53, 5], dtype=np.int64))
+    assert report["mismatches"] == 3 and [m["index"] for m in report["first_mismatches"]] == [[0], [1], [2]]
+    assert report["first_mismatches"][2]["abs_error"] == 1
+    assert report["worst"]["abs_error"] == (1 << 64)  # 2^64 - 1 against -1: no wrap-around
+    assert check_close(torch.tensor([(1 << 60) + 1], dtype=torch.uint64), np.array([(1 << 60) + 1]))["ok"] is True
+
+
+def test_bool_is_compared_exactly():
+    report = check_close(torch.tensor([True, False, True]), np.array([True, True, True]), atol=1.0)
+    assert report["mismatches"] == 1 and report["first_mismatches"][0] == {"index": [1], "actual": False,
+                                                                           "expected": True, "abs_error": 1}

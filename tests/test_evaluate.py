@@ -256,8 +256,8 @@ import sys
 import time
 
 def kernel(x, y):
-    frame = json.dumps({"type": "EvalOutputs", "error": None,
-                        "values": [{"kind": "numpy", "dtype": "float32", "shape": [1 << 40], "device": "cpu"}]}).encode()
+    frame = json.dumps({"type": "EvalDone", "error": None, "calls": [[{"kind": "numpy", "dtype": "float32",
+                        "shape": [1 << 40], "device": "cpu", "address": 4096}]]}).encode()
     os.write(int(sys.argv[2]), struct.pack("!I", len(frame)) + frame)  # the channel's descriptor
     time.sleep(60)
 """
@@ -559,7 +559,8 @@ def test_the_worst_element_is_check_closes_a_nan_first_then_the_furthest_out():
 def test_a_captured_graph_takes_new_tensors_but_not_new_python_values():
     """cuda_graph's input handling, with tensors on the CPU standing in for the captured buffers."""
     import torch
-    kernel = kcoral_worker.KernelUnderTest(kcoral_worker.EvalLoad("def kernel(x, s):\n    return x * s\n", "kernel", True))
+    kernel = kcoral_worker.KernelUnderTest(kcoral_worker.EvalLoad("def kernel(x, s):\n    return x * s\n", "kernel", True,
+                                                                    False))
     static = torch.zeros(3)
     kernel.set_inputs([static, 2.0])
     kernel.graph = "captured"  # from now on the inputs are copied into the captured buffers
@@ -601,19 +602,21 @@ def test_the_other_kernels_whole_group_is_stopped_while_one_runs():
     stopped (the helper too, waited for) while the reference runs, and continued afterwards."""
     process = kcoral_worker.KernelProcess("candidate", SPAWNS_A_SPINNER, "kernel", False, 30)
     try:
-        process.loaded()
+        process.loaded()  # and stopped, as a kernel process is outside its turns
+        process.resume()
         with open(f"/proc/{process.proc.pid}/task/{process.proc.pid}/children") as f:
             (spinner,) = map(int, f.read().split())
 
         def states():
             return [kcoral_worker.proc_stat(pid)[0] for pid in (process.proc.pid, spinner)]
         assert states()[1] in (b"R", b"S")
-        with process.stopped():
-            assert states()[0] == b"T"
-            deadline = time.monotonic() + 5  # the helper's stop is delivered, not awaited: it follows at once
-            while states()[1] != b"T" and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert states()[1] == b"T"
+        process.halt()
+        assert states()[0] == b"T"
+        deadline = time.monotonic() + 5  # the helper's stop is delivered, not awaited: it follows at once
+        while states()[1] != b"T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert states()[1] == b"T"
+        process.resume()
         assert b"T" not in states()
     finally:
         process.close()  # SIGKILL to the group: the helper dies too, once it next runs
@@ -678,3 +681,157 @@ def test_a_helper_outside_the_candidates_group_is_flagged(tmp_path):
         assert str(helper) in verdict["flags"]["foreign_processes"], verdict["flags"]
     finally:
         os.kill(helper, 9)
+
+
+# --- round 2: exact integers, cheats aimed at the shared-memory rounds, likely causes ---------------
+
+HASH_REFERENCE = """
+import numpy
+
+def kernel(x):
+    return x * numpy.int64(0x5851F42D4C957F2D) ^ (x >> numpy.int64(29))  # wraps: a 64-bit hash
+"""
+
+HASH_IN_FLOAT64 = """
+import numpy
+
+def kernel(x):  # the same hash, but through float64: only 53 bits survive
+    exact = x * numpy.int64(0x5851F42D4C957F2D) ^ (x >> numpy.int64(29))
+    return exact.astype(numpy.float64).astype(numpy.int64)
+"""
+
+WRITES_AFTER_DONE = """
+import threading
+import time
+
+import numpy
+
+def kernel(x, y):
+    out = numpy.zeros_like(x)
+
+    def finish():
+        time.sleep({delay})
+        out[:] = numpy.sqrt(x) * y + 1.0
+    threading.Thread(target=finish).start()
+    return out  # "done" at once: the work lands after the answer
+"""
+
+CACHED_BY_POINTER = """
+import numpy
+
+cache = {}
+
+def kernel(x, y):
+    key = (x.ctypes.data, y.ctypes.data)  # the same buffer, so the same answer: not in a fresh round
+    if key not in cache:
+        cache[key] = numpy.sqrt(x) * y + 1.0
+    return cache[key]
+"""
+
+KEEPS_A_MAPPING = """
+import threading
+import time
+
+import numpy
+
+kept, answers = [], {}
+
+def precompute():  # watches the buffers of its first call for the next inputs, to answer before it is asked
+    while True:
+        x, y = kept[0]
+        key = x[:8].tobytes()
+        if key not in answers:
+            answer = numpy.sqrt(x) * y + 1.0
+            time.sleep(0.002)  # longer than the path from the go message to the call
+            answers[key] = answer
+        time.sleep(0.0001)
+
+def kernel(x, y):
+    if not kept:
+        kept.append((x, y))
+        threading.Thread(target=precompute, daemon=True).start()
+        return numpy.sqrt(x) * y + 1.0
+    return answers.get(x[:8].tobytes(), numpy.zeros_like(x))
+"""
+
+
+def make_pair(seed):
+    import numpy
+    rng = numpy.random.default_rng(seed)
+    return rng.random(4096, dtype=numpy.float32), rng.random(4096, dtype=numpy.float32)
+
+
+def evaluate_here(candidate, reference=HONEST, make_inputs=make_pair, **options):
+    """evaluate in this test's process (no server): the cheats aimed at its rounds."""
+    return kcoral_worker.evaluate(candidate, reference, make_inputs, **{**QUICK, **options})
+
+
+def test_a_64_bit_hash_that_keeps_53_bits_is_incorrect():
+    """Integers compare exactly: through float64 4 078 of 4 096 elements differ, and the verdict says so."""
+    import numpy
+
+    def make_keys(seed):
+        return numpy.random.default_rng(seed).integers(0, 1 << 62, size=4096, dtype=numpy.int64)
+    verdict = evaluate_here(HASH_IN_FLOAT64, HASH_REFERENCE, make_keys, timing=False)
+    assert verdict["status"] == "incorrect", verdict["message"]
+    assert "elements differ (exact)" in verdict["message"] and verdict["mismatch"]["mismatches"] > 4000
+    assert evaluate_here(HASH_REFERENCE, HASH_REFERENCE, make_keys, timing=False)["status"] == "correct"
+
+
+def test_writing_the_outputs_after_done_is_caught_and_named():
+    """The clock stops once the candidate is stopped, and its results are read while it is: work that
+    lands after its answer is not there.  The verdict says so, having let it run on and read again."""
+    verdict = evaluate_here(WRITES_AFTER_DONE.format(delay=0.01))
+    assert_fails(verdict, "incorrect", "elements differ", "most likely work still running after it said it was done")
+
+
+def test_racing_the_stop_wins_nothing():
+    """A thread that starts at once may finish before the stop lands: then its work was inside the
+    window (the clock runs until the process is stopped); otherwise it is caught."""
+    verdict = evaluate_here(WRITES_AFTER_DONE.format(delay=0), budget_ms=500)
+    if verdict["status"] == "correct":
+        timing = verdict["timing"]
+        assert timing["candidate_ms"] > 0.5 * timing["reference_ms"], timing
+    else:
+        assert verdict["status"] == "incorrect" and "elements differ" in verdict["message"], verdict
+
+
+def test_a_result_cached_by_data_pointer_is_caught_and_named():
+    """The region is reused, so the pointer repeats; the inputs do not."""
+    assert_fails(evaluate_here(CACHED_BY_POINTER), "incorrect", "on input set 2",
+                 "most likely a result kept from an earlier call")
+
+
+def test_keeping_a_mapping_of_earlier_buffers_sees_no_input_before_the_clock():
+    """Its kept views show each round's inputs, but those are written while it is stopped, and it
+    runs again only on the clock: its watcher never answers first."""
+    assert_fails(evaluate_here(KEEPS_A_MAPPING), "incorrect", "elements differ")
+
+
+def test_a_wrong_answer_after_right_ones_says_so():
+    verdict = evaluate_here(FIRST_INPUT_SET_ONLY)
+    assert_fails(verdict, "incorrect", "on input set 2", "the call checked before was right: most likely it behaves")
+
+
+def sines(rows):
+    """~50 us of work here: numpy.sin over 90 112 floats, and again over `rows` of them."""
+    extra = f"    numpy.sin(x[:{rows}])\n" if rows else ""
+    return f"import numpy\n\ndef kernel(x):\n    out = numpy.sin(x)\n{extra}    return out\n"
+
+
+def test_a_50_us_kernel_is_resolved():
+    """Rounds of many calls: twice the reference's work reads about 0.5x with an interval below 1,
+    the reference against itself about 1x; the harness's cost per call is reported, and well under
+    the kernel's.  Bands are generous: the machine is shared (docs/evaluate.md has the figures)."""
+    import numpy
+    pool = numpy.random.default_rng(0).random(90112, dtype=numpy.float32)
+
+    def make_inputs(seed):
+        return numpy.roll(pool, seed % pool.size)
+    slower = kcoral_worker.evaluate(sines(90112), sines(0), make_inputs, budget_ms=3000)
+    timing = slower["timing"]
+    assert slower["status"] == "correct" and timing["calls_per_round"] > 10, timing
+    assert 0.3 < timing["speedup"] < 0.8 and timing["speedup_ci"][1] < 1, (timing["speedup"], timing["speedup_ci"])
+    assert timing["overhead_ms_per_call"] < timing["reference_ms"], timing
+    same = kcoral_worker.evaluate(sines(0), sines(0), make_inputs, budget_ms=3000)["timing"]
+    assert 0.75 < same["speedup"] < 1.33, (same["speedup"], same["speedup_ci"])
