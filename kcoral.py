@@ -336,6 +336,14 @@ class ServerConfig:
     token_file: str | None = option(None, "file of accepted bearer tokens, one a line, each alone (anonymous) or "
                                     "after its tenant's name (NAME TOKEN); with --token, both sets are "
                                     "accepted; it must not be readable by group or others; read again on SIGHUP")
+    metrics_token_file: str | None = option(None, "file of the operator's bearer tokens, one a line, read again on "
+                                            "SIGHUP: they read /metrics and /health and run nothing.  With it, only "
+                                            "they read /metrics; without it, a node whose --token-file names "
+                                            "tenants answers /metrics 403 to every token (docs/operations.md)")
+    proxy_secret_file: str | None = option(None, "file holding the secret the generated HAProxy configuration "
+                                           "sends in X-KCoral-Proxy (haproxy-config --proxy-secret-file, the same "
+                                           "file); X-Request-Start and X-KCoral-Health-Check are believed only on "
+                                           "requests carrying it (without this flag: X-Request-Start never)")
     max_running_per_tenant: int = option(0, "requests one tenant runs at once on this node; its others wait "
                                          "while other tenants' run (0: no limit)")
     max_waiting_per_tenant: int = option(0, "requests one tenant may have waiting for a worker on this node; "
@@ -603,16 +611,34 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         return True
 
     def do_GET(self) -> None:
-        if not self.authorized(""):
+        operator = self.app.is_operator(self.headers.get("Authorization", ""))
+        if operator:
+            self.tenant = ""
+        elif not self.authorized(""):
             return
         if self.path == "/health":
             self.discard_body()
-            self.send_json(200, self.app.health(self.tenant, BALANCER_CHECK_HEADER in self.headers))
+            self.send_json(200, self.app.health(self.tenant, self.balancer_check()))
         elif self.path == "/metrics":
             self.discard_body()
+            if not self.app.may_read_metrics(operator):
+                return self.refuse(Outcome(403, "unauthorized", "/metrics shows every tenant's requests: it is read "
+                                           "with the operator's token (--metrics-token-file), not a tenant's"), "")
             self.send_metrics(self.app.metrics_text().encode())
         else:
             self.route_error()
+
+    def balancer_check(self) -> bool:
+        """Whether the generated HAProxy configuration's health check asks (it holds a drain's 503s: server.md §8):
+        believed with the proxy's secret, or from anyone on a node given none (as before the secret existed)."""
+        return BALANCER_CHECK_HEADER in self.headers and (
+            self.app.credentials.proxy_secret is None or self.app.from_proxy(self.headers.get(PROXY_HEADER)))
+
+    def proxy_wait_ms(self) -> float:
+        """The wait in HAProxy's queue its X-Request-Start says, believed only from the proxy (its secret):
+        a client's own stamp would forge queue time, and the queue-backlog alert with it."""
+        trusted = self.app.from_proxy(self.headers.get(PROXY_HEADER))
+        return proxy_queue_ms(self.headers.get("X-Request-Start") if trusted else None, self.head_arrived)
 
     def do_POST(self) -> None:
         request_id = self.request_id()
@@ -736,7 +762,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
                 return Outcome(413, "request_too_large", "request exceeds the configured size limit")
             self.request_bytes = len(body)
             return self.app.handle_execute(request_id, body, self.headers.get("Content-Type"),
-                                           proxy_queue_ms(self.headers.get("X-Request-Start"), self.head_arrived),
+                                           self.proxy_wait_ms(),
                                            self.stream.feed if self.stream else None,
                                            tenant=self.tenant, client_gone=self.client_gone)
         finally:
@@ -1405,25 +1431,37 @@ def split_tokens(text: str, source: str) -> list[str]:
     return tokens
 
 
-def read_token_file(path: str) -> dict[str, str]:
-    """The tokens of --token-file, each with its tenant's name ("": anonymous); ValueError if it is
-    not a regular file of at most 64 KiB that only its owner may access (a secret that group or
-    others can read, or add to, is none)."""
+def read_private_file(path: str, flag: str) -> str:
+    """A secret's file: a regular file of at most 64 KiB that only its owner may access (a secret that
+    group or others can read, or add to, is none); ValueError otherwise."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not hang the start
         with open(fd, "rb") as f:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
-                raise ValueError(f"--token-file {path} is not a regular file")
+                raise ValueError(f"{flag} {path} is not a regular file")
             if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-                raise ValueError(f"--token-file {path} is accessible to group or others (mode "
+                raise ValueError(f"{flag} {path} is accessible to group or others (mode "
                                  f"{stat.S_IMODE(info.st_mode):o}); chmod 600 it")
             data = f.read(TOKEN_FILE_LIMIT + 1)
     except OSError as exc:
-        raise ValueError(f"--token-file {path}: {exc.strerror}") from None
+        raise ValueError(f"{flag} {path}: {exc.strerror}") from None
     if len(data) > TOKEN_FILE_LIMIT:
-        raise ValueError(f"--token-file {path} is larger than {TOKEN_FILE_LIMIT} bytes")
-    return token_file_tenants(data.decode("ascii", "replace"), f"--token-file {path}")
+        raise ValueError(f"{flag} {path} is larger than {TOKEN_FILE_LIMIT} bytes")
+    return data.decode("ascii", "replace")
+
+
+def read_token_file(path: str, flag: str = "--token-file") -> dict[str, str]:
+    """The tokens of a token file, each with its tenant's name ("": anonymous)."""
+    return token_file_tenants(read_private_file(path, flag), f"{flag} {path}")
+
+
+def read_proxy_secret(path: str, flag: str = "--proxy-secret-file") -> str:
+    """The one token of a --proxy-secret-file: what the proxy, and only the proxy, sends in PROXY_HEADER."""
+    secret = split_tokens(read_private_file(path, flag), f"{flag} {path}")
+    if len(secret) != 1:
+        raise ValueError(f"{flag} {path}: expected one secret, found {len(secret)}")
+    return secret[0]
 
 
 TENANT_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")  # safe as a metrics label, a log field, an HAProxy word
@@ -1462,11 +1500,25 @@ def configured_tenants(token: str | None, token_file: str | None) -> dict[str, s
     return tenants
 
 
-def accepted_credentials(config: ServerConfig) -> dict[bytes, str]:
-    """Every `Authorization` value let in: `Bearer <token>` for each configured token, with its
-    tenant's name ("": anonymous); {} for no check."""
+@dataclasses.dataclass(frozen=True)
+class Credentials:
+    """Who may call, read again on SIGHUP: the tenants' `Authorization` values ({} for no check), the
+    operator's (they read /metrics, docs/operations.md "Roles"), and the proxy's secret."""
+    tenants: dict[bytes, str]  # `Bearer <token>` -> its tenant's name ("": anonymous)
+    operators: frozenset[bytes]  # `Bearer <token>` of --metrics-token-file
+    proxy_secret: bytes | None  # of --proxy-secret-file
+
+
+def accepted_credentials(config: ServerConfig) -> Credentials:
+    """Every `Authorization` value let in, each tenant's with its tenant's name, and the proxy's secret."""
     tenants = configured_tenants(config.token, config.token_file)
-    return {f"Bearer {token}".encode(): name for token, name in tenants.items()}
+    operators = read_token_file(config.metrics_token_file, "--metrics-token-file") if config.metrics_token_file else {}
+    if set(operators) & set(tenants):
+        raise ValueError("a token of --metrics-token-file is also a tenant's: the operator's tokens run nothing")
+    secret = read_proxy_secret(config.proxy_secret_file) if config.proxy_secret_file else None
+    return Credentials({f"Bearer {token}".encode(): name for token, name in tenants.items()},
+                       frozenset(f"Bearer {token}".encode() for token in operators),
+                       secret.encode() if secret else None)
 
 
 class KCoralServer:
@@ -1564,10 +1616,12 @@ class KCoralServer:
         again (tokens rotate without a restart).  A token file that no longer reads keeps the
         tokens in use."""
         self.log.reopen()
-        if self.config.token_file:
+        config = self.config
+        if config.token_file or config.metrics_token_file or config.proxy_secret_file:
             try:
-                self.credentials = accepted_credentials(self.config)
-                self.log.event("tokens_reloaded", tokens=len(self.credentials))
+                self.credentials = accepted_credentials(config)
+                self.log.event("tokens_reloaded", tokens=len(self.credentials.tenants),
+                               operator_tokens=len(self.credentials.operators))
             except ValueError as exc:
                 self.log.event("tokens_reload_failed", "ERROR", error=str(exc))
 
@@ -1575,11 +1629,31 @@ class KCoralServer:
         """Our extension: with tokens configured, every endpoint needs `Authorization: Bearer <token>`
         with one of them -> its tenant's name ("": anonymous, or no tokens configured); None: refused.
         Each comparison takes constant time, and every token is compared."""
-        credentials = self.credentials
+        credentials = self.credentials.tenants
         given = authorization.encode("utf-8", "replace")
         matches = [name for accepted, name in credentials.items()
                    if hmac.compare_digest(given, accepted)]  # no early exit
         return matches[0] if matches else None if credentials else ""
+
+    def is_operator(self, authorization: str) -> bool:
+        """Whether `authorization` is one of --metrics-token-file's (constant time, every token compared)."""
+        given = authorization.encode("utf-8", "replace")
+        return sum(hmac.compare_digest(given, accepted) for accepted in self.credentials.operators) > 0
+
+    def may_read_metrics(self, operator: bool) -> bool:
+        """/metrics shows every tenant's requests, so no tenant reads it (docs/operations.md "Roles"):
+        the operator's tokens do; without them, the tokens of a node that names no tenant (one
+        anonymous tenant, or no token at all) read it as before roles existed."""
+        if self.credentials.operators:
+            return operator
+        return not any(self.credentials.tenants.values())
+
+    def from_proxy(self, secret: str | None) -> bool:
+        """Whether a request carries the proxy's secret (PROXY_HEADER): only then are the headers the proxy
+        sets believed (X-Request-Start, the health check's), which a client sending straight to the
+        node could otherwise forge.  False when no --proxy-secret-file is given."""
+        expected = self.credentials.proxy_secret
+        return expected is not None and hmac.compare_digest((secret or "").encode("utf-8", "replace"), expected)
 
     def metrics_text(self) -> str:
         """GET /metrics: the event-fed counters plus the gauges read now (docs/operations.md)."""
@@ -1601,7 +1675,7 @@ class KCoralServer:
             size, entries = (cache.size, len(cache)) if isinstance(cache, MemoryCache) else (cache.total, cache.files)
             gauges += [("kcoral_cache_evictions_total", labels, cache.evictions),
                        ("kcoral_cache_bytes", labels, size), ("kcoral_cache_entries", labels, entries)]
-        names = sorted(set(self.credentials.values()) - {""})
+        names = sorted(set(self.credentials.tenants.values()) - {""})
         for name, (running, waiting) in self.pool.tenant_load(names).items():
             gauges += [("kcoral_tenant_requests_running", (("tenant", name),), running),
                        ("kcoral_tenant_requests_waiting", (("tenant", name),), waiting)]
@@ -1752,6 +1826,7 @@ class KCoralServer:
 # The generated HAProxy configuration checks /health every second with this header (`fall 2`): it takes
 # a node that answers capacity 0 out at the second such answer; the margin covers its handling of it.
 BALANCER_CHECK_HEADER = "X-KCoral-Health-Check"
+PROXY_HEADER = "X-KCoral-Proxy"  # the proxy's secret (--proxy-secret-file), set by HAProxy on every request
 HEALTH_CHECKED_WITHIN_SECONDS = 5.0
 TAKEN_OUT_AFTER_CHECKS = 2
 CHECK_MARGIN_SECONDS = 0.2
@@ -3182,8 +3257,8 @@ class Execution:
                 return Outcome(500, "engine", "the timed-out worker could not be confirmed gone"), True
             return self.timeout_outcome(), True
         except WorkerCrashed:
-            self.pool.log.metrics.add("kcoral_worker_crashes_total")
             exit_code = self.exit_code_of_crashed_worker()
+            self.count_crash(exit_code)
             if not self.kill_worker():
                 return Outcome(500, "engine", "the crashed worker could not be confirmed gone"), True
             if self.last_index is None:
@@ -3475,15 +3550,33 @@ class Execution:
         error["instruction_index"] = self.last_index
         return error
 
-    def crash_cause(self, exit_code: int | None) -> str:
-        """Why the worker died, as far as the front-end can tell: over its memory limit, the kernel's
-        OOM killer (a SIGKILL nobody here sent while the kernel counted an OOM kill), or its own
-        status (`worker_exit_cause`)."""
+    def crash_kind(self, exit_code: int | None) -> str:
+        """How the worker died, one of CRASH_CAUSES: over its memory limit, the kernel's OOM killer (a
+        SIGKILL nobody here sent while the kernel, or this service's cgroup, counted an OOM kill), a
+        signal, an exit, or alive but breaking the protocol."""
         if self.memory.exceeded:
+            return "memory_limit"
+        if exit_code == -signal.SIGKILL and oom_kill_count() > self.oom_kills:
+            return "oom"
+        return "protocol" if exit_code is None else "signal" if exit_code < 0 else "exit"
+
+    def count_crash(self, exit_code: int | None) -> None:
+        """A worker that died while the program's instructions ran died of the program (its own signal,
+        exit, memory, or bytes it wrote on the pipe): counted apart, by cause, so that a tenant cannot
+        raise the worker-crash alert.  A death outside them is the server's fault."""
+        self.pool.log.event("worker_crashed", "WARNING", request_id=self.job.request_id, pid=self.worker.pid,
+                            cause=self.crash_kind(exit_code), exit_code=exit_code,
+                            by="server" if self.last_index is None else "program")
+
+    def crash_cause(self, exit_code: int | None) -> str:
+        """Why the worker died, in words: its memory, the OOM killer, or its own status (`worker_exit_cause`)."""
+        kind = self.crash_kind(exit_code)
+        if kind == "memory_limit":
             return (f"the request's processes used {self.memory.exceeded} bytes of memory, over the "
                     f"{self.memory.limit} of --memory-limit-bytes; they were stopped")
-        if exit_code == -signal.SIGKILL and oom_kill_count() > self.oom_kills:
-            return "worker killed by the kernel's OOM killer: the machine ran out of memory"
+        if kind == "oom":
+            return ("out of memory: the kernel's OOM killer ended the worker (signal 9, SIGKILL); the machine "
+                    "or this service ran out of memory")
         return "worker exited while executing the instruction" + worker_exit_cause(exit_code)
 
     def teardown_error(self, message: str) -> ErrorObject:
@@ -3596,12 +3689,26 @@ def request_memory(pids: list[int], limit: int) -> int:
 
 
 def oom_kill_count() -> int:
-    """How many processes the kernel's OOM killer has ended since boot (/proc/vmstat)."""
-    with contextlib.suppress(OSError, ValueError), open("/proc/vmstat", "rb") as f:
+    """How many processes the kernel's OOM killer has ended: since boot (/proc/vmstat), plus those of this
+    process's cgroup (its memory.events: a unit's MemoryMax), which a container's /proc/vmstat may not show."""
+    return counter_in("/proc/vmstat", b"oom_kill ") + counter_in(own_cgroup_file("memory.events"), b"oom_kill ")
+
+
+def counter_in(path: str, prefix: bytes) -> int:
+    with contextlib.suppress(OSError, ValueError), open(path, "rb") as f:
         for line in f:
-            if line.startswith(b"oom_kill "):
+            if line.startswith(prefix):
                 return int(line.split()[1])
     return 0
+
+
+def own_cgroup_file(name: str) -> str:
+    """/sys/fs/cgroup/<this process's cgroup (v2)>/<name>; a path that does not exist when unknown."""
+    with contextlib.suppress(OSError), open("/proc/self/cgroup", "rb") as f:
+        for line in f:
+            if line.startswith(b"0::"):
+                return os.path.join("/sys/fs/cgroup", line[3:].strip().decode().lstrip("/"), name)
+    return "/nonexistent"
 
 
 # what a worker may send mid-request
@@ -4953,7 +5060,10 @@ METRIC_HELP = {
     "kcoral_requests_waiting": ("gauge", "Requests waiting for a free worker"),
     "kcoral_capacity": ("gauge", "Requests this node runs at once (0 while draining)"),
     "kcoral_worker_starts_total": ("counter", "Worker processes started"),
-    "kcoral_worker_crashes_total": ("counter", "Workers that died or broke the protocol during a request"),
+    "kcoral_worker_crashes_total": ("counter", "Workers that died or broke the protocol outside the program's "
+                                    "instructions: the server's faults"),
+    "kcoral_program_crashes_total": ("counter", "Workers a program ended while its instructions ran (its own "
+                                     "signal, exit, memory, or the OOM killer), by cause"),
     "kcoral_worker_replacements_total": ("counter", "Workers replaced after serving"),
     "kcoral_cache_hits_total": ("counter", "Blobs a request referenced without sending, found in the cache"),
     "kcoral_cache_misses_total": ("counter", "Blobs a request referenced without sending, not in the cache"),
@@ -4979,6 +5089,7 @@ ANSWERS = ((("COMPLETED", "200", ""), ("CACHE_MISS", "200", ""))
                ("400", "parse"), ("401", "unauthorized"), ("408", "parse"), ("413", "request_too_large"),
                ("431", "parse"), ("500", "engine"), ("500", "response_too_large"), ("503", "busy"),
                ("504", "timeout"))))
+CRASH_CAUSES = ("signal", "exit", "protocol", "memory_limit", "oom")  # Execution.crash_kind
 ALERTED_EVENTS = ("gpu_quarantined", "worker_replace_failed", "cleanup_failed", "tokens_reload_failed", "server_error")
 
 
@@ -5021,6 +5132,8 @@ class Metrics:
                      "kcoral_response_body_bytes_total", "kcoral_worker_starts_total",
                      "kcoral_worker_crashes_total", "kcoral_worker_replacements_total"):
             self.counters[name, ()] = 0
+        for cause in CRASH_CAUSES:
+            self.counters["kcoral_program_crashes_total", (("cause", cause),)] = 0
         self.histograms = {name: Histogram() for name, (kind, _) in METRIC_HELP.items() if kind == "histogram"}
 
     def add(self, name: str, value: float = 1.0) -> None:
@@ -5031,6 +5144,9 @@ class Metrics:
         with self.lock:
             self.counters["kcoral_events_total", (("event", event), ("level", level))] += 1
             self.count_request(event, fields)
+            if event == "worker_crashed":  # Execution.count_crash
+                self.counters[("kcoral_worker_crashes_total", ()) if fields["by"] == "server" else
+                              ("kcoral_program_crashes_total", (("cause", fields["cause"]),))] += 1
             if event == "request_cancelled":
                 self.counters["kcoral_requests_cancelled_total", (("phase", fields["phase"]),
                                                                   *tenant_label(fields))] += 1
@@ -5242,7 +5358,7 @@ defaults
     # The header tells the node a balancer checks it: it holds the 503s of its drain until two
     # checks have taken it out here, so that their retries go to other nodes.
     option httpchk
-    http-check send meth GET uri /health hdr {check_header} haproxy{check_auth}
+    http-check send meth GET uri /health hdr {check_header} haproxy{check_auth}{check_secret}
     http-check expect status 200
     http-check expect ! rstring \\"request_capacity\\":0[,}}]
     # check: every second (every 250 ms while changing state); down after 2 failed checks, back
@@ -5267,7 +5383,7 @@ address"}}}}' hdr Retry-After 10 if {{ sc_http_req_rate(0) gt {source_requests} 
 {token_check}{tenant_order}    # When HAProxy had the request's headers, in microseconds since the epoch: the time
     # from then to a node's reading it is the wait in HAProxy (its queue, retries).  set-header
     # replaces any value a client sent.
-    http-request set-header X-Request-Start t=%[date(0,us)]
+    http-request set-header X-Request-Start t=%[date(0,us)]{proxy_secret}
 {local_edits}    # Requests carrying blobs (the client sends {header}) go where their largest blob is cached.
     use_backend kcoral_affinity if {{ req.hdr({header}) -m found }}
     default_backend kcoral_spread
@@ -5403,6 +5519,11 @@ frontend kcoral_stats
     stats uri /
     stats refresh 10s
 """
+HAPROXY_PROXY_SECRET = """
+    # The nodes believe X-Request-Start (and the health check's header) only beside this secret
+    # (their --proxy-secret-file, this file's): a client sending straight to a node cannot forge its
+    # queue time.  set-header replaces any value a client sent.
+    http-request set-header {header} {secret}"""
 HAPROXY_TENANT_ORDER = """\
     # Fair order across tenants (docs/scaling.md): a request's priority class is the number of its
     # tenant's requests in flight here, itself included, so the queue takes every tenant's k-th
@@ -5444,9 +5565,10 @@ class ProxyRuntime:
 
 def haproxy_config(listen: str, nodes: list[CohortNode], tokens: list[str], queue_timeout: float,
                    server_timeout: float, limits: ProxyLimits = ProxyLimits(),
-                   runtime: ProxyRuntime = ProxyRuntime(), tenants: Mapping[str, str] | None = None) -> str:
+                   runtime: ProxyRuntime = ProxyRuntime(), tenants: Mapping[str, str] | None = None,
+                   proxy_secret: str | None = None) -> str:
     """The commented haproxy.cfg text for a cohort whose slots are all known; `tenants` ({token: name})
-    orders its queue fairly across named tenants."""
+    orders its queue fairly across named tenants; `proxy_secret` is sent to the nodes on every request."""
     if len({n.address for n in nodes}) != len(nodes):
         raise ValueError("a node is listed twice")
     if len({server_id(n.address) for n in nodes}) != len(nodes):
@@ -5467,6 +5589,8 @@ def haproxy_config(listen: str, nodes: list[CohortNode], tokens: list[str], queu
         request_id=HAPROXY_REQUEST_ID.format(header=CLIENT_REQUEST_ID_HEADER),
         token_check=HAPROXY_TOKEN_CHECK.format(accepted=" ".join(f'"Bearer {t}"' for t in tokens)) if tokens else "",
         check_auth=f' hdr Authorization "Bearer {tokens[0]}"' if tokens else "", check_header=BALANCER_CHECK_HEADER,
+        proxy_secret=HAPROXY_PROXY_SECRET.format(header=PROXY_HEADER, secret=proxy_secret) if proxy_secret else "",
+        check_secret=f" hdr {PROXY_HEADER} {proxy_secret}" if proxy_secret else "",
         user_group=user_group, pidfile=runtime.pidfile, stats_socket=runtime.stats_socket,
         tls=f" ssl crt {runtime.tls_cert}" if runtime.tls_cert else "", local_edits=runtime.local_edits,
         stats=HAPROXY_STATS.format(stats_listen=runtime.stats_listen) if runtime.stats_listen else "",
@@ -5549,6 +5673,9 @@ def haproxy_config_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-file", help="file of bearer tokens, one a line, as the nodes' --token-file "
                                         "(with --token, both sets are accepted); tenant names there "
                                         "(NAME TOKEN) order the queue fairly across tenants")
+    p.add_argument("--proxy-secret-file", metavar="FILE",
+                   help="file holding one secret (mode 0600), the nodes' own --proxy-secret-file: HAProxy sends it "
+                        "on every request, so the nodes believe the X-Request-Start it sets")
     p.add_argument("-o", "--output", metavar="FILE",
                    help="write the configuration to FILE, mode 0600, replacing it in one step (default: stdout)")
     p.add_argument("--tls-cert", metavar="PEM", help="terminate TLS with this certificate (followed by its "
@@ -5617,8 +5744,9 @@ def haproxy_config_main(argv: list[str]) -> None:
         runtime = proxy_runtime(args)
         nodes = with_slots([parse_node(text) for text in args.nodes], tokens[0] if tokens else None)
         limits = ProxyLimits(args.header_timeout, args.max_connections_per_source, args.max_requests_per_source)
+        secret = read_proxy_secret(args.proxy_secret_file) if args.proxy_secret_file else None
         text = haproxy_config(args.listen, nodes, tokens, args.queue_timeout, args.server_timeout, limits, runtime,
-                              {token: name for token, name in tenants.items() if name})
+                              {token: name for token, name in tenants.items() if name}, secret)
     except ValueError as exc:
         p.error(str(exc))
     if not tokens:
