@@ -682,7 +682,8 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         self.close_connection = True
         if self.stream is not None:  # its sender thread ends with the frames it has
             self.stream.end_output()
-        self.app.log.event("request_cancelled", "WARNING", request_id=request_id, tenant=self.tenant or None,
+        self.app.log.event("request_cancelled", "WARNING", request_id=request_id,
+                           client_request_id=self.client_request_id, tenant=self.tenant or None,
                            phase=phase, peer=self.client_address[0], request_bytes=self.request_bytes,
                            total_ms=(time.monotonic() - started) * 1e3)
 
@@ -1540,6 +1541,7 @@ class KCoralServer:
         except ValueError as exc:
             raise SystemExit(f"kcoral: {exc}") from None
         self.log = EventLog(config)
+        self.log.metrics.declare_tenants(self.credentials.tenants.values())
         self.instance_id = str(uuid.uuid4())
         self.started_at = utc_now().isoformat(timespec="microseconds").replace("+00:00", "Z")
         self.blob_store = BlobStore(config)
@@ -1620,6 +1622,7 @@ class KCoralServer:
         if config.token_file or config.metrics_token_file or config.proxy_secret_file:
             try:
                 self.credentials = accepted_credentials(config)
+                self.log.metrics.declare_tenants(self.credentials.tenants.values())
                 self.log.event("tokens_reloaded", tokens=len(self.credentials.tenants),
                                operator_tokens=len(self.credentials.operators))
             except ValueError as exc:
@@ -1659,7 +1662,7 @@ class KCoralServer:
         """GET /metrics: the event-fed counters plus the gauges read now (docs/operations.md)."""
         load, blob_store = self.pool.load(), self.blob_store
         gauges: list[tuple[str, Labels, float]] = [
-            ("kcoral_requests_in_progress", (), self.in_flight),
+            ("kcoral_requests_in_progress", (), load["requests_in_progress"]),
             ("kcoral_requests_waiting", (), load["requests_waiting"]),
             ("kcoral_capacity", (), load["request_capacity"]),
             ("kcoral_info", (("version", __version__), ("device", self.device), ("sandbox", self.config.sandbox)), 1)]
@@ -1675,7 +1678,10 @@ class KCoralServer:
             size, entries = (cache.size, len(cache)) if isinstance(cache, MemoryCache) else (cache.total, cache.files)
             gauges += [("kcoral_cache_evictions_total", labels, cache.evictions),
                        ("kcoral_cache_bytes", labels, size), ("kcoral_cache_entries", labels, entries)]
-        names = sorted(set(self.credentials.tenants.values()) - {""})
+        tenants = self.log.metrics.declared_tenants()  # every name the token file has given, and "" (anonymous)
+        gauges += [("kcoral_busy_seconds_total", (("tenant", name),) if name else (), seconds)
+                   for name, seconds in self.pool.busy_seconds(tenants).items()]
+        names = [name for name in tenants if name]
         for name, (running, waiting) in self.pool.tenant_load(names).items():
             gauges += [("kcoral_tenant_requests_running", (("tenant", name),), running),
                        ("kcoral_tenant_requests_waiting", (("tenant", name),), waiting)]
@@ -2822,6 +2828,7 @@ class Slot:
         self.template: SandboxTemplate | None = None  # under --sandbox bubblewrap
         self.spare: SpareWorker | None = None  # the next worker, starting while `worker` serves its last request
         self.tenant = ""  # whose request holds the slot
+        self.since: float | None = None  # time.monotonic() it was taken, None while free (Pool.busy_seconds)
 
 
 class SpareWorker:
@@ -2883,6 +2890,7 @@ class Pool:
         self.waiters = FairQueue()
         self.in_progress = 0
         self.running: collections.Counter[str] = collections.Counter()  # requests holding a slot, per tenant
+        self.busy: collections.Counter[str] = collections.Counter()  # seconds slots were held, per tenant (freed)
         self.closing = False  # draining: no new request is queued
         self.refusing = False  # nor does a queued one get a slot (quarantine: its GPUs may still be in use)
         self.replacing: set[threading.Thread] = set()  # each leaves when done: nothing stays per request
@@ -3001,7 +3009,7 @@ class Pool:
                 self.idle.remove(slot)
                 self.in_progress += 1
                 self.running[tenant] += 1
-                slot.tenant = tenant
+                slot.tenant, slot.since = tenant, time.monotonic()
                 return slot
 
             return wait_turn(self.cond, self.waiters, ticket, turn, deadline, lambda: self.refusing,
@@ -3025,16 +3033,22 @@ class Pool:
             thread = threading.Thread(target=self.replace, args=(slot, retired, cleanup),
                                       name=f"kcoral-replace-{slot.name}", daemon=True)
             with self.cond:
-                self.in_progress -= 1
-                self.running[slot.tenant] -= 1
+                self.free(slot)
                 self.replacing.add(thread)
             thread.start()
         else:
             with self.cond:
-                self.in_progress -= 1
-                self.running[slot.tenant] -= 1
+                self.free(slot)
                 self.idle.append(slot)
                 self.cond.notify_all()
+
+    def free(self, slot: Slot) -> None:
+        """The slot's request is done: its time held counts to its tenant's busy seconds.  Called with the lock held."""
+        self.in_progress -= 1
+        self.running[slot.tenant] -= 1
+        if slot.since is not None:
+            self.busy[slot.tenant] += time.monotonic() - slot.since
+        slot.since = None
 
     def dispose(self, worker: Worker, grace: float = 0, orphans: bool = False) -> bool:
         """Kill a worker's tree; its GPUs are quarantined when the kill cannot be confirmed.
@@ -3158,6 +3172,15 @@ class Pool:
                 load["tenant"] = {"name": tenant, "requests_running": self.running[tenant],
                                   "requests_waiting": self.waiters.waiting(tenant)}
             return load
+
+    def busy_seconds(self, tenants: Iterable[str]) -> dict[str, float]:
+        """{tenant: seconds its requests have held slots}, the ones holding one now included up to now, so
+        that rate() of it is the tenant's share of the node's slots however long its requests run."""
+        now = time.monotonic()
+        with self.cond:
+            held = [(slot.tenant, now - slot.since) for slot in self.slots if slot.since is not None]
+            return {name: self.busy[name] + sum(seconds for tenant, seconds in held if tenant == name)
+                    for name in tenants}
 
     def tenant_load(self, tenants: Iterable[str]) -> dict[str, tuple[int, int]]:
         """{tenant: (requests running, requests waiting)} for /metrics."""
@@ -5056,7 +5079,9 @@ METRIC_HELP = {
     "kcoral_response_body_bytes_total": ("counter", "Bytes of response bodies sent"),
     "kcoral_events_total": ("counter", "Event log records, by event and level"),
     "kcoral_reads_refused_total": ("counter", "GET /health and /metrics refused for their token (probes, scrapes)"),
-    "kcoral_requests_in_progress": ("gauge", "POST requests being read, run or answered"),
+    "kcoral_requests_in_progress": ("gauge", "Requests running: holding a worker slot (as /health)"),
+    "kcoral_busy_seconds_total": ("counter", "Seconds worker slots were held by requests, per tenant (running "
+                                  "ones up to now): rate() is the busy share of the slots"),
     "kcoral_requests_waiting": ("gauge", "Requests waiting for a free worker"),
     "kcoral_capacity": ("gauge", "Requests this node runs at once (0 while draining)"),
     "kcoral_worker_starts_total": ("counter", "Worker processes started"),
@@ -5076,7 +5101,12 @@ METRIC_HELP = {
     "kcoral_info": ("gauge", "This node's version, device and sandbox mode (always 1)"),
     "kcoral_requests_cancelled_total": ("counter", "Requests stopped as their client left, by phase and tenant"),
 }
-DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0)
+# Upper bounds, seconds: at most a third apart from 0.05 s to 60 s, where queue waits and executions
+# lie, so that histogram_quantile's interpolation within a bucket lands within 20 % of the true value.
+DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4,
+                    0.45, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0,
+                    12.5, 15.0, 20.0, 25.0, 30.0, 40.0, 50.0, 60.0, 120.0, 300.0, 600.0, 900.0)
+TENANT_HISTOGRAMS = ("kcoral_request_queue_seconds", "kcoral_request_duration_seconds")  # labelled by tenant
 KNOWN_KINDS = kcoral_worker.ERROR_KINDS | {"busy", "timeout", "request_too_large", "response_too_large",
                                            "unauthorized"}
 Labels = tuple[tuple[str, str], ...]
@@ -5087,8 +5117,9 @@ ANSWERS = ((("COMPLETED", "200", ""), ("CACHE_MISS", "200", ""))
            + tuple(("FAILED", "200", kind) for kind in sorted(kcoral_worker.ERROR_KINDS))
            + tuple(("ERROR", code, kind) for code, kind in (
                ("400", "parse"), ("401", "unauthorized"), ("408", "parse"), ("413", "request_too_large"),
-               ("431", "parse"), ("500", "engine"), ("500", "response_too_large"), ("503", "busy"),
+               ("429", "busy"), ("431", "parse"), ("500", "engine"), ("500", "response_too_large"), ("503", "busy"),
                ("504", "timeout"))))
+CANCELLED_PHASES = ("queue", "lease", "running")  # wait_turn's phases, and the program's
 CRASH_CAUSES = ("signal", "exit", "protocol", "memory_limit", "oom")  # Execution.crash_kind
 ALERTED_EVENTS = ("gpu_quarantined", "worker_replace_failed", "cleanup_failed", "tokens_reload_failed", "server_error")
 
@@ -5103,14 +5134,16 @@ class Histogram:
         self.counts[bucket_index(DURATION_BUCKETS, value)] += 1
         self.total += value
 
-    def lines(self, name: str) -> list[str]:
+    def lines(self, name: str, labels: Labels = ()) -> list[str]:
         """The exposition's cumulative buckets (each counts every observation at or below its bound,
         so +Inf's equals _count), then _sum and _count."""
         lines, running = [], 0
         for bound, count in zip(DURATION_BUCKETS + (math.inf,), self.counts):
             running += count
-            lines.append(f'{name}_bucket{{le="{"+Inf" if bound == math.inf else f"{bound:g}"}"}} {running}')
-        return lines + [f"{name}_sum {sample_value(self.total)}", f"{name}_count {running}"]
+            le = (("le", "+Inf" if bound == math.inf else f"{bound:g}"),)
+            lines.append(f"{name}_bucket{label_text(labels + le)} {running}")
+        return lines + [f"{name}_sum{label_text(labels)} {sample_value(self.total)}",
+                        f"{name}_count{label_text(labels)} {running}"]
 
 
 class Metrics:
@@ -5124,8 +5157,6 @@ class Metrics:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.counters: dict[tuple[str, Labels], float] = collections.defaultdict(float)
-        for status, code, kind in ANSWERS:
-            self.counters["kcoral_requests_total", (("status", status), ("code", code), ("kind", kind))] = 0
         for event in ALERTED_EVENTS:
             self.counters["kcoral_events_total", (("event", event), ("level", "ERROR"))] = 0
         for name in ("kcoral_reads_refused_total", "kcoral_request_body_bytes_total",
@@ -5134,7 +5165,29 @@ class Metrics:
             self.counters[name, ()] = 0
         for cause in CRASH_CAUSES:
             self.counters["kcoral_program_crashes_total", (("cause", cause),)] = 0
-        self.histograms = {name: Histogram() for name, (kind, _) in METRIC_HELP.items() if kind == "histogram"}
+        self.histograms = {(name, ()): Histogram() for name, (kind, _) in METRIC_HELP.items() if kind == "histogram"}
+        self.tenants: set[str] = set()
+        self.declare_tenants([""])
+
+    def declare_tenants(self, names: Iterable[str]) -> None:
+        """Every series of a request's tenant at 0, for each of `names` ("": anonymous) not seen yet: the
+        token file's tenants have theirs from the start and from the SIGHUP that adds them, so increase()
+        and ratios count each one's first request.  A tenant removed keeps its series until the restart."""
+        with self.lock:
+            for name in set(names) - self.tenants:
+                self.tenants.add(name)
+                tenant = (("tenant", name),) if name else ()
+                for status, code, kind in ANSWERS:
+                    self.counters["kcoral_requests_total", (("status", status), ("code", code), ("kind", kind),
+                                                            *tenant)] += 0
+                for phase in CANCELLED_PHASES:
+                    self.counters["kcoral_requests_cancelled_total", (("phase", phase), *tenant)] += 0
+                for histogram in TENANT_HISTOGRAMS:
+                    self.histograms.setdefault((histogram, tenant), Histogram())
+
+    def declared_tenants(self) -> list[str]:
+        with self.lock:
+            return sorted(self.tenants)
 
     def add(self, name: str, value: float = 1.0) -> None:
         with self.lock:
@@ -5173,19 +5226,20 @@ class Metrics:
                             ("kcoral_request_lease_held_seconds", "lease_held_ms"),
                             ("kcoral_request_duration_seconds", "total_ms")):
             if isinstance(fields.get(field), (int, float)):
-                self.histograms[name].observe(fields[field] / 1e3)
+                labels = tenant_label(fields) if name in TENANT_HISTOGRAMS else ()
+                self.histograms.setdefault((name, labels), Histogram()).observe(fields[field] / 1e3)
 
     def render(self, gauges: list[tuple[str, Labels, float]]) -> str:
         """The exposition text: this node's counters and histograms, then `gauges` (name,
         labels, value: read from the pool, caches and lease just now)."""
         with self.lock:
             series = [(name, labels, value) for (name, labels), value in self.counters.items()]
-            histograms = {name: histogram.lines(name) for name, histogram in self.histograms.items()}
+            histograms = {key: histogram.lines(*key) for key, histogram in sorted(self.histograms.items())}
         series += gauges
         lines = []
         for name, (kind, text) in METRIC_HELP.items():
             lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
-            lines += histograms.get(name, [])
+            lines += [line for (n, _), rendered in histograms.items() if n == name for line in rendered]
             lines += [f"{name}{label_text(labels)} {sample_value(value)}" for n, labels, value in sorted(series)
                       if n == name]
         return "\n".join(lines) + "\n"

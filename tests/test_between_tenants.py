@@ -141,7 +141,8 @@ def test_programs_killing_their_own_worker_raise_no_crash_alert(tmp_path):
             status, _, body = post(node.url, call_program(SELF_KILL, "f"), headers=auth(ALICE))
             assert status == 200 and body["status"] == "FAILED", body
             assert "killed by signal 9" in body["error"]["message"]
-        text = scrape_when(node.url, lambda t: value(t, "kcoral_program_crashes_total", cause="signal") >= 11,
-                           auth(ALICE))
+        failed = {"status": "FAILED", "code": "200", "kind": "runtime"}
+        text = scrape_when(node.url, lambda t: value(t, "kcoral_requests_total", **failed) >= 11, auth(ALICE))
+        assert value(text, "kcoral_requests_total", **failed) == 11
+        assert value(text, "kcoral_worker_crashes_total") == 0  # the alert's input: no server fault
         assert value(text, "kcoral_program_crashes_total", cause="signal") == 11
-        assert value(text, "kcoral_worker_crashes_total") == 0
