@@ -341,7 +341,9 @@ def test_generated_proxy_config_orders_tenants_only_when_named(tmp_path):
         assert line in named, line
     assert f'"Bearer {ANON}"' in named  # accepted, anonymous
     bare = generate(f"{ALICE}\n{BOB}\n")
-    assert "option abortonclose" in bare and "tenant" not in bare
+    assert "option abortonclose" in bare
+    # no tenant rules without names (the log line's tenant= then reads "-")
+    assert "set-var(txn.tenant)" not in bare and "kcoral_tenants" not in bare and "priority" not in bare
 
 
 # --- 3. fair order, measured ---------------------------------------------------------------
