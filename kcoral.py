@@ -5439,10 +5439,10 @@ frontend kcoral
     bind {listen}{tls}
     # Per client address (IPv4 ones are kept as IPv6-mapped): at most {source_connections} connections at once,
     # more are closed as they arrive.  Per client, at most {source_requests} requests in any 10 s, more are
-    # answered 429 (and keep counting) without reaching a node: a client is its token (hashed) when the
-    # request carries an accepted one, else its address, so that tenants behind one address (a NAT)
-    # do not use up each other's requests.  So no one source can hold the cohort's connections or
-    # fill its queue.  deny, not return: HAProxy's exporter counts these 429s apart
+    # answered 429 (and keep counting) without reaching a node: a client is its tenant when the token
+    # file names the request's, else its address, so that tenants behind one address (a NAT) do not
+    # use up each other's requests.  So no one source can hold the cohort's connections or fill its
+    # queue.  deny, not return: HAProxy's exporter counts these 429s apart
     # (haproxy_frontend_requests_denied_total, the KCoralProxyRateLimited alert).
     stick-table type ipv6 size 100k expire 60s store conn_cur
     tcp-request connection track-sc0 src
@@ -5474,7 +5474,7 @@ backend kcoral_affinity
     hash-balance-factor 150
 {servers}
 backend kcoral_rates
-    # requests in the last 10 s per client (frontend kcoral): its token's sha256, or its address
+    # requests in the last 10 s per client (frontend kcoral): its tenant's name, or its address
     stick-table type string len 64 size 100k expire 60s store http_req_rate(10s)
 {tenant_table}{stats}"""
 
@@ -5601,6 +5601,9 @@ HAPROXY_PROXY_SECRET = """
     # (their --proxy-secret-file, this file's): a client sending straight to a node cannot forge its
     # queue time.  set-header replaces any value a client sent.
     http-request set-header {header} {secret}"""
+HAPROXY_TENANT_RATE_KEY = """\
+    http-request set-var(txn.rate_key) var(txn.tenant) unless { var(txn.tenant) -m str -- - }
+"""  # a value of HAPROXY_TEMPLATE's, not formatted: single braces
 HAPROXY_TENANT_NAMES = """\
     # The request's tenant, by its token (the log line names it); bare tokens share the tenant "-".
 {names}    http-request set-var(txn.tenant) str(-) unless {{ var(txn.tenant) -m found }}
@@ -5669,8 +5672,7 @@ def haproxy_config(listen: str, nodes: list[CohortNode], tokens: list[str], queu
         source_connections=limits.source_connections, source_requests=limits.source_requests,
         request_id=HAPROXY_REQUEST_ID.format(header=CLIENT_REQUEST_ID_HEADER),
         token_check=HAPROXY_TOKEN_CHECK.format(accepted=accepted) if tokens else "",
-        rate_key=("    http-request set-var(txn.rate_key) req.fhdr(authorization,1),sha2(256),hex if "
-                  f"{{ req.fhdr(authorization,1) -m str {accepted} }}\n") if tokens else "",
+        rate_key=HAPROXY_TENANT_RATE_KEY if tenants else "",
         check_auth=f' hdr Authorization "Bearer {tokens[0]}"' if tokens else "", check_header=BALANCER_CHECK_HEADER,
         proxy_secret=HAPROXY_PROXY_SECRET.format(header=PROXY_HEADER, secret=proxy_secret) if proxy_secret else "",
         check_secret=f" hdr {PROXY_HEADER} {proxy_secret}" if proxy_secret else "",

@@ -146,3 +146,22 @@ def test_programs_killing_their_own_worker_raise_no_crash_alert(tmp_path):
         assert value(text, "kcoral_requests_total", **failed) == 11
         assert value(text, "kcoral_worker_crashes_total") == 0  # the alert's input: no server fault
         assert value(text, "kcoral_program_crashes_total", cause="signal") == 11
+
+
+@pytest.mark.skipif(HAPROXY is None, reason="haproxy is not installed")
+def test_one_tenants_burst_does_not_lock_out_another_behind_the_same_address(tmp_path):
+    """issue 41: alice's /health calls used up the per-address limit for bob behind the same address.
+    With named tenants the limit counts per tenant: alice is answered 429 past it, bob is served;
+    HAProxy's log names the tenant of each line."""
+    tokens = tenants_file(tmp_path)
+    with ServerProcess("--token-file", tokens, workers=1, tmp_path=tmp_path) as node:
+        proxy = HAProxyProcess([f"{node.url}=1"], tmp_path, flags=["--token-file", tokens,
+                                                                   "--max-requests-per-source", "10"])
+        try:
+            statuses = [request("GET", proxy.url + "/health", headers=auth(ALICE))[0] for _ in range(15)]
+            assert statuses.count(429) >= 5 and statuses[-1] == 429, statuses
+            assert [request("GET", proxy.url + "/health", headers=auth(BOB))[0] for _ in range(3)] == [200] * 3
+            log = proxy.log()
+            assert " 429 " in log and "tenant=alice" in log and "tenant=bob" in log
+        finally:
+            proxy.stop()
