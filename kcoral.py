@@ -2901,7 +2901,7 @@ class Pool:
         self.waiters = FairQueue()
         self.in_progress = 0
         self.running: collections.Counter[str] = collections.Counter()  # requests holding a slot, per tenant
-        self.busy: collections.Counter[str] = collections.Counter()  # seconds slots were held, per tenant (freed)
+        self.busy: dict[str, float] = collections.defaultdict(float)  # seconds slots were held, per tenant (freed)
         self.closing = False  # draining: no new request is queued
         self.refusing = False  # nor does a queued one get a slot (quarantine: its GPUs may still be in use)
         self.replacing: set[threading.Thread] = set()  # each leaves when done: nothing stays per request
@@ -5178,7 +5178,8 @@ class Metrics:
             self.counters[name, ()] = 0
         for cause in CRASH_CAUSES:
             self.counters["kcoral_program_crashes_total", (("cause", cause),)] = 0
-        self.histograms = {(name, ()): Histogram() for name, (kind, _) in METRIC_HELP.items() if kind == "histogram"}
+        self.histograms: dict[tuple[str, Labels], Histogram] = {
+            (name, ()): Histogram() for name, (kind, _) in METRIC_HELP.items() if kind == "histogram"}
         self.tenants: set[str] = set()
         self.declare_tenants([""])
 
