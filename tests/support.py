@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 import traceback
+import urllib.parse
 
 import pytest
 
@@ -180,6 +181,43 @@ class HAProxyProcess:
                 self.proc.kill()
                 self.proc.wait()
         self.stderr.close()
+
+
+PROMETHEUS = shutil.which("prometheus")
+
+
+@contextlib.contextmanager
+def prometheus_server(workdir, scrape_configs, rule_files=()):
+    """A real Prometheus (Debian's package) scraping every second with `scrape_configs` (as its YAML
+    would hold them) -> a function answering a PromQL query: [(labels, value)...], or None while
+    Prometheus does not answer yet; the test skips without it."""
+    if PROMETHEUS is None:
+        pytest.skip("prometheus (Debian's package) missing")
+    port = free_port()
+    config = os.path.join(str(workdir), "prometheus.yml")
+    with open(config, "w") as f:
+        json.dump({"global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+                   "rule_files": [str(path) for path in rule_files], "scrape_configs": scrape_configs}, f)  # JSON is YAML
+    log_path = os.path.join(str(workdir), "prometheus.log")
+    prometheus = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--web.listen-address=127.0.0.1:{port}",
+                                   f"--storage.tsdb.path={os.path.join(str(workdir), 'tsdb')}"],
+                                  stdout=subprocess.DEVNULL, stderr=open(log_path, "wb"))
+
+    def query(promql):
+        try:
+            status, _, body = request("GET", f"http://127.0.0.1:{port}/api/v1/query?" +
+                                      urllib.parse.urlencode({"query": promql}), timeout=5)
+        except OSError:
+            return None
+        if status != 200:
+            return None
+        return [(r["metric"], float(r["value"][1])) for r in json.loads(body)["data"]["result"]]
+
+    try:
+        yield query
+    finally:
+        prometheus.terminate()
+        prometheus.wait(30)
 
 
 @contextlib.contextmanager

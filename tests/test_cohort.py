@@ -425,7 +425,7 @@ def test_generated_config_is_valid_and_bad_nodes_are_refused(cohort, tmp_path):
     assert generated.stdout.count("maxconn 4\n") == 2 and generated.stdout.count("maxconn 2\n") == 2
     assert "warning: no token" in generated.stderr and "http-request return status 401" not in generated.stdout
     for line in ("timeout http-request 20s", "timeout http-keep-alive 15s", "sc_conn_cur(0) gt 256",
-                 "sc_http_req_rate(0) gt 1000"):
+                 "sc_http_req_rate(2) gt 1000"):
         assert line in generated.stdout, line
     tuned = haproxy_config("--listen", "0.0.0.0:8080", "--token", TOKEN, "--header-timeout", "2.5",
                            "--max-connections-per-source", "9", "--max-requests-per-source", "70",
@@ -434,7 +434,7 @@ def test_generated_config_is_valid_and_bad_nodes_are_refused(cohort, tmp_path):
     path.write_text(tuned.stdout)
     check = subprocess.run([HAPROXY, "-c", "-f", str(path)], capture_output=True, text=True, check=False)
     assert check.returncode == 0, check.stdout + check.stderr
-    for line in ("timeout http-request 2500ms", "sc_conn_cur(0) gt 9", "sc_http_req_rate(0) gt 70",
+    for line in ("timeout http-request 2500ms", "sc_conn_cur(0) gt 9", "sc_http_req_rate(2) gt 70",
                  f'req.fhdr(authorization,1) -m str "Bearer {TOKEN}"'):
         assert line in tuned.stdout, line
     dead = f"http://127.0.0.1:{free_port()}"

@@ -17,6 +17,7 @@ import signal
 import ssl
 import stat
 import subprocess
+import tempfile
 import threading
 import time
 
@@ -42,6 +43,16 @@ pytestmark = pytest.mark.skipif(HAPROXY is None, reason="haproxy is not installe
 TOKEN = "operations-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 BACKENDS = ("kcoral_spread", "kcoral_affinity")
+
+
+def proxy_secret():
+    """The nodes' and the proxy's --proxy-secret-file (the nodes believe the proxy's X-Request-Start
+    beside it only): one file for the module, the same secret for every proxy and node."""
+    path = os.path.join(tempfile.gettempdir(), f"kcoral-test-proxy-secret-{os.getpid()}")
+    if not os.path.exists(path):
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+            f.write("proxy-secret-ops\n")
+    return path
 
 
 def start_node(workdir, *flags):
@@ -99,7 +110,7 @@ def haproxy_check(path):
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("ops-nodes")
-    pair = [start_node(workdir, "--token", TOKEN) for _ in range(2)]
+    pair = [start_node(workdir, "--token", TOKEN, "--proxy-secret-file", proxy_secret()) for _ in range(2)]
     try:
         yield pair
     finally:
@@ -113,7 +124,8 @@ def proxy_for(nodes, tmp_path):
     started = []
 
     def start(*flags):
-        proxy = HAProxyProcess([n.url for n in nodes], tmp_path, token=TOKEN, flags=flags)
+        proxy = HAProxyProcess([n.url for n in nodes], tmp_path, token=TOKEN,
+                               flags=[*flags, "--proxy-secret-file", proxy_secret()])
         started.append(proxy)
         assert wait_for(lambda: all_up(proxy, nodes), 20), proxy.stats()
         return proxy

@@ -18,6 +18,7 @@ import socket
 import stat
 import subprocess
 import threading
+import time
 import uuid
 
 import pytest
@@ -394,8 +395,16 @@ def test_the_systemd_unit_verifies_and_uses_the_real_flags(tmp_path):
     known = set(re.findall(r"(?<![\w-])--[a-z][a-z-]+", cli.stdout))
     used = {arg for arg in exec_start if arg.startswith("--")}
     assert used and used <= known, used - known
-    credential = settings["LoadCredential"][0].split(":")[0]
-    assert exec_start[exec_start.index("--token-file") + 1] == f"%d/{credential}"
+    # the tokens are read from their files at start and at each reload: a rotation is no restart (issue 41)
+    assert "LoadCredential" not in settings
+    assert exec_start[exec_start.index("--token-file") + 1] == "/etc/kcoral/tokens"
+    assert exec_start[exec_start.index("--metrics-token-file") + 1] == "/etc/kcoral/operator-tokens"
+    # a private address by default (tenants must not reach the node past the proxy); no duplicate journal
+    host = exec_start[exec_start.index("--host") + 1]
+    assert host == "${KCORAL_HOST}" and settings["Environment"][0] == "KCORAL_HOST=127.0.0.1", settings["Environment"]
+    assert "0.0.0.0" not in text.replace("never 0.0.0.0", "")
+    assert "--no-log-console" in exec_start
+    assert int(settings["OOMScoreAdjust"][0]) < 0 and settings["WatchdogSec"] == ["30s"]
     defaults = kcoral.ServerConfig()
     # a running and a queued request per slot behind the generated HAProxy config (docs/operations.md)
     drain = 2 * (defaults.max_timeout_seconds + defaults.worker_termination_grace_seconds) + 10 * defaults.drain_seconds
@@ -443,6 +452,35 @@ def test_the_node_tells_systemd_it_is_ready_once_health_answers(tmp_path):
             assert status == 200 and json.loads(body)["load"]["request_capacity"] == 1
             server.send_signal(signal.SIGTERM)
             assert listener.recv(4096) == b"STOPPING=1"
+            assert server.wait(60) == 0
+        finally:
+            if server.poll() is None:
+                server.kill()
+                server.wait()
+
+
+def test_the_node_pings_the_systemd_watchdog_while_it_serves(tmp_path):
+    """Under WatchdogSec= (WATCHDOG_USEC; WATCHDOG_PID, when given, must be the node's): WATCHDOG=1 every half of the interval after
+    READY=1; none once a stop began.  The unit's WatchdogSec= (docs/kcoral.service) relies on it."""
+    path = str(tmp_path / "notify")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as listener:
+        listener.bind(path)
+        listener.settimeout(120)
+        server = subprocess.Popen([PYTHON, "-m", "kcoral", "--port", str(free_port()), "--device", "cpu", "--num-workers", "1", "--log-dir", "",
+                                   "--disk-cache-dir", str(tmp_path / "cache"), "--sandbox", "none"],
+                                  cwd=ROOT, env={**os.environ, "NOTIFY_SOCKET": path, "WATCHDOG_USEC": "400000"},
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            assert listener.recv(4096) == b"READY=1"
+            listener.settimeout(2)
+            started = time.monotonic()
+            pings = [listener.recv(4096) for _ in range(4)]
+            elapsed = time.monotonic() - started
+            assert pings == [b"WATCHDOG=1"] * 4 and elapsed < 1.5, (pings, elapsed)  # every 0.2 s
+            server.send_signal(signal.SIGTERM)
+            while (message := listener.recv(4096)) == b"WATCHDOG=1":  # one may have been on its way
+                pass
+            assert message == b"STOPPING=1"
             assert server.wait(60) == 0
         finally:
             if server.poll() is None:

@@ -42,6 +42,7 @@ from tests.support import (
 
 ALICE, BOB, ANON = "alice-token-1", "bob-token-2", "anonymous-token-3"
 TOKENS = f"alice {ALICE}\nbob {BOB}\n{ANON}\n"
+OPERATOR = "operator-token-4"  # --metrics-token-file's: /metrics shows every tenant's requests
 
 SLEEPER = """\
 import os, subprocess, time
@@ -60,11 +61,16 @@ def auth(token):
     return {"Authorization": f"Bearer {token}"}
 
 
-def token_file(tmp_path, text=TOKENS):
-    path = tmp_path / "tokens"
+def token_file(tmp_path, text=TOKENS, name="tokens"):
+    path = tmp_path / name
     path.write_text(text)
     path.chmod(0o600)
     return str(path)
+
+
+def operator_flags(tmp_path):
+    """The node's --metrics-token-file, holding OPERATOR: the token that reads /metrics."""
+    return ["--metrics-token-file", token_file(tmp_path, OPERATOR + "\n", "operator-tokens")]
 
 
 def open_post(url, program, headers=None):
@@ -228,8 +234,8 @@ def test_kcoral_run_interrupted_stops_the_remote_program(tmp_path):
 
 def test_named_tokens_tenant_counts_and_labels(tmp_path):
     log_dir = tmp_path / "logs"
-    with ServerProcess("--token-file", token_file(tmp_path), "--log-dir", str(log_dir), workers=1,
-                       tmp_path=tmp_path) as server:
+    with ServerProcess("--token-file", token_file(tmp_path), "--log-dir", str(log_dir), *operator_flags(tmp_path),
+                       workers=1, tmp_path=tmp_path) as server:
         # a name is a label, never a token
         assert request("GET", server.url + "/health", headers=auth("alice"))[0] == 401
         sock = open_post(server.url, simple_program(NAP, args=[1.0]), auth(ALICE))
@@ -238,14 +244,14 @@ def test_named_tokens_tenant_counts_and_labels(tmp_path):
         bob_health = json.loads(request("GET", server.url + "/health", headers=auth(BOB))[2])
         assert bob_health["load"]["tenant"] == {"name": "bob", "requests_running": 0, "requests_waiting": 0}
         assert "tenant" not in json.loads(request("GET", server.url + "/health", headers=auth(ANON))[2])["load"]
-        _, _, metrics = request("GET", server.url + "/metrics", headers=auth(BOB))
+        _, _, metrics = request("GET", server.url + "/metrics", headers=auth(OPERATOR))
         assert b'kcoral_tenant_requests_running{tenant="alice"} 1' in metrics
         assert b'kcoral_tenant_requests_waiting{tenant="bob"} 0' in metrics
         assert read_answer(sock)[0] == 200
         sock.close()
         quick_request_seconds(server.url, auth(ANON))
         anonymous = 'kcoral_requests_total{status="COMPLETED",code="200",kind=""} 1'
-        metrics = scrape_when(server.url, lambda text: anonymous in text, auth(BOB))
+        metrics = scrape_when(server.url, lambda text: anonymous in text, auth(OPERATOR))
         assert 'kcoral_requests_total{status="COMPLETED",code="200",kind="",tenant="alice"} 1' in metrics
         assert anonymous in metrics
         left = open_post(server.url, simple_program(NAP, args=[30]), auth(BOB))
@@ -295,7 +301,7 @@ def test_per_tenant_limits(tmp_path):
     """--max-waiting-per-tenant: 429 with Retry-After naming the flag; --max-running-per-tenant:
     a tenant at its limit waits while another tenant's request takes the free slot."""
     with ServerProcess("--token-file", token_file(tmp_path), "--max-waiting-per-tenant", "1",
-                       "--max-running-per-tenant", "1", workers=2, tmp_path=tmp_path) as server:
+                       "--max-running-per-tenant", "1", *operator_flags(tmp_path), workers=2, tmp_path=tmp_path) as server:
         running, marker = sleeper(tmp_path, "alice-running", seconds=2)
         first = open_post(server.url, running, auth(ALICE))
         started_pids(marker)
@@ -311,7 +317,7 @@ def test_per_tenant_limits(tmp_path):
         assert status == 200 and body["queue_ms"] > 1000  # it waited for alice's first request
         first.close()
         waiting.close()
-        _, _, metrics = request("GET", server.url + "/metrics", headers=auth(BOB))
+        _, _, metrics = request("GET", server.url + "/metrics", headers=auth(OPERATOR))
         assert b'kcoral_requests_total{status="ERROR",code="429",kind="busy",tenant="alice"} 1' in metrics
 
 
@@ -335,7 +341,9 @@ def test_generated_proxy_config_orders_tenants_only_when_named(tmp_path):
         assert line in named, line
     assert f'"Bearer {ANON}"' in named  # accepted, anonymous
     bare = generate(f"{ALICE}\n{BOB}\n")
-    assert "option abortonclose" in bare and "tenant" not in bare
+    assert "option abortonclose" in bare
+    # no tenant rules without names (the log line's tenant= then reads "-")
+    assert "set-var(txn.tenant)" not in bare and "kcoral_tenants" not in bare and "priority" not in bare
 
 
 # --- 3. fair order, measured ---------------------------------------------------------------
