@@ -1726,7 +1726,7 @@ def test_instance_header_on_every_kind_of_response(server):
     conn = http.client.HTTPConnection(f"127.0.0.1:{server.port}", timeout=10)
     try:
         conn.putrequest("POST", "/execute")
-        conn.putheader("Content-Length", str(1 << 30))
+        conn.putheader("Content-Length", str(2 << 30))  # over the default --max-request-bytes
         conn.endheaders()
         response = conn.getresponse()
         response.read()
