@@ -296,7 +296,10 @@ def test_kcoral_run_says_a_fork_bomb_timed_out_at_the_process_limit(tight_server
 
 
 def test_kcoral_run_says_the_memory_limit_stopped_the_tool(tight_server, tmp_path):
-    done = kcoral_run_script(tight_server.url, tmp_path, "import time\nheld = b'x' * (1536 << 20)\ntime.sleep(30)\n")
+    # grown step by step, as the sampler sees it: one 1.5 GiB burst is refused at once by the
+    # sandbox's RLIMIT_DATA (a MemoryError in the tool's own stderr, exit 1)
+    grow = "import time\nheld = []\nfor _ in range(48):\n    held.append(b'x' * (32 << 20))\n    time.sleep(0.02)\ntime.sleep(30)\n"
+    done = kcoral_run_script(tight_server.url, tmp_path, grow)
     assert done.returncode == 137, done.stderr
     last = done.stderr.splitlines()[-1]
     assert last.startswith("kcoral run python: runtime: the request's processes used ") and last.endswith(
