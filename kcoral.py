@@ -420,10 +420,16 @@ def machine_quotas(config: ServerConfig, slots: int) -> dict[str, Any]:
     return {name: derived[name] if getattr(config, name) is None else getattr(config, name) for name in QUOTA_NAMES}
 
 
+def delegated_cgroup(config: ServerConfig) -> str | None:
+    """The delegated cgroup v2 directory requests get children in, once --cgroup is resolved at start
+    (enter_delegated_cgroup: a path, or "none"); None before that, or without one."""
+    return config.cgroup if os.path.isabs(config.cgroup) else None
+
+
 def quota_enforcement(config: ServerConfig) -> dict[str, str]:
     """How each request limit is enforced here, or why it is not (for /health and the start-up line)."""
     sandboxed = config.sandbox == "bubblewrap"
-    if config.cgroup != "none":  # resolved at start: the delegated subtree's path
+    if delegated_cgroup(config):
         return {**fallback_enforcement(config, sandboxed),
                 "memory_limit_bytes": f"the kernel: memory.max of the request's own cgroup under {config.cgroup} "
                                       "(everything it charges: anonymous, shared, page tables, kernel memory), "
@@ -455,7 +461,7 @@ def request_too_large_message(size: int | None, limit: int) -> str:
 
 def memory_unseen(config: ServerConfig) -> str:
     """What the memory limit cannot see here (for /health): the fallback's honest blind spots."""
-    if config.cgroup != "none":
+    if delegated_cgroup(config):
         return "the processes the request's init and holder were forked as (before the worker joined its cgroup)"
     sandboxed = config.sandbox == "bubblewrap"
     unseen = ["kernel memory other than page tables (pipe and socket buffers, inode and dentry caches, "
@@ -3437,8 +3443,8 @@ class Execution:
         self.reader, self.output, self.program_done = None, None, False
         self.oom_kills = oom_kill_count()
         # with a delegated cgroup the kernel holds the limit; without, the front-end samples
-        self.cgroup = (RequestCgroup(self.config.cgroup, self.job.request_id, self.worker.pid, self.config)
-                       if self.config.cgroup != "none" else None)
+        root = delegated_cgroup(self.config)
+        self.cgroup = RequestCgroup(root, self.job.request_id, self.worker.pid, self.config) if root else None
         self.memory = MemoryWatch(self.worker.pid, 0 if self.cgroup else self.config.memory_limit_bytes or 0,
                                   sandboxed=self.worker.template is not None)
         try:

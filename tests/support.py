@@ -213,6 +213,11 @@ def prometheus_server(workdir, scrape_configs, rule_files=()):
             return None
         return [(r["metric"], float(r["value"][1])) for r in json.loads(body)["data"]["result"]]
 
+    def log():  # its last words, for an assertion's message
+        with open(log_path, errors="replace") as f:
+            return f.read()[-2000:]
+
+    query.log = log
     try:
         yield query
     finally:

@@ -3,7 +3,6 @@
 bounded label cardinality; the proxy's X-Request-Start counted in queue_ms."""
 
 import contextlib
-import json
 import os
 import re
 import shutil
@@ -21,10 +20,10 @@ from tests.support import (
     ROOT,
     ServerProcess,
     call_program,
-    free_port,
     join_threads,
     post,
     prog,
+    prometheus_server,
     request,
     scrape_when,
     simple_program,
@@ -168,34 +167,10 @@ def prometheus_scraping(url, tmp_path, rule_files=()):
     while Prometheus does not answer yet."""
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
-    port = free_port()
-    config = tmp_path / "prometheus.yml"
-    config.write_text(json.dumps({  # YAML is a superset of JSON
-        "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-        "rule_files": [str(path) for path in rule_files],
-        "scrape_configs": [{"job_name": "kcoral", "static_configs": [{"targets": [urllib.parse.urlsplit(url).netloc]}],
-                            "authorization": {"type": "Bearer", "credentials_file": str(token_file)}}]}))
-    log = tmp_path / "prometheus.log"
-    prometheus = subprocess.Popen(["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                                   f"--web.listen-address=127.0.0.1:{port}"],
-                                  stdout=subprocess.DEVNULL, stderr=open(log, "wb"))
-
-    def query(promql):
-        try:
-            status, _, body = request("GET", f"http://127.0.0.1:{port}/api/v1/query?" +
-                                      urllib.parse.urlencode({"query": promql}), timeout=5)
-        except OSError:
-            return None
-        if status != 200:
-            return None
-        return [(r["metric"], float(r["value"][1])) for r in json.loads(body)["data"]["result"]]
-
-    query.log = lambda: log.read_text()[-2000:]
-    try:
+    scrape = [{"job_name": "kcoral", "static_configs": [{"targets": [urllib.parse.urlsplit(url).netloc]}],
+               "authorization": {"type": "Bearer", "credentials_file": str(token_file)}}]
+    with prometheus_server(tmp_path, scrape, rule_files) as query:
         yield query
-    finally:
-        prometheus.terminate()
-        prometheus.wait(30)
 
 
 def scalar(query, promql):
