@@ -176,7 +176,7 @@ def test_an_oom_killed_worker_is_named_as_such():
     than now): the cause is `oom` for the log and the metric, and the message says out of memory
     (it once said only "killed by signal 9").  A real OOM kill needs a memory cgroup the test
     machine may not give; the classification is what is tested here."""
-    execution = types.SimpleNamespace(memory=types.SimpleNamespace(exceeded=0, limit=0),
+    execution = types.SimpleNamespace(memory=types.SimpleNamespace(exceeded=0, limit=0), cgroup=None,
                                       oom_kills=kcoral.oom_kill_count() - 1)
     execution.crash_kind = types.MethodType(kcoral.Execution.crash_kind, execution)
     assert execution.crash_kind(-signal.SIGKILL) == "oom"
