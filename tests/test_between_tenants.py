@@ -420,7 +420,7 @@ def test_programs_killing_their_own_worker_raise_no_crash_alert(tmp_path):
 
 @pytest.mark.skipif(HAPROXY is None, reason="haproxy is not installed")
 def test_one_tenants_burst_does_not_lock_out_another_behind_the_same_address(tmp_path):
-    """issue 41: alice's /health calls used up the per-address limit for bob behind the same address.
+    """alice's /health calls used up the per-address limit for bob behind the same address.
     With named tenants the limit counts per tenant: alice is answered 429 past it, bob is served;
     HAProxy's log names the tenant of each line."""
     tokens = tenants_file(tmp_path)

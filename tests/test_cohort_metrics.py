@@ -1,5 +1,5 @@
-"""The operator's questions answered by a real Prometheus over a real cohort (issue 41's acceptance,
-docs/operations.md "Monitoring"): three one-slot nodes, a token file of three tenants, the
+"""The operator's questions answered by a real Prometheus over a real cohort
+(docs/operations.md "Monitoring"): three one-slot nodes, a token file of three tenants, the
 generated HAProxy configuration (with the proxy's secret and its exporter), steady load from
 alice and bob, bursts from carol, some failures and timeouts.  The documented PromQL answers
 for failures, errors, rate and latency per tenant equal what the node logs and the clients saw

@@ -395,7 +395,7 @@ def test_the_systemd_unit_verifies_and_uses_the_real_flags(tmp_path):
     known = set(re.findall(r"(?<![\w-])--[a-z][a-z-]+", cli.stdout))
     used = {arg for arg in exec_start if arg.startswith("--")}
     assert used and used <= known, used - known
-    # the tokens are read from their files at start and at each reload: a rotation is no restart (issue 41)
+    # the tokens are read from their files at start and at each reload: a rotation is no restart
     assert "LoadCredential" not in settings
     assert exec_start[exec_start.index("--token-file") + 1] == "/etc/kcoral/tokens"
     assert exec_start[exec_start.index("--metrics-token-file") + 1] == "/etc/kcoral/operator-tokens"

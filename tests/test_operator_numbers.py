@@ -1,4 +1,4 @@
-"""Numbers an operator can trust (issue 41, docs/operations.md "Monitoring"): every series a
+"""Numbers an operator can trust (docs/operations.md "Monitoring"): every series a
 documented query or an alert reads exists at 0 from start-up, per tenant; `in_progress` counts
 running requests only; busy seconds and latency per tenant; buckets fine enough for quantiles;
 a cancelled request names its client's id; an OOM kill is named."""

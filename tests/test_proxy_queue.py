@@ -1,4 +1,4 @@
-"""A request whose client leaves while it waits in HAProxy's queue never reaches a node (issue 41,
+"""A request whose client leaves while it waits in HAProxy's queue never reaches a node (
 docs/scaling.md "Cancellation"), through the generated configuration."""
 
 import time
