@@ -1,5 +1,5 @@
-"""A request whose client leaves while it waits in HAProxy's queue never reaches a node (
-docs/scaling.md "Cancellation"), through the generated configuration."""
+"""A request whose client leaves while it waits in HAProxy's queue never reaches a node
+(docs/scaling.md "Cancellation"), through the generated configuration."""
 
 import time
 
