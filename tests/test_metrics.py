@@ -231,6 +231,9 @@ def test_prometheus_keeps_scraping_through_a_token_rotation(tmp_path):
         assert wait_for(lambda: scalar(query, "kcoral_reads_refused_total") == refused + 1, 10)
 
 
+CLIENT_OVERHEAD = 0.05  # seconds a client's own measurement may exceed the node's for one request
+
+
 def bucket_of(value):
     """(lower, upper) bounds of the histogram bucket holding `value`."""
     bounds = (0.0,) + kcoral.DURATION_BUCKETS + (float("inf"),)
@@ -277,7 +280,9 @@ def test_prometheus_quantiles_match_the_measured_latencies(tmp_path):
             for q in (0.5, 0.95):
                 expected = quantile(measured, q)
                 answered = scalar(query, f'histogram_quantile({q}, sum by (le) ({name}_bucket{{job="kcoral"}}))')
-                lower, upper = bucket_of(expected)
+                # the client measures a little more than the node observes (connection, transfer): the
+                # node's observation lies in the buckets from CLIENT_OVERHEAD below the client's figure
+                lower, upper = bucket_of(max(0.0, expected - CLIENT_OVERHEAD))[0], bucket_of(expected)[1]
                 assert answered is not None and lower <= answered <= upper, \
                     (name, q, answered, expected, sorted(measured))
                 assert abs(answered - expected) <= upper - lower
@@ -351,7 +356,8 @@ def test_histogram_buckets_are_cumulative_and_inf_is_the_count(node):
         assert_well_formed(name, buckets, count)
     buckets, total, count = found["kcoral_request_duration_seconds"]
     assert count >= 3 and total >= 0.9
-    assert dict(buckets)[0.25] <= count - 3  # the three sleepers: above 0.25 s
+    below = max(le for le, _ in buckets if le <= 0.25)
+    assert dict(buckets)[below] <= count - 3  # the three sleepers (0.3 s each): above the last bound under 0.25 s
 
 
 def test_an_observation_beyond_the_last_bound_counts_in_inf_only():
@@ -361,7 +367,10 @@ def test_an_observation_beyond_the_last_bound_counts_in_inf_only():
     buckets, total, count = histograms(metrics.render([]))["kcoral_request_duration_seconds"]
     assert_well_formed("kcoral_request_duration_seconds", buckets, count)
     counts = dict(buckets)
-    assert (counts[0.001], counts[0.005], counts[0.25], counts[0.5], counts[900], counts[float("inf")]) == (0, 1, 1, 2, 2, 3)
+    first_at_least = lambda seconds: min(le for le in counts if le >= seconds)  # noqa: E731
+    last_below = lambda seconds: max(le for le in counts if le < seconds)  # noqa: E731
+    assert (counts[0.001], counts[first_at_least(0.002)], counts[last_below(0.4)], counts[first_at_least(0.4)],
+            counts[900], counts[float("inf")]) == (0, 1, 1, 2, 2, 3)
     assert (total, count) == (1000.402, 3)
 
 
