@@ -39,13 +39,23 @@ Sections, in the order a request travels (each section's functions in call order
 11. what the application records: `EventLog`, `SavedPrograms`, `Metrics`
 12. the command line, 13. `haproxy-config`
 
-Read downwards, a request goes §1 -> §2 -> §3 -> §4 -> §5 -> §6 -> §7 -> §8; the jumps are:
-(a) from §5's `BlobStore.resolve` back up to §2's `run_program`, which hands the job to §6;
-(b) `Execution.converse` (§6) into kcoral_worker.py's `serve_request`, whose messages come back
-to §6; (c) ending the worker (§8's `Worker.kill`) goes through kcoral_worker.py's process
-trees (`kill_group`, `terminate`); (d) the answer goes back up from §2 to §1's `respond`;
-(e) on the way, §2 and §1 record through §11 (`save_program`, `event`).  GPU workers take the
-lease of §9 and, sandboxed, start in §10's container, both set up at start-up.
+Read downwards, a request goes §1 -> §2 -> §3 -> §4 -> §5 -> §6 -> §7 -> §8, §2 calling each
+of §3-§6 in protocol order.  The jumps, the calls that go back up the file (tests/test_map.py
+traces one request, unsandboxed and sandboxed, and holds this list to the calls it makes):
+    §4 `decode_program` -> §3 `strict_json`: the program part is strict JSON as every part is
+    §6 `Execution.run` -> §0 `delegated_cgroup`: a setting resolved at start
+    §6 `Pool.acquire` -> §1 `wait_turn`: the one FIFO wait, beside the body budget it serves first
+    §8 `Worker.__init__` -> §6 `expect`: a worker's first message, checked as every later one
+    §10 `SandboxTemplate.fork` -> §6 `expect`: the container's answer to a fork
+    §10 `SandboxedProcess.join` -> §6 `expect`: the container's report of a worker's exit
+    §9 `LeaseArbiter.acquire` -> §1 `wait_turn` (GPU): a GPU lease waits in the same FIFO
+Two more cross into kcoral_worker.py: `Execution.converse` (§6) talks to the worker's
+`serve_request` over the pipe, and ending a worker (§8's `Worker.kill`, through `Pool.dispose`)
+goes through the worker file's process trees (`kill_group`, `terminate`).  Everything else is
+a call down the file: §1 asks §2 whose tenant and request it is, §1 and §2 record through §11
+(`event`, `save_program`), §6 and §8 count through §11's `Metrics.add` and §6 writes through its
+`write_all`.  GPU workers take the lease of
+§9 and, sandboxed, start in §10's container, both set up at start-up.
 
 Lifecycle verbs mean one thing each, across the classes (tests/test_docs.py holds them to it):
 `start` begins serving, threads or processes (`KCoralServer`, `SpareWorker`); `drain` admits
