@@ -13,13 +13,30 @@ docs/protocol.md; docs/design.md gives the decisions behind this file's shape.
 Processes and threads (one node):
 
     kcoral (this file)                                forkserver template (or, sandboxed, a
-      main thread: serve_forever, signals             bwrap container per slot running
-      KCoralHTTPServer: a thread per connection       kcoral_worker.template_main)
-        RequestHandler -> handle_execute                | fork
-        -> Pool.run_job -> Execution.run  <--pipe-->  worker process (kcoral_worker.worker_main):
-      ConnectionGuard thread: cuts slow clients       serves one request at a time, in its
-      OutputReader thread per request: stdout/err <-- own process group; retires after one
-      slot replacement threads (fresh workers)        request by default
+      kcoral-connection thread:                       bwrap container per slot running
+        RequestHandler -> handle_execute              kcoral_worker.template_main)
+        -> Pool.run_job -> Execution.run  <--pipe-->    | fork
+      kcoral-output-reader thread per request:        worker process (kcoral_worker.worker_main):
+        the worker's stdout/stderr <---------------   serves one request at a time, in its
+      and the threads below                           own process group; retires after one
+                                                      request by default
+
+Threads of this process, by name (`{slot}`: a slot's name such as cpu/w0; tests/test_map.py
+holds the list to `threading.enumerate()` on a busy server and to every `threading.Thread` here):
+    MainThread: `KCoralServer.serve_forever` under `python -m kcoral`, waiting for signals
+    kcoral-http: the HTTP server's accept loop (`KCoralServer.start`)
+    kcoral-connection: one per connection, reading and answering its requests (`RequestHandler`)
+    kcoral-connection-guard: cuts slow and idle clients (`ConnectionGuard`)
+    kcoral-stream-sender: writes a streamed answer's output frames (`OutputStream`)
+    kcoral-write-blobs: writes a request's file blobs to the disk cache (`BlobStore.keep_file_blobs`)
+    kcoral-spare-{slot}: starts a slot's next worker while its last request runs (`SpareWorker`)
+    kcoral-replace-{slot}: replaces a retired worker (`Pool.release`)
+    kcoral-output-reader: one per request, reads its worker's stdout and stderr (`OutputReader`)
+    memory-watch: one per request under a memory limit, samples its processes (`MemoryWatch`)
+    remove-workspace: removes an unsandboxed request's workspace after the answer
+    remove-cgroup: removes a request's cgroup once its processes are gone (`RequestCgroup`)
+    sandbox-output: follows a container template's stdout and stderr (`OutputTail`)
+    kcoral-spawner: starts the containers, from one thread that lives as long as the server
 
 Sections, in the order a request travels (each section's functions in call order):
  0. configuration: `ServerConfig`, every setting once; the command line is generated from it
@@ -574,6 +591,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         # per socket operation: bounds each send slice, and backs up the guard for reads
         self.timeout = self.server.app.config.send_timeout_seconds  # type: ignore[misc]  # typeshed: a ClassVar
         super().setup()
+        threading.current_thread().name = "kcoral-connection"  # socketserver's thread, named for the map
         self.cut_reason: str | None = None  # set by the ConnectionGuard when it cuts this connection
         self.tenant = ""  # the name of the request's token in --token-file, once authorized ("": anonymous)
         self.stream: OutputStream | None = None  # the answer of a POST that asked for streamed output
@@ -1102,7 +1120,7 @@ class OutputStream:
             if not self.open:  # the answer is being sent: later output (an escaped process's) is dropped
                 return
             if self.sender is None:
-                self.sender = threading.Thread(target=self.send_frames, daemon=True)
+                self.sender = threading.Thread(target=self.send_frames, name="kcoral-stream-sender", daemon=True)
                 self.sender.start()
             self.frames.put((stream, data))
 
@@ -1716,7 +1734,7 @@ class KCoralServer:
         self.target, self.versions = describe_runtime(device, self.pool)
         self.gpu_count = len(gpu_ids)
         self.httpd = KCoralHTTPServer((self.config.host, self.config.port), RequestHandler, self)
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="kcoral-http", daemon=True)
         self.thread.start()
         self.log.event("server_started", url=self.url, device=device, sandbox=self.config.sandbox,
                        workers=len(self.pool.slots), run_dir=run_dir, instance_id=self.instance_id,
@@ -2639,7 +2657,8 @@ class BlobStore:
                 key = (tenant, digest)
                 self.unwritten[key] = (data, self.unwritten.get(key, (data, 0))[1] + 1)
             self.unwritten_bytes += charge
-        return threading.Thread(target=self.write_file_blobs, args=(self.disk, items, charge, tenant))
+        return threading.Thread(target=self.write_file_blobs, args=(self.disk, items, charge, tenant),
+                                name="kcoral-write-blobs")
 
     def write_file_blobs(self, disk: DiskCache, items: list[tuple[str, Buffer]], charge: int, tenant: str) -> None:
         try:
@@ -4156,7 +4175,7 @@ class OutputReader:
         self.fds = (out_fd, err_fd)
         self.names = {out_fd: "stdout", err_fd: "stderr"}
         self.on_output = on_output
-        self.thread = threading.Thread(target=self.read_until_closed, daemon=True)
+        self.thread = threading.Thread(target=self.read_until_closed, name="kcoral-output-reader", daemon=True)
         self.thread.start()
 
     def read_until_closed(self) -> None:

@@ -7,6 +7,7 @@ import ast
 import collections
 import os
 import re
+import socket
 import threading
 import time
 
@@ -198,3 +199,125 @@ def test_the_gpu_only_jumps_are_calls_the_code_makes():
         assert callee.split(".")[-1] in called, (caller, callee)
         assert (section_of(functions[caller].lineno, ranges), section_of(functions[callee].lineno, ranges)) == (a, b)
 
+
+
+# --- the threads --------------------------------------------------------------------------------------
+
+SLOT_NAME = re.compile(r"-(?:cpu|gpu\d+)/w\d+$")
+
+
+def listed_threads(doc):
+    block = doc.split("Threads of this process, by name")[1].split("\n\n")[0]
+    return set(re.findall(r"^    ([\w{}-]+): ", block, flags=re.M))
+
+
+def threads_in_source():
+    """The name of every thread kcoral.py starts (an f-string's fields read `{slot}`), None for one
+    started without a name, and the names it gives a thread it runs on (`current_thread().name =`)."""
+    with open(SOURCE, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "Thread":
+            name = next((k.value for k in node.keywords if k.arg == "name"), None)
+            names.append(None if name is None else literal_name(name))
+        elif isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Attribute) and t.attr == "name" and "current_thread" in ast.unparse(t.value)
+                for t in node.targets):
+            names.append(literal_name(node.value))
+    return names
+
+
+def literal_name(node):
+    if isinstance(node, ast.JoinedStr):
+        return "".join(v.value if isinstance(v, ast.Constant) else "{slot}" for v in node.values)
+    return node.value if isinstance(node, ast.Constant) else ast.unparse(node)
+
+
+def test_every_thread_the_server_starts_has_a_name_the_map_lists():
+    started = threads_in_source()
+    assert len(started) >= 12 and None not in started, started
+    assert listed_threads(kcoral.__doc__) == set(started) | {"MainThread"}
+
+
+class ThreadNames:
+    """The final name of every thread started while it records that ran code of kcoral.py (a
+    thread may rename itself: socketserver's connection threads do), plus what
+    `threading.enumerate()` shows of them whenever `snapshot` is called."""
+
+    def __init__(self):
+        self.names = {}
+        self.before = set(threading.enumerate())
+
+    def __enter__(self):
+        threading.setprofile(self.profile)
+        return self
+
+    def __exit__(self, *exc):
+        threading.setprofile(None)
+
+    def profile(self, frame, event, arg):
+        if frame.f_code.co_filename == SOURCE:
+            thread = threading.current_thread()
+            self.names[thread] = thread.name
+
+    def snapshot(self):
+        for thread in threading.enumerate():
+            if thread not in self.before and not thread.name.startswith("test-"):
+                self.names[thread] = thread.name
+
+    def kinds(self):
+        return {SLOT_NAME.sub("-{slot}", name) for name in self.names.values() if not name.startswith("test-")}
+
+
+def slow_body(url):
+    """A connection that sent its headers and a tenth of its body, and waits."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(b"POST /execute HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; boundary=B\r\n"
+                 b"Content-Length: 10000\r\n\r\n" + b"-" * 1000)
+    return sock
+
+
+def busy_request(url, seconds):
+    """A request that uploads a file, prints, and runs `seconds`, its output streamed back."""
+    program = Program()
+    program.upload_file(blob=os.urandom(2048), path="data.bin")
+    module = program.upload(kind="module", source=f"import time\ndef f():\n    print('busy', flush=True)\n"
+                                                  f"    time.sleep({seconds})\n    return 1\n")
+    program.return_(key="out", value=program.run(fn=program.get_function(module=module, name="f")))
+    with Client(url) as client:
+        return client.execute(program, on_output=lambda stream, data: None)
+
+
+@pytest.mark.parametrize("sandbox", ["none", "bubblewrap"])
+def test_a_busy_server_runs_only_the_threads_the_map_lists(sandbox, tmp_path):
+    """A running request with streamed output, a file blob and a memory limit, a slow body, the
+    spare worker starting and the retired one replaced: every thread of the server that runs is
+    one the docstring lists."""
+    config = kcoral.ServerConfig(port=0, device="cpu", num_workers=1, log_dir=None, log_console=False,
+                                 disk_cache_dir=str(tmp_path / "disk"), sandbox=sandbox,
+                                 memory_limit_bytes=2 << 30)
+    with ThreadNames() as threads:
+        app = kcoral.create_app(config).start()
+        try:
+            sock = slow_body(app.url)
+            result = []
+            client = threading.Thread(target=lambda: result.append(busy_request(app.url, 1.5)), name="test-client")
+            client.start()
+            while client.is_alive():
+                threads.snapshot()
+                time.sleep(0.005)
+            sock.close()
+            settle(app)
+            threads.snapshot()
+        finally:
+            app.stop()
+    assert result and result[0].completed, result
+    seen, listed = threads.kinds(), listed_threads(kcoral.__doc__)
+    assert not seen - listed, f"threads the map does not list: {seen - listed}"
+    driven = {"kcoral-http", "kcoral-connection", "kcoral-connection-guard", "kcoral-output-reader",
+              "kcoral-stream-sender", "kcoral-replace-{slot}", "kcoral-write-blobs", "memory-watch"}
+    if sandbox == "none":  # a container forks one worker at a time: no spare beside it
+        driven.add("kcoral-spare-{slot}")
+    assert driven <= seen, f"the test no longer drives {driven - seen}"
