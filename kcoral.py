@@ -74,12 +74,15 @@ a call down the file: §1 asks §2 whose tenant and request it is, §1 and §2 r
 `write_all`.  GPU workers take the lease of
 §9 and, sandboxed, start in §10's container, both set up at start-up.
 
-Lifecycle verbs mean one thing each, across the classes (tests/test_docs.py holds them to it):
+Lifecycle verbs mean one thing each, across the classes (tests/test_docs.py holds them to it, by
+name and by what each such method calls):
 `start` begins serving, threads or processes (`KCoralServer`, `SpareWorker`); `drain` admits
-nothing new while admitted work runs on (`Pool`, `BodyBudget`, `LeaseArbiter`); `stop` ends
-gracefully and releases everything once work is done (`KCoralServer`, `Pool`, `Worker`,
-`ConnectionGuard`, `MemoryWatch`); `kill` ends processes now (`Worker`, `SandboxTemplate`);
-`close` releases a file or descriptor only (`EventLog`, `SavedPrograms`).
+nothing new while admitted work, queued included, runs on (`Pool`); `refuse_waiters` admits
+nothing new and turns away whoever waits (`BodyBudget`, `LeaseArbiter`); `stop` ends gracefully
+and releases everything once work is done, waiting until no thread or process of it is left
+(`KCoralServer`, `Pool`, `Worker`, `ConnectionGuard`, `MemoryWatch`); `kill` ends processes now,
+by signal (`Worker`, `SandboxTemplate`); `close` releases a file or descriptor only (`EventLog`,
+`SavedPrograms`).
 
 The client lives in client.py; `from kcoral import Client, Program` loads it
 lazily from beside this file (`load_client`), so the server needs only this
@@ -167,7 +170,8 @@ Blobs = dict[str, Buffer]  # hash -> payload, for every blob a program reference
 LeaseTicket = tuple[object, list[int] | None, int | None]  # (identity, the GPUs wanted, or how many of any)
 ExtraHeaders = Mapping[str, str] | tuple[()]  # headers a response adds; () for none
 
-# `kcoral.errors` and `kcoral.builtins`, as in the published package (defined by the worker)
+# `kcoral.errors` and `kcoral.builtins`, as in the published package (defined by the worker); the
+# name `builtins` is that public API's, and this file never imports the stdlib module it shadows
 errors, builtins = kcoral_worker.install_kcoral_modules()
 
 __version__ = "0.4.0"
@@ -521,14 +525,14 @@ class KCoralHTTPServer(http.server.ThreadingHTTPServer):
         self.max_connections = app.config.max_connections or default_max_connections()
         self.senders = BodySenders(app.config, self.max_connections)
         self.open_connections = 0
-        self.slots = threading.Condition()
+        self.connections_changed = threading.Condition()  # open_connections went up or down
         super().__init__(address, handler)
 
     def get_request(self) -> tuple[socket.socket, tuple[str, int]]:
-        with self.slots:
+        with self.connections_changed:
             if self.open_connections >= self.max_connections:
                 self.guard.cut_idle(min(1.0, self.app.config.keepalive_timeout_seconds))
-                self.slots.wait(0.5)
+                self.connections_changed.wait(0.5)
                 if self.open_connections >= self.max_connections:  # serve_forever polls again
                     raise OSError(errno.EAGAIN, "connection limit reached")
         try:
@@ -538,15 +542,15 @@ class KCoralHTTPServer(http.server.ThreadingHTTPServer):
                 self.guard.cut_idle(0.0)
                 time.sleep(0.1)
             raise
-        with self.slots:
+        with self.connections_changed:
             self.open_connections += 1
         return request
 
     def shutdown_request(self, request: socket.socket | tuple[bytes, socket.socket]) -> None:
         super().shutdown_request(request)
-        with self.slots:
+        with self.connections_changed:
             self.open_connections -= 1
-            self.slots.notify_all()
+            self.connections_changed.notify_all()
 
     def handle_error(self, request: socket.socket | tuple[bytes, socket.socket],
                      client_address: tuple[str, int]) -> None:
@@ -745,7 +749,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             try:
                 outcome = self.outcome_of_post(request_id)
             except ClientGone as gone:
-                return self.cancelled(request_id, gone.phase, started)
+                return self.cancelled(request_id, gone.where, started)
             outcome, size, lost = self.send_outcome(request_id, outcome)
         fields = {"client_request_id": self.client_request_id,
                   "request_bytes": self.request_bytes, "tenant": self.tenant or None,
@@ -763,14 +767,15 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         poller.register(self.connection, select.POLLRDHUP)  # POLLHUP and POLLERR are always reported
         return bool(poller.poll(0))
 
-    def cancelled(self, request_id: str, phase: str, started: float) -> None:
-        """The one log line for a request stopped because its client left; nothing is answered."""
+    def cancelled(self, request_id: str, where: str, started: float) -> None:
+        """The one log line for a request stopped because its client left `where` (the event's `phase`);
+        nothing is answered."""
         self.close_connection = True
         if self.stream is not None:  # its sender thread ends with the frames it has
             self.stream.end_output()
         self.app.log.event("request_cancelled", "WARNING", request_id=request_id,
                            client_request_id=self.client_request_id, tenant=self.tenant or None,
-                           phase=phase, peer=self.client_address[0], request_bytes=self.request_bytes,
+                           phase=where, peer=self.client_address[0], request_bytes=self.request_bytes,
                            total_ms=(time.monotonic() - started) * 1e3)
 
     def wants_stream(self) -> bool:
@@ -1367,16 +1372,17 @@ class ConnectionGuard:
 
     def stop(self) -> None:
         self.stopped.set()
+        self.thread.join()  # within a TICK: stop leaves no thread behind
 
 
 _Served = typing.TypeVar("_Served")
 
 
-def wait_turn(cond: threading.Condition, queue: Any, ticket: object, turn: Callable[[], _Served | None],
+def wait_turn(cond: threading.Condition, line: Any, ticket: object, turn: Callable[[], _Served | None],
               deadline: float | None, refused: Callable[[], bool] = lambda: False,
               client_gone: Callable[[], bool] | None = None, where: str = "") -> _Served | None:
     """The one wait of the three admission points (body memory, slots, GPU leases), `ticket`
-    already in their `queue`, `cond` held: until `turn()` serves it (-> what it returns), `refused()`
+    already in their `line`, `cond` held: until `turn()` serves it (-> what it returns), `refused()`
     says no or `deadline` (time.monotonic(), None: none) passes (-> None); ClientGone(`where`) once
     `client_gone()` says so, asked every CLIENT_CHECK_SECONDS.  However it ends, the ticket leaves
     the queue and the other waiters are woken: the head of the line may have changed."""
@@ -1395,7 +1401,7 @@ def wait_turn(cond: threading.Condition, queue: Any, ticket: object, turn: Calla
             cond.wait(wait)
         return None
     finally:
-        queue.remove(ticket)
+        line.remove(ticket)
         cond.notify_all()
 
 
@@ -1440,7 +1446,7 @@ class BodyBudget:
             self.in_use -= size
             self.cond.notify_all()
 
-    def drain(self) -> None:
+    def refuse_waiters(self) -> None:
         """Admit no more bodies; those waiting for room are refused."""
         with self.cond:
             self.closed = True
@@ -1963,7 +1969,7 @@ class KCoralServer:
         self.drain_started = time.monotonic()
         self.closing = True
         self.pool.drain()
-        self.bodies.drain()
+        self.bodies.refuse_waiters()
         self.httpd.guard.cut_phase("body", "shutdown")  # uploads still arriving; executions finish
         with self.in_flight_cond:
             self.log.event("shutdown_started", remaining=self.in_flight)
@@ -2967,12 +2973,12 @@ class ResponseTooLarge(Exception):
 
 class ClientGone(Exception):
     """The request's client closed its connection while the request waited or ran: nobody is
-    left to answer, so it is stopped.  `phase`: "queue" (waiting for a worker), "lease" (for the GPU)
-    or "running"."""
+    left to answer, so it is stopped.  `where`: "queue" (waiting for a worker), "lease" (for the GPU)
+    or "running" (wait_turn's `where`; logged as the event's `phase`)."""
 
-    def __init__(self, phase: str) -> None:
-        super().__init__(phase)
-        self.phase = phase
+    def __init__(self, where: str) -> None:
+        super().__init__(where)
+        self.where = where
 
 
 class TenantLimit(Exception):
@@ -3003,7 +3009,7 @@ class FairQueue:
         self.arrivals = 0
 
     def __len__(self) -> int:
-        return sum(len(queue) for queue in self.tenants.values())
+        return sum(len(line) for line in self.tenants.values())
 
     def waiting(self, tenant: str) -> int:
         return len(self.tenants.get(tenant, ()))
@@ -3015,14 +3021,14 @@ class FairQueue:
         return ticket
 
     def remove(self, ticket: Ticket) -> None:
-        queue = self.tenants[ticket.tenant]
-        queue.remove(ticket)
-        if not queue:
+        line = self.tenants[ticket.tenant]
+        line.remove(ticket)
+        if not line:
             del self.tenants[ticket.tenant]
 
     def first(self, eligible: Callable[[str], bool]) -> Ticket | None:
         """The ticket served next among the tenants `eligible` says may take a slot now."""
-        heads = [queue[0] for tenant, queue in self.tenants.items() if eligible(tenant)]
+        heads = [line[0] for tenant, line in self.tenants.items() if eligible(tenant)]
         return min(heads, key=lambda t: (t.rank, t.number), default=None)
 
 
@@ -3403,7 +3409,7 @@ class Pool:
             self.refusing = self.refusing or refuse_queued
             self.cond.notify_all()
         if self.arbiter is not None and refuse_queued:
-            self.arbiter.drain()
+            self.arbiter.refuse_waiters()
 
     def stop(self) -> None:
         """Once drained and idle: end every worker and sandbox (and wait for replacements under way)."""
@@ -4623,8 +4629,8 @@ def nvml_gpu_ids() -> list[str]:
 
 def same_gpu(seen: str, expected: str) -> bool:
     """docs/server.md §1.1: UUIDs compare without the GPU- prefix, case-insensitively; unknown ones pass."""
-    def bare(uuid: str) -> str:
-        return uuid.lower().removeprefix("gpu-")
+    def bare(name: str) -> str:
+        return name.lower().removeprefix("gpu-")
 
     return not seen or not expected.lower().startswith("gpu-") or bare(seen) == bare(expected)
 
@@ -4698,8 +4704,8 @@ class LeaseArbiter:
             self.quarantined.update(gpus)
             self.cond.notify_all()
 
-    def drain(self) -> None:
-        """A quarantine's drain: requests still waiting for "any n" GPUs are refused (a graceful
+    def refuse_waiters(self) -> None:
+        """A quarantine's refusal: requests still waiting for "any n" GPUs are refused (a graceful
         shutdown lets them run: the leases they wait for are released as the requests before finish)."""
         with self.cond:
             self.closing = True

@@ -1278,8 +1278,8 @@ def initialize_gpu() -> GpuInitialized:
     suffix = "a" if major >= 9 else ""
     # later CPU-only compiles then need not query the driver
     os.environ.setdefault("TVM_FFI_CUDA_ARCH_LIST", f"{major}.{minor}{suffix}")
-    uuid = getattr(torch.cuda.get_device_properties(0), "uuid", None)
-    return GpuInitialized(f"sm_{major}{minor}{suffix}", torch.version.cuda, str(uuid or ""))
+    gpu_uuid = getattr(torch.cuda.get_device_properties(0), "uuid", None)
+    return GpuInitialized(f"sm_{major}{minor}{suffix}", torch.version.cuda, str(gpu_uuid or ""))
 
 
 def serve_request(conn: Connection, request: JobRequest, runtime: Runtime) -> bool:
