@@ -6102,8 +6102,9 @@ def gate_sections(limits: ProxyLimits, runtime: ProxyRuntime, names: list[str], 
     servers = "".join(f"    server {gate} unix@{socket_path} maxconn {limits.max_running_per_tenant} send-proxy-v2 "
                       "no-check\n" for gate in gates)
     owner = f" user {runtime.user}" if runtime.user else ""
-    backend = HAPROXY_TENANT_LIMITS.format(running=limits.max_running_per_tenant, gate_timeout=haproxy_time(gate_timeout),
-                                           use_servers=use_servers, servers=servers, socket=socket_path, owner=owner)
+    backend = HAPROXY_TENANT_LIMITS.format(running=limits.max_running_per_tenant, use_servers=use_servers,
+                                           gate_timeout=haproxy_time(gate_timeout), servers=servers,
+                                           socket=socket_path, owner=owner)
     return {"routing": front, "tenant_limits": backend}
 
 

@@ -7,6 +7,7 @@ Each execution appends its start and end to a ledger, so the test sees how many 
 requests ran at once across the nodes.
 """
 
+import re
 import threading
 import time
 
@@ -122,7 +123,10 @@ def test_reloading_the_proxy_under_load_from_several_tenants_refuses_nothing(tmp
         runs = [load.stop() for load in loads]
         outcomes = {value: outcome for load in loads for value, outcome in load.outcomes.items()}
         failed = {value: outcome for value, outcome in outcomes.items() if outcome != "ok"}
-        print(f"{len(outcomes)} requests across 3 reloads, {len(failed)} failed")
+        node_waits = [float(wait) for node in nodes for wait in re.findall(r" request_finished .*queue_ms=([\d.]+)",
+                                                                             node.log())]
+        print(f"{len(outcomes)} requests across 3 reloads, {len(failed)} failed; the nodes queued "
+              f"{sum(wait > 200 for wait in node_waits)} over 0.2 s (longest {max(node_waits, default=0):.0f} ms)")
         assert not failed, failed
         assert len(outcomes) > 30 and all(count == 1 for run in runs for count in run.values()), runs
     finally:
