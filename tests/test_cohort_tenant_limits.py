@@ -8,13 +8,26 @@ requests ran at once across the nodes.
 """
 
 import re
+import subprocess
 import threading
 import time
 
 import pytest
 
-from tests.support import HAPROXY, HAProxyProcess, ServerProcess, SteadyLoad, join_threads, simple_program, wait_for
-from tests.test_tenants import ALICE, ANON, BOB, auth, open_post, read_answer, token_file
+from tests.support import (
+    HAPROXY,
+    PYTHON,
+    ROOT,
+    HAProxyProcess,
+    ServerProcess,
+    SteadyLoad,
+    join_threads,
+    log_records,
+    run_directories,
+    simple_program,
+    wait_for,
+)
+from tests.test_tenants import ALICE, ANON, BOB, NAP, auth, open_post, read_answer, token_file
 
 TIMED = """\
 import time
@@ -135,3 +148,50 @@ def test_reloading_the_proxy_under_load_from_several_tenants_refuses_nothing(tmp
         proxy.stop()
         for node in nodes:
             node.stop()
+
+
+@pytest.mark.skipif(HAPROXY is None, reason="haproxy is not installed")
+def test_a_request_left_at_its_gate_or_past_it_never_reaches_a_node(tmp_path):
+    """One one-slot node, --max-running-per-tenant 1 at the proxy: alice's 3 s request holds the
+    slot; her second waits at her gate, bob's passes his and waits in the cohort's queue.  Both
+    clients leave: the node logs alice's first request alone."""
+    tokens = token_file(tmp_path)
+    with ServerProcess("--token-file", tokens, "--log-dir", str(tmp_path / "logs"), workers=1,
+                       tmp_path=tmp_path) as node:
+        proxy = HAProxyProcess([f"{node.url}=1"], tmp_path, flags=["--token-file", tokens,
+                                                                   "--max-running-per-tenant", "1"])
+        try:
+            busy = open_post(proxy.url, simple_program(NAP, args=[3.0]), auth(ALICE))
+            at_gate = open_post(proxy.url, simple_program(NAP, args=[0.1]), auth(ALICE))
+            assert wait_for(lambda: gate_row(proxy, "alice")["qcur"] == "1", 5), gate_row(proxy, "alice")
+            past_gate = open_post(proxy.url, simple_program(NAP, args=[0.1]), auth(BOB))
+            assert wait_for(lambda: any(row["pxname"] == "kcoral_spread" and row["svname"] == "BACKEND"
+                                        and row["qcur"] == "1" for row in proxy.stats()), 5)
+            at_gate.close()
+            past_gate.close()
+            assert read_answer(busy)[0] == 200
+            busy.close()
+            time.sleep(2)  # time enough for HAProxy to have sent them on, had it kept them
+            [run_dir] = run_directories(tmp_path / "logs")
+            requests = [r for r in log_records(run_dir) if r["event"] in ("request_finished", "request_cancelled")]
+            assert [(r["event"], r.get("tenant")) for r in requests] == [("request_finished", "alice")], requests
+        finally:
+            proxy.stop()
+
+
+def test_generated_tenant_limits(tmp_path):
+    """The gates only with --max-running-per-tenant: one per named tenant and one for bare tokens, the
+    socket owned by --user; --max-waiting-per-tenant alone is refused."""
+    def generate(*flags):
+        return subprocess.run([PYTHON, "-m", "kcoral", "haproxy-config", "--listen", "127.0.0.1:8080",
+                               "--token-file", token_file(tmp_path), "--stats-socket", "/run/h/admin.sock",
+                               *flags, "http://10.0.0.5:8000=2"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=60, check=False)
+    assert "kcoral_tenant_limits" not in generate().stdout
+    limited = generate("--max-running-per-tenant", "3", "--max-waiting-per-tenant", "5", "--user", "kc").stdout
+    for line in ("server alice unix@/run/h/admin.sock.tenants maxconn 3", "use-server bob if { var(txn.tenant) -m str -- bob }",
+                 "server - unix@/run/h/admin.sock.tenants maxconn 3", "bind unix@/run/h/admin.sock.tenants mode 600 user kc",
+                 "srv_queue ge 5 }", "default_backend kcoral_tenant_limits"):
+        assert line in limited, line
+    refused = generate("--max-waiting-per-tenant", "2")
+    assert refused.returncode == 2 and "give both" in refused.stderr
