@@ -81,12 +81,16 @@ def test_a_tenant_limit_holds_across_the_cohort_and_leaves_no_slot_idle(tmp_path
     """Two two-slot nodes, --max-running-per-tenant 2 --max-waiting-per-tenant 2 at the proxy.  Alice
     sends 4 requests of 2 s: 2 run (on whichever nodes), 2 wait at her gate, a 5th is answered 429
     by the proxy with Retry-After.  Bob's 2 requests, sent meanwhile, take the 2 slots Alice may not
-    use at once: no slot idles while a tenant under its limit waits."""
+    use at once: no slot idles while a tenant under its limit waits.  Alice's wait at her gate
+    counts in her queue_ms (the proxy stamps the request before the gate)."""
     ledger = str(tmp_path / "ledger")
     tokens = token_file(tmp_path)
-    nodes = [ServerProcess("--token-file", tokens, workers=2, tmp_path=tmp_path / f"node{i}") for i in range(2)]
+    secret = token_file(tmp_path, "proxy-secret-1\n", "proxy-secret")
+    nodes = [ServerProcess("--token-file", tokens, "--proxy-secret-file", secret, workers=2,
+                           tmp_path=tmp_path / f"node{i}") for i in range(2)]
     proxy = HAProxyProcess([f"{n.url}=2" for n in nodes], tmp_path, flags=[
-        "--token-file", tokens, "--max-running-per-tenant", "2", "--max-waiting-per-tenant", "2"])
+        "--token-file", tokens, "--proxy-secret-file", secret, "--max-running-per-tenant", "2",
+        "--max-waiting-per-tenant", "2"])
     try:
         def timed(tenant, seconds):
             return simple_program(TIMED, args=[tenant, seconds, ledger])
@@ -102,6 +106,9 @@ def test_a_tenant_limit_holds_across_the_cohort_and_leaves_no_slot_idle(tmp_path
         assert (body["error"]["kind"], headers.get("retry-after")) == ("busy", "1"), body
         assert "alice" in body["error"]["message"] and "--max-waiting-per-tenant" in body["error"]["message"]
         assert alice.statuses() == [200] * 4
+        waits = sorted(round(result[2]["queue_ms"] / 1e3, 1) for result in alice.results.values())
+        print(f"alice's queue_ms: {waits} s")
+        assert waits[1] < 0.5 and waits[2] > 1.5, waits  # two ran at once, two waited ~2 s at her gate
         print(f"bob's 2 requests of 0.5 s answered in {bob_seconds:.2f} s while alice's waited at her gate; "
               f"bob's queue_ms {[r[2]['queue_ms'] for r in bob.results.values()]}")
         assert bob_seconds < 1.5, bob_seconds  # not behind alice's 2 s requests
