@@ -5996,9 +5996,11 @@ backend kcoral_tenant_limits
     # come, first served, up to --queue-timeout (then 503 busy).  Past its gate a request goes
     # through the local socket to frontend kcoral_cohort, which spreads it over the nodes.  The
     # server timeout covers the cohort's queue and the execution; a 503 from there is the cohort's
-    # own answer, its retries done, so only a failed connection to the socket is retried.
+    # own answer, its retries done, so only a failed connection to the socket is retried, at the
+    # same gate (another would be another tenant's).
     timeout server {gate_timeout}
     retry-on conn-failure
+    no option redispatch
 {use_servers}{servers}
 frontend kcoral_cohort
     # Requests past their tenant's gate: only the gates reach this socket (mode 600).  The PROXY
