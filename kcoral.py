@@ -6055,13 +6055,15 @@ def haproxy_config(listen: str, nodes: list[CohortNode], tokens: list[str], queu
                          if value)
     if user_group:
         user_group = "    # HAProxy starts as root (ports, certificate, this file), then runs as:\n" + user_group
-    routing = HAPROXY_ROUTING.format(header=AFFINITY_HEADER)
+    routing, tenant_limits = HAPROXY_ROUTING.format(header=AFFINITY_HEADER), ""
     request_id = HAPROXY_REQUEST_ID.format(header=CLIENT_REQUEST_ID_HEADER)
     order = tenant_order(tenants or {}, limits.max_running_per_tenant > 0)
-    if limits.max_running_per_tenant:
-        gate = gate_sections(limits, runtime, list((tenants or {}).values()), queue_timeout + server_timeout)
-        gate["tenant_limits"] += "".join((request_id, order["tenant_names"], order["tenant_order"], routing))
-        order["tenant_order"], routing = "", gate["routing"]  # the fair order is the cohort's queue's
+    if limits.max_running_per_tenant:  # frontend kcoral sends to the gates, a frontend behind them to the nodes
+        cohort_rules = request_id + order["tenant_names"] + order["tenant_order"] + routing
+        routing, tenant_limits = gate_sections(limits, runtime, list((tenants or {}).values()),
+                                               queue_timeout + server_timeout)
+        tenant_limits += cohort_rules
+        order["tenant_order"] = ""  # the fair order is the cohort's queue's, behind the gates
     return HAPROXY_TEMPLATE.format(
         version=__version__, total=sum(typing.cast(int, n.slots) for n in nodes), node_list=node_list, listen=listen,
         servers=servers, header=AFFINITY_HEADER, queue_timeout=haproxy_time(queue_timeout),
@@ -6069,7 +6071,7 @@ def haproxy_config(listen: str, nodes: list[CohortNode], tokens: list[str], queu
         keepalive_timeout=haproxy_time(ServerConfig.keepalive_timeout_seconds),
         source_connections=limits.source_connections, source_requests=limits.source_requests,
         request_id=request_id, routing=routing,
-        tenant_limits=gate["tenant_limits"] if limits.max_running_per_tenant else "",
+        tenant_limits=tenant_limits,
         token_check=HAPROXY_TOKEN_CHECK.format(accepted=accepted) if tokens else "",
         rate_key=HAPROXY_TENANT_RATE_KEY if tenants else "",
         check_auth=f' hdr Authorization "Bearer {tokens[0]}"' if tokens else "", check_header=BALANCER_CHECK_HEADER,
@@ -6092,10 +6094,10 @@ def tenant_order(tenants: Mapping[str, str], limited: bool = False) -> dict[str,
             "tenant_table": HAPROXY_TENANT_TABLE if tenants else ""}
 
 
-def gate_sections(limits: ProxyLimits, runtime: ProxyRuntime, names: list[str], gate_timeout: float) -> dict[str, str]:
+def gate_sections(limits: ProxyLimits, runtime: ProxyRuntime, names: list[str], gate_timeout: float) -> tuple[str, str]:
     """Frontend kcoral's routing through the tenants' gates, and the gates' backend with the frontend
     behind them (whose own rules the caller appends): a gate per named tenant and one for "-"."""
-    socket_path = runtime.stats_socket + ".tenants"  # beside the admin socket: a directory for root only
+    socket_path = runtime.stats_socket + ".tenants"  # beside the admin socket, in a directory of HAProxy's own
     gates = sorted({name for name in names if name} | {"-"})
     waiting = limits.max_waiting_per_tenant
     front = HAPROXY_TENANT_GATE.format(running=limits.max_running_per_tenant,
@@ -6107,7 +6109,7 @@ def gate_sections(limits: ProxyLimits, runtime: ProxyRuntime, names: list[str], 
     backend = HAPROXY_TENANT_LIMITS.format(running=limits.max_running_per_tenant, use_servers=use_servers,
                                            gate_timeout=haproxy_time(gate_timeout), servers=servers,
                                            socket=socket_path, owner=owner)
-    return {"routing": front, "tenant_limits": backend}
+    return front, backend
 
 
 def local_edits(paths: list[str]) -> str:
