@@ -5842,10 +5842,7 @@ client"}}}}' hdr Retry-After 10 if {{ sc_http_req_rate(2) gt {source_requests} }
     # from then to a node's reading it is the wait in HAProxy (its queue, retries).  set-header
     # replaces any value a client sent.
     http-request set-header X-Request-Start t=%[date(0,us)]{proxy_secret}
-{local_edits}    # Requests carrying blobs (the client sends {header}) go where their largest blob is cached.
-    use_backend kcoral_affinity if {{ req.hdr({header}) -m found }}
-    default_backend kcoral_spread
-
+{local_edits}{routing}
 backend kcoral_spread
     # Least connections; maxconn = the node's worker slots, the rest wait in HAProxy's queue.
     balance leastconn
@@ -5862,7 +5859,12 @@ backend kcoral_affinity
 backend kcoral_rates
     # requests in the last 10 s per client (frontend kcoral): its tenant's name, or its address
     stick-table type string len 64 size 100k expire 60s store http_req_rate(10s)
-{tenant_table}{stats}"""
+{tenant_table}{tenant_limits}{stats}"""
+HAPROXY_ROUTING = """\
+    # Requests carrying blobs (the client sends {header}) go where their largest blob is cached.
+    use_backend kcoral_affinity if {{ req.hdr({header}) -m found }}
+    default_backend kcoral_spread
+"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -6006,6 +6008,41 @@ backend kcoral_tenants
     # requests in flight per tenant (its trackers), for the priority class set in frontend kcoral
     stick-table type string len 64 size 10k expire 1h
 """
+# Per-tenant limits across the cohort (docs/scaling.md "Per-tenant limits"): the nodes' rule, held by the
+# proxy for the whole cohort.  Only with --max-running-per-tenant; the nodes then run without their own.
+HAPROXY_TENANT_GATE = """\
+    # Per-tenant limits across the cohort: each tenant's requests pass a gate of its own (backend
+    # kcoral_tenant_limits), which lets at most {running} of them into the cohort at once; the
+    # rest wait at the gate, leaving the nodes' slots to the other tenants.
+{waiting}    default_backend kcoral_tenant_limits
+"""
+HAPROXY_TENANT_WAITING = """\
+    # A tenant with {waiting} requests waiting at its gate already: 429 busy, nothing ran.
+    http-request set-var(txn.gate) str(kcoral_tenant_limits/),concat(,txn.tenant,)
+    http-request deny deny_status 429 content-type application/json lf-string '{{"status":"ERROR",\
+"request_id":"%[unique-id]","error":{{"kind":"busy","message":"tenant %[var(txn.tenant)] has {waiting} requests \
+waiting already, the most it may (--max-waiting-per-tenant); retry once one has started"}}}}' hdr Retry-After 1 \
+if {{ var(txn.gate),srv_queue ge {waiting} }}
+"""
+HAPROXY_TENANT_LIMITS = """
+backend kcoral_tenant_limits
+    # One gate per tenant (bare tokens share "-"): maxconn {running} is how many of its requests may
+    # be in the cohort at once, at a node or in the cohort's queue; its others wait here, first
+    # come, first served, up to --queue-timeout (then 503 busy).  Past its gate a request goes
+    # through the local socket to frontend kcoral_cohort, which spreads it over the nodes.  The
+    # server timeout covers the cohort's queue and the execution; a 503 from there is the cohort's
+    # own answer, its retries done, so only a failed connection to the socket is retried, at the
+    # same gate (another would be another tenant's).
+    timeout server {gate_timeout}
+    retry-on conn-failure
+    no option redispatch
+{use_servers}{servers}
+frontend kcoral_cohort
+    # Requests past their tenant's gate: only the gates reach this socket (mode 600).  The PROXY
+    # protocol keeps the client's address for the log.  Each request has a log line here (its node)
+    # and one in frontend kcoral (its gate: kcoral_tenant_limits/TENANT, and its wait there).
+    bind unix@{socket} mode 600{owner} accept-proxy
+"""  # then the request id, tenant and fair-order rules and the routing of frontend kcoral without gates
 # The keywords that open a section: an --include file's lines all belong to frontend kcoral.
 HAPROXY_SECTIONS = frozenset({"global", "defaults", "frontend", "backend", "listen", "resolvers", "peers",
                               "userlist", "mailers", "program", "http-errors", "ring", "cache"})
@@ -6017,6 +6054,9 @@ class ProxyLimits:
     header_timeout: float = ServerConfig.header_timeout_seconds
     source_connections: int = 256
     source_requests: int = 1000  # per 10 s
+    # the nodes' per-tenant limits, held cohort-wide (0: none)
+    max_running_per_tenant: int = ServerConfig.max_running_per_tenant
+    max_waiting_per_tenant: int = ServerConfig.max_waiting_per_tenant
 
 
 @dataclasses.dataclass(frozen=True)
@@ -6050,13 +6090,23 @@ def haproxy_config(listen: str, nodes: list[CohortNode], tokens: list[str], queu
                          if value)
     if user_group:
         user_group = "    # HAProxy starts as root (ports, certificate, this file), then runs as:\n" + user_group
+    routing, tenant_limits = HAPROXY_ROUTING.format(header=AFFINITY_HEADER), ""
+    request_id = HAPROXY_REQUEST_ID.format(header=CLIENT_REQUEST_ID_HEADER)
+    order = tenant_order(tenants or {}, limits.max_running_per_tenant > 0)
+    if limits.max_running_per_tenant:  # frontend kcoral sends to the gates, a frontend behind them to the nodes
+        cohort_rules = request_id + order["tenant_names"] + order["tenant_order"] + routing
+        routing, tenant_limits = gate_sections(limits, runtime, list((tenants or {}).values()),
+                                               queue_timeout + server_timeout)
+        tenant_limits += cohort_rules
+        order["tenant_order"] = ""  # the fair order is the cohort's queue's, behind the gates
     return HAPROXY_TEMPLATE.format(
         version=__version__, total=sum(typing.cast(int, n.slots) for n in nodes), node_list=node_list, listen=listen,
         servers=servers, header=AFFINITY_HEADER, queue_timeout=haproxy_time(queue_timeout),
         server_timeout=haproxy_time(server_timeout), header_timeout=haproxy_time(limits.header_timeout),
         keepalive_timeout=haproxy_time(ServerConfig.keepalive_timeout_seconds),
         source_connections=limits.source_connections, source_requests=limits.source_requests,
-        request_id=HAPROXY_REQUEST_ID.format(header=CLIENT_REQUEST_ID_HEADER),
+        request_id=request_id, routing=routing,
+        tenant_limits=tenant_limits,
         token_check=HAPROXY_TOKEN_CHECK.format(accepted=accepted) if tokens else "",
         rate_key=HAPROXY_TENANT_RATE_KEY if tenants else "",
         check_auth=f' hdr Authorization "Bearer {tokens[0]}"' if tokens else "", check_header=BALANCER_CHECK_HEADER,
@@ -6065,18 +6115,36 @@ def haproxy_config(listen: str, nodes: list[CohortNode], tokens: list[str], queu
         user_group=user_group, pidfile=runtime.pidfile, stats_socket=runtime.stats_socket,
         tls=f" ssl crt {runtime.tls_cert}" if runtime.tls_cert else "", local_edits=runtime.local_edits,
         stats=HAPROXY_STATS.format(stats_listen=runtime.stats_listen) if runtime.stats_listen else "",
-        **tenant_order(tenants or {}))
+        **order)
 
 
-def tenant_order(tenants: Mapping[str, str]) -> dict[str, str]:
+def tenant_order(tenants: Mapping[str, str], limited: bool = False) -> dict[str, str]:
     """The frontend's tenant rules and their table, for a cohort with named tenants ({token: name});
-    none without, so a cohort of bare tokens keeps its plain first-come queue."""
-    if not tenants:
-        return {"tenant_names": "", "tenant_order": "", "tenant_table": ""}
+    none without, so a cohort of bare tokens keeps its plain first-come queue (`limited`: its one
+    tenant "-" is still named, for its gate)."""
     names = "".join(f'    http-request set-var(txn.tenant) str({name}) if {{ req.fhdr(authorization,1) -m str '
                     f'"Bearer {token}" }}\n' for token, name in tenants.items())
-    return {"tenant_names": HAPROXY_TENANT_NAMES.format(names=names), "tenant_order": HAPROXY_TENANT_ORDER,
-            "tenant_table": HAPROXY_TENANT_TABLE}
+    return {"tenant_names": HAPROXY_TENANT_NAMES.format(names=names) if tenants or limited else "",
+            "tenant_order": HAPROXY_TENANT_ORDER if tenants else "",
+            "tenant_table": HAPROXY_TENANT_TABLE if tenants else ""}
+
+
+def gate_sections(limits: ProxyLimits, runtime: ProxyRuntime, names: list[str], gate_timeout: float) -> tuple[str, str]:
+    """Frontend kcoral's routing through the tenants' gates, and the gates' backend with the frontend
+    behind them (whose own rules the caller appends): a gate per named tenant and one for "-"."""
+    socket_path = runtime.stats_socket + ".tenants"  # beside the admin socket, in a directory of HAProxy's own
+    gates = sorted({name for name in names if name} | {"-"})
+    waiting = limits.max_waiting_per_tenant
+    front = HAPROXY_TENANT_GATE.format(running=limits.max_running_per_tenant,
+                                       waiting=HAPROXY_TENANT_WAITING.format(waiting=waiting) if waiting else "")
+    use_servers = "".join(f"    use-server {gate} if {{ var(txn.tenant) -m str -- {gate} }}\n" for gate in gates)
+    servers = "".join(f"    server {gate} unix@{socket_path} maxconn {limits.max_running_per_tenant} send-proxy-v2 "
+                      "no-check\n" for gate in gates)
+    owner = f" user {runtime.user}" if runtime.user else ""
+    backend = HAPROXY_TENANT_LIMITS.format(running=limits.max_running_per_tenant, use_servers=use_servers,
+                                           gate_timeout=haproxy_time(gate_timeout), servers=servers,
+                                           socket=socket_path, owner=owner)
+    return front, backend
 
 
 def local_edits(paths: list[str]) -> str:
@@ -6179,6 +6247,11 @@ def haproxy_config_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-requests-per-source", type=int, default=ProxyLimits.source_requests,
                    help="requests one client address may send in any 10 s; more are answered 429 "
                         "(default: %(default)s)")
+    for name in ("max_running_per_tenant", "max_waiting_per_tenant"):  # the nodes' rule, for the whole cohort
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(ProxyLimits, name),
+                       help=f"the nodes' flag of this name, held by the proxy for the whole cohort: "
+                            f"{ServerConfig.__dataclass_fields__[name].metadata['help'].replace(' on this node', '')}; "
+                            "start the nodes without it (docs/scaling.md)")
     return p
 
 
@@ -6210,12 +6283,18 @@ def haproxy_config_main(argv: list[str]) -> None:
         p.error("--queue-timeout, --server-timeout and --header-timeout must be positive numbers of seconds")
     if args.max_connections_per_source < 1 or args.max_requests_per_source < 1:
         p.error("--max-connections-per-source and --max-requests-per-source must be at least 1")
+    if min(args.max_running_per_tenant, args.max_waiting_per_tenant) < 0:
+        p.error("the per-tenant limits must be >= 0")
+    if args.max_waiting_per_tenant and not args.max_running_per_tenant:
+        p.error("--max-waiting-per-tenant counts the requests waiting at their tenant's gate, which "
+                "--max-running-per-tenant sets: give both")
     try:
         tenants = proxy_tokens(args)
         tokens = list(tenants)
         runtime = proxy_runtime(args)
         nodes = with_slots([parse_node(text) for text in args.nodes], tokens[0] if tokens else None)
-        limits = ProxyLimits(args.header_timeout, args.max_connections_per_source, args.max_requests_per_source)
+        limits = ProxyLimits(args.header_timeout, args.max_connections_per_source, args.max_requests_per_source,
+                             args.max_running_per_tenant, args.max_waiting_per_tenant)
         secret = read_proxy_secret(args.proxy_secret_file) if args.proxy_secret_file else None
         text = haproxy_config(args.listen, nodes, tokens, args.queue_timeout, args.server_timeout, limits, runtime,
                               {token: name for token, name in tenants.items() if name}, secret)
