@@ -226,6 +226,9 @@ def verb_breaches(verb, function):
         return [] if calls & {"join", "wait", "stop", "shutdown"} else ["waits for no thread or process to end"]
     if verb == "kill":
         return [] if calls & SIGNALLING else ["sends no signal"]
+    if verb == "halt":  # a kill that waits for nothing
+        return (["sends no signal"] * (not calls & SIGNALLING) +
+                [f"waits: {sorted(calls & {'join', 'wait'})}"] * bool(calls & {"join", "wait"}))
     if verb == "close":
         return [f"does more than close: {sorted(calls - {'close'})}"] * bool(calls - {"close"})
     raise AssertionError(verb)
@@ -248,6 +251,7 @@ def test_each_lifecycle_method_does_what_its_verb_says():
     ("stop", "def stop(self):\n    self.stopped.set()", "waits for no"),
     ("drain", "def drain(self):\n    self.closing = True\n    self.cond.notify_all()\n    self.worker.kill()", "ends work"),
     ("start", "def start(self):\n    self.ready = True", "starts no"),
+    ("halt", "def halt(self):\n    os.killpg(self.pid, 9)\n    self.process.join()", "waits"),
 ])
 def test_the_verb_check_finds_a_method_that_breaks_its_verb(verb, source, breach):
     (breaches,) = [verb_breaches(verb, ast.parse(source).body[0])]
