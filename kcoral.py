@@ -61,7 +61,7 @@ of §3-§6 in protocol order.  The jumps, the calls that go back up the file (te
 traces one request, unsandboxed and sandboxed, and holds this list to the calls it makes):
     §4 `decode_program` -> §3 `strict_json`: the program part is strict JSON as every part is
     §6 `Execution.run` -> §0 `delegated_cgroup`: a setting resolved at start
-    §6 `Pool.acquire` -> §1 `wait_turn`: the one FIFO wait, beside the body budget it serves first
+    §6 `Pool.acquire` -> §1 `wait_turn`: the one FIFO wait, defined beside its first user, the body budget
     §8 `Worker.__init__` -> §6 `expect`: a worker's first message, checked as every later one
     §10 `SandboxTemplate.fork` -> §6 `expect`: the container's answer to a fork
     §10 `SandboxedProcess.join` -> §6 `expect`: the container's report of a worker's exit
@@ -71,8 +71,8 @@ Two more cross into kcoral_worker.py: `Execution.converse` (§6) talks to the wo
 goes through the worker file's process trees (`kill_group`, `terminate`).  Everything else is
 a call down the file: §1 asks §2 whose tenant and request it is, §1 and §2 record through §11
 (`event`, `save_program`), §6 and §8 count through §11's `Metrics.add` and §6 writes through its
-`write_all`.  GPU workers take the lease of
-§9 and, sandboxed, start in §10's container, both set up at start-up.
+`write_all`.  GPU workers take the lease of §9 and, sandboxed, start in §10's container, both set
+up at start-up.
 
 Lifecycle verbs mean one thing each, across the classes (tests/test_docs.py holds them to it, by
 name and by what each such method calls):
