@@ -320,7 +320,7 @@ def option(default: Any, help: str, *, env: str | None = None, cli_default: Any 
 
     The command line is generated from these (`parse_args`), so a default is written once.
     `cli_default` is the command line's default where it differs from the dataclass's
-    (the reference's `log_dir`: None embedded, "logs" from the CLI); `parse` turns the flag's
+    (the published package's `log_dir`: None embedded, "logs" from the CLI); `parse` turns the flag's
     string into the field's value.  A `flag` names a repeatable option whose values make up
     the field's tuple (`--sandbox-readonly-path` fills `sandbox_readonly_paths`).
     """
@@ -343,7 +343,7 @@ LARGE_REQUEST_BYTES = (1 << 30) + (64 << 20)  # the size limits' default: a 1 Gi
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
-    """Server settings; field names and defaults follow the reference where it has them."""
+    """Server settings; field names and defaults follow the published package where it has them."""
     # what this node serves, and with which processes
     host: str = option("127.0.0.1", "address to bind", env="KCORAL_SERVER_HOST")
     port: int = option(8000, "TCP port to listen on (0 picks a free one)", env="KCORAL_SERVER_PORT")
@@ -2095,7 +2095,7 @@ class RequestTooLarge(ValidationError):
 
 
 def split_request(body: Body, content_type: str | None, limits: ServerConfig = DEFAULT_LIMITS) -> RequestParts:
-    """docs/protocol.md §4.3-4.7 -> the request's parts, in the reference's check order: each part's
+    """docs/protocol.md §4.3-4.7 -> the request's parts, in the published package's check order: each part's
     headers as it is parsed (§4.5), then its name, content type and hash (§4.6), whose failure waits
     until every later part's headers have passed (step 2 before step 3)."""
     parts, failure = RequestParts(limits), None
@@ -2179,7 +2179,7 @@ class RequestParts:
 
 def refuse_extra_part(parts: RequestParts, name: str, media: str, payload: memoryview,
                       failure: ValidationError | None) -> NoReturn:
-    """A part beyond the valid program's blobs plus one: what the reference would answer once it read
+    """A part beyond the valid program's blobs plus one: what the published package would answer once it read
     the rest, as far as the parts read so far tell (a later part's bad headers would have won, §4.7):
     an earlier part's error, this part's, or the unreferenced blobs, one of which there must be."""
     if failure is not None:
@@ -2329,7 +2329,7 @@ def find_delimiter(body: Body, delimiter: bytes, start: int) -> int:
 
 def check_close_delimiter_line(body: Body, start: int) -> None:
     """RFC 2046: only transport padding may follow the close delimiter on its line (the
-    reference answers 400 for `--B--junk`); the epilogue starts on the next line."""
+    published package answers 400 for `--B--junk`); the epilogue starts on the next line."""
     end = body.find(b"\n", start)
     rest = bytes(body[start:len(body) if end < 0 else end]).rstrip(b"\r")
     if rest.strip(b" \t"):
@@ -5676,7 +5676,7 @@ def main(argv: list[str] | None = None) -> None:
         return haproxy_config_main(argv[1:])
     if argv[:1] == ["run"]:  # the client-side command line lives in client.py
         sys.exit(load_client().run_command(argv[1:]))
-    if argv[:1] == ["server"]:  # the reference's `kcoral server ...` spelling
+    if argv[:1] == ["server"]:  # the published package's `kcoral server ...` spelling
         argv = argv[1:]
     KCoralServer(parse_args(argv)).serve_forever()
 
@@ -5713,7 +5713,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             value = field.metadata["parse"](value)
         elif field.metadata["flag"]:
             value = tuple(value)
-        elif types_of[field.name] == str | None and value == "":  # '' disables, as in the reference
+        elif types_of[field.name] == str | None and value == "":  # '' disables, as in the published package
             value = None
         values[field.name] = value
     return ServerConfig(**values)
