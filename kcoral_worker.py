@@ -3726,7 +3726,8 @@ class Evaluation:
         for index in range(opts["max_rounds"]):
             self.round(f"timed round {index + 1}", calls, samples)
             rse = {role: relative_standard_error(samples[role], samples["echo"]) for role in ("reference", "candidate")}
-            if index + 1 >= opts["min_rounds"] and max(rse.values()) <= opts["target_rse"]:
+            rse["speedup"] = speedup_standard_error(samples)
+            if index + 1 >= opts["min_rounds"] and rse["speedup"] <= opts["target_rse"]:
                 stopped = "target_rse"
                 break
             if index + 1 >= 3 and (time.perf_counter() - start) * 1e3 >= opts["budget_ms"]:
@@ -3892,6 +3893,20 @@ def relative_standard_error(windows: list[float], echoes: list[float]) -> float:
     kernel = middle - median(echoes)
     spread = 1.4826 * median([abs(w - middle) for w in windows])
     return 1.2533 * spread / math.sqrt(len(windows)) / kernel if kernel > 0 else math.inf
+
+
+def speedup_standard_error(samples: dict[str, list[float]]) -> float:
+    """The relative standard error of the speedup (the median of the rounds' ratios): from the
+    median absolute deviation of their logarithms, as relative_standard_error.  A load common to
+    both turns of a round cancels in its ratio, so this falls where each kernel's own does not."""
+    echo = median(samples["echo"])
+    logs = [math.log(r) for r in (round_ratio(r - echo, c - echo) for r, c in zip(samples["reference"],
+                                                                                   samples["candidate"]))
+            if 0 < r < math.inf]
+    if len(logs) < 2 or len(logs) < len(samples["echo"]) / 2:
+        return math.inf
+    middle = median(logs)
+    return 1.2533 * 1.4826 * median([abs(v - middle) for v in logs]) / math.sqrt(len(logs))
 
 
 def race_statistics(samples: dict[str, list[float]], confidence: float, calls: int = 1) -> dict[str, Any]:

@@ -521,6 +521,8 @@ def test_the_speedup_pairs_each_rounds_turns():
     slower = {"reference": [0.2 + f for f in load], "candidate": [0.2 + 1.3 * f for f in load], "echo": [0.2] * 24}
     result = kcoral_worker.race_statistics(slower, 0.95)
     assert result["speedup"] == pytest.approx(1 / 1.3) and result["speedup_ci"] == pytest.approx([1 / 1.3] * 2)
+    assert kcoral_worker.speedup_standard_error(slower) == 0.0  # the load cancels in each round's ratio,
+    assert kcoral_worker.relative_standard_error(slower["candidate"], slower["echo"]) > 0.1  # not in a kernel's
     second = [1.1 if i % 2 else 1.0 for i in range(24)]  # rounds alternate AB, BA: the second turn is slower
     ordered = {"reference": [0.2 + s for s in second], "candidate": [0.2 + (2.1 - s) for s in second],
                "echo": [0.2] * 24}
