@@ -3432,9 +3432,10 @@ class KernelProcess:
         it was done -> (its results' specs per call, each with its address there; ms).  Nothing it
         writes after the clock stops, since it is stopped: every thread, and its group's other
         processes as the same signal reaches them."""
+        go = encode_message(EvalGo(call))  # before the clock starts
         start = time.perf_counter()
         self.resume()
-        send_message(self.conn, EvalGo(call))
+        send_raw(self.conn, go)
         try:
             frame = self.answer(EvalDone, decode=False)  # decoded off the clock, below
         finally:
