@@ -3724,6 +3724,7 @@ class Evaluation:
             settled = settled + 1 if wanted <= calls or warm >= EVAL_MAX_WARMUP_ROUNDS else 0
             calls = max(calls, wanted) if warm < EVAL_MAX_WARMUP_ROUNDS else calls
         start, stopped = time.perf_counter(), "max_rounds"
+        least = next(n for n in itertools.count(3) if sign_test_ranks(n, opts["confidence"])[0] is not None)
         for index in range(opts["max_rounds"]):
             self.round(f"timed round {index + 1}", calls, samples)
             rse = {role: relative_standard_error(samples[role], samples["echo"]) for role in ("reference", "candidate")}
@@ -3731,7 +3732,7 @@ class Evaluation:
             if index + 1 >= opts["min_rounds"] and rse["speedup"] <= opts["target_rse"]:
                 stopped = "target_rse"
                 break
-            if index + 1 >= 3 and (time.perf_counter() - start) * 1e3 >= opts["budget_ms"]:
+            if index + 1 >= least and (time.perf_counter() - start) * 1e3 >= opts["budget_ms"]:
                 stopped = "budget"
                 break
         result = race_statistics(samples, opts["confidence"], calls)

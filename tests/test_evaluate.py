@@ -543,6 +543,25 @@ def test_the_median_interval_ranks_are_the_sign_tests():
     assert few["speedup"] == 2.0 and few["speedup_ci"] == [0.0, None]  # 4 rounds bound nothing
 
 
+SLEEPER = """
+import time
+
+def kernel(x):
+    time.sleep(0.002)
+    return x * 2
+"""
+
+
+def test_a_spent_budget_still_races_the_rounds_an_interval_needs():
+    """The median's interval needs 6 rounds at 95%: a race out of budget at once runs those."""
+    import numpy
+    verdict = kcoral_worker.evaluate(SLEEPER, SLEEPER, lambda seed: numpy.full(4, seed % 7, numpy.float32),
+                                     seeds=1, warmup_ms=0, budget_ms=0, round_ms=0)
+    timing = verdict["timing"]
+    assert timing["stopped"] == "budget" and timing["rounds"] == 6, timing
+    assert timing["speedup_ci"][1] is not None and timing["speedup_ci"][0] > 0, timing
+
+
 def test_results_are_described_in_place_where_their_bytes_are_as_sent():
     """On the clock, a contiguous little-endian CPU array or tensor is described where it lies; any
     other result is copied as before: either way the bytes at the address are eval_value's."""
