@@ -3718,9 +3718,11 @@ class Evaluation:
         while settled < 2 or time.perf_counter() - start < opts["warmup_ms"] / 1e3:
             warm += 1
             call_bytes = self.round(f"warm-up round {warm}", calls, warming)  # the same protocol as a timed one
-            estimates.append((warming["reference"][-1] - warming["echo"][-1]) / calls)
+            # less the quickest empty round trip so far (load only ever lengthens one: a long one
+            # taken off would make the kernel look fast and the rounds too long to have many)
+            estimates.append((warming["reference"][-1] - min(warming["echo"])) / calls)
             # the median of the rounds after the first, which pays for first touches
-            wanted = calls_per_round(min(estimates[1:] or estimates), call_bytes, opts["round_ms"])
+            wanted = calls_per_round(median(estimates[1:] or estimates), call_bytes, opts["round_ms"])
             settled = settled + 1 if wanted <= calls or warm >= EVAL_MAX_WARMUP_ROUNDS else 0
             calls = max(calls, wanted) if warm < EVAL_MAX_WARMUP_ROUNDS else calls
         start, stopped = time.perf_counter(), "max_rounds"
