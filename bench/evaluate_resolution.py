@@ -91,7 +91,7 @@ def main() -> None:
                 if timing is None or timing["speedup"] is None:  # an empty kernel: its time is what the loop adds
                     numbers = ("| | | |" if timing is None else f"| {timing['reference_ms']:.4f} "
                                f"| {timing['overhead_ms_per_call']:.4f} | {timing['calls_per_round']} x {timing['rounds']} |")
-                    print(f"| {name} | {work}x | {verdict['message']} | {', '.join(verdict['flags'])} {numbers} | no |")
+                    print(f"| {name} | {work}x | {verdict['message']} | {', '.join(verdict['flags'])} {numbers} - | no |")
                     outcomes.setdefault((name, work), []).append((float("nan"), False))
                     continue
                 low, high = timing["speedup_ci"]
