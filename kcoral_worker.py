@@ -3718,11 +3718,14 @@ class Evaluation:
         while settled < 2 or time.perf_counter() - start < opts["warmup_ms"] / 1e3:
             warm += 1
             call_bytes = self.round(f"warm-up round {warm}", calls, warming)  # the same protocol as a timed one
-            # less the quickest empty round trip so far (load only ever lengthens one: a long one
-            # taken off would make the kernel look fast and the rounds too long to have many)
-            estimates.append((warming["reference"][-1] - min(warming["echo"])) / calls)
-            # the median of the rounds after the first, which pays for first touches
-            wanted = calls_per_round(median(estimates[1:] or estimates), call_bytes, opts["round_ms"])
+            # the kernel's time per call where this round resolved it (its window at least twice the
+            # quickest empty round trip so far, which it is taken less: load only lengthens one):
+            # the median of those after the first, which pays for first touches; none yet, 4x the calls
+            echo = min(warming["echo"])
+            if warming["reference"][-1] > 2 * echo:
+                estimates.append((warming["reference"][-1] - echo) / calls)
+            kernel_ms = median(estimates[1:] or estimates) if estimates else opts["round_ms"] / (4 * calls)
+            wanted = calls_per_round(kernel_ms, call_bytes, opts["round_ms"])
             settled = settled + 1 if wanted <= calls or warm >= EVAL_MAX_WARMUP_ROUNDS else 0
             calls = max(calls, wanted) if warm < EVAL_MAX_WARMUP_ROUNDS else calls
         start, stopped = time.perf_counter(), "max_rounds"
