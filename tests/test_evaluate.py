@@ -515,12 +515,20 @@ def test_the_interval_of_a_self_race_contains_1_as_often_as_it_claims():
 
 def test_the_speedup_pairs_each_rounds_turns():
     """A candidate 1.3x slower than the reference in every round, under a load that triples some
-    rounds: each round's ratio is 1/1.3, so the interval is that alone; an order effect (the turn
-    timed second 10% slower), in alternating order, leaves the reference against itself at 1."""
+    rounds: each round's ratio is 1/1.3, so the interval is that alone; so it stays with a load
+    that drifts and the candidate descheduled in a few early rounds (where the ratio of each
+    kernel's median is far off); an order effect (the turn timed second 10% slower), in
+    alternating order, leaves the reference against itself at 1."""
     load = [1, 3, 1.5, 2.5, 1, 2] * 4
     slower = {"reference": [0.2 + f for f in load], "candidate": [0.2 + 1.3 * f for f in load], "echo": [0.2] * 24}
     result = kcoral_worker.race_statistics(slower, 0.95)
     assert result["speedup"] == pytest.approx(1 / 1.3) and result["speedup_ci"] == pytest.approx([1 / 1.3] * 2)
+    drift = [1 + i / 10 for i in range(20)]  # a load growing through the race, and the candidate
+    descheduled = {"reference": [0.2 + f for f in drift],  # descheduled for 5 ms in 8 of its early rounds
+                   "candidate": [0.2 + 1.3 * f + (5 if i < 8 else 0) for i, f in enumerate(drift)],
+                   "echo": [0.2] * 20}
+    result = kcoral_worker.race_statistics(descheduled, 0.95)  # the two medians' ratio would read 0.54
+    assert result["speedup"] == pytest.approx(1 / 1.3) and result["speedup_ci"][1] == pytest.approx(1 / 1.3)
     assert kcoral_worker.speedup_standard_error(slower) == 0.0  # the load cancels in each round's ratio,
     assert kcoral_worker.relative_standard_error(slower["candidate"], slower["echo"]) > 0.1  # not in a kernel's
     second = [1.1 if i % 2 else 1.0 for i in range(24)]  # rounds alternate AB, BA: the second turn is slower
