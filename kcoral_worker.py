@@ -3549,7 +3549,7 @@ class KernelProcess:
 
 def evaluate(candidate: str, reference: str, make_inputs: Callable[[int], Any], *, entry: str = "kernel",
              seeds: int = 3, rtol: float | None = None, atol: float | None = None, timing: bool = True,
-             warmup_ms: float = 100.0, target_rse: float = 0.01, budget_ms: float = 2000.0, min_rounds: int = 10,
+             warmup_ms: float = 100.0, target_rse: float = 0.01, budget_ms: float = 2000.0, min_rounds: int = 20,
              max_rounds: int = 1000, round_ms: float = 20.0, flush_l2: bool = True, cuda_graph: bool = False,
              implausible_speedup: float = 10.0, confidence: float = 0.95,
              call_timeout_s: float = 60.0) -> dict[str, Any]:
