@@ -4,8 +4,8 @@ with benchmark's ratio (best of interleaved runs, same process) beside each; and
 (it returns its input) against itself, whose time per call is what the harness's call loop adds
 to a kernel's and does not subtract.
 
-    .venv/bin/python -m bench.evaluate_resolution                          # about 1 minute on 2 cores
-    .venv/bin/python -m bench.evaluate_resolution --budget-ms 8000 --repeat 3
+    .venv/bin/python -m bench.evaluate_resolution                          # 2-3 minutes on 2 cores
+    .venv/bin/python -m bench.evaluate_resolution --budget-ms 10000 --repeat 2  # the docs' table: 10 minutes
 
 Prints a Markdown table, a row per evaluate call, then with --repeat a summary per row: the spread
 of the speedups over the repeats, and how many met the goal (the reference against itself:
