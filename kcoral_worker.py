@@ -3972,6 +3972,10 @@ def race_flags(result: dict[str, Any], implausible: float) -> dict[str, str]:
         return flags
     if speedup > implausible:
         flags["implausible_speedup"] = f"{speedup:.3g}x is beyond {implausible:g}x: check what the candidate skips"
+    overhead, fastest = result.get("overhead_ms_per_call", 0.0), min(result["reference_ms"], result["candidate_ms"])
+    if overhead > fastest:  # the subtraction, and its noise, outweigh what is left of a kernel
+        flags["harness_dominates"] = (f"the harness's cost per call ({overhead:.3g} ms, subtracted) exceeds a kernel's "
+                                      f"time per call ({fastest:.3g} ms): raise round_ms, or budget_ms")
     if interval[0] <= 1 and (interval[1] is None or interval[1] >= 1):
         high = "inf" if interval[1] is None else f"{interval[1]:.3g}"
         flags["within_noise"] = f"the {result['confidence']:.0%} interval {interval[0]:.3g}-{high} contains 1"

@@ -486,6 +486,10 @@ def test_the_speedup_and_its_interval_are_over_kernel_times():
     noisy = kcoral_worker.race_statistics({"reference": [3.0, 1.2] * 10, "candidate": [1.2, 3.0] * 10,
                                            "echo": [1.0] * 20}, 0.95)
     assert "within_noise" in kcoral_worker.race_flags(noisy, 10.0)
+    short = dict(kcoral_worker.race_statistics({"reference": [3.0] * 20, "candidate": [2.2] * 20, "echo": [2.0] * 20},
+                                               0.95), overhead_ms_per_call=2.0)  # rounds of one call, under load
+    assert "harness_dominates" in kcoral_worker.race_flags(short, 10.0)
+    assert "harness_dominates" not in kcoral_worker.race_flags(dict(result, overhead_ms_per_call=0.5), 10.0)
     below = kcoral_worker.race_statistics({"reference": [1.0] * 5, "candidate": [1.0] * 5, "echo": [1.0] * 5}, 0.95)
     assert below["speedup"] is None and "below_resolution" in kcoral_worker.race_flags(below, 10.0)
     json.dumps(below, allow_nan=False)  # returnable
