@@ -49,12 +49,13 @@ CUDA's guards); last, `kcoral.builtins` and `kcoral.errors`, what uploaded code 
 `evaluate`'s kernel processes (a fresh interpreter per kernel under test, its own messages).
 
 A worker's device is fixed when it starts: `worker_main` builds one `Runtime` and hands it
-down to each request.  Seven module-level names change in a worker, each once per process or as a
+down to each request.  Eight module-level names change in a worker, each once per process or as a
 cache its requests may share (a worker serves one request by default): `FLUSH_HOOKS_INSTALLED`,
 `_library_runtimes_loaded` and `_cute_preloaded` (set the first time), `SANDBOXED` (set by a
 sandboxed request's init), `_cudarts` (the libcudart
 handles loaded), `_cupti_used` (set by a request's profiler guard, cleared before the next) and
-`_compiled` (compiled executables by structural hash).  Nothing else module-level changes.
+`_compiled` (compiled executables by structural hash); in evaluate's kernel processes,
+`IN_PLACE_DTYPES` (which dtypes' bytes are as sent).  Nothing else module-level changes.
 """
 
 from __future__ import annotations
