@@ -3526,19 +3526,19 @@ class KernelProcess:
             return "still running, its channel closed"
         return f"killed by signal {-code}" if code < 0 else f"exit status {code}"
 
-    def signal(self, sig: int) -> None:
+    def send_signal(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, sig)
 
     def resume(self) -> None:
-        self.signal(signal.SIGCONT)
+        self.send_signal(signal.SIGCONT)
 
     def halt(self) -> None:
         """SIGSTOP to the whole group, until the process has stopped: nothing of this one (a
         spinning thread, a helper process) competes with the other kernel meanwhile, or writes
         its results once they are read.  A signal is delivered when the process next runs: a
         process woken to stop would otherwise compete with the other kernel at the start of its call."""
-        self.signal(signal.SIGSTOP)
+        self.send_signal(signal.SIGSTOP)
         if self.proc.returncode is not None:
             return
         pid, status = os.waitpid(self.proc.pid, os.WUNTRACED)
@@ -3546,7 +3546,7 @@ class KernelProcess:
             self.proc.returncode = os.waitstatus_to_exitcode(status)
 
     def close(self) -> None:
-        self.signal(signal.SIGKILL)
+        self.send_signal(signal.SIGKILL)
         self.proc.wait()
         self.conn.close()
         if self.region is not None:
@@ -4005,8 +4005,8 @@ def gpu_conditions() -> dict[str, Any] | None:
         import pynvml  # type: ignore[import-not-found]
         import torch
         pynvml.nvmlInit()
-        uuid = str(torch.cuda.get_device_properties(0).uuid)
-        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+        gpu_uuid = str(torch.cuda.get_device_properties(0).uuid)
+        handle = pynvml.nvmlDeviceGetHandleByUUID(gpu_uuid if gpu_uuid.startswith("GPU-") else f"GPU-{gpu_uuid}")
         return {"sm_clock_mhz": pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
                 "memory_clock_mhz": pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_MEM),
                 "temperature_c": pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU),
