@@ -194,7 +194,7 @@ def test_a_lease_waiter_whose_client_left_leaves_the_queue():
         try:
             arbiter.acquire("left", [0], client_gone=gone.is_set)
         except kcoral.ClientGone as exc:
-            raised.append((exc.phase, time.monotonic()))
+            raised.append((exc.where, time.monotonic()))
 
     arbiter.acquire("holder", [0])
     waiter = threading.Thread(target=abandoned)
