@@ -17,7 +17,7 @@ import types
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import scenarios  # noqa: E402
-from instant_server import InstantServer  # noqa: E402
+from floor_server import FloorServer  # noqa: E402
 
 import kcoral  # noqa: E402  (the published package, from the virtualenv)
 
@@ -41,16 +41,17 @@ def main():
         spec = json.load(f)
     assert kcoral.__version__ == "0.1.1", kcoral.__file__
     servers = [types.SimpleNamespace(name=name, url=url) for name, url in spec["servers"]]
-    alone = InstantServer()  # forked before any thread starts
-    clients = {server.name: CountingClient(server.url) for server in (*servers, alone)}
+    ours = next(server for server in servers if server.name == "ours")
+    floor = FloorServer(ours.url)  # forked before any thread starts; records from ours
+    clients = {server.name: CountingClient(server.url) for server in (*servers, floor)}
     try:
         raw = scenarios.run_timed_scenarios(spec["scenarios"], servers, clients, kcoral.Client, spec["counts"],
                                             spec["scratch"], kcoral.Program,
-                                            lambda line: print(f"published client: {line}", file=sys.stderr), alone)
+                                            lambda line: print(f"published client: {line}", file=sys.stderr), floor)
     finally:
         for client in clients.values():
             client.close()
-        alone.stop()
+        floor.stop()
     with open(out_path, "w") as f:
         json.dump(raw, f)
 
