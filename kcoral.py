@@ -3407,6 +3407,8 @@ class Execution:
     parts: list[Buffer]  # the raw parts those values refer to
     output: tuple[str, str, bool, bool] | None  # (stdout, stderr, truncated flags), once collected
     truncation: dict[str, Json]  # with `output`: OutputReader.truncation_fields
+    job_index: dict[str, tuple[int, int]]  # blob_index: where stage_blobs puts each blob
+    staged_bytes: int  # blob_index: the staged memfd's size
 
     def __init__(self, pool: Pool, worker: Worker, gpus: list[int], job: Job, queue_ms: float) -> None:
         self.pool = pool
@@ -3550,12 +3552,12 @@ class Execution:
             raise WorkerCrashed(str(exc)) from exc
 
     def blob_index(self) -> dict[str, tuple[int, int]]:
-        """{hash: (offset, size)}: where stage_blobs puts each of the job's blobs, back to back."""
-        index, offset = {}, 0
-        for digest, data in self.job.blobs.items():
-            index[digest] = (offset, memoryview(data).nbytes)
-            offset += index[digest][1]
-        return index
+        """{hash: (offset, size)}: where stage_blobs puts each of the job's blobs (kcoral_worker.blob_layout),
+        kept for it with the file's size."""
+        sizes = [memoryview(data).nbytes for data in self.job.blobs.values()]
+        offsets, self.staged_bytes = kcoral_worker.blob_layout(sizes)
+        self.job_index = {digest: (offset, size) for digest, offset, size in zip(self.job.blobs, offsets, sizes)}
+        return self.job_index
 
     def stage_blobs(self) -> None:
         """Answer the worker's StageBlobs: the job's blobs, as blob_index places them, in one
@@ -3576,8 +3578,9 @@ class Execution:
         try:
             fd = os.memfd_create("kcoral-blobs", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             try:
-                for data in self.job.blobs.values():
-                    write_all(fd, data)
+                os.ftruncate(fd, self.staged_bytes)
+                for data, (offset, _) in zip(self.job.blobs.values(), self.job_index.values()):
+                    write_all_at(fd, data, offset)
                 fcntl.fcntl(fd, fcntl.F_ADD_SEALS, STAGED_SEALS)
                 info = os.fstat(fd)
                 self.memory.exempt.add((info.st_dev, info.st_ino))  # sealed, the size the request was
@@ -5238,6 +5241,13 @@ def write_all(fd: int, data: Buffer) -> None:
     view = memoryview(data).cast("B")
     while view:
         view = view[os.write(fd, view[:1 << 30]):]
+
+
+def write_all_at(fd: int, data: Buffer, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        written = os.pwrite(fd, view[:1 << 30], offset)
+        view, offset = view[written:], offset + written
 
 
 def open_log_directory(path: str, name: str | None = None, parent: int | None = None) -> int:

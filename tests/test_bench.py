@@ -37,17 +37,19 @@ def replayed(floor, client, program, **options):
 def test_it_answers_every_scenario_as_our_server_does(floor, front_end_server, tmp_path):
     payload = os.urandom(3 << 20)
     files = scenarios.make_folder(str(tmp_path / "folder"), 0)
-    echo = scenarios.echo_bytes_program(Program, payload)
+    same = scenarios.bytes_function_program(Program, payload, "same")
+    size = scenarios.bytes_function_program(Program, payload, "size")
     folder = scenarios.folder_program(Program, str(tmp_path / "folder"))
     trivial = scenarios.function_program(Program, scenarios.TRIVIAL_SOURCE)
     lines = scenarios.function_program(Program, scenarios.STDOUT_LINES_SOURCE)
     replay, real = CountingClient(floor.url), Client(front_end_server.url)
     try:
-        first = replayed(floor, replay, echo)  # no instance named yet: our client asks first
+        first = replayed(floor, replay, same)  # no instance named yet: our client asks first
         assert (replay.posts, replay.blob_bytes) == (2, len(payload))  # CACHE_MISS, then the upload
-        again = replay.execute(echo)
+        assert first["out"] == real.execute(same)["out"] == payload
+        hit = replayed(floor, replay, size)
         assert (replay.posts, replay.blob_bytes) == (1, 0)  # a cache hit: it was sent the blob, and says so
-        assert first["out"] == again["out"] == real.execute(echo)["out"] == payload
+        assert hit["out"] == real.execute(size)["out"] == len(payload)
 
         ours = folder_contents(replayed(floor, replay, folder))
         assert replay.posts == 1  # our server's instance named: our client sends the small files at once
@@ -69,8 +71,8 @@ def test_it_answers_nothing_it_has_not_recorded(floor):
         with pytest.raises(KCoralError) as failure:
             client.execute(scenarios.function_program(Program, scenarios.TRIVIAL_SOURCE))
         assert failure.value.status_code == 400 and "no recording" in failure.value.message
-        echo = scenarios.echo_bytes_program(Program, b"still here")
-        assert replayed(floor, client, echo)["out"] == b"still here"
+        same = scenarios.bytes_function_program(Program, b"still here", "same")
+        assert replayed(floor, client, same)["out"] == b"still here"
     finally:
         client.close()
 
@@ -92,9 +94,8 @@ PUBLISHED_CLIENT = textwrap.dedent("""
                        output_limit_bytes=2 * scenarios.STDOUT_BYTES)
     assert printed.stdout == ("y" * 63 + "\\n") * scenarios.STDOUT_LINES
     payload = os.urandom(1 << 20)
-    echo = scenarios.echo_bytes_program(kcoral.Program, payload)
-    assert replayed(echo)["out"] == payload
-    assert client.execute(echo)["out"] == payload  # a cache hit
+    assert replayed(scenarios.bytes_function_program(kcoral.Program, payload, "same"))["out"] == payload
+    assert replayed(scenarios.bytes_function_program(kcoral.Program, payload, "size"))["out"] == len(payload)
     directory = os.path.join(tempfile.mkdtemp(), "folder")
     files = scenarios.make_folder(directory, 1)
     folder = replayed(scenarios.folder_program(kcoral.Program, directory))["out"]
