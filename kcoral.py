@@ -81,6 +81,7 @@ import importlib.util
 import io
 import json
 import math
+import mmap
 import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
@@ -1561,6 +1562,8 @@ class Job:
     on_output: Callable[[str, bytes], None] | None = None  # ("stdout"|"stderr", bytes kept) as captured
     tenant: str = ""  # the name its token has in --token-file ("": anonymous)
     client_gone: Callable[[], bool] | None = None  # whether its client closed the connection (ClientGone)
+    # (hash, the blob's bytes, the same in a SealedBlob) when staging sealed one: the cache keeps that instead
+    keep_sealed: Callable[[str, Buffer, memoryview], None] = lambda digest, data, sealed: None
 
 
 @dataclasses.dataclass
@@ -1937,7 +1940,8 @@ class KCoralServer:
                               config.max_timeout_seconds),
                   output_limit=min(options.get("output_limit_bytes", config.output_limit_bytes),
                                    config.max_output_limit_bytes),
-                  proxy_queue_ms=proxy_queue_ms, on_output=on_output, tenant=tenant, client_gone=client_gone)
+                  proxy_queue_ms=proxy_queue_ms, on_output=on_output, tenant=tenant, client_gone=client_gone,
+                  keep_sealed=self.blob_store.memory.replace)
         with self.blob_store.pinned(program):
             outcome = self.pool.run_job(job)
         return self.refuse_while_draining() if outcome.http_status == 503 and self.closing else outcome
@@ -2739,6 +2743,37 @@ class BlobStore:
             self.memory.unpin(memory)
 
 
+class SealedBlob(mmap.mmap):
+    """A blob alone in a sealed memfd, where kcoral_worker.MappedBytes maps it (blob_layout), read here
+    through a read-only mapping.  Staging makes one of each large blob (Execution.stage_blobs) and
+    the memory cache keeps it instead of the request body's bytes: a later request hands the worker
+    the same file.  Two fds each (the mapping's own): the cache holds at most its capacity over
+    kcoral_worker.SEALED_BLOB_BYTES of them, 2048 by default."""
+    fd: int
+
+    @classmethod
+    def of(cls, data: Buffer) -> memoryview:
+        """`data` in a SealedBlob: itself if it is one's view, else a new one holding a copy -> the blob's view."""
+        view = memoryview(data).cast("B")
+        if isinstance(view.obj, SealedBlob):
+            return view
+        fd = os.memfd_create("kcoral-blobs", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            start = kcoral_worker.MappedBytes.HEADER
+            os.ftruncate(fd, start + view.nbytes + 1)
+            write_all_at(fd, view, start)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, STAGED_SEALS)
+            blob = cls(fd, start + view.nbytes + 1, prot=mmap.PROT_READ)
+        except BaseException:
+            os.close(fd)
+            raise
+        blob.fd = fd
+        return memoryview(blob)[start:start + view.nbytes]
+
+    def __del__(self) -> None:
+        os.close(self.fd)
+
+
 class MemoryCache:
     """LRU of blob bytes by SHA-256, each with the tenants that supplied it (found only for
     them); pinned entries are never evicted.
@@ -2788,6 +2823,17 @@ class MemoryCache:
                     return
             (self.held if self.pins[digest] else self.entries)[digest] = (data, cost, self.only_by(tenant))
             self.size += cost
+            self.evict()
+
+    def replace(self, digest: str, data: Buffer, sealed: memoryview) -> None:
+        """The same bytes in a SealedBlob (Execution.stage_blobs) in place of `data`, if the entry still
+        holds it: its suppliers stay, and the request body it was a view of need no longer be kept."""
+        with self.lock:
+            for where in (self.entries, self.held):
+                kept, cost, suppliers = where.get(digest, (None, 0, frozenset()))
+                if kept is data:
+                    where[digest] = (sealed, pinned_bytes(sealed) + CACHE_ENTRY_OVERHEAD, suppliers)
+                    self.size += where[digest][1] - cost
             self.evict()
 
     def only_by(self, tenant: str) -> frozenset[str]:
@@ -3444,8 +3490,8 @@ class Execution:
     parts: list[Buffer]  # the raw parts those values refer to
     output: tuple[str, str, bool, bool] | None  # (stdout, stderr, truncated flags), once collected
     truncation: dict[str, Json]  # with `output`: OutputReader.truncation_fields
-    job_index: dict[str, tuple[int, int]]  # blob_index: where stage_blobs puts each blob
-    staged_bytes: int  # blob_index: the staged memfd's size
+    job_index: dict[str, tuple[int, int, int]]  # blob_index: where stage_blobs puts each blob
+    staged_files: list[int]  # blob_index: the staged files' sizes
 
     def __init__(self, pool: Pool, worker: Worker, gpus: list[int], job: Job, queue_ms: float) -> None:
         self.pool = pool
@@ -3588,44 +3634,59 @@ class Execution:
         except OSError as exc:
             raise WorkerCrashed(str(exc)) from exc
 
-    def blob_index(self) -> dict[str, tuple[int, int]]:
-        """{hash: (offset, size)}: where stage_blobs puts each of the job's blobs (kcoral_worker.blob_layout),
-        kept for it with the file's size."""
+    def blob_index(self) -> dict[str, tuple[int, int, int]]:
+        """{hash: (file, offset, size)}: where stage_blobs puts each of the job's blobs
+        (kcoral_worker.blob_layout), kept for it with the files' sizes."""
         sizes = [memoryview(data).nbytes for data in self.job.blobs.values()]
-        offsets, self.staged_bytes = kcoral_worker.blob_layout(sizes)
-        self.job_index = {digest: (offset, size) for digest, offset, size in zip(self.job.blobs, offsets, sizes)}
+        places, self.staged_files = kcoral_worker.blob_layout(sizes)
+        self.job_index = {digest: (*place, size) for digest, place, size in zip(self.job.blobs, places, sizes)}
         return self.job_index
 
     def stage_blobs(self) -> None:
-        """Answer the worker's StageBlobs: the job's blobs, as blob_index places them, in one
-        sealed memfd passed to it.  Asked for once, when the program first needs a blob's bytes:
-        a program that only returns its `bytes` uploads has nothing copied (the answer sends the
-        front-end's own copies).
+        """Answer the worker's StageBlobs: the job's blobs, as blob_index places them, in sealed
+        memfds passed to it, file 0 first.  Asked for once, when the program first needs a blob's
+        bytes: a program that only returns its `bytes` uploads has nothing copied (the answer
+        sends the front-end's own copies).
 
-        The worker reads each straight into its final object.  One file, because creating a
-        file costs far more than writing it (500 small uploads would be 500 inodes); in memory,
-        because the blobs are in memory already (a disk file's page cache is slower to fill,
-        docs/performance.md), and passed as an fd, so it has no path
-        anyone could open or swap.  The seals forbid any write, resize or unsealing: what the
-        worker reads is what the front-end staged, whatever the program does with the fd.
+        The smaller blobs share one file, because creating a file costs far more than writing it
+        (500 small uploads would be 500 inodes); each large one is a SealedBlob of its own, which
+        the memory cache keeps in place of the request body's bytes (Job.keep_sealed): a later
+        request's worker gets the same file, with no copy at all.  In memory, because the blobs
+        are in memory already (a disk file's page cache is slower to fill, docs/performance.md),
+        and passed as fds, so they have no path anyone could open or swap.  The seals forbid any
+        write, resize or unsealing: what the worker reads is what the front-end staged, whatever
+        the program does with the fd.
         """
         if self.staged or not self.job.blobs:
             raise WorkerCrashed("protocol violation: blobs asked for twice, or by a job without any")
         self.staged = True
         try:
-            fd = os.memfd_create("kcoral-blobs", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-            try:
-                os.ftruncate(fd, self.staged_bytes)
-                for data, (offset, _) in zip(self.job.blobs.values(), self.job_index.values()):
-                    write_all_at(fd, data, offset)
-                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, STAGED_SEALS)
+            for fd in self.staged_fds():
                 info = os.fstat(fd)
                 self.memory.exempt.add((info.st_dev, info.st_ino))  # sealed, the size the request was
                 reduction.send_handle(self.worker.conn, fd, self.worker.pid)
-            finally:  # the worker holds its own copy of the fd: the memory goes with its last reference
-                os.close(fd)
         except OSError as exc:
             raise WorkerCrashed(str(exc)) from exc
+
+    def staged_fds(self) -> Iterator[int]:
+        """The staged files' fds, by file number, each open while it is passed."""
+        for number, size in enumerate(self.staged_files):
+            held = [digest for digest, (file, _, _) in self.job_index.items() if file == number]
+            if self.job_index[held[0]][2] >= kcoral_worker.SEALED_BLOB_BYTES:  # a file of its own
+                sealed = SealedBlob.of(self.job.blobs[held[0]])
+                self.job.keep_sealed(held[0], self.job.blobs[held[0]], sealed)
+                self.job.blobs[held[0]] = sealed
+                yield typing.cast(SealedBlob, sealed.obj).fd
+                continue
+            fd = os.memfd_create("kcoral-blobs", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            try:
+                os.ftruncate(fd, size)
+                for digest in held:
+                    write_all_at(fd, self.job.blobs[digest], self.job_index[digest][1])
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, STAGED_SEALS)
+                yield fd
+            finally:  # the worker holds its own copy of the fd: the memory goes with its last reference
+                os.close(fd)
 
     def converse(self) -> ErrorObject | None:
         """Follow the worker's messages until it reports the program done; -> error or None.

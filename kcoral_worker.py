@@ -28,10 +28,10 @@ sends as hostile input:
     evaluate -> kernel process      EvalLoad and EvalPublish, answered by EvalOutputs; EvalStage (+ a
                                     region's memfd as a passed fd), EvalGo, EvalInputsBack, answered by EvalDone
 
-Payloads travel raw.  The front-end stages the request's blobs back to back in one
-sealed memfd (indexed by hash in JobRequest.blob_index, passed when the worker sends
-StageBlobs) that the worker reads each blob from straight into its final object, or
-copies into the workspace with sendfile; returned tensors, bytes and files go back as
+Payloads travel raw.  The front-end stages the request's blobs in sealed memfds
+(indexed by hash in JobRequest.blob_index, passed when the worker sends StageBlobs)
+that the worker maps a large `bytes` blob from (MappedBytes), reads any other straight
+into its final object, or copies into the workspace with sendfile; returned tensors, bytes and files go back as
 raw bytes on the pipe right after their ReturnValue.  Streaming returns as they happen
 is what lets the front-end keep them when uploaded native code later kills the
 process.  Output is captured at the file-descriptor level into pipes whose
@@ -213,20 +213,33 @@ def wait_readable(fd: int, deadline: float) -> None:
 
 
 MAPPED_BLOB_BYTES = 1 << 20  # a blob this large is staged where the worker can map it as `bytes` (MappedBytes)
+SEALED_BLOB_BYTES = 16 << 20  # one this large in a memfd of its own, which the front-end's memory cache keeps
 
 
-def blob_layout(sizes: Iterable[int]) -> tuple[list[int], int]:
-    """Where the front-end stages blobs of these sizes in the memfd -> (offsets, file size).
-    Small ones back to back; one of MAPPED_BLOB_BYTES or more at an offset MappedBytes can map
-    (MappedBytes.HEADER past a page boundary) and followed by a zero byte, the NUL every `bytes`
-    object ends with (the file's holes read as zeros: the padding costs no memory)."""
-    offsets, end = [], 0
+def blob_layout(sizes: Iterable[int]) -> tuple[list[tuple[int, int]], list[int]]:
+    """Where the front-end stages blobs of these sizes -> ([(file, offset)], file sizes), file 0
+    shared by the smaller ones if any, then one file per blob of SEALED_BLOB_BYTES or more (the
+    front-end keeps those in its cache, kcoral.SealedBlob).  Small blobs lie back to back; one of
+    MAPPED_BLOB_BYTES or more at an offset MappedBytes can map (MappedBytes.HEADER past a page
+    boundary), followed by a zero byte, the NUL every `bytes` object ends with (the file's holes
+    read as zeros: the padding costs no memory)."""
+    places: list[tuple[int, int]] = []
+    files: list[int] = []
+    shared = None
     for size in sizes:
+        if size >= SEALED_BLOB_BYTES:
+            places.append((len(files), MappedBytes.HEADER))
+            files.append(MappedBytes.HEADER + size + 1)
+            continue
+        if shared is None:
+            shared = len(files)
+            files.append(0)
+        end = files[shared]
         if size >= MAPPED_BLOB_BYTES:
             end = -(-end // mmap.PAGESIZE) * mmap.PAGESIZE + MappedBytes.HEADER
-        offsets.append(end)
-        end += size + (size >= MAPPED_BLOB_BYTES)
-    return offsets, end
+        places.append((shared, end))
+        files[shared] = end + size + (size >= MAPPED_BLOB_BYTES)
+    return places, files
 
 
 class MappedBytes:
@@ -275,20 +288,20 @@ MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 class StagedBlobs:
-    """The request's blobs, staged by the front-end in one sealed memfd (a file in memory nobody
-    can write any more, passed as a file descriptor: no path, no inode on disk), as blob_layout
-    places them.
+    """The request's blobs, staged by the front-end in sealed memfds (files in memory nobody can
+    write any more, passed as file descriptors: no path, no inode on disk), as blob_layout places
+    them.
 
-    The worker asks for the memfd (StageBlobs) the first time it needs a blob's bytes: a program
+    The worker asks for the memfds (StageBlobs) the first time it needs a blob's bytes: a program
     that only returns its `bytes` uploads never has them copied at all.  A large `bytes` blob is
     mapped (MappedBytes), a small one read into a `bytes` object in one copy, and file uploads
     are copied by the kernel: a blob never sits twice in worker memory.
     """
 
-    def __init__(self, conn: Connection, index: dict[str, tuple[int, int]]) -> None:
+    def __init__(self, conn: Connection, index: dict[str, tuple[int, int, int]]) -> None:
         self.conn = conn
-        self.fd: int | None = None  # until stage()
-        self.index = index  # hash -> (offset, size) in the file
+        self.fds: list[int] | None = None  # until stage()
+        self.index = index  # hash -> (file, offset, size)
         # id -> (object, hash) for what read() and unread_view() returned
         self.handed_out: dict[int, tuple[bytes | memoryview, str]] = {}
 
@@ -300,18 +313,20 @@ class StagedBlobs:
         entry = self.handed_out.get(id(value))
         return entry[1] if entry is not None and entry[0] is value else None
 
-    def stage(self) -> int:
-        """The memfd, asked for on first use -> its fd."""
-        if self.fd is None:
+    def stage(self) -> list[int]:
+        """The memfds, asked for on first use -> their fds, by file number."""
+        if self.fds is None:
             send_message(self.conn, StageBlobs())
-            self.fd = reduction.recv_handle(self.conn)
-            os.set_inheritable(self.fd, False)  # a passed fd arrives inheritable: no process the program execs keeps it
-        return self.fd
+            self.fds = []
+            for _ in range(1 + max(file for file, _, _ in self.index.values())):
+                self.fds.append(reduction.recv_handle(self.conn))
+                os.set_inheritable(self.fds[-1], False)  # arrived inheritable: no process the program execs keeps it
+        return self.fds
 
     def locate(self, digest: str) -> tuple[int, int, int]:
         """-> (fd, offset, size) of a blob of the index (KeyError for any other)."""
-        offset, size = self.index[digest]
-        return self.stage(), offset, size
+        file, offset, size = self.index[digest]
+        return self.stage()[file], offset, size
 
     def read(self, digest: str) -> bytes:
         fd, offset, size = self.locate(digest)
@@ -336,7 +351,7 @@ class StagedBlobs:
         """A stand-in of the blob's size for a `bytes` upload returned without being used: the
         front-end sends its own copy (digest_of knows the stand-in, which nobody reads), so
         nothing is staged, copied or paged in.  Untouched anonymous memory costs no pages."""
-        size = self.index[digest][1]
+        size = self.index[digest][2]
         view = memoryview(mmap.mmap(-1, size) if size else b"")
         self.handed_out[id(view)] = (view, digest)
         return view
@@ -361,9 +376,9 @@ class StagedBlobs:
             offset, size = offset + n, size - n
 
     def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        for fd in self.fds or ():
+            os.close(fd)
+        self.fds = None
 
 
 # --- the messages between the front-end and its worker processes ----------------------------------
@@ -499,12 +514,12 @@ class GpuInitialized:
 @message
 class JobRequest:
     """Front-end -> worker, once per request; with `capture`, the write ends of the stdout and
-    stderr pipes follow as two passed file descriptors.  `blob_index` (hash -> (offset, size))
-    describes the memfd the worker gets when it asks for it (StageBlobs)."""
+    stderr pipes follow as two passed file descriptors.  `blob_index` (hash -> (file, offset, size))
+    describes the memfds the worker gets when it asks for them (StageBlobs), file 0 first."""
     instructions: list[dict]
     retire: bool  # exit after this request
     workspace: str  # the program's working directory, as the worker sees it
-    blob_index: dict[str, tuple[int, int]]
+    blob_index: dict[str, tuple[int, int, int]]
     capture: bool
     grace: float  # seconds between SIGTERM and SIGKILL for processes the program left behind
     max_response_bytes: int
@@ -526,7 +541,7 @@ class InstructionStarted:
 class StageBlobs:
     """Worker -> front-end, at most once per request, the first time the program needs a blob's
     bytes (a GPU worker: before its first instruction, so the copy never runs under the lease).
-    Answered by the sealed memfd of JobRequest.blob_index as a passed file descriptor."""
+    Answered by the sealed memfds of JobRequest.blob_index as passed file descriptors, file 0 first."""
 
 
 @message
