@@ -2208,7 +2208,7 @@ def parse_header_params(value: str) -> tuple[str, dict[str, str]]:
         if raw.startswith('"'):
             if len(raw) < 2 or not raw.endswith('"'):
                 raise ValidationError("malformed quoted header parameter")
-            raw = re.sub(r"\\(.)", r"\1", raw[1:-1])
+            raw = re.sub(r"\\(.)", r"\1", raw[1:-1]) if "\\" in raw else raw[1:-1]
         elif not raw or re.search(r'[\s"]', raw):  # lenient: senders leave `name=blob:<hex>` unquoted
             raise ValidationError(f"malformed header parameter {piece.strip()!r}")
         if key in params:
@@ -2321,12 +2321,17 @@ def parse_part_headers(body: Body, start: int, end: int, limits: ServerConfig) -
     return headers, blank.end()
 
 
+PLAIN_DISPOSITION = re.compile(r'form-data; name="([^"\\]+)"')  # parse_header_params' result, without its cost
+
+
 def check_part_headers(headers: PartHeaders) -> tuple[str, str]:
     """docs/protocol.md §4.5 -> the part's name and media type."""
     for required in ("content-disposition", "content-type"):
         if len(headers.get(required, ())) != 1:
             raise ValidationError(f"each part needs exactly one {required} header")
-    disposition, params = parse_header_params(headers["content-disposition"][0])
+    plain = PLAIN_DISPOSITION.fullmatch(headers["content-disposition"][0])  # what clients write: parsed alike
+    disposition, params = ("form-data", {"name": plain.group(1)}) if plain else \
+        parse_header_params(headers["content-disposition"][0])
     if disposition != "form-data":
         raise ValidationError("part disposition must be form-data")
     if not params.get("name"):
