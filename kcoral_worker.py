@@ -1782,8 +1782,6 @@ def passes_through_uploaded_code(exc: BaseException) -> bool:
 
 
 LINE_BUDGET = 256  # line-ending writes per instruction that reach the pipe as they are printed
-CAPTURE_BUFFER_BYTES = 64 << 10  # block-buffered stdout: text and bytes buffered this much per write (8 KiB:
-# 65 536 printed lines took 27 ms into a drained pipe, 64 KiB 17 ms; 1 MiB, fresh memory each time, 64 ms)
 FLUSH_HOOKS_INSTALLED = False  # in this process (install_flush_hooks)
 
 
@@ -1839,10 +1837,9 @@ class BudgetedBuffer(io.BufferedWriter):
     per printed line, it counts them and, at LINE_BUDGET, turns the text stream block-buffered."""
 
     def __init__(self, fd: int) -> None:
-        super().__init__(open(fd, "wb", buffering=0, closefd=False), buffer_size=CAPTURE_BUFFER_BYTES)
+        super().__init__(open(fd, "wb", buffering=0, closefd=False))
         self.lines = 0
         self.text = text_stream(self)
-        self.text._CHUNK_SIZE = CAPTURE_BUFFER_BYTES  # type: ignore[attr-defined]  # what it gathers per write
 
     def flush(self) -> None:
         super().flush()
