@@ -120,13 +120,19 @@ def is_floor(server):
     return hasattr(server, "record_url")
 
 
+RECORDING_SETTLE_SECONDS = 0.5  # after a recording: our server's disk-cache writes and workspace removal
+
+
 def record(server, make_client, program, **options):
-    """Off the clock: the floor's recording of `program`'s answer, from our server through it."""
+    """Off the clock: the floor's recording of `program`'s answer, from our server through it.  Then a
+    pause: what our server does after answering (500 files into its disk cache, the workspace's
+    removal) would otherwise run during the floor's sample, which /health does not show."""
     recorder = make_client(server.record_url)
     try:
         completed(recorder.execute(program, **options))
     finally:
         recorder.close()
+    time.sleep(RECORDING_SETTLE_SECONDS)
 
 
 def record_once(servers, make_client, program, **options):
