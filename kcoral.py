@@ -3678,9 +3678,8 @@ class Execution:
         for number, size in enumerate(self.staged_files):
             held = [digest for digest, (file, _, _) in self.job_index.items() if file == number]
             if self.job_index[held[0]][2] >= kcoral_worker.SEALED_BLOB_BYTES:  # a file of its own
-                sealed = SealedBlob.of(self.job.blobs[held[0]])
+                sealed = SealedBlob.of(self.job.blobs[held[0]])  # this answer keeps sending the pages it holds
                 self.job.keep_sealed(held[0], self.job.blobs[held[0]], sealed)
-                self.job.blobs[held[0]] = sealed
                 yield typing.cast(SealedBlob, sealed.obj).fd
                 continue
             fd = os.memfd_create("kcoral-blobs", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
