@@ -5,8 +5,9 @@ Run by the reference virtualenv's python, from outside the repository (bench_ser
     <reference python> bench/published_client_driver.py SPEC.json OUT.json
 
 SPEC names the servers ([[name, url], ...] in alternation order), the scenarios, the sample
-counts and a scratch directory; OUT receives {scenario key: {server name: samples}}.  Only
-bench/scenarios.py is imported from this directory: `kcoral` must be the published package.
+counts and a scratch directory; OUT receives {scenario key: {server name: samples}}.  The floor
+records from the server named "ours".  Only bench/scenarios.py and bench/floor_server.py (both
+standard library only) are imported from this directory: `kcoral` must be the published package.
 """
 
 import json
