@@ -174,13 +174,13 @@ def write_batches(write: Callable[[list[memoryview]], int], buffers: Iterable[Bu
     """Hand `buffers` to `write` (os.writev, socket.sendmsg: -> bytes written, which may stop
     anywhere, short of 2 GiB at most) up to WRITE_BATCH at a time: a folder's 500 files take a
     few system calls instead of one each."""
-    queue = collections.deque(view for view in (memoryview(b).cast("B") for b in buffers) if view.nbytes)
-    while queue:
-        sent = write(list(itertools.islice(queue, WRITE_BATCH)))
-        while sent and sent >= queue[0].nbytes:
-            sent -= queue.popleft().nbytes
+    pending = collections.deque(view for view in (memoryview(b).cast("B") for b in buffers) if view.nbytes)
+    while pending:
+        sent = write(list(itertools.islice(pending, WRITE_BATCH)))
+        while sent and sent >= pending[0].nbytes:
+            sent -= pending.popleft().nbytes
         if sent:
-            queue[0] = queue[0][sent:]
+            pending[0] = pending[0][sent:]
 
 
 def recv_raw(conn: Connection, size: int, deadline: float | None = None) -> bytearray:
@@ -1362,8 +1362,8 @@ def initialize_gpu() -> GpuInitialized:
     suffix = "a" if major >= 9 else ""
     # later CPU-only compiles then need not query the driver
     os.environ.setdefault("TVM_FFI_CUDA_ARCH_LIST", f"{major}.{minor}{suffix}")
-    uuid = getattr(torch.cuda.get_device_properties(0), "uuid", None)
-    return GpuInitialized(f"sm_{major}{minor}{suffix}", torch.version.cuda, str(uuid or ""))
+    gpu_uuid = getattr(torch.cuda.get_device_properties(0), "uuid", None)
+    return GpuInitialized(f"sm_{major}{minor}{suffix}", torch.version.cuda, str(gpu_uuid or ""))
 
 
 def serve_request(conn: Connection, request: JobRequest, runtime: Runtime) -> bool:
