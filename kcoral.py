@@ -1596,8 +1596,8 @@ class Job:
     on_output: Callable[[str, bytes], None] | None = None  # ("stdout"|"stderr", bytes kept) as captured
     tenant: str = ""  # the name its token has in --token-file ("": anonymous)
     client_gone: Callable[[], bool] | None = None  # whether its client closed the connection (ClientGone)
-    # (hash, the blob's bytes, the same in a SealedBlob) when staging sealed one: the cache keeps that instead
-    keep_sealed: Callable[[str, Buffer, memoryview], None] = lambda digest, data, sealed: None
+    # hash -> the blob in a SealedBlob of its own, once staging made one: the cache keeps it (run_program)
+    sealed: dict[str, memoryview] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -1974,10 +1974,10 @@ class KCoralServer:
                               config.max_timeout_seconds),
                   output_limit=min(options.get("output_limit_bytes", config.output_limit_bytes),
                                    config.max_output_limit_bytes),
-                  proxy_queue_ms=proxy_queue_ms, on_output=on_output, tenant=tenant, client_gone=client_gone,
-                  keep_sealed=self.blob_store.memory.replace)
+                  proxy_queue_ms=proxy_queue_ms, on_output=on_output, tenant=tenant, client_gone=client_gone)
         with self.blob_store.pinned(program):
             outcome = self.pool.run_job(job)
+            self.blob_store.keep_sealed(blobs, job.sealed)
         return self.refuse_while_draining() if outcome.http_status == 503 and self.closing else outcome
 
     def refuse_while_draining(self) -> Outcome:
@@ -2772,6 +2772,11 @@ class BlobStore:
             (self.hits if found is not None else self.misses)[cache] += 1
         return found
 
+    def keep_sealed(self, blobs: Blobs, sealed: dict[str, memoryview]) -> None:
+        """After a run: the large blobs its staging sealed (Execution.stage_blobs) stay cached as those."""
+        for digest, view in sealed.items():
+            self.memory.replace(digest, blobs[digest], view)
+
     @contextlib.contextmanager
     def pinned(self, program: ValidProgram) -> Iterator[None]:
         """While a program runs, the memory blobs it uses stay cached (its retry would need them)."""
@@ -2781,37 +2786,6 @@ class BlobStore:
             yield
         finally:
             self.memory.unpin(memory)
-
-
-class SealedBlob(mmap.mmap):
-    """A blob alone in a sealed memfd, where kcoral_worker.MappedBytes maps it (blob_layout), read here
-    through a read-only mapping.  Staging makes one of each large blob (Execution.stage_blobs) and
-    the memory cache keeps it instead of the request body's bytes: a later request hands the worker
-    the same file.  Two fds each (the mapping's own): the cache holds at most its capacity over
-    kcoral_worker.SEALED_BLOB_BYTES of them, 2048 by default."""
-    fd: int
-
-    @classmethod
-    def of(cls, data: Buffer) -> memoryview:
-        """`data` in a SealedBlob: itself if it is one's view, else a new one holding a copy -> the blob's view."""
-        view = memoryview(data).cast("B")
-        if isinstance(view.obj, SealedBlob):
-            return view
-        fd = os.memfd_create("kcoral-blobs", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            start = kcoral_worker.MappedBytes.HEADER
-            os.ftruncate(fd, start + view.nbytes + 1)
-            write_all_at(fd, view, start)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, STAGED_SEALS)
-            blob = cls(fd, start + view.nbytes + 1, prot=mmap.PROT_READ)
-        except BaseException:
-            os.close(fd)
-            raise
-        blob.fd = fd
-        return memoryview(blob)[start:start + view.nbytes]
-
-    def __del__(self) -> None:
-        os.close(self.fd)
 
 
 class MemoryCache:
@@ -2866,8 +2840,8 @@ class MemoryCache:
             self.evict()
 
     def replace(self, digest: str, data: Buffer, sealed: memoryview) -> None:
-        """The same bytes in a SealedBlob (Execution.stage_blobs) in place of `data`, if the entry still
-        holds it: its suppliers stay, and the request body it was a view of need no longer be kept."""
+        """The same bytes in a SealedBlob in place of `data`, if the entry still holds it: its suppliers
+        stay, and the request body it was a view of need no longer be kept."""
         with self.lock:
             for where in (self.entries, self.held):
                 kept, cost, suppliers = where.get(digest, (None, 0, frozenset()))
@@ -3515,6 +3489,37 @@ class Pool:
                 slot.template.kill()
 
 
+class SealedBlob(mmap.mmap):
+    """A blob alone in a sealed memfd, where kcoral_worker.MappedBytes maps it (blob_layout), read here
+    through a read-only mapping.  Staging makes one of each large blob (Execution.stage_blobs) and
+    the memory cache then keeps it instead of the request body's bytes (BlobStore.keep_sealed): a
+    later request hands the worker the same file.  Two fds each (the mapping's own): the cache
+    holds at most its capacity over kcoral_worker.SEALED_BLOB_BYTES of them, 1024 by default."""
+    fd: int
+
+    @classmethod
+    def of(cls, data: Buffer) -> memoryview:
+        """`data` in a SealedBlob: itself if it is one's view, else a new one holding a copy -> the blob's view."""
+        view = memoryview(data).cast("B")
+        if isinstance(view.obj, SealedBlob):
+            return view
+        fd = os.memfd_create("kcoral-blobs", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            start = kcoral_worker.MappedBytes.HEADER
+            os.ftruncate(fd, start + view.nbytes + 1)
+            write_all_at(fd, view, start)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, STAGED_SEALS)
+            blob = cls(fd, start + view.nbytes + 1, prot=mmap.PROT_READ)
+        except BaseException:
+            os.close(fd)
+            raise
+        blob.fd = fd
+        return memoryview(blob)[start:start + view.nbytes]
+
+    def __del__(self) -> None:
+        os.close(self.fd)
+
+
 class Execution:
     """One job on one worker: the message loop, timeout, crash attribution, teardown.
 
@@ -3690,7 +3695,7 @@ class Execution:
 
         The smaller blobs share one file, because creating a file costs far more than writing it
         (500 small uploads would be 500 inodes); each large one is a SealedBlob of its own, which
-        the memory cache keeps in place of the request body's bytes (Job.keep_sealed): a later
+        the memory cache then keeps in place of the request body's bytes (Job.sealed): a later
         request's worker gets the same file, with no copy at all.  In memory, because the blobs
         are in memory already (a disk file's page cache is slower to fill, docs/performance.md),
         and passed as fds, so they have no path anyone could open or swap.  The seals forbid any
@@ -3713,8 +3718,8 @@ class Execution:
         for number, size in enumerate(self.staged_files):
             held = [digest for digest, (file, _, _) in self.job_index.items() if file == number]
             if self.job_index[held[0]][2] >= kcoral_worker.SEALED_BLOB_BYTES:  # a file of its own
-                sealed = SealedBlob.of(self.job.blobs[held[0]])  # this answer keeps sending the pages it holds
-                self.job.keep_sealed(held[0], self.job.blobs[held[0]], sealed)
+                # the answer still sends job.blobs' resident pages; the cache takes the sealed copy
+                sealed = self.job.sealed[held[0]] = SealedBlob.of(self.job.blobs[held[0]])
                 yield typing.cast(SealedBlob, sealed.obj).fd
                 continue
             fd = os.memfd_create("kcoral-blobs", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
