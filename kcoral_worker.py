@@ -29,10 +29,10 @@ sends as hostile input:
                                     region's memfd as a passed fd), EvalGo, EvalInputsBack, answered by EvalDone
 
 Payloads travel raw.  The front-end stages the request's blobs in sealed memfds
-(indexed by hash in JobRequest.blob_index, passed when the worker sends StageBlobs)
-that the worker maps a large `bytes` blob from (MappedBytes), reads any other straight
-into its final object, or copies into the workspace with sendfile; returned tensors, bytes and files go back as
-raw bytes on the pipe right after their ReturnValue.  Streaming returns as they happen
+(indexed by hash in JobRequest.blob_index, passed when the worker sends StageBlobs),
+from which the worker maps a large `bytes` blob (MappedBytes), reads any other straight
+into its final object, or copies one into the workspace with sendfile; returned tensors,
+bytes and files go back as raw bytes on the pipe right after their ReturnValue.  Streaming returns as they happen
 is what lets the front-end keep them when uploaded native code later kills the
 process.  Output is captured at the file-descriptor level into pipes whose
 read ends the front-end holds, for the same reason.  Importing this module
