@@ -38,11 +38,15 @@ holds the list to `threading.enumerate()` on a busy server and to every `threadi
     sandbox-output: follows a container template's stdout and stderr (`OutputTail`)
     kcoral-spawner: starts the containers, from one thread that lives as long as the server
 
+Before §0, what several sections rely on: `wait_turn`, the one FIFO wait of the three admission
+points (body memory, worker slots, GPU leases), and `expect`, a worker's or container's next
+message, checked (and the exceptions both raise).
+
 Sections, in the order a request travels (each section's functions in call order):
  0. configuration: `ServerConfig`, every setting once; the command line is generated from it
  1. HTTP front-end: `KCoralHTTPServer`, `RequestHandler` (`handle_one_request` -> `parse_request`
     -> `do_POST` -> `read_and_execute` -> `respond`), then what it reads under: `ConnectionGuard`,
-    `BodyBudget` (with `wait_turn`, the one FIFO wait, which the pool and the lease use too)
+    `BodyBudget`
  2. the application: `Job`, `Outcome`, `KCoralServer.handle_execute` (protocol order,
     docs/protocol.md §4.7) -> `run_program`, then its lifecycle (`start`, `serve_forever`, `stop`)
  3. wire rules, envelope: `split_request`, the multipart parser, strict JSON
@@ -61,11 +65,6 @@ of §3-§6 in protocol order.  The jumps, the calls that go back up the file (te
 traces one request, unsandboxed and sandboxed, and holds this list to the calls it makes):
     §4 `decode_program` -> §3 `strict_json`: the program part is strict JSON as every part is
     §6 `Execution.run` -> §0 `delegated_cgroup`: a setting resolved at start
-    §6 `Pool.acquire` -> §1 `wait_turn`: the one FIFO wait, defined beside its first user, the body budget
-    §8 `Worker.__init__` -> §6 `expect`: a worker's first message, checked as every later one
-    §10 `SandboxTemplate.fork` -> §6 `expect`: the container's answer to a fork
-    §10 `SandboxedProcess.join` -> §6 `expect`: the container's report of a worker's exit
-    §9 `LeaseArbiter.acquire` -> §1 `wait_turn` (GPU): a GPU lease waits in the same FIFO
 Two more cross into kcoral_worker.py: `Execution.converse` (§6) talks to the worker's
 `serve_request` over the pipe, and ending a worker (§8's `Worker.kill`, through `Pool.dispose`)
 goes through the worker file's process trees (`kill_group`, `terminate`).  Everything else is
@@ -220,6 +219,93 @@ def load_client() -> types.ModuleType:
         return module
 
 
+# --- shared by the sections below: the one FIFO wait, a worker's checked message ------------------
+
+CLIENT_CHECK_SECONDS = 0.25  # how often a waiting or running request checks that its client is still there
+
+
+class WorkerCrashed(Exception):
+    """The worker process died or stopped talking the protocol."""
+
+
+class WorkerStartTimeout(WorkerCrashed):
+    """A start-up phase outlived its time limit (a multi-GPU request answers 504, docs/server.md §7)."""
+
+
+class ResponseTooLarge(Exception):
+    """A worker announced more returned bytes or parts than the response may carry."""
+
+
+class ClientGone(Exception):
+    """The request's client closed its connection while the request waited or ran: nobody is
+    left to answer, so it is stopped.  `where`: "queue" (waiting for a worker), "lease" (for the GPU)
+    or "running" (wait_turn's `where`; logged as the event's `phase`)."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(where)
+        self.where = where
+
+
+_Served = typing.TypeVar("_Served")
+
+
+def wait_turn(cond: threading.Condition, line: Any, ticket: object, turn: Callable[[], _Served | None],
+              deadline: float | None, refused: Callable[[], bool] = lambda: False,
+              client_gone: Callable[[], bool] | None = None, where: str = "") -> _Served | None:
+    """The one wait of the three admission points (body memory, slots, GPU leases), `ticket`
+    already in their `line`, `cond` held: until `turn()` serves it (-> what it returns), `refused()`
+    says no or `deadline` (time.monotonic(), None: none) passes (-> None); ClientGone(`where`) once
+    `client_gone()` says so, asked every CLIENT_CHECK_SECONDS.  However it ends, the ticket leaves
+    the queue and the other waiters are woken: the head of the line may have changed."""
+    try:
+        while not refused():
+            served = turn()
+            if served is not None:
+                return served
+            if client_gone is not None and client_gone():
+                raise ClientGone(where)
+            wait = None if deadline is None else deadline - time.monotonic()
+            if wait is not None and wait <= 0:
+                return None
+            if client_gone is not None:
+                wait = CLIENT_CHECK_SECONDS if wait is None else min(wait, CLIENT_CHECK_SECONDS)
+            cond.wait(wait)
+        return None
+    finally:
+        line.remove(ticket)
+        cond.notify_all()
+
+
+# what a worker may send mid-request
+WORKER_MESSAGES = (kcoral_worker.InstructionStarted, kcoral_worker.StageBlobs, kcoral_worker.ReturnValue,
+                   kcoral_worker.AcquireLease, kcoral_worker.ReleaseLease, kcoral_worker.RequestDone)
+WORKER_PHASE_SECONDS = 60.0  # each start-up phase (docs/server.md §1.1)
+CONTROL_MESSAGE_BYTES = 1 << 16  # any worker or template message but a ReturnValue, which the response budget bounds
+
+
+def expect(conn: Connection, kinds: type | tuple[type, ...], deadline: float, late: str,
+           limit: int = CONTROL_MESSAGE_BYTES, sizes: list[int] | None = None) -> Any:
+    """A worker's or template's next message, which must be one of `kinds` (its frame's size
+    is appended to `sizes`, if given).
+
+    Nothing from those processes is trusted (they run, or ran, uploaded code): a frame that is
+    oversized, malformed or of another kind is WorkerCrashed, as is a closed pipe; no message
+    by `deadline` is WorkerStartTimeout(`late`), which the conversation turns into a 504."""
+    try:
+        message, size = kcoral_worker.receive_message(conn, limit, deadline)
+    except TimeoutError:
+        raise WorkerStartTimeout(late) from None
+    except kcoral_worker.UnexpectedMessage as exc:
+        raise WorkerCrashed(f"protocol violation: {exc}") from None
+    except (EOFError, OSError) as exc:
+        raise WorkerCrashed(f"the pipe broke: {exc}") from None
+    if not isinstance(message, kinds):
+        raise WorkerCrashed(f"protocol violation: an unexpected {type(message).__name__}")
+    if sizes is not None:
+        sizes.append(size)
+    return message
+
+
 # --- 0. configuration: every setting defined once, the command line generated from it -------------
 
 def default_disk_cache_dir() -> str:
@@ -235,7 +321,7 @@ def option(default: Any, help: str, *, env: str | None = None, cli_default: Any 
 
     The command line is generated from these (`parse_args`), so a default is written once.
     `cli_default` is the command line's default where it differs from the dataclass's
-    (the reference's `log_dir`: None embedded, "logs" from the CLI); `parse` turns the flag's
+    (the published package's `log_dir`: None embedded, "logs" from the CLI); `parse` turns the flag's
     string into the field's value.  A `flag` names a repeatable option whose values make up
     the field's tuple (`--sandbox-readonly-path` fills `sandbox_readonly_paths`).
     """
@@ -258,7 +344,7 @@ LARGE_REQUEST_BYTES = (1 << 30) + (64 << 20)  # the size limits' default: a 1 Gi
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
-    """Server settings; field names and defaults follow the reference where it has them."""
+    """Server settings; field names and defaults follow the published package where it has them."""
     # what this node serves, and with which processes
     host: str = option("127.0.0.1", "address to bind", env="KCORAL_SERVER_HOST")
     port: int = option(8000, "TCP port to listen on (0 picks a free one)", env="KCORAL_SERVER_PORT")
@@ -1413,36 +1499,6 @@ class ConnectionGuard:
         self.thread.join()  # within a TICK: stop leaves no thread behind
 
 
-_Served = typing.TypeVar("_Served")
-
-
-def wait_turn(cond: threading.Condition, line: Any, ticket: object, turn: Callable[[], _Served | None],
-              deadline: float | None, refused: Callable[[], bool] = lambda: False,
-              client_gone: Callable[[], bool] | None = None, where: str = "") -> _Served | None:
-    """The one wait of the three admission points (body memory, slots, GPU leases), `ticket`
-    already in their `line`, `cond` held: until `turn()` serves it (-> what it returns), `refused()`
-    says no or `deadline` (time.monotonic(), None: none) passes (-> None); ClientGone(`where`) once
-    `client_gone()` says so, asked every CLIENT_CHECK_SECONDS.  However it ends, the ticket leaves
-    the queue and the other waiters are woken: the head of the line may have changed."""
-    try:
-        while not refused():
-            served = turn()
-            if served is not None:
-                return served
-            if client_gone is not None and client_gone():
-                raise ClientGone(where)
-            wait = None if deadline is None else deadline - time.monotonic()
-            if wait is not None and wait <= 0:
-                return None
-            if client_gone is not None:
-                wait = CLIENT_CHECK_SECONDS if wait is None else min(wait, CLIENT_CHECK_SECONDS)
-            cond.wait(wait)
-        return None
-    finally:
-        line.remove(ticket)
-        cond.notify_all()
-
-
 class BodyBudget:
     """Admission of request bodies against a global in-memory budget, first come first served, so
     memory stays bounded however many clients upload at once.  Bodies reserve it as their bytes
@@ -2080,7 +2136,7 @@ class RequestTooLarge(ValidationError):
 
 
 def split_request(body: Body, content_type: str | None, limits: ServerConfig = DEFAULT_LIMITS) -> RequestParts:
-    """docs/protocol.md §4.3-4.7 -> the request's parts, in the reference's check order: each part's
+    """docs/protocol.md §4.3-4.7 -> the request's parts, in the published package's check order: each part's
     headers as it is parsed (§4.5), then its name, content type and hash (§4.6), whose failure waits
     until every later part's headers have passed (step 2 before step 3)."""
     parts, failure = RequestParts(limits), None
@@ -2164,7 +2220,7 @@ class RequestParts:
 
 def refuse_extra_part(parts: RequestParts, name: str, media: str, payload: memoryview,
                       failure: ValidationError | None) -> NoReturn:
-    """A part beyond the valid program's blobs plus one: what the reference would answer once it read
+    """A part beyond the valid program's blobs plus one: what the published package would answer once it read
     the rest, as far as the parts read so far tell (a later part's bad headers would have won, §4.7):
     an earlier part's error, this part's, or the unreferenced blobs, one of which there must be."""
     if failure is not None:
@@ -2314,7 +2370,7 @@ def find_delimiter(body: Body, delimiter: bytes, start: int) -> int:
 
 def check_close_delimiter_line(body: Body, start: int) -> None:
     """RFC 2046: only transport padding may follow the close delimiter on its line (the
-    reference answers 400 for `--B--junk`); the epilogue starts on the next line."""
+    published package answers 400 for `--B--junk`); the epilogue starts on the next line."""
     end = body.find(b"\n", start)
     rest = bytes(body[start:len(body) if end < 0 else end]).rstrip(b"\r")
     if rest.strip(b" \t"):
@@ -3021,33 +3077,8 @@ class DiskCache:
 
 # --- 6. the pool and one Execution per request (docs/server.md §3) --------------------------------
 
-class WorkerCrashed(Exception):
-    """The worker process died or stopped talking the protocol."""
-
-
-class WorkerStartTimeout(WorkerCrashed):
-    """A start-up phase outlived its time limit (a multi-GPU request answers 504, docs/server.md §7)."""
-
-
-class ResponseTooLarge(Exception):
-    """A worker announced more returned bytes or parts than the response may carry."""
-
-
-class ClientGone(Exception):
-    """The request's client closed its connection while the request waited or ran: nobody is
-    left to answer, so it is stopped.  `where`: "queue" (waiting for a worker), "lease" (for the GPU)
-    or "running" (wait_turn's `where`; logged as the event's `phase`)."""
-
-    def __init__(self, where: str) -> None:
-        super().__init__(where)
-        self.where = where
-
-
 class TenantLimit(Exception):
     """A tenant's request over --max-waiting-per-tenant: answered 429 before it waits."""
-
-
-CLIENT_CHECK_SECONDS = 0.25  # how often a waiting or running request checks that its client is still there
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # eq=False: tickets are told apart by identity
@@ -4238,36 +4269,6 @@ def own_cgroup_file(name: str) -> str:
             if line.startswith(b"0::"):
                 return os.path.join("/sys/fs/cgroup", line[3:].strip().decode().lstrip("/"), name)
     return "/nonexistent"
-
-
-# what a worker may send mid-request
-WORKER_MESSAGES = (kcoral_worker.InstructionStarted, kcoral_worker.StageBlobs, kcoral_worker.ReturnValue,
-                   kcoral_worker.AcquireLease, kcoral_worker.ReleaseLease, kcoral_worker.RequestDone)
-WORKER_PHASE_SECONDS = 60.0  # each start-up phase (docs/server.md §1.1)
-CONTROL_MESSAGE_BYTES = 1 << 16  # any worker or template message but a ReturnValue, which the response budget bounds
-
-
-def expect(conn: Connection, kinds: type | tuple[type, ...], deadline: float, late: str,
-           limit: int = CONTROL_MESSAGE_BYTES, sizes: list[int] | None = None) -> Any:
-    """A worker's or template's next message, which must be one of `kinds` (its frame's size
-    is appended to `sizes`, if given).
-
-    Nothing from those processes is trusted (they run, or ran, uploaded code): a frame that is
-    oversized, malformed or of another kind is WorkerCrashed, as is a closed pipe; no message
-    by `deadline` is WorkerStartTimeout(`late`), which the conversation turns into a 504."""
-    try:
-        message, size = kcoral_worker.receive_message(conn, limit, deadline)
-    except TimeoutError:
-        raise WorkerStartTimeout(late) from None
-    except kcoral_worker.UnexpectedMessage as exc:
-        raise WorkerCrashed(f"protocol violation: {exc}") from None
-    except (EOFError, OSError) as exc:
-        raise WorkerCrashed(f"the pipe broke: {exc}") from None
-    if not isinstance(message, kinds):
-        raise WorkerCrashed(f"protocol violation: an unexpected {type(message).__name__}")
-    if sizes is not None:
-        sizes.append(size)
-    return message
 
 
 STAGED_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL  # Execution.stage_blobs
@@ -5792,7 +5793,7 @@ def main(argv: list[str] | None = None) -> None:
         return haproxy_config_main(argv[1:])
     if argv[:1] == ["run"]:  # the client-side command line lives in client.py
         sys.exit(load_client().run_command(argv[1:]))
-    if argv[:1] == ["server"]:  # the reference's `kcoral server ...` spelling
+    if argv[:1] == ["server"]:  # the published package's `kcoral server ...` spelling
         argv = argv[1:]
     KCoralServer(parse_args(argv)).serve_forever()
 
@@ -5829,7 +5830,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             value = field.metadata["parse"](value)
         elif field.metadata["flag"]:
             value = tuple(value)
-        elif types_of[field.name] == str | None and value == "":  # '' disables, as in the reference
+        elif types_of[field.name] == str | None and value == "":  # '' disables, as in the published package
             value = None
         values[field.name] = value
     return ServerConfig(**values)

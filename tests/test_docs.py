@@ -264,3 +264,30 @@ def test_a_stopped_connection_guard_leaves_no_thread():
     assert guard.thread.is_alive()
     guard.stop()
     assert not guard.thread.is_alive()
+
+
+def test_the_worker_docstring_names_every_module_level_name_it_changes():
+    """Names rebound through `global`, and module-level dicts filled at run time (`name[...] = `
+    inside a function), are what a worker changes of its module: the docstring lists them all.
+    Decorators applied as the module is imported (`@message` filling MESSAGE_TYPES) change nothing
+    afterwards."""
+    path = os.path.join(ROOT, "kcoral_worker.py")
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    module_level = {name for node in tree.body for name in bound_names(node)}
+    decorators = {d.id for node in tree.body if isinstance(node, (ast.ClassDef, ast.FunctionDef))
+                  for d in node.decorator_list if isinstance(d, ast.Name)}
+    changed = set()
+    for function in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                     and n.name not in decorators):
+        for node in ast.walk(function):
+            if isinstance(node, ast.Global):
+                changed.update(node.names)
+            elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store) \
+                    and isinstance(node.value, ast.Name) and node.value.id in module_level:
+                changed.add(node.value.id)
+    import kcoral_worker
+    listed = set(re.findall(r"`(\w+)`", kcoral_worker.__doc__.split("module-level names change in a worker")[1]
+                            .split("Nothing else module-level changes")[0]))
+    assert len(changed) >= 5
+    assert changed == listed, f"changed but not listed: {changed - listed}; listed but not changed: {listed - changed}"
