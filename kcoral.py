@@ -110,6 +110,7 @@ import importlib.util
 import io
 import json
 import math
+import mmap
 import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
@@ -1075,7 +1076,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             if outcome.parts:
                 content_type, pieces = multipart_result(outcome.body, outcome.parts)
             else:
-                content_type, pieces = "application/json", [json_bytes(outcome.body)]
+                content_type, pieces = "application/json", json_pieces(outcome.body)
             if sum(len(p) for p in pieces) <= self.app.config.max_response_bytes:
                 return 200, content_type, pieces
             outcome = Outcome(500, "response_too_large", "results exceed the configured response-size limit")
@@ -1335,7 +1336,7 @@ def multipart_result(body: Json, parts: list[Buffer]) -> tuple[str, list[Buffer]
     """docs/protocol.md §9.2: a result with binary parts -> (Content-Type, the response body as pieces to send)."""
     boundary = "kcoral-" + secrets.token_hex(16)  # 128 random bits: no payload can contain it by chance
     pieces: list[Buffer] = [b"--" + boundary.encode() + b'\r\nContent-Disposition: form-data; name="result"\r\n'
-              b"Content-Type: application/json\r\n\r\n" + json_bytes(body) + b"\r\n"]
+                            b"Content-Type: application/json\r\n\r\n", *json_pieces(body), b"\r\n"]
     for number, part in enumerate(parts):
         pieces.append(f'--{boundary}\r\nContent-Disposition: form-data; name="return:{number}"\r\n'
                       f"Content-Type: application/octet-stream\r\n\r\n".encode())
@@ -1357,6 +1358,43 @@ def json_bytes(value: Json) -> bytes:
         return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
     except UnicodeEncodeError:  # a lone surrogate (e.g. from a "\ud800" escape) has no UTF-8 form
         return json.dumps(value, separators=(",", ":"), allow_nan=False).encode("ascii")
+
+
+LONG_TEXT_CHARS = 64 << 10  # json_pieces escapes a top-level string this long by itself
+SHORT_ESCAPES = {8: b"\\b", 9: b"\\t", 10: b"\\n", 12: b"\\f", 13: b"\\r"}
+JSON_ESCAPES = [(b"\\", b"\\\\"), (b'"', b'\\"'),  # the backslashes first, as json escapes them
+                *((bytes([c]), SHORT_ESCAPES.get(c, b"\\u%04x" % c)) for c in range(32))]
+
+
+def json_pieces(body: Json) -> list[Buffer]:
+    """json_bytes(body), byte for byte, as pieces to send: its long top-level strings (a program's
+    captured output) escaped by bytes.replace, a scan per character that needs escaping (a
+    memchr each, mostly finding none), where the json module's encoder builds a new string
+    character by character and encodes it again: 4 MiB of printed lines 16 → 5 ms.  Each
+    string's place in the rest's JSON is held by a random mark no other value can contain."""
+    texts = {key: value for key, value in (body.items() if isinstance(body, dict) else ())
+             if isinstance(value, str) and len(value) >= LONG_TEXT_CHARS}
+    if not texts:
+        return [json_bytes(body)]
+    marks = {key: f'"kcoral-{secrets.token_hex(16)}"' for key in texts}
+    try:
+        encoded = {key: value.encode("utf-8") for key, value in texts.items()}
+        marked = {**typing.cast(dict, body), **{key: mark[1:-1] for key, mark in marks.items()}}
+        rest = json.dumps(marked, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    except UnicodeEncodeError:  # json_bytes escapes everything then
+        return [json_bytes(body)]
+    pieces: list[Buffer] = []
+    for key in sorted(texts, key=lambda key: rest.index(marks[key].encode())):
+        before, _, rest = rest.partition(marks[key].encode())
+        pieces += [before, b'"', json_escaped(encoded[key]), b'"']
+    return [*pieces, rest]
+
+
+def json_escaped(text: bytes) -> bytes:
+    """UTF-8 text escaped as the json module escapes a string's characters (ensure_ascii=False)."""
+    for char, escape in JSON_ESCAPES:
+        text = text.replace(char, escape)
+    return text
 
 
 @dataclasses.dataclass
@@ -1614,6 +1652,8 @@ class Job:
     on_output: Callable[[str, bytes], None] | None = None  # ("stdout"|"stderr", bytes kept) as captured
     tenant: str = ""  # the name its token has in --token-file ("": anonymous)
     client_gone: Callable[[], bool] | None = None  # whether its client closed the connection (ClientGone)
+    # hash -> the blob in a SealedBlob of its own, once staging made one: the cache keeps it (run_program)
+    sealed: dict[str, memoryview] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -1993,6 +2033,7 @@ class KCoralServer:
                   proxy_queue_ms=proxy_queue_ms, on_output=on_output, tenant=tenant, client_gone=client_gone)
         with self.blob_store.pinned(program):
             outcome = self.pool.run_job(job)
+            self.blob_store.keep_sealed(blobs, job.sealed)
         return self.refuse_while_draining() if outcome.http_status == 503 and self.closing else outcome
 
     def refuse_while_draining(self) -> Outcome:
@@ -2257,7 +2298,7 @@ def parse_header_params(value: str) -> tuple[str, dict[str, str]]:
         if raw.startswith('"'):
             if len(raw) < 2 or not raw.endswith('"'):
                 raise ValidationError("malformed quoted header parameter")
-            raw = re.sub(r"\\(.)", r"\1", raw[1:-1])
+            raw = re.sub(r"\\(.)", r"\1", raw[1:-1]) if "\\" in raw else raw[1:-1]
         elif not raw or re.search(r'[\s"]', raw):  # lenient: senders leave `name=blob:<hex>` unquoted
             raise ValidationError(f"malformed header parameter {piece.strip()!r}")
         if key in params:
@@ -2370,12 +2411,17 @@ def parse_part_headers(body: Body, start: int, end: int, limits: ServerConfig) -
     return headers, blank.end()
 
 
+PLAIN_DISPOSITION = re.compile(r'form-data; name="([^"\\]+)"')  # parse_header_params' result, without its cost
+
+
 def check_part_headers(headers: PartHeaders) -> tuple[str, str]:
     """docs/protocol.md §4.5 -> the part's name and media type."""
     for required in ("content-disposition", "content-type"):
         if len(headers.get(required, ())) != 1:
             raise ValidationError(f"each part needs exactly one {required} header")
-    disposition, params = parse_header_params(headers["content-disposition"][0])
+    plain = PLAIN_DISPOSITION.fullmatch(headers["content-disposition"][0])  # what clients write: parsed alike
+    disposition, params = ("form-data", {"name": plain.group(1)}) if plain else \
+        parse_header_params(headers["content-disposition"][0])
     if disposition != "form-data":
         raise ValidationError("part disposition must be form-data")
     if not params.get("name"):
@@ -2782,6 +2828,11 @@ class BlobStore:
             (self.hits if found is not None else self.misses)[cache] += 1
         return found
 
+    def keep_sealed(self, blobs: Blobs, sealed: dict[str, memoryview]) -> None:
+        """After a run: the large blobs its staging sealed (Execution.stage_blobs) stay cached as those."""
+        for digest, view in sealed.items():
+            self.memory.replace(digest, blobs[digest], view)
+
     @contextlib.contextmanager
     def pinned(self, program: ValidProgram) -> Iterator[None]:
         """While a program runs, the memory blobs it uses stay cached (its retry would need them)."""
@@ -2842,6 +2893,17 @@ class MemoryCache:
                     return
             (self.held if self.pins[digest] else self.entries)[digest] = (data, cost, self.only_by(tenant))
             self.size += cost
+            self.evict()
+
+    def replace(self, digest: str, data: Buffer, sealed: memoryview) -> None:
+        """The same bytes in a SealedBlob in place of `data`, if the entry still holds it: its suppliers
+        stay, and the request body it was a view of need no longer be kept."""
+        with self.lock:
+            for where in (self.entries, self.held):
+                kept, cost, suppliers = where.get(digest, (None, 0, frozenset()))
+                if kept is data:
+                    where[digest] = (sealed, pinned_bytes(sealed) + CACHE_ENTRY_OVERHEAD, suppliers)
+                    self.size += where[digest][1] - cost
             self.evict()
 
     def only_by(self, tenant: str) -> frozenset[str]:
@@ -3458,6 +3520,37 @@ class Pool:
                 slot.template.kill()
 
 
+class SealedBlob(mmap.mmap):
+    """A blob alone in a sealed memfd, where kcoral_worker.MappedBytes maps it (blob_layout), read here
+    through a read-only mapping.  Staging makes one of each large blob (Execution.stage_blobs) and
+    the memory cache then keeps it instead of the request body's bytes (BlobStore.keep_sealed): a
+    later request hands the worker the same file.  Two fds each (the mapping's own): the cache
+    holds at most its capacity over kcoral_worker.SEALED_BLOB_BYTES of them, 1024 by default."""
+    fd: int
+
+    @classmethod
+    def of(cls, data: Buffer) -> memoryview:
+        """`data` in a SealedBlob: itself if it is one's view, else a new one holding a copy -> the blob's view."""
+        view = memoryview(data).cast("B")
+        if isinstance(view.obj, SealedBlob):
+            return view
+        fd = os.memfd_create("kcoral-blobs", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            start = kcoral_worker.MappedBytes.HEADER
+            os.ftruncate(fd, start + view.nbytes + 1)
+            write_all_at(fd, view, start)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, STAGED_SEALS)
+            blob = cls(fd, start + view.nbytes + 1, prot=mmap.PROT_READ)
+        except BaseException:
+            os.close(fd)
+            raise
+        blob.fd = fd
+        return memoryview(blob)[start:start + view.nbytes]
+
+    def __del__(self) -> None:
+        os.close(self.fd)
+
+
 class Execution:
     """One job on one worker: the message loop, timeout, crash attribution, teardown.
 
@@ -3473,6 +3566,8 @@ class Execution:
     parts: list[Buffer]  # the raw parts those values refer to
     output: tuple[str, str, bool, bool] | None  # (stdout, stderr, truncated flags), once collected
     truncation: dict[str, Json]  # with `output`: OutputReader.truncation_fields
+    job_index: dict[str, tuple[int, int, int]]  # blob_index: where stage_blobs puts each blob
+    staged_files: list[int]  # blob_index: the staged files' sizes
 
     def __init__(self, pool: Pool, worker: Worker, gpus: list[int], job: Job, queue_ms: float) -> None:
         self.pool = pool
@@ -3615,43 +3710,58 @@ class Execution:
         except OSError as exc:
             raise WorkerCrashed(str(exc)) from exc
 
-    def blob_index(self) -> dict[str, tuple[int, int]]:
-        """{hash: (offset, size)}: where stage_blobs puts each of the job's blobs, back to back."""
-        index, offset = {}, 0
-        for digest, data in self.job.blobs.items():
-            index[digest] = (offset, memoryview(data).nbytes)
-            offset += index[digest][1]
-        return index
+    def blob_index(self) -> dict[str, tuple[int, int, int]]:
+        """{hash: (file, offset, size)}: where stage_blobs puts each of the job's blobs
+        (kcoral_worker.blob_layout), kept for it with the files' sizes."""
+        sizes = [memoryview(data).nbytes for data in self.job.blobs.values()]
+        places, self.staged_files = kcoral_worker.blob_layout(sizes)
+        self.job_index = {digest: (*place, size) for digest, place, size in zip(self.job.blobs, places, sizes)}
+        return self.job_index
 
     def stage_blobs(self) -> None:
-        """Answer the worker's StageBlobs: the job's blobs, as blob_index places them, in one
-        sealed memfd passed to it.  Asked for once, when the program first needs a blob's bytes:
-        a program that only returns its `bytes` uploads has nothing copied (the answer sends the
-        front-end's own copies).
+        """Answer the worker's StageBlobs: the job's blobs, as blob_index places them, in sealed
+        memfds passed to it, file 0 first.  Asked for once, when the program first needs a blob's
+        bytes: a program that only returns its `bytes` uploads has nothing copied (the answer
+        sends the front-end's own copies).
 
-        The worker reads each straight into its final object.  One file, because creating a
-        file costs far more than writing it (500 small uploads would be 500 inodes); in memory,
-        because the blobs are in memory already (a disk file's page cache is slower to fill,
-        docs/performance.md), and passed as an fd, so it has no path
-        anyone could open or swap.  The seals forbid any write, resize or unsealing: what the
-        worker reads is what the front-end staged, whatever the program does with the fd.
+        The smaller blobs share one file, because creating a file costs far more than writing it
+        (500 small uploads would be 500 inodes); each large one is a SealedBlob of its own, which
+        the memory cache then keeps in place of the request body's bytes (Job.sealed): a later
+        request's worker gets the same file, with no copy at all.  In memory, because the blobs
+        are in memory already (a disk file's page cache is slower to fill, docs/performance.md),
+        and passed as fds, so they have no path anyone could open or swap.  The seals forbid any
+        write, resize or unsealing: what the worker reads is what the front-end staged, whatever
+        the program does with the fd.
         """
         if self.staged or not self.job.blobs:
             raise WorkerCrashed("protocol violation: blobs asked for twice, or by a job without any")
         self.staged = True
         try:
-            fd = os.memfd_create("kcoral-blobs", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-            try:
-                for data in self.job.blobs.values():
-                    write_all(fd, data)
-                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, STAGED_SEALS)
+            for fd in self.staged_fds():
                 info = os.fstat(fd)
                 self.memory.exempt.add((info.st_dev, info.st_ino))  # sealed, the size the request was
                 reduction.send_handle(self.worker.conn, fd, self.worker.pid)
-            finally:  # the worker holds its own copy of the fd: the memory goes with its last reference
-                os.close(fd)
         except OSError as exc:
             raise WorkerCrashed(str(exc)) from exc
+
+    def staged_fds(self) -> Iterator[int]:
+        """The staged files' fds, by file number, each open while it is passed."""
+        for number, size in enumerate(self.staged_files):
+            held = [digest for digest, (file, _, _) in self.job_index.items() if file == number]
+            if self.job_index[held[0]][2] >= kcoral_worker.SEALED_BLOB_BYTES:  # a file of its own
+                # the answer still sends job.blobs' resident pages; the cache takes the sealed copy
+                sealed = self.job.sealed[held[0]] = SealedBlob.of(self.job.blobs[held[0]])
+                yield typing.cast(SealedBlob, sealed.obj).fd
+                continue
+            fd = os.memfd_create("kcoral-blobs", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            try:
+                os.ftruncate(fd, size)
+                for digest in held:
+                    write_all_at(fd, self.job.blobs[digest], self.job_index[digest][1])
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, STAGED_SEALS)
+                yield fd
+            finally:  # the worker holds its own copy of the fd: the memory goes with its last reference
+                os.close(fd)
 
     def converse(self) -> ErrorObject | None:
         """Follow the worker's messages until it reports the program done; -> error or None.
@@ -4218,7 +4328,7 @@ class OutputReader:
         thread keeps reading (and closes the pipe) on its own.
         """
         self.thread.join(wait)
-        texts = [(bytes(self.data[fd]).decode("utf-8", "replace"), self.produced[fd] > self.limit) for fd in self.fds]
+        texts = [(self.data[fd].decode("utf-8", "replace"), self.produced[fd] > self.limit) for fd in self.fds]
         return texts[0][0], texts[1][0], texts[0][1], texts[1][1]
 
     def truncation_fields(self, max_limit: int) -> dict[str, Json]:
@@ -5274,6 +5384,13 @@ def write_all(fd: int, data: Buffer) -> None:
     view = memoryview(data).cast("B")
     while view:
         view = view[os.write(fd, view[:1 << 30]):]
+
+
+def write_all_at(fd: int, data: Buffer, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        written = os.pwrite(fd, view[:1 << 30], offset)
+        view, offset = view[written:], offset + written
 
 
 def open_log_directory(path: str, name: str | None = None, parent: int | None = None) -> int:

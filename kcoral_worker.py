@@ -28,11 +28,11 @@ sends as hostile input:
     evaluate -> kernel process      EvalLoad and EvalPublish, answered by EvalOutputs; EvalStage (+ a
                                     region's memfd as a passed fd), EvalGo, EvalInputsBack, answered by EvalDone
 
-Payloads travel raw.  The front-end stages the request's blobs back to back in one
-sealed memfd (indexed by hash in JobRequest.blob_index, passed when the worker sends
-StageBlobs) that the worker reads each blob from straight into its final object, or
-copies into the workspace with sendfile; returned tensors, bytes and files go back as
-raw bytes on the pipe right after their ReturnValue.  Streaming returns as they happen
+Payloads travel raw.  The front-end stages the request's blobs in sealed memfds
+(indexed by hash in JobRequest.blob_index, passed when the worker sends StageBlobs),
+from which the worker maps a large `bytes` blob (MappedBytes), reads any other straight
+into its final object, or copies one into the workspace with sendfile; returned tensors,
+bytes and files go back as raw bytes on the pipe right after their ReturnValue.  Streaming returns as they happen
 is what lets the front-end keep them when uploaded native code later kills the
 process.  Output is captured at the file-descriptor level into pipes whose
 read ends the front-end holds, for the same reason.  Importing this module
@@ -218,20 +218,96 @@ def wait_readable(fd: int, deadline: float) -> None:
         raise TimeoutError
 
 
-class StagedBlobs:
-    """The request's blobs, staged by the front-end back to back in one sealed memfd (a file in
-    memory nobody can write any more, passed as a file descriptor: no path, no inode on disk).
+MAPPED_BLOB_BYTES = 1 << 20  # a blob this large is staged where the worker can map it as `bytes` (MappedBytes)
+SEALED_BLOB_BYTES = 16 << 20  # one this large in a memfd of its own, which the front-end's memory cache keeps
 
-    The worker asks for the memfd (StageBlobs) the first time it needs a blob's bytes: a program
-    that only returns its `bytes` uploads never has them copied at all.  Reading a range of
-    known size gives a `bytes` object in one copy, and file uploads are copied by the kernel: a
-    blob never sits twice in worker memory.
+
+def blob_layout(sizes: Iterable[int]) -> tuple[list[tuple[int, int]], list[int]]:
+    """Where the front-end stages blobs of these sizes -> ([(file, offset)], file sizes), file 0
+    shared by the smaller ones if any, then one file per blob of SEALED_BLOB_BYTES or more (the
+    front-end keeps those in its cache, kcoral.SealedBlob).  Small blobs lie back to back; one of
+    MAPPED_BLOB_BYTES or more at an offset MappedBytes can map (MappedBytes.HEADER past a page
+    boundary), followed by a zero byte, the NUL every `bytes` object ends with (the file's holes
+    read as zeros: the padding costs no memory)."""
+    places: list[tuple[int, int]] = []
+    files: list[int] = []
+    shared = None
+    for size in sizes:
+        if size >= SEALED_BLOB_BYTES:
+            places.append((len(files), MappedBytes.HEADER))
+            files.append(MappedBytes.HEADER + size + 1)
+            continue
+        if shared is None:
+            shared = len(files)
+            files.append(0)
+        end = files[shared]
+        if size >= MAPPED_BLOB_BYTES:
+            end = -(-end // mmap.PAGESIZE) * mmap.PAGESIZE + MappedBytes.HEADER
+        places.append((shared, end))
+        files[shared] = end + size + (size >= MAPPED_BLOB_BYTES)
+    return places, files
+
+
+class MappedBytes:
+    """A `bytes` object over the staged memfd's pages: no copy, nothing paged in until read.
+
+    A `bytes` object keeps its bytes inline after a 32-byte header, and CPython frees a large
+    one with the C library's free().  So a private (copy-on-write) mapping of the memfd, starting
+    HEADER bytes before a blob that blob_layout placed there, gets in its first page the header
+    glibc's free() expects of a chunk it mapped itself (free() then unmaps the whole mapping)
+    and the `bytes` header; the blob's own pages stay the memfd's, shared with the front-end's
+    copy, and the program pays only the page faults of what it reads (a copy into a fresh
+    `bytes` cost ~45 ms per 64 MiB here, most of it faults of fresh memory).  The object is a
+    real `bytes` in every respect: type, immutability, hash, pickling, the NUL after its end.
+    Only glibc and CPython's default allocators are known to agree (`supported`); elsewhere
+    StagedBlobs.read copies."""
+
+    CHUNK = 16  # glibc's header of a chunk it mapped: (prev_size, size | IS_MMAPPED)
+    HEADER = CHUNK + bytes.__basicsize__ - 1  # then the bytes object's: refcount, type, size, hash
+    IS_MMAPPED = 2
+
+    @staticmethod
+    @functools.cache
+    def supported() -> bool:
+        allocator = os.environ.get("PYTHONMALLOC", "")
+        return (sys.implementation.name == "cpython" and sys.maxsize > 2 ** 32
+                and (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
+                and bytes.__basicsize__ - 1 == 4 * ctypes.sizeof(ctypes.c_ssize_t)
+                and allocator in ("", "malloc", "pymalloc") and not sys.flags.dev_mode)
+
+    @classmethod
+    def map(cls, fd: int, offset: int, size: int) -> bytes:
+        start = offset - cls.HEADER  # a page boundary (blob_layout)
+        length = -(-(cls.HEADER + size + 1) // mmap.PAGESIZE) * mmap.PAGESIZE
+        address = LIBC.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, start)
+        if address in (None, MAP_FAILED):
+            raise OSError(ctypes.get_errno(), f"mapping a staged blob: {os.strerror(ctypes.get_errno())}")
+        header = (ctypes.c_ssize_t * 6).from_address(address)  # written to the mapping's first page, privately
+        header[:] = [0, length | cls.IS_MMAPPED, 0, id(bytes), size, -1]  # refcount 0: .value takes the one reference
+        return ctypes.cast(address + cls.CHUNK, ctypes.py_object).value
+
+
+LIBC = ctypes.CDLL(None, use_errno=True)
+LIBC.mmap.restype = ctypes.c_void_p
+LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+class StagedBlobs:
+    """The request's blobs, staged by the front-end in sealed memfds (files in memory nobody can
+    write any more, passed as file descriptors: no path, no inode on disk), as blob_layout places
+    them.
+
+    The worker asks for the memfds (StageBlobs) the first time it needs a blob's bytes: a program
+    that only returns its `bytes` uploads never has them copied at all.  A large `bytes` blob is
+    mapped (MappedBytes), a small one read into a `bytes` object in one copy, and file uploads
+    are copied by the kernel: a blob never sits twice in worker memory.
     """
 
-    def __init__(self, conn: Connection, index: dict[str, tuple[int, int]]) -> None:
+    def __init__(self, conn: Connection, index: dict[str, tuple[int, int, int]]) -> None:
         self.conn = conn
-        self.fd: int | None = None  # until stage()
-        self.index = index  # hash -> (offset, size) in the file
+        self.fds: list[int] | None = None  # until stage()
+        self.index = index  # hash -> (file, offset, size)
         # id -> (object, hash) for what read() and unread_view() returned
         self.handed_out: dict[int, tuple[bytes | memoryview, str]] = {}
 
@@ -243,21 +319,31 @@ class StagedBlobs:
         entry = self.handed_out.get(id(value))
         return entry[1] if entry is not None and entry[0] is value else None
 
-    def stage(self) -> int:
-        """The memfd, asked for on first use -> its fd."""
-        if self.fd is None:
+    def stage(self) -> list[int]:
+        """The memfds, asked for on first use -> their fds, by file number."""
+        if self.fds is None:
             send_message(self.conn, StageBlobs())
-            self.fd = reduction.recv_handle(self.conn)
-            os.set_inheritable(self.fd, False)  # a passed fd arrives inheritable: no process the program execs keeps it
-        return self.fd
+            self.fds = []
+            for _ in range(1 + max(file for file, _, _ in self.index.values())):
+                self.fds.append(reduction.recv_handle(self.conn))
+                os.set_inheritable(self.fds[-1], False)  # arrived inheritable: no process the program execs keeps it
+        return self.fds
 
     def locate(self, digest: str) -> tuple[int, int, int]:
         """-> (fd, offset, size) of a blob of the index (KeyError for any other)."""
-        offset, size = self.index[digest]
-        return self.stage(), offset, size
+        file, offset, size = self.index[digest]
+        return self.stage()[file], offset, size
 
     def read(self, digest: str) -> bytes:
         fd, offset, size = self.locate(digest)
+        mappable = size >= MAPPED_BLOB_BYTES and offset % mmap.PAGESIZE == MappedBytes.HEADER
+        data = (MappedBytes.map(fd, offset, size) if mappable and MappedBytes.supported()
+                else self.copied(fd, offset, size))
+        self.handed_out[id(data)] = (data, digest)
+        return data
+
+    @staticmethod
+    def copied(fd: int, offset: int, size: int) -> bytes:
         chunks = []
         while size:  # one read stops short of 2 GiB
             chunk = os.pread(fd, size, offset)
@@ -265,15 +351,13 @@ class StagedBlobs:
                 raise OSError("staged blob is shorter than announced")
             chunks.append(chunk)
             offset, size = offset + len(chunk), size - len(chunk)
-        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        self.handed_out[id(data)] = (data, digest)
-        return data
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def unread_view(self, digest: str) -> memoryview:
         """A stand-in of the blob's size for a `bytes` upload returned without being used: the
         front-end sends its own copy (digest_of knows the stand-in, which nobody reads), so
         nothing is staged, copied or paged in.  Untouched anonymous memory costs no pages."""
-        size = self.index[digest][1]
+        size = self.index[digest][2]
         view = memoryview(mmap.mmap(-1, size) if size else b"")
         self.handed_out[id(view)] = (view, digest)
         return view
@@ -298,9 +382,9 @@ class StagedBlobs:
             offset, size = offset + n, size - n
 
     def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        for fd in self.fds or ():
+            os.close(fd)
+        self.fds = None
 
 
 # --- the messages between the front-end and its worker processes ----------------------------------
@@ -442,12 +526,12 @@ class GpuInitialized:
 @message
 class JobRequest:
     """Front-end -> worker, once per request; with `capture`, the write ends of the stdout and
-    stderr pipes follow as two passed file descriptors.  `blob_index` (hash -> (offset, size))
-    describes the memfd the worker gets when it asks for it (StageBlobs)."""
+    stderr pipes follow as two passed file descriptors.  `blob_index` (hash -> (file, offset, size))
+    describes the memfds the worker gets when it asks for them (StageBlobs), file 0 first."""
     instructions: list[dict]
     retire: bool  # exit after this request
     workspace: str  # the program's working directory, as the worker sees it
-    blob_index: dict[str, tuple[int, int]]
+    blob_index: dict[str, tuple[int, int, int]]
     capture: bool
     grace: float  # seconds between SIGTERM and SIGKILL for processes the program left behind
     max_response_bytes: int
@@ -469,7 +553,7 @@ class InstructionStarted:
 class StageBlobs:
     """Worker -> front-end, at most once per request, the first time the program needs a blob's
     bytes (a GPU worker: before its first instruction, so the copy never runs under the lease).
-    Answered by the sealed memfd of JobRequest.blob_index as a passed file descriptor."""
+    Answered by the sealed memfds of JobRequest.blob_index as passed file descriptors, file 0 first."""
 
 
 @message

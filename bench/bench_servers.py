@@ -17,10 +17,11 @@ bench/RESULTS.md (the README section); every run prints the Markdown tables.
 Fairness notes:
 - Only `Client.execute` is timed; building the program (hashing its blobs) and
   checking the answer happen outside the clock, identically for both servers.
-- Every 64 MiB round trip uploads a fresh random payload, so both servers first
-  answer CACHE_MISS and then receive the 64 MiB (both clients ask first for big
-  blobs).  The cache-hit scenario re-sends the same program: both servers answer
-  from their memory cache on the first attempt.
+- Every 64 MiB round trip uploads a fresh random payload to a function that returns
+  it, so both servers first answer CACHE_MISS and then receive the 64 MiB (both clients
+  ask first for big blobs), and hand it to the function and back.  The cache hit then
+  sends the same blob to a function that takes its length: both servers find it in
+  their memory cache on the first attempt.
 - The folder scenario uses fresh file contents in every round, so both servers
   really receive 500 files each time.
 - Both servers get `--max-request-bytes 512 MiB` so that a 256 MiB payload plus
@@ -33,10 +34,10 @@ Fairness notes:
   so the report states what it cost during the run.
 - Each sample starts once the other servers are idle (bench/scenarios.py says why and what it
   means for the published server: its best case).
-- The scenarios that only move data (64 MiB round trip and cache hit, folder) also
-  time the client against bench/instant_server.py, which answers them at once: the
-  "client alone" column is that client's own cost, and its ratio to the published
-  server's time is the lowest ratio any server could reach with that client.
+- Every timed scenario also times the client against the floor (bench/floor_server.py),
+  which replays our server's recorded answer at once: the floor column is what that client
+  and loopback cost alone, the lowest time any server could give that client; the tables
+  print ours/floor and published/floor beside ours/published.
 """
 
 import argparse
@@ -57,7 +58,7 @@ import threading
 import time
 import urllib.request
 
-from bench.instant_server import InstantServer
+from bench.floor_server import FloorServer
 from bench.scenarios import (
     MIB,
     STDOUT_LINES,
@@ -88,8 +89,8 @@ BOOTSTRAP_RESAMPLES = 2000
 SCENARIOS = [
     ("trivial", "trivial request latency (sequential)", "ms", 0.15),
     ("burst", "burst: 4 clients x 10 trivial, total wall time", "ms", 0.10),
-    ("bytes64", "64 MiB bytes round trip (fresh payload)", "ms", 0.30),
-    ("cachehit64", "64 MiB cache hit (same blob again)", "ms", 0.20),
+    ("bytes64", "64 MiB bytes round trip (fresh payload; a function reads and returns it)", "ms", 0.30),
+    ("cachehit64", "64 MiB cache hit (the same blob; a function takes its length)", "ms", 0.20),
     ("folder", "500-file folder upload + return", "ms", 0.40),
     ("stdout4", "4 MiB of stdout captured (one write)", "ms", 0.60),
     ("stdout_lines", f"4 MiB of stdout as {STDOUT_LINES} print() lines", "ms", 0.50),
@@ -325,7 +326,7 @@ def scenario_sandbox(ours, scratch, trivial_rounds, burst_rounds):
     sandboxed = start_sandboxed_servers(scratch)
     try:
         clients = {server.name: Client(server.url) for server in (*sandboxed, ours)}
-        trivial = scenario_trivial((*sandboxed, ours), clients, trivial_rounds, Program)
+        trivial = scenario_trivial((*sandboxed, ours), clients, Client, trivial_rounds, Program)
         burst = scenario_burst((ours, sandboxed[1]), Client, burst_rounds, Program)
         for client in clients.values():
             client.close()
@@ -432,9 +433,11 @@ def evaluate(raw):
         row = {"key": key, "scenario": title, "unit": unit, "published": published, "ours": ours,
                "ratio": ratio, "ratio_95": ratio_interval(published["samples"], ours["samples"]),
                "target": target, "met": None if target is None else ratio <= target}
-        if InstantServer.name in raw[key]:  # the client's own floor, and the lowest ratio it allows
-            row["alone"] = summary(raw[key][InstantServer.name])
-            row["floor_ratio"] = row["alone"]["median"] / published["median"]
+        if FloorServer.name in raw[key]:  # the client's own floor, and the lowest ratio it allows
+            row["floor"] = summary(raw[key][FloorServer.name])
+            row["floor_ratio"] = row["floor"]["median"] / published["median"]
+            row["ours_over_floor"] = ours["median"] / row["floor"]["median"]
+            row["published_over_floor"] = published["median"] / row["floor"]["median"]
         if key in ("rss256", "pss256"):
             times_payload = ours["median"] * MIB / RSS_PAYLOAD
             row["ours_times_payload"] = times_payload
@@ -453,7 +456,8 @@ def fmt(value, unit):
 
 def markdown_table(rows):
     lines = ["| scenario | published median / p90 | ours median / p90 | ours/published (95% interval) | target | met? "
-             "| client alone: median (lowest ratio possible) |", "|---|---|---|---|---|---|---|"]
+             "| floor median (lowest ours/published possible) | ours/floor | published/floor |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         unit = row["unit"]
         if unit == "ms" and max(row["published"]["median"], row["ours"]["median"]) >= 1e4:
@@ -463,11 +467,12 @@ def markdown_table(rows):
             target += f" (ours: {row['ours_times_payload']:.2f}×)"
         met = {True: "yes", False: "**no**", None: "—"}[row["met"]]
         low, high = row["ratio_95"]
-        alone = f"{fmt(row['alone']['median'], unit)} ({row['floor_ratio']:.2f})" if "alone" in row else "—"
+        floor = (f"{fmt(row['floor']['median'], unit)} ({row['floor_ratio']:.2f}) | {row['ours_over_floor']:.1f}× | "
+                 f"{row['published_over_floor']:.1f}×" if "floor" in row else "— | — | —")
         lines.append(f"| {row['scenario']} | {fmt(row['published']['median'], unit)} / "
                      f"{fmt(row['published']['p90'], unit)} | {fmt(row['ours']['median'], unit)} / "
                      f"{fmt(row['ours']['p90'], unit)} | {row['ratio']:.2f} ({low:.2f}–{high:.2f}) | "
-                     f"{target} | {met} | {alone} |")
+                     f"{target} | {met} | {floor} |")
     return "\n".join(lines)
 
 
@@ -500,9 +505,9 @@ def draw_chart(rows_by_client, path, when):
             ax.bar(x, row["ratio"], width, color=missed_color if row["met"] is False else met_color,
                    yerr=[[row["ratio"] - low], [high - row["ratio"]]], capsize=2,
                    label=f"{client} client" if i == 0 else None)
-            if "floor_ratio" in row:  # what the client alone costs, as a ratio: no server can go below it
+            if "floor_ratio" in row:  # what the client and loopback alone cost, as a ratio: no server goes below
                 ax.plot(x, row["floor_ratio"], marker="v", color="black", markersize=5,
-                        label="client alone" if n == 0 and key == "bytes64" else None)
+                        label="floor" if n == 0 and i == 0 else None)
             label = f"{row['ratio']:.2f}"
             if "ours_times_payload" in row:
                 label += f"\n({row['ours_times_payload']:.1f}× payload)"
@@ -578,12 +583,12 @@ def published_client_scenarios(names, servers, counts, scratch):
 
 def our_client_steps(names, servers, counts, scratch):
     """The timed scenarios with our client, then the memory and sandbox rows -> raw samples."""
-    alone = InstantServer()  # forked before any thread starts
-    clients = {server.name: CountingClient(server.url) for server in (*servers, alone)}
+    floor = FloorServer(servers[1].url)  # forked before any thread starts; records from ours
+    clients = {server.name: CountingClient(server.url) for server in (*servers, floor)}
     try:
-        raw = run_timed_scenarios(names, servers, clients, Client, counts, scratch, Program, progress, alone)
+        raw = run_timed_scenarios(names, servers, clients, Client, counts, scratch, Program, progress, floor)
     finally:
-        alone.stop()
+        floor.stop()
     extra = [("memory", ("rss256", "pss256", "rss_detail"), lambda: scenario_memory(servers, clients, 2)),
              ("sandbox", ("trivial_sandboxed", "sandbox_cost"),
               lambda: scenario_sandbox(servers[1], scratch, counts["trivial"], counts["burst"]))]

@@ -5,8 +5,9 @@ Run by the reference virtualenv's python, from outside the repository (bench_ser
     <reference python> bench/published_client_driver.py SPEC.json OUT.json
 
 SPEC names the servers ([[name, url], ...] in alternation order), the scenarios, the sample
-counts and a scratch directory; OUT receives {scenario key: {server name: samples}}.  Only
-bench/scenarios.py is imported from this directory: `kcoral` must be the published package.
+counts and a scratch directory; OUT receives {scenario key: {server name: samples}}.  The floor
+records from the server named "ours".  Only bench/scenarios.py and bench/floor_server.py (both
+standard library only) are imported from this directory: `kcoral` must be the published package.
 """
 
 import json
@@ -17,7 +18,7 @@ import types
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import scenarios  # noqa: E402
-from instant_server import InstantServer  # noqa: E402
+from floor_server import FloorServer  # noqa: E402
 
 import kcoral  # noqa: E402  (the published package, from the virtualenv)
 
@@ -41,16 +42,17 @@ def main():
         spec = json.load(f)
     assert kcoral.__version__ == "0.1.1", kcoral.__file__
     servers = [types.SimpleNamespace(name=name, url=url) for name, url in spec["servers"]]
-    alone = InstantServer()  # forked before any thread starts
-    clients = {server.name: CountingClient(server.url) for server in (*servers, alone)}
+    ours = next(server for server in servers if server.name == "ours")
+    floor = FloorServer(ours.url)  # forked before any thread starts; records from ours
+    clients = {server.name: CountingClient(server.url) for server in (*servers, floor)}
     try:
         raw = scenarios.run_timed_scenarios(spec["scenarios"], servers, clients, kcoral.Client, spec["counts"],
                                             spec["scratch"], kcoral.Program,
-                                            lambda line: print(f"published client: {line}", file=sys.stderr), alone)
+                                            lambda line: print(f"published client: {line}", file=sys.stderr), floor)
     finally:
         for client in clients.values():
             client.close()
-        alone.stop()
+        floor.stop()
     with open(out_path, "w") as f:
         json.dump(raw, f)
 

@@ -12,7 +12,10 @@ work while the other's sample waits and runs: in effect every sample starts on i
 the published server that is its best case (its per-request worker start drops out of its
 sequential latency), so the ratios are conservative.
 A server is anything with `name` and `url`; a client counts what each execute() put on the wire
-in `posts` and `blob_bytes`.
+in `posts` and `blob_bytes`.  The floor (bench/floor_server.py) takes its turn last in every
+scenario; a server with a `record_url` is one, and each program's answer is recorded through it
+from our server, off the clock, before the floor's first sample of that program (for a fresh
+payload: after our server's sample, whose cache the recording would otherwise fill).
 """
 
 import json
@@ -44,9 +47,16 @@ def function_program(program_class, source):
     return program
 
 
-def echo_bytes_program(program_class, payload):
+BYTES_SOURCE = "def same(b):\n    return b\n\ndef size(b):\n    return len(b)\n"
+
+
+def bytes_function_program(program_class, payload, name):
+    """A function of the module BYTES_SOURCE (`same`: reads and returns it, `size`: its length) on a
+    `bytes` upload of `payload`."""
     program = program_class()
-    program.return_(key="out", value=program.upload(kind="bytes", value=payload))
+    module = program.upload(kind="module", source=BYTES_SOURCE)
+    data = program.upload(kind="bytes", value=payload)
+    program.return_(key="out", value=program.run(fn=program.get_function(module=module, name=name), args=[data]))
     return program
 
 
@@ -106,6 +116,30 @@ def others_idle(servers, server):
             wait_idle(other.url)
 
 
+def is_floor(server):
+    return hasattr(server, "record_url")
+
+
+RECORDING_SETTLE_SECONDS = 0.5  # after a recording: our server's disk-cache writes and workspace removal
+
+
+def record(server, make_client, program, **options):
+    """Off the clock: the floor's recording of `program`'s answer, from our server through it.  Then a
+    pause: what our server does after answering (500 files into its disk cache, the workspace's
+    removal) would otherwise run during the floor's sample, which /health does not show."""
+    recorder = make_client(server.record_url)
+    try:
+        completed(recorder.execute(program, **options))
+    finally:
+        recorder.close()
+    time.sleep(RECORDING_SETTLE_SECONDS)
+
+
+def record_once(servers, make_client, program, **options):
+    for server in filter(is_floor, servers):
+        record(server, make_client, program, **options)
+
+
 def alternate(servers, rounds, once):
     """Run `once(server)` -> sample for published, ours, published, ours, ... -> {name: [samples]}."""
     samples = {server.name: [] for server in servers}
@@ -116,8 +150,9 @@ def alternate(servers, rounds, once):
     return samples
 
 
-def scenario_trivial(servers, clients, rounds, program_class):
+def scenario_trivial(servers, clients, make_client, rounds, program_class):
     program = function_program(program_class, TRIVIAL_SOURCE)
+    record_once(servers, make_client, program)
     for server in servers:  # warm-up: connection, first-request paths
         completed(clients[server.name].execute(program))
 
@@ -130,6 +165,7 @@ def scenario_trivial(servers, clients, rounds, program_class):
 
 def scenario_burst(servers, make_client, rounds, program_class, concurrency=4, per_client=10):
     program = function_program(program_class, TRIVIAL_SOURCE)
+    record_once(servers, make_client, program)
     pools = {server.name: [make_client(server.url) for _ in range(concurrency)] for server in servers}
 
     def once(server):
@@ -165,8 +201,9 @@ def scenario_burst(servers, make_client, rounds, program_class, concurrency=4, p
                 client.close()
 
 
-def scenario_bytes64(servers, clients, rounds, program_class):
-    """-> (round trip samples, cache hit samples): each round's fresh payload is then re-sent.
+def scenario_bytes64(servers, clients, make_client, rounds, program_class):
+    """-> (round trip samples, cache hit samples): each round's fresh payload goes to a function
+    that returns it, then to one that takes its length.
 
     The round trip must be 2 POSTs carrying the 64 MiB (CACHE_MISS, then the upload), the cache
     hit 1 POST without it."""
@@ -174,13 +211,16 @@ def scenario_bytes64(servers, clients, rounds, program_class):
     hits = {server.name: [] for server in servers}
     for _ in range(rounds):
         payload = os.urandom(64 * MIB)
-        program = echo_bytes_program(program_class, payload)
-        for samples, posts, uploads in ((trips, 2, True), (hits, 1, False)):
+        for samples, posts, uploads, name, answer in ((trips, 2, True, "same", payload),
+                                                      (hits, 1, False, "size", len(payload))):
+            program = bytes_function_program(program_class, payload, name)
             for server in servers:
                 client = clients[server.name]
+                if is_floor(server):
+                    record(server, make_client, program)
                 others_idle(servers, server)
                 ms, result = timed(lambda: client.execute(program))
-                check(completed(result)["out"] == payload, "64 MiB payload returned intact")
+                check(completed(result)["out"] == answer, f"64 MiB payload: {name}")
                 check((client.posts, client.blob_bytes >= 64 * MIB) == (posts, uploads),
                       f"{server.name}: {client.posts} POSTs with {client.blob_bytes} blob bytes, "
                       f"expected {posts} {'with' if uploads else 'without'} the 64 MiB")
@@ -189,7 +229,7 @@ def scenario_bytes64(servers, clients, rounds, program_class):
     return trips, hits
 
 
-def scenario_folder(servers, clients, rounds, scratch, program_class):
+def scenario_folder(servers, clients, make_client, rounds, scratch, program_class):
     samples = {server.name: [] for server in servers}
     for round_number in range(rounds):
         directory = os.path.join(scratch, f"folder-{round_number}")
@@ -197,6 +237,8 @@ def scenario_folder(servers, clients, rounds, scratch, program_class):
         program = folder_program(program_class, directory)  # reads the files: the directory can go
         shutil.rmtree(directory)
         for server in servers:
+            if is_floor(server):
+                record(server, make_client, program)
             others_idle(servers, server)
             ms, result = timed(lambda: clients[server.name].execute(program))
             returned = completed(result)["out"]
@@ -205,9 +247,10 @@ def scenario_folder(servers, clients, rounds, scratch, program_class):
     return samples
 
 
-def scenario_stdout(servers, clients, rounds, program_class, source=STDOUT_SOURCE):
+def scenario_stdout(servers, clients, make_client, rounds, program_class, source=STDOUT_SOURCE):
     """4 MiB of stdout, by default in one write; with STDOUT_LINES_SOURCE as 65 536 print() lines."""
     program = function_program(program_class, source)
+    record_once(servers, make_client, program, output_limit_bytes=2 * STDOUT_BYTES)
 
     def once(server):
         ms, result = timed(lambda: clients[server.name].execute(program, output_limit_bytes=2 * STDOUT_BYTES))
@@ -216,20 +259,20 @@ def scenario_stdout(servers, clients, rounds, program_class, source=STDOUT_SOURC
     return alternate(servers, rounds, once)
 
 
-def run_timed_scenarios(names, servers, clients, make_client, counts, scratch, program_class, progress, alone):
+def run_timed_scenarios(names, servers, clients, make_client, counts, scratch, program_class, progress, floor):
     """The timed scenarios among `names`, in the benchmark's order -> {scenario key: {server: samples}}.
 
-    `counts`: samples per server, {"trivial": n, "burst": n, "rounds": n (the heavy ones)}.  `alone`,
-    an InstantServer (bench/instant_server.py) with a client in `clients`, takes its turn in the
-    scenarios that only move data: the client's own floor, sampled in the same alternation."""
-    movers = [*servers, alone]
+    `counts`: samples per server, {"trivial": n, "burst": n, "rounds": n (the heavy ones)}.  `floor`,
+    a FloorServer (bench/floor_server.py) with a client in `clients`, takes its turn last in each."""
+    servers = [*servers, floor]
     steps = [
-        ("trivial", lambda: scenario_trivial(servers, clients, counts["trivial"], program_class)),
+        ("trivial", lambda: scenario_trivial(servers, clients, make_client, counts["trivial"], program_class)),
         ("burst", lambda: scenario_burst(servers, make_client, counts["burst"], program_class)),
-        (("bytes64", "cachehit64"), lambda: scenario_bytes64(movers, clients, counts["rounds"], program_class)),
-        ("folder", lambda: scenario_folder(movers, clients, counts["rounds"], scratch, program_class)),
-        ("stdout4", lambda: scenario_stdout(servers, clients, counts["rounds"], program_class)),
-        ("stdout_lines", lambda: scenario_stdout(servers, clients, counts["rounds"], program_class,
+        (("bytes64", "cachehit64"), lambda: scenario_bytes64(servers, clients, make_client, counts["rounds"],
+                                                             program_class)),
+        ("folder", lambda: scenario_folder(servers, clients, make_client, counts["rounds"], scratch, program_class)),
+        ("stdout4", lambda: scenario_stdout(servers, clients, make_client, counts["rounds"], program_class)),
+        ("stdout_lines", lambda: scenario_stdout(servers, clients, make_client, counts["rounds"], program_class,
                                                  STDOUT_LINES_SOURCE)),
     ]
     raw = {}

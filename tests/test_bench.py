@@ -1,6 +1,7 @@
-"""The benchmark's stand-in server (bench/instant_server.py), whose answers set each client's floor:
-it must answer the data-moving scenarios exactly as a server does, for both clients, and refuse
-what it cannot answer.  The benchmark itself is not run here (it takes 15-20 minutes)."""
+"""The benchmark's floor (bench/floor_server.py), whose answers set each client's floor: after
+recording a program's answer from our server, it must answer that program exactly as our server
+does, through the same round trips, for both clients, and refuse a program it holds no recording
+of.  The benchmark itself is not run here (it takes 15-20 minutes)."""
 
 import os
 import subprocess
@@ -10,14 +11,14 @@ import pytest
 
 from bench import scenarios
 from bench.bench_servers import CountingClient
-from bench.instant_server import InstantServer
+from bench.floor_server import FloorServer
 from client import Client, KCoralError, Program
 from tests.support import ROOT, reference_popen_options, reference_python
 
 
 @pytest.fixture
-def alone():
-    server = InstantServer()
+def floor(front_end_server):
+    server = FloorServer(front_end_server.url)
     yield server
     server.stop()
 
@@ -27,34 +28,51 @@ def folder_contents(result):
     return {rel: f.read_bytes() for rel, f in folder.files.items()}, sorted(folder.directories)
 
 
-def test_it_answers_the_echo_programs_as_our_server_does(alone, front_end_server, tmp_path):
+def replayed(floor, client, program, **options):
+    """The floor's answer to `program`, recorded first as the benchmark does."""
+    scenarios.record(floor, Client, program, **options)
+    return scenarios.completed(client.execute(program, **options))
+
+
+def test_it_answers_every_scenario_as_our_server_does(floor, front_end_server, tmp_path):
     payload = os.urandom(3 << 20)
     files = scenarios.make_folder(str(tmp_path / "folder"), 0)
-    echo = scenarios.echo_bytes_program(Program, payload)
+    same = scenarios.bytes_function_program(Program, payload, "same")
+    size = scenarios.bytes_function_program(Program, payload, "size")
     folder = scenarios.folder_program(Program, str(tmp_path / "folder"))
-    instant, real = CountingClient(alone.url), Client(front_end_server.url)
+    trivial = scenarios.function_program(Program, scenarios.TRIVIAL_SOURCE)
+    lines = scenarios.function_program(Program, scenarios.STDOUT_LINES_SOURCE)
+    replay, real = CountingClient(floor.url), Client(front_end_server.url)
     try:
-        first, again = instant.execute(echo), None
-        assert (instant.posts, instant.blob_bytes) == (2, len(payload))  # CACHE_MISS, then the upload
-        again = instant.execute(echo)
-        assert (instant.posts, instant.blob_bytes) == (1, 0)  # a cache hit: it kept the blob, and said so
-        assert first["out"] == again["out"] == real.execute(echo)["out"] == payload
-        ours = folder_contents(instant.execute(folder))
-        assert instant.posts == 1  # its instance named: our client sends the small files at once
+        first = replayed(floor, replay, same)  # no instance named yet: our client asks first
+        assert (replay.posts, replay.blob_bytes) == (2, len(payload))  # CACHE_MISS, then the upload
+        assert first["out"] == real.execute(same)["out"] == payload
+        hit = replayed(floor, replay, size)
+        assert (replay.posts, replay.blob_bytes) == (1, 0)  # a cache hit: it was sent the blob, and says so
+        assert hit["out"] == real.execute(size)["out"] == len(payload)
+
+        ours = folder_contents(replayed(floor, replay, folder))
+        assert replay.posts == 1  # our server's instance named: our client sends the small files at once
         assert ours == folder_contents(real.execute(folder))
         assert ours[0] == files and len(ours[1]) == 10
+
+        assert replayed(floor, replay, trivial)["out"] == real.execute(trivial)["out"] == 42
+        printed = replayed(floor, replay, lines, output_limit_bytes=2 * scenarios.STDOUT_BYTES)
+        assert printed.stdout == real.execute(lines, output_limit_bytes=2 * scenarios.STDOUT_BYTES).stdout
+        assert len(printed.stdout) == scenarios.STDOUT_BYTES and not printed.stdout_truncated
     finally:
-        instant.close()
+        replay.close()
         real.close()
 
 
-def test_it_runs_no_code(alone):
-    client = Client(alone.url)
+def test_it_answers_nothing_it_has_not_recorded(floor):
+    client = Client(floor.url)
     try:
         with pytest.raises(KCoralError) as failure:
             client.execute(scenarios.function_program(Program, scenarios.TRIVIAL_SOURCE))
-        assert failure.value.status_code == 400 and "only echoes uploads" in failure.value.message
-        assert client.execute(scenarios.echo_bytes_program(Program, b"still here"))["out"] == b"still here"
+        assert failure.value.status_code == 400 and "no recording" in failure.value.message
+        same = scenarios.bytes_function_program(Program, b"still here", "same")
+        assert replayed(floor, client, same)["out"] == b"still here"
     finally:
         client.close()
 
@@ -63,22 +81,31 @@ PUBLISHED_CLIENT = textwrap.dedent("""
     import os, sys, tempfile
     sys.path.insert(0, os.path.join(sys.argv[1], "bench"))
     import kcoral, scenarios
-    from instant_server import InstantServer
-    alone = InstantServer()
-    client = kcoral.Client(alone.url)
+    from floor_server import FloorServer
+    floor = FloorServer(sys.argv[2])
+    client = kcoral.Client(floor.url)
+
+    def replayed(program, **options):
+        scenarios.record(floor, kcoral.Client, program, **options)
+        return scenarios.completed(client.execute(program, **options))
+
+    assert replayed(scenarios.function_program(kcoral.Program, scenarios.TRIVIAL_SOURCE))["out"] == 42
+    printed = replayed(scenarios.function_program(kcoral.Program, scenarios.STDOUT_LINES_SOURCE),
+                       output_limit_bytes=2 * scenarios.STDOUT_BYTES)
+    assert printed.stdout == ("y" * 63 + "\\n") * scenarios.STDOUT_LINES
     payload = os.urandom(1 << 20)
-    for _ in range(2):  # a CACHE_MISS round, then a cache hit
-        assert client.execute(scenarios.echo_bytes_program(kcoral.Program, payload))["out"] == payload
+    assert replayed(scenarios.bytes_function_program(kcoral.Program, payload, "same"))["out"] == payload
+    assert replayed(scenarios.bytes_function_program(kcoral.Program, payload, "size"))["out"] == len(payload)
     directory = os.path.join(tempfile.mkdtemp(), "folder")
     files = scenarios.make_folder(directory, 1)
-    folder = client.execute(scenarios.folder_program(kcoral.Program, directory))["out"]
+    folder = replayed(scenarios.folder_program(kcoral.Program, directory))["out"]
     assert {rel: f.read_bytes() for rel, f in folder.files.items()} == files
-    alone.stop()
+    floor.stop()
     print("published client ok")
 """)
 
 
-def test_the_published_client_takes_its_answers():
-    result = subprocess.run([reference_python(), "-c", PUBLISHED_CLIENT, ROOT], capture_output=True, text=True,
-                            timeout=300, **reference_popen_options())
+def test_the_published_client_takes_its_answers(front_end_server):
+    result = subprocess.run([reference_python(), "-c", PUBLISHED_CLIENT, ROOT, front_end_server.url],
+                            capture_output=True, text=True, timeout=300, **reference_popen_options())
     assert result.returncode == 0 and "published client ok" in result.stdout, result.stderr

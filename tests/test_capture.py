@@ -5,7 +5,10 @@ import statistics
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from kcoral import LONG_TEXT_CHARS, json_bytes, json_pieces
 from tests.support import (
     assert_completed,
     assert_error_body,
@@ -142,3 +145,20 @@ def test_captured_prints_cost_about_what_printing_to_a_file_costs(server):
     captured, devnull = plain(assert_completed(body)["out"])
     assert len(body["stdout"]) == 3 << 22
     assert captured / devnull < 3, (captured, devnull)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(), st.text(), st.sampled_from([(0, 0), (1, 0), (0, 1), (1, 1)]))
+def test_long_output_is_encoded_byte_for_byte_as_json_encodes_it(out, err, long):
+    """The answer's captured output, escaped apart (json_pieces), gives exactly json_bytes' JSON, whatever
+    the text holds: quotes, backslashes, every control character, non-ASCII, lone surrogates."""
+    out, err = ((text * (LONG_TEXT_CHARS // max(len(text), 1) + 1) if text and grow else text)
+                for text, grow in zip((out, err), long))
+    body = {"status": "COMPLETED", "stdout": out, "stderr": err, "results": {"stdout": out[:40], "x": [err[:9]]}}
+    assert b"".join(json_pieces(body)) == json_bytes(body)
+
+
+def test_long_output_is_escaped_apart():
+    body = {"status": "COMPLETED", "stdout": (LINE + "\n") * 65536, "stderr": 'a "quoted" \\ \x01\n' * 5000}
+    pieces = json_pieces(body)
+    assert len(pieces) == 9 and b"".join(pieces) == json_bytes(body)  # each text's JSON a piece of its own

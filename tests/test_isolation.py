@@ -21,6 +21,7 @@ import uuid
 
 import pytest
 
+from kcoral_worker import MAPPED_BLOB_BYTES, SEALED_BLOB_BYTES
 from tests.support import (
     PYTHON,
     ROOT,
@@ -34,6 +35,7 @@ from tests.support import (
     prog,
     ref,
     ret,
+    sha256,
     up_blob,
     up_module,
     wait_for,
@@ -352,6 +354,52 @@ def test_blobs_are_staged_only_once_the_program_reads_one(tmp_path):
         assert body["status"] == "COMPLETED", body.get("error")
         assert plain(body["results"]["during"]) == 0
         assert body["_parts"][body["results"]["kept"]["part"]] == kept
+
+MAPPED = """
+import ctypes, hashlib
+def mappings():
+    with open("/proc/self/maps") as f:
+        return [[*(int(a, 16) for a in line.split()[0].split("-")), int(line.split()[4])]
+                for line in f if "kcoral-blobs" in line]
+def facts(data):
+    address = id(data)
+    nul = ctypes.string_at(address + bytes.__basicsize__ - 1 + len(data), 1)  # every bytes object ends with one
+    inodes = [inode for start, end, inode in mappings() if start <= address < end]
+    return [type(data) is bytes, len(inodes) == 1, nul == b"\\0", hashlib.sha256(data).hexdigest(),
+            hash(data) == hash(bytes(bytearray(data))), data[-3:] == b"end", inodes[:1]]
+def remaining():
+    return len(mappings())
+"""
+
+
+@pytest.mark.parametrize("mode", ["none", "bubblewrap"])
+@pytest.mark.parametrize("size", [MAPPED_BLOB_BYTES, SEALED_BLOB_BYTES], ids=["mapped", "sealed"])
+def test_a_large_bytes_upload_is_the_staged_pages_as_a_real_bytes_object(tmp_path, mode, size):
+    """A `bytes` upload of kcoral_worker.MAPPED_BLOB_BYTES or more reaches the program as a `bytes`
+    object whose pages are a staged memfd's (mapped copy-on-write, nothing copied), complete with
+    its NUL terminator; freed, its mapping goes (a reused worker's next request finds none), and
+    the same blob served again from the cache is intact.  One of SEALED_BLOB_BYTES or more is a
+    file of its own that the cache keeps: the cache hit's worker maps the very same file."""
+    payload = os.urandom(size + 12345) + b"end"
+    program = prog(up_module("m", MAPPED), get_fn("facts", "m", "facts"), up_blob("b", "bytes", payload),
+                   run_instruction("r", "facts", ref("b")), ret("out", "r"))
+    after = prog(up_module("m", MAPPED), get_fn("remaining", "m", "remaining"), run_instruction("r", "remaining"),
+                 ret("out", "r"))
+    reuse = ("--max-requests-per-worker", "2") if mode == "none" else ()
+    inodes = []
+    with ServerProcess("--sandbox", mode, *reuse, workers=1, tmp_path=tmp_path) as srv:
+        for blobs in ((payload,), ()):  # the second answer comes from the memory cache
+            body = execute_ok(srv.url, program, blobs)
+            assert body["status"] == "COMPLETED", body.get("error")
+            *facts, inode = plain(body["results"]["out"])
+            assert facts == [True, True, True, sha256(payload), True, True]
+            inodes += inode
+            if reuse:  # the same worker's next request: the mapping went with the object
+                body = execute_ok(srv.url, after)
+                assert body["status"] == "COMPLETED", body.get("error")
+                assert plain(body["results"]["out"]) == 0
+    assert (inodes[0] == inodes[1]) == (size == SEALED_BLOB_BYTES), inodes
+
 
 # --- no process outlives its request ---------------------------------------------------------------
 
