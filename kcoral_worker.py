@@ -82,6 +82,7 @@ import signal
 import stat
 import struct
 import sys
+import sysconfig
 import time
 import traceback
 import types
@@ -270,10 +271,13 @@ class MappedBytes:
     @functools.cache
     def supported() -> bool:
         allocator = os.environ.get("PYTHONMALLOC", "")
+        # not a debug build (its allocator adds guards around each block) nor a free-threaded one
+        # (mimalloc frees what it did not allocate differently)
         return (sys.implementation.name == "cpython" and sys.maxsize > 2 ** 32
                 and (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
                 and bytes.__basicsize__ - 1 == 4 * ctypes.sizeof(ctypes.c_ssize_t)
-                and allocator in ("", "malloc", "pymalloc") and not sys.flags.dev_mode)
+                and allocator in ("", "malloc", "pymalloc") and not sys.flags.dev_mode
+                and not hasattr(sys, "gettotalrefcount") and not sysconfig.get_config_var("Py_GIL_DISABLED"))
 
     @classmethod
     def map(cls, fd: int, offset: int, size: int) -> bytes:
