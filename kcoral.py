@@ -52,7 +52,8 @@ Lifecycle verbs mean one thing each, across the classes (tests/test_docs.py hold
 nothing new while admitted work runs on (`Pool`, `BodyBudget`, `LeaseArbiter`); `stop` ends
 gracefully and releases everything once work is done (`KCoralServer`, `Pool`, `Worker`,
 `ConnectionGuard`, `MemoryWatch`); `kill` ends processes now (`Worker`, `SandboxTemplate`);
-`close` releases a file or descriptor only (`EventLog`, `SavedPrograms`).
+`close` releases a file or descriptor only (`EventLog`, `SavedPrograms`); `halt` SIGKILLs a worker's
+process group and waits for nothing, its exit and reaping left to a later kill (`Worker`).
 
 The client lives in client.py; `from kcoral import Client, Program` loads it
 lazily from beside this file (`load_client`), so the server needs only this
@@ -3729,15 +3730,21 @@ class Execution:
         return error
 
     def retire_worker(self, error: ErrorObject | None) -> ErrorObject | None:
-        """The worker exits after its last request; teardown counts toward the timeout."""
-        self.worker.process.join(max(0.0, self.deadline - time.monotonic()))
-        if self.worker.process.exitcode is None:
-            raise TimeoutError
-        if group_members(self.worker.pid):
-            return self.background_processes(error)
-        code = self.worker.process.exitcode
-        if code != 0 and error is None:
-            return self.teardown_error(f"worker exited with code {code} during teardown")
+        """The worker's last request is done.  What the program left running is ended and reported,
+        then the worker's group is killed, and the answer waits until none of the program's code can
+        run any more, not for the worker's exit: a torch-sized process takes milliseconds to tear
+        down, which the disposal after the answer waits for and reaps (Pool.replace).  On a GPU the
+        exit is waited for: its CUDA teardown happens under this request's lease.  Counts toward
+        the timeout."""
+        if group_members(self.worker.pid, exclude=(self.worker.pid,)):  # a /proc scan: a thread's child
+            error = self.background_processes(error)  # may be in no child list while that thread exits
+        self.worker.halt()
+        if self.pool.arbiter is not None:
+            self.worker.process.join(max(0.0, self.deadline - time.monotonic()))
+            if self.worker.process.exitcode is None:
+                raise TimeoutError
+        else:
+            wait_until_killed(self.worker.pid, self.deadline)
         return error
 
     def background_processes(self, error: ErrorObject | None) -> ErrorObject | None:
@@ -3823,6 +3830,16 @@ class Execution:
 
 
 CRASH_STATUS_WAIT_SECONDS = 1.0  # Execution.exit_code_of_crashed_worker
+KILLED_POLL_SECONDS = 0.0002  # wait_until_killed: SIGKILL shows at once; a process mid-syscall takes a moment
+
+
+def wait_until_killed(pid: int, deadline: float) -> None:
+    """Until the process runs no code of its own any more (`killed_already`: gone, in its exit, or
+    with SIGKILL pending); TimeoutError at `deadline`."""
+    while not killed_already(pid):
+        if time.monotonic() >= deadline:
+            raise TimeoutError
+        time.sleep(KILLED_POLL_SECONDS)
 FAULT_SIGNALS = (signal.SIGSEGV, signal.SIGFPE, signal.SIGABRT, signal.SIGBUS, signal.SIGILL)  # faulthandler's
 
 
@@ -3952,7 +3969,8 @@ class MemoryWatch:
                                        daemon=True) if limit else None
         if self.thread is not None:
             self.thread.start()
-            self.entered.wait(MEMORY_SAMPLE_SECONDS)  # the IPC limits are set before the program starts
+            if sandboxed:  # the IPC limits are set before the program starts
+                self.entered.wait(MEMORY_SAMPLE_SECONDS)
 
     def watch(self, sandboxed: bool) -> None:
         try:
@@ -4510,6 +4528,12 @@ class Worker:
         self.process.join(5)
         self.conn.close()
         return gone
+
+    def halt(self) -> None:
+        """SIGKILL the worker's process group, now: the worker (every thread of its program) and
+        anything in its group, a fork in progress included; their exit and reaping are left to `kill`."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
 
     def stop(self, grace: float) -> None:
         """Tell an idle worker to exit; kill its group if it does not."""
