@@ -3730,15 +3730,12 @@ class Execution:
         return error
 
     def retire_worker(self, error: ErrorObject | None) -> ErrorObject | None:
-        """The worker's last request is done.  What the program left running is ended and reported,
-        then the worker's group is killed, and the answer waits until none of the program's code can
-        run any more, not for the worker's exit: a torch-sized process takes milliseconds to tear
-        down, which the disposal after the answer waits for and reaps (Pool.replace).  On a GPU the
-        exit is waited for: its CUDA teardown happens under this request's lease.  Counts toward
-        the timeout."""
-        if group_members(self.worker.pid, exclude=(self.worker.pid,)):  # a /proc scan: a thread's child
-            error = self.background_processes(error)  # may be in no child list while that thread exits
-        self.worker.halt()
+        """The worker's last request is done: its group is killed at once, and the answer waits until
+        none of the program's code can run any more, not for the worker's exit: a torch-sized process
+        takes milliseconds to tear down, which the disposal after the answer waits for and reaps, its
+        tree swept as every retired worker's is (Pool.replace).  On a GPU the exit is waited for: its
+        CUDA teardown happens under this request's lease.  Counts toward the timeout."""
+        self.worker.halt()  # what the program left running the worker ended and reported (terminate_descendants)
         if self.pool.arbiter is not None:
             self.worker.process.join(max(0.0, self.deadline - time.monotonic()))
             if self.worker.process.exitcode is None:
