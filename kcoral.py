@@ -3827,6 +3827,7 @@ class Execution:
 
 
 CRASH_STATUS_WAIT_SECONDS = 1.0  # Execution.exit_code_of_crashed_worker
+HALTED_EXIT_SECONDS = 5.0  # Worker.kill: a halted worker's exit waited for before its tree is swept
 KILLED_POLL_SECONDS = 0.0002  # wait_until_killed: SIGKILL shows at once; a process mid-syscall takes a moment
 
 
@@ -4481,6 +4482,7 @@ class Worker:
         self.pid = self.process.pid
         self.served = 0
         self.exiting = False  # killed, but its tree outlived kill_wait in its exit (kill)
+        self.halted = False  # its group SIGKILLed (halt), its exit perhaps still under way
         try:
             message = expect(self.conn, (kcoral_worker.WorkerReady, kcoral_worker.WorkerFailed),
                              time.monotonic() + phase_timeout, f"worker did not start within {phase_timeout:.0f} s")
@@ -4519,6 +4521,8 @@ class Worker:
                 gone = not is_live(self.template.pid or 0)
                 self.exiting = self.exiting or not gone and killed_already(self.template.pid or 0)
         else:  # a tree found in its exit before is not waited for again (its disposal after the answer)
+            if self.halted:  # its exit first: until it is reaped, each sweep of kill_group finds it in its group
+                self.process.join(HALTED_EXIT_SECONDS)
             gone = not self.exiting and kill_group(self.pid, grace, orphans=orphans)
             # still there past kill_wait, yet killed: a busy GPU's teardown, for the pool to probe (dispose)
             self.exiting = self.exiting or not gone and all(map(killed_already, tree_members(self.pid, (), orphans)))
@@ -4531,6 +4535,7 @@ class Worker:
         anything in its group, a fork in progress included; their exit and reaping are left to `kill`."""
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pid, signal.SIGKILL)
+        self.halted = True
 
     def stop(self, grace: float) -> None:
         """Tell an idle worker to exit; kill its group if it does not."""
