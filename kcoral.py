@@ -3011,19 +3011,24 @@ class Slot:
 
 class SpareWorker:
     """A slot's next worker, started in the background while the current one serves its last
-    request, so that neither its start nor (on GPU) its CUDA context is on the next request's path."""
+    request, so that neither its start nor (on GPU) its CUDA context is on the next request's path.
+
+    Its fork waits until that request is done or has run SPARE_DELAY_SECONDS: a short request is
+    over before then, and a fork of the template (page tables for all of torch) and the new
+    worker's start would take the CPU it runs on, more than doubling it on two cores."""
 
     def __init__(self, pool: Pool, slot: Slot) -> None:
         self.worker: Worker | None = None
         self.error = ""
-        self.gpu_free = threading.Event()  # set once the running request is done with the GPU
+        self.request_done = threading.Event()  # set once the running request is done (with the GPU, too)
         self.thread = threading.Thread(target=self.start, args=(pool, slot), name=f"kcoral-spare-{slot.name}",
                                        daemon=True)
         self.thread.start()
 
     def start(self, pool: Pool, slot: Slot) -> None:
+        self.request_done.wait(SPARE_DELAY_SECONDS)
         try:
-            self.worker = pool.start_worker(slot.gpus, before_gpu=self.gpu_free)
+            self.worker = pool.start_worker(slot.gpus, before_gpu=self.request_done)
         except Exception as exc:  # reported by whoever takes it; as text, since a traceback kept here
             self.error = f"{type(exc).__name__}: {exc}"  # would keep a failed start's pipes open (a cycle)
 
@@ -3033,6 +3038,9 @@ class SpareWorker:
         if self.worker is None:
             raise WorkerCrashed(f"the spare worker did not start: {self.error}")
         return self.worker
+
+
+SPARE_DELAY_SECONDS = 0.05  # SpareWorker: several trivial requests; under a third of a warm worker's start on GPU
 
 
 class Pool:
@@ -3147,7 +3155,7 @@ class Pool:
                     outcome, retire = execution.run()
                 finally:
                     if slot.spare is not None:
-                        slot.spare.gpu_free.set()
+                        slot.spare.request_done.set()
                     if retire:  # removed on the replacement thread, once the worker's tree is gone
                         cleanup = execution.remove_root if slot.worker.template is None else None
                     else:
