@@ -4521,6 +4521,8 @@ class Worker:
     def kill(self, grace: float, orphans: bool = False) -> bool:
         """-> whether the whole tree is confirmed gone (else its GPUs must be quarantined).
         In a sandbox, survivors end with their container, which the slot then replaces."""
+        if self.halted:  # its exit first: until then each sweep below finds it, and sweeps again
+            self.process.join(HALTED_EXIT_SECONDS)
         if self.template is not None:  # its container holds exactly what this worker started
             gone = self.template.kill_requests(grace, self.pid)
             if not gone:
@@ -4529,8 +4531,6 @@ class Worker:
                 gone = not is_live(self.template.pid or 0)
                 self.exiting = self.exiting or not gone and killed_already(self.template.pid or 0)
         else:  # a tree found in its exit before is not waited for again (its disposal after the answer)
-            if self.halted:  # its exit first: until it is reaped, each sweep of kill_group finds it in its group
-                self.process.join(HALTED_EXIT_SECONDS)
             gone = not self.exiting and kill_group(self.pid, grace, orphans=orphans)
             # still there past kill_wait, yet killed: a busy GPU's teardown, for the pool to probe (dispose)
             self.exiting = self.exiting or not gone and all(map(killed_already, tree_members(self.pid, (), orphans)))
