@@ -3738,18 +3738,25 @@ class Execution:
         return error
 
     def retire_worker(self, error: ErrorObject | None) -> ErrorObject | None:
-        """The worker's last request is done: its group is killed at once, and the answer waits until
-        none of the program's code can run any more, not for the worker's exit: a torch-sized process
-        takes milliseconds to tear down, which the disposal after the answer waits for and reaps, its
-        tree swept as every retired worker's is (Pool.replace).  On a GPU the exit is waited for: its
-        CUDA teardown happens under this request's lease.  Counts toward the timeout."""
-        self.worker.halt()  # what the program left running the worker ended and reported (terminate_descendants)
+        """The worker's last request is done and it exits: the answer waits until it has begun its exit
+        (its exit code set, nothing of the program running any more) and its group is killed, not for
+        the exit itself: a torch-sized process takes milliseconds to tear down, which the disposal
+        after the answer waits for and reaps, its tree swept as every retired worker's is
+        (Pool.replace).  On a GPU the whole exit is waited for: its CUDA teardown happens under this
+        request's lease.  Counts toward the timeout."""
         if self.pool.arbiter is not None:
             self.worker.process.join(max(0.0, self.deadline - time.monotonic()))
-            if self.worker.process.exitcode is None:
+            code = self.worker.process.exitcode
+            if code is None:
                 raise TimeoutError
         else:
-            wait_until_killed(self.worker.pid, self.deadline)
+            code = exit_code_once_exiting(self.worker.pid, self.deadline)
+            if code is None:  # reaped already: its Process has the code
+                self.worker.process.join(max(0.0, self.deadline - time.monotonic()))
+                code = self.worker.process.exitcode
+        self.worker.halt()  # what the program left running the worker ended and reported (terminate_descendants)
+        if code != 0 and error is None:
+            return self.teardown_error(f"worker exited with code {code} during teardown")
         return error
 
     def background_processes(self, error: ErrorObject | None) -> ErrorObject | None:
@@ -3836,16 +3843,21 @@ class Execution:
 
 CRASH_STATUS_WAIT_SECONDS = 1.0  # Execution.exit_code_of_crashed_worker
 HALTED_EXIT_SECONDS = 5.0  # Worker.kill: a halted worker's exit waited for before its tree is swept
-KILLED_POLL_SECONDS = 0.0002  # wait_until_killed: SIGKILL shows at once; a process mid-syscall takes a moment
+EXIT_POLL_SECONDS = 0.0002  # exit_code_once_exiting: a worker begins its exit microseconds after its last message
 
 
-def wait_until_killed(pid: int, deadline: float) -> None:
-    """Until the process runs no code of its own any more (`killed_already`: gone, in its exit, or
-    with SIGKILL pending); TimeoutError at `deadline`."""
-    while not killed_already(pid):
+def exit_code_once_exiting(pid: int, deadline: float) -> int | None:
+    """The exit code (negative: the signal) of a process that is exiting, read as soon as it is set:
+    its /proc stat shows it in its exit with its memory detached (the exit sets the code before it
+    detaches the memory, and frees it after), or a zombie.  Before the slow part of an exit, and
+    before the reaping.  None once it is gone (reaped); TimeoutError at `deadline`."""
+    while (fields := kcoral_worker.proc_stat(pid)) is not None:
+        if fields[0] == b"Z" or int(fields[6]) & kcoral_worker.PF_EXITING and int(fields[20]) == 0:
+            return os.waitstatus_to_exitcode(int(fields[49]))
         if time.monotonic() >= deadline:
             raise TimeoutError
-        time.sleep(KILLED_POLL_SECONDS)
+        time.sleep(EXIT_POLL_SECONDS)
+    return None
 FAULT_SIGNALS = (signal.SIGSEGV, signal.SIGFPE, signal.SIGABRT, signal.SIGBUS, signal.SIGILL)  # faulthandler's
 
 
