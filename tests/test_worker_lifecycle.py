@@ -160,3 +160,22 @@ def test_nothing_a_retired_worker_ran_acts_after_the_answer(tmp_path):
         assert status == 200 and plain(body["results"]["out"]) == 5, body
     assert b"c" in at_answer and b"t" in at_answer
     assert later == at_answer
+
+
+NEVER_EXITS = """
+import os, time
+def f():
+    os._exit = lambda code: time.sleep(3600)  # the worker's own exit, after its last message, now hangs
+    return os.getpid()
+"""
+
+
+def test_a_worker_that_does_not_exit_is_killed_and_its_slot_serves_on(tmp_path):
+    """The answer waits for the retiring worker to begin its exit, within the request's timeout: one
+    that never does is a timeout in its teardown, killed, and the slot's next request gets a fresh worker."""
+    with ServerProcess(workers=1, tmp_path=tmp_path) as server:
+        status, _, body = post(server.url, simple_program(NEVER_EXITS, options={"timeout_seconds": 2}))
+        assert status == 504 and "in the worker's teardown after instruction 3" in body["error"]["message"], body
+        status, _, body = post(server.url, simple_program("import os\ndef f():\n    return os.getpid()\n"))
+        assert status == 200 and body["status"] == "COMPLETED", body
+        assert server.health()["load"]["request_capacity"] == 1
