@@ -491,7 +491,7 @@ class ReleaseLease:
 class RequestDone:
     """Worker -> front-end, the last message of a request."""
     error: dict | None  # the FAILED result's error object
-    poisoned: bool  # the CUDA context is unusable: retire the worker
+    poisoned: bool  # the worker must not serve again (its CUDA context unusable, or its program left processes)
 
 
 @message
@@ -1302,9 +1302,10 @@ def serve_request(conn: Connection, request: JobRequest, runtime: Runtime) -> bo
         program = ProgramRun(conn, request, staged, root_fd, lease, runtime)
         error = program.run()
         error, poisoned = finish_on_device(program, error, lease, reused=not request.retire)
-        if terminate_descendants(request.grace) and error is None:
-            error = program.error_at_last("runtime", "program left background processes running; "
-                                          "they were terminated")
+        if terminate_descendants(request.grace):  # a worker whose program left processes retires too
+            poisoned = True
+            error = error or program.error_at_last("runtime", "program left background processes running; "
+                                                   "they were terminated")
     finally:
         staged.close()  # the views it handed out stay mapped
         os.close(root_fd)

@@ -179,3 +179,22 @@ def test_a_worker_that_does_not_exit_is_killed_and_its_slot_serves_on(tmp_path):
         status, _, body = post(server.url, simple_program("import os\ndef f():\n    return os.getpid()\n"))
         assert status == 200 and body["status"] == "COMPLETED", body
         assert server.health()["load"]["request_capacity"] == 1
+
+
+LEAVES_A_CHILD = """
+import os, subprocess
+def f():
+    subprocess.Popen(['sleep', '30'])
+    return os.getpid()
+"""
+
+
+def test_a_reused_worker_whose_program_left_a_process_retires(tmp_path):
+    """docs/server.md §1.3: the worker itself ends what its program left, and then serves no other request."""
+    with ServerProcess("--max-requests-per-worker", "0", workers=1, tmp_path=tmp_path) as server:
+        status, _, body = post(server.url, simple_program(LEAVES_A_CHILD))
+        assert status == 200 and body["error"]["message"] == ("program left background processes running; "
+                                                              "they were terminated"), body
+        first = plain(body["results"]["out"])
+        status, _, body = post(server.url, simple_program("import os\ndef f():\n    return os.getpid()\n"))
+        assert status == 200 and plain(body["results"]["out"]) != first, body
