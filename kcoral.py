@@ -3751,9 +3751,13 @@ class Execution:
                 raise TimeoutError
         else:
             code = exit_code_once_exiting(self.worker.pid, self.deadline)
-            if code is None:  # reaped already: its Process has the code
+            # reaped already, or its parent (which reports the exit, and kills it dying) killed: as before,
+            # the status its Process gets (a program that killed the forkserver fails: 255)
+            if code is None or self.worker.parent_dying():
                 self.worker.process.join(max(0.0, self.deadline - time.monotonic()))
                 code = self.worker.process.exitcode
+                if code is None:
+                    raise TimeoutError
         self.worker.halt()  # what the program left running the worker ended and reported (terminate_descendants)
         if code != 0 and error is None:
             return self.teardown_error(f"worker exited with code {code} during teardown")
@@ -3844,6 +3848,12 @@ class Execution:
 CRASH_STATUS_WAIT_SECONDS = 1.0  # Execution.exit_code_of_crashed_worker
 HALTED_EXIT_SECONDS = 5.0  # Worker.kill: a halted worker's exit waited for before its tree is swept
 EXIT_POLL_SECONDS = 0.0002  # exit_code_once_exiting: a worker begins its exit microseconds after its last message
+
+
+def process_parent(pid: int) -> int | None:
+    """A process's parent pid (/proc/PID/stat field 4), None once it is gone."""
+    fields = kcoral_worker.proc_stat(pid)
+    return int(fields[1]) if fields is not None else None
 
 
 def exit_code_once_exiting(pid: int, deadline: float) -> int | None:
@@ -4500,6 +4510,7 @@ class Worker:
             child.close()
         assert self.process.pid is not None  # started
         self.pid = self.process.pid
+        self.parent = process_parent(self.pid)  # the forkserver or, sandboxed, the request's init
         self.served = 0
         self.exiting = False  # killed, but its tree outlived kill_wait in its exit (kill)
         self.halted = False  # its group SIGKILLed (halt), its exit perhaps still under way
@@ -4549,6 +4560,10 @@ class Worker:
         self.process.join(5)
         self.conn.close()
         return gone
+
+    def parent_dying(self) -> bool:
+        """Whether the process that forked this worker is gone or in its exit (a program may kill it)."""
+        return self.parent is None or killed_already(self.parent)
 
     def halt(self) -> None:
         """SIGKILL the worker's process group, now: the worker (every thread of its program) and
