@@ -278,7 +278,7 @@ class Program:
 
     def run(self, *, id: str | None = None, fn: Register, args: list[Any] | None = None) -> Register:
         """Call ``fn`` with ``args``; top-level Registers become references, the rest are
-        JSON literals (not validated until execute serialises them, as in the reference)."""
+        JSON literals (not validated until execute serialises them, as in the published package)."""
         if not isinstance(fn, Register):
             raise TypeError("run requires a Register 'fn'")
         fn_id = self._existing_ref(fn)
@@ -439,7 +439,7 @@ def _array_payload(value: Any) -> tuple[str, list[int], bytes]:
         except Exception:  # e.g. a device NumPy cannot read: the duck-typed rule may still apply
             pass
     if isinstance(value, np.ndarray):
-        array = np.ascontiguousarray(value)  # note: makes a 0-d array 1-d, as the reference does
+        array = np.ascontiguousarray(value)  # note: makes a 0-d array 1-d, as the published client does
         if array.dtype.byteorder == ">" or (array.dtype.byteorder == "=" and sys.byteorder == "big"):
             array = array.astype(array.dtype.newbyteorder("<"))
         return array.dtype.name, list(array.shape), array.tobytes()
@@ -1291,7 +1291,7 @@ class Client:
 
     ``eager_upload_bytes``: when the server names its instance (X-KCoral-Instance), blobs it is not known to
     hold are sent with the first attempt if they total at most this many bytes, saving the CACHE_MISS round
-    trip; 0 always asks first, as the reference client does. Larger uploads always ask first: the server may
+    trip; 0 always asks first, as the published client does. Larger uploads always ask first: the server may
     hold them already.
 
     What a broken or hostile server can cost is bounded (docs/client.md §4.8): an answer larger
@@ -1445,7 +1445,7 @@ class Client:
                 self._memory.forget(response.instance, needs, missing)
                 self._memory.confirm(response.instance, needs, [h for h in needs if h not in missing])
                 send = [h for h in blobs if h in missing]
-            else:  # the cache changed under us: send everything (the reference's step 3)
+            else:  # the cache changed under us: send everything (the published client's step 3)
                 self._memory.forget(response.instance, needs, needs)
                 send = list(blobs)
             node = response.node

@@ -13,19 +13,40 @@ docs/protocol.md; docs/design.md gives the decisions behind this file's shape.
 Processes and threads (one node):
 
     kcoral (this file)                                forkserver template (or, sandboxed, a
-      main thread: serve_forever, signals             bwrap container per slot running
-      KCoralHTTPServer: a thread per connection       kcoral_worker.template_main)
-        RequestHandler -> handle_execute                | fork
-        -> Pool.run_job -> Execution.run  <--pipe-->  worker process (kcoral_worker.worker_main):
-      ConnectionGuard thread: cuts slow clients       serves one request at a time, in its
-      OutputReader thread per request: stdout/err <-- own process group; retires after one
-      slot replacement threads (fresh workers)        request by default
+      kcoral-connection thread:                       bwrap container per slot running
+        RequestHandler -> handle_execute              kcoral_worker.template_main)
+        -> Pool.run_job -> Execution.run  <--pipe-->    | fork
+      kcoral-output-reader thread per request:        worker process (kcoral_worker.worker_main):
+        the worker's stdout/stderr <---------------   serves one request at a time, in its
+      and the threads below                           own process group; retires after one
+                                                      request by default
+
+Threads of this process, by name (`{slot}`: a slot's name such as cpu/w0; tests/test_map.py
+holds the list to `threading.enumerate()` on a busy server and to every `threading.Thread` here):
+    MainThread: `KCoralServer.serve_forever` under `python -m kcoral`, waiting for signals
+    kcoral-http: the HTTP server's accept loop (`KCoralServer.start`)
+    kcoral-connection: one per connection, reading and answering its requests (`RequestHandler`)
+    kcoral-connection-guard: cuts slow and idle clients (`ConnectionGuard`)
+    kcoral-stream-sender: writes a streamed answer's output frames (`OutputStream`)
+    kcoral-write-blobs: writes a request's file blobs to the disk cache (`BlobStore.keep_file_blobs`)
+    kcoral-spare-{slot}: starts a slot's next worker while its last request runs (`SpareWorker`)
+    kcoral-replace-{slot}: replaces a retired worker (`Pool.release`)
+    kcoral-output-reader: one per request, reads its worker's stdout and stderr (`OutputReader`)
+    memory-watch: one per request under a memory limit, samples its processes (`MemoryWatch`)
+    remove-workspace: removes an unsandboxed request's workspace after the answer
+    remove-cgroup: removes a request's cgroup once its processes are gone (`RequestCgroup`)
+    sandbox-output: follows a container template's stdout and stderr (`OutputTail`)
+    kcoral-spawner: starts the containers, from one thread that lives as long as the server
+
+Before §0, what several sections rely on: `wait_turn`, the one FIFO wait of the three admission
+points (body memory, worker slots, GPU leases), and `expect`, a worker's or container's next
+message, checked (and the exceptions both raise).
 
 Sections, in the order a request travels (each section's functions in call order):
  0. configuration: `ServerConfig`, every setting once; the command line is generated from it
  1. HTTP front-end: `KCoralHTTPServer`, `RequestHandler` (`handle_one_request` -> `parse_request`
     -> `do_POST` -> `read_and_execute` -> `respond`), then what it reads under: `ConnectionGuard`,
-    `BodyBudget` (with `wait_turn`, the one FIFO wait, which the pool and the lease use too)
+    `BodyBudget`
  2. the application: `Job`, `Outcome`, `KCoralServer.handle_execute` (protocol order,
     docs/protocol.md §4.7) -> `run_program`, then its lifecycle (`start`, `serve_forever`, `stop`)
  3. wire rules, envelope: `split_request`, the multipart parser, strict JSON
@@ -39,21 +60,29 @@ Sections, in the order a request travels (each section's functions in call order
 11. what the application records: `EventLog`, `SavedPrograms`, `Metrics`
 12. the command line, 13. `haproxy-config`
 
-Read downwards, a request goes §1 -> §2 -> §3 -> §4 -> §5 -> §6 -> §7 -> §8; the jumps are:
-(a) from §5's `BlobStore.resolve` back up to §2's `run_program`, which hands the job to §6;
-(b) `Execution.converse` (§6) into kcoral_worker.py's `serve_request`, whose messages come back
-to §6; (c) ending the worker (§8's `Worker.kill`) goes through kcoral_worker.py's process
-trees (`kill_group`, `terminate`); (d) the answer goes back up from §2 to §1's `respond`;
-(e) on the way, §2 and §1 record through §11 (`save_program`, `event`).  GPU workers take the
-lease of §9 and, sandboxed, start in §10's container, both set up at start-up.
+Read downwards, a request goes §1 -> §2 -> §3 -> §4 -> §5 -> §6 -> §7 -> §8, §2 calling each
+of §3-§6 in protocol order.  The jumps, the calls that go back up the file (tests/test_map.py
+traces one request, unsandboxed and sandboxed, and holds this list to the calls it makes):
+    §4 `decode_program` -> §3 `strict_json`: the program part is strict JSON as every part is
+    §6 `Execution.run` -> §0 `delegated_cgroup`: a setting resolved at start
+Two more cross into kcoral_worker.py: `Execution.converse` (§6) talks to the worker's
+`serve_request` over the pipe, and ending a worker (§8's `Worker.kill`, through `Pool.dispose`)
+goes through the worker file's process trees (`kill_group`, `terminate`).  Everything else is
+a call down the file: §1 asks §2 whose tenant and request it is, §1 and §2 record through §11
+(`event`, `save_program`), §6 and §8 count through §11's `Metrics.add` and §6 writes through its
+`write_all`.  GPU workers take the lease of §9 and, sandboxed, start in §10's container, both set
+up at start-up.
 
-Lifecycle verbs mean one thing each, across the classes (tests/test_docs.py holds them to it):
+Lifecycle verbs mean one thing each, across the classes (tests/test_docs.py holds them to it, by
+name and by what each such method calls):
 `start` begins serving, threads or processes (`KCoralServer`, `SpareWorker`); `drain` admits
-nothing new while admitted work runs on (`Pool`, `BodyBudget`, `LeaseArbiter`); `stop` ends
-gracefully and releases everything once work is done (`KCoralServer`, `Pool`, `Worker`,
-`ConnectionGuard`, `MemoryWatch`); `kill` ends processes now (`Worker`, `SandboxTemplate`);
-`close` releases a file or descriptor only (`EventLog`, `SavedPrograms`); `halt` SIGKILLs a worker's
-process group and waits for nothing, its exit and reaping left to a later kill (`Worker`).
+nothing new while admitted work, queued included, runs on (`Pool`); `refuse_waiters` admits
+nothing new and turns away whoever waits (`BodyBudget`, `LeaseArbiter`); `stop` ends gracefully
+and releases everything once work is done, waiting until no thread or process of it is left
+(`KCoralServer`, `Pool`, `Worker`, `ConnectionGuard`, `MemoryWatch`); `kill` ends processes now,
+by signal (`Worker`, `SandboxTemplate`); `halt` signals a worker's process group and waits for
+nothing, its exit and reaping left to a later kill (`Worker`); `close` releases a file or
+descriptor only (`EventLog`, `SavedPrograms`).
 
 The client lives in client.py; `from kcoral import Client, Program` loads it
 lazily from beside this file (`load_client`), so the server needs only this
@@ -141,7 +170,8 @@ Blobs = dict[str, Buffer]  # hash -> payload, for every blob a program reference
 LeaseTicket = tuple[object, list[int] | None, int | None]  # (identity, the GPUs wanted, or how many of any)
 ExtraHeaders = Mapping[str, str] | tuple[()]  # headers a response adds; () for none
 
-# `kcoral.errors` and `kcoral.builtins`, as in the published package (defined by the worker)
+# `kcoral.errors` and `kcoral.builtins`, as in the published package (defined by the worker); the
+# name `builtins` is that public API's, and this file never imports the stdlib module it shadows
 errors, builtins = kcoral_worker.install_kcoral_modules()
 
 __version__ = "0.4.0"
@@ -189,6 +219,93 @@ def load_client() -> types.ModuleType:
         return module
 
 
+# --- shared by the sections below: the one FIFO wait, a worker's checked message ------------------
+
+CLIENT_CHECK_SECONDS = 0.25  # how often a waiting or running request checks that its client is still there
+
+
+class WorkerCrashed(Exception):
+    """The worker process died or stopped talking the protocol."""
+
+
+class WorkerStartTimeout(WorkerCrashed):
+    """A start-up phase outlived its time limit (a multi-GPU request answers 504, docs/server.md §7)."""
+
+
+class ResponseTooLarge(Exception):
+    """A worker announced more returned bytes or parts than the response may carry."""
+
+
+class ClientGone(Exception):
+    """The request's client closed its connection while the request waited or ran: nobody is
+    left to answer, so it is stopped.  `where`: "queue" (waiting for a worker), "lease" (for the GPU)
+    or "running" (wait_turn's `where`; logged as the event's `phase`)."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(where)
+        self.where = where
+
+
+_Served = typing.TypeVar("_Served")
+
+
+def wait_turn(cond: threading.Condition, line: Any, ticket: object, turn: Callable[[], _Served | None],
+              deadline: float | None, refused: Callable[[], bool] = lambda: False,
+              client_gone: Callable[[], bool] | None = None, where: str = "") -> _Served | None:
+    """The one wait of the three admission points (body memory, slots, GPU leases), `ticket`
+    already in their `line`, `cond` held: until `turn()` serves it (-> what it returns), `refused()`
+    says no or `deadline` (time.monotonic(), None: none) passes (-> None); ClientGone(`where`) once
+    `client_gone()` says so, asked every CLIENT_CHECK_SECONDS.  However it ends, the ticket leaves
+    the queue and the other waiters are woken: the head of the line may have changed."""
+    try:
+        while not refused():
+            served = turn()
+            if served is not None:
+                return served
+            if client_gone is not None and client_gone():
+                raise ClientGone(where)
+            wait = None if deadline is None else deadline - time.monotonic()
+            if wait is not None and wait <= 0:
+                return None
+            if client_gone is not None:
+                wait = CLIENT_CHECK_SECONDS if wait is None else min(wait, CLIENT_CHECK_SECONDS)
+            cond.wait(wait)
+        return None
+    finally:
+        line.remove(ticket)
+        cond.notify_all()
+
+
+# what a worker may send mid-request
+WORKER_MESSAGES = (kcoral_worker.InstructionStarted, kcoral_worker.StageBlobs, kcoral_worker.ReturnValue,
+                   kcoral_worker.AcquireLease, kcoral_worker.ReleaseLease, kcoral_worker.RequestDone)
+WORKER_PHASE_SECONDS = 60.0  # each start-up phase (docs/server.md §1.1)
+CONTROL_MESSAGE_BYTES = 1 << 16  # any worker or template message but a ReturnValue, which the response budget bounds
+
+
+def expect(conn: Connection, kinds: type | tuple[type, ...], deadline: float, late: str,
+           limit: int = CONTROL_MESSAGE_BYTES, sizes: list[int] | None = None) -> Any:
+    """A worker's or template's next message, which must be one of `kinds` (its frame's size
+    is appended to `sizes`, if given).
+
+    Nothing from those processes is trusted (they run, or ran, uploaded code): a frame that is
+    oversized, malformed or of another kind is WorkerCrashed, as is a closed pipe; no message
+    by `deadline` is WorkerStartTimeout(`late`), which the conversation turns into a 504."""
+    try:
+        message, size = kcoral_worker.receive_message(conn, limit, deadline)
+    except TimeoutError:
+        raise WorkerStartTimeout(late) from None
+    except kcoral_worker.UnexpectedMessage as exc:
+        raise WorkerCrashed(f"protocol violation: {exc}") from None
+    except (EOFError, OSError) as exc:
+        raise WorkerCrashed(f"the pipe broke: {exc}") from None
+    if not isinstance(message, kinds):
+        raise WorkerCrashed(f"protocol violation: an unexpected {type(message).__name__}")
+    if sizes is not None:
+        sizes.append(size)
+    return message
+
+
 # --- 0. configuration: every setting defined once, the command line generated from it -------------
 
 def default_disk_cache_dir() -> str:
@@ -204,7 +321,7 @@ def option(default: Any, help: str, *, env: str | None = None, cli_default: Any 
 
     The command line is generated from these (`parse_args`), so a default is written once.
     `cli_default` is the command line's default where it differs from the dataclass's
-    (the reference's `log_dir`: None embedded, "logs" from the CLI); `parse` turns the flag's
+    (the published package's `log_dir`: None embedded, "logs" from the CLI); `parse` turns the flag's
     string into the field's value.  A `flag` names a repeatable option whose values make up
     the field's tuple (`--sandbox-readonly-path` fills `sandbox_readonly_paths`).
     """
@@ -227,7 +344,7 @@ LARGE_REQUEST_BYTES = (1 << 30) + (64 << 20)  # the size limits' default: a 1 Gi
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
-    """Server settings; field names and defaults follow the reference where it has them."""
+    """Server settings; field names and defaults follow the published package where it has them."""
     # what this node serves, and with which processes
     host: str = option("127.0.0.1", "address to bind", env="KCORAL_SERVER_HOST")
     port: int = option(8000, "TCP port to listen on (0 picks a free one)", env="KCORAL_SERVER_PORT")
@@ -495,14 +612,14 @@ class KCoralHTTPServer(http.server.ThreadingHTTPServer):
         self.max_connections = app.config.max_connections or default_max_connections()
         self.senders = BodySenders(app.config, self.max_connections)
         self.open_connections = 0
-        self.slots = threading.Condition()
+        self.connections_changed = threading.Condition()  # open_connections went up or down
         super().__init__(address, handler)
 
     def get_request(self) -> tuple[socket.socket, tuple[str, int]]:
-        with self.slots:
+        with self.connections_changed:
             if self.open_connections >= self.max_connections:
                 self.guard.cut_idle(min(1.0, self.app.config.keepalive_timeout_seconds))
-                self.slots.wait(0.5)
+                self.connections_changed.wait(0.5)
                 if self.open_connections >= self.max_connections:  # serve_forever polls again
                     raise OSError(errno.EAGAIN, "connection limit reached")
         try:
@@ -512,15 +629,15 @@ class KCoralHTTPServer(http.server.ThreadingHTTPServer):
                 self.guard.cut_idle(0.0)
                 time.sleep(0.1)
             raise
-        with self.slots:
+        with self.connections_changed:
             self.open_connections += 1
         return request
 
     def shutdown_request(self, request: socket.socket | tuple[bytes, socket.socket]) -> None:
         super().shutdown_request(request)
-        with self.slots:
+        with self.connections_changed:
             self.open_connections -= 1
-            self.slots.notify_all()
+            self.connections_changed.notify_all()
 
     def handle_error(self, request: socket.socket | tuple[bytes, socket.socket],
                      client_address: tuple[str, int]) -> None:
@@ -565,6 +682,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         # per socket operation: bounds each send slice, and backs up the guard for reads
         self.timeout = self.server.app.config.send_timeout_seconds  # type: ignore[misc]  # typeshed: a ClassVar
         super().setup()
+        threading.current_thread().name = "kcoral-connection"  # socketserver's thread, named for the map
         self.cut_reason: str | None = None  # set by the ConnectionGuard when it cuts this connection
         self.tenant = ""  # the name of the request's token in --token-file, once authorized ("": anonymous)
         self.stream: OutputStream | None = None  # the answer of a POST that asked for streamed output
@@ -718,7 +836,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             try:
                 outcome = self.outcome_of_post(request_id)
             except ClientGone as gone:
-                return self.cancelled(request_id, gone.phase, started)
+                return self.cancelled(request_id, gone.where, started)
             outcome, size, lost = self.send_outcome(request_id, outcome)
         fields = {"client_request_id": self.client_request_id,
                   "request_bytes": self.request_bytes, "tenant": self.tenant or None,
@@ -736,14 +854,15 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         poller.register(self.connection, select.POLLRDHUP)  # POLLHUP and POLLERR are always reported
         return bool(poller.poll(0))
 
-    def cancelled(self, request_id: str, phase: str, started: float) -> None:
-        """The one log line for a request stopped because its client left; nothing is answered."""
+    def cancelled(self, request_id: str, where: str, started: float) -> None:
+        """The one log line for a request stopped because its client left `where` (the event's `phase`);
+        nothing is answered."""
         self.close_connection = True
         if self.stream is not None:  # its sender thread ends with the frames it has
             self.stream.end_output()
         self.app.log.event("request_cancelled", "WARNING", request_id=request_id,
                            client_request_id=self.client_request_id, tenant=self.tenant or None,
-                           phase=phase, peer=self.client_address[0], request_bytes=self.request_bytes,
+                           phase=where, peer=self.client_address[0], request_bytes=self.request_bytes,
                            total_ms=(time.monotonic() - started) * 1e3)
 
     def wants_stream(self) -> bool:
@@ -1093,7 +1212,7 @@ class OutputStream:
             if not self.open:  # the answer is being sent: later output (an escaped process's) is dropped
                 return
             if self.sender is None:
-                self.sender = threading.Thread(target=self.send_frames, daemon=True)
+                self.sender = threading.Thread(target=self.send_frames, name="kcoral-stream-sender", daemon=True)
                 self.sender.start()
             self.frames.put((stream, data))
 
@@ -1340,36 +1459,7 @@ class ConnectionGuard:
 
     def stop(self) -> None:
         self.stopped.set()
-
-
-_Served = typing.TypeVar("_Served")
-
-
-def wait_turn(cond: threading.Condition, queue: Any, ticket: object, turn: Callable[[], _Served | None],
-              deadline: float | None, refused: Callable[[], bool] = lambda: False,
-              client_gone: Callable[[], bool] | None = None, where: str = "") -> _Served | None:
-    """The one wait of the three admission points (body memory, slots, GPU leases), `ticket`
-    already in their `queue`, `cond` held: until `turn()` serves it (-> what it returns), `refused()`
-    says no or `deadline` (time.monotonic(), None: none) passes (-> None); ClientGone(`where`) once
-    `client_gone()` says so, asked every CLIENT_CHECK_SECONDS.  However it ends, the ticket leaves
-    the queue and the other waiters are woken: the head of the line may have changed."""
-    try:
-        while not refused():
-            served = turn()
-            if served is not None:
-                return served
-            if client_gone is not None and client_gone():
-                raise ClientGone(where)
-            wait = None if deadline is None else deadline - time.monotonic()
-            if wait is not None and wait <= 0:
-                return None
-            if client_gone is not None:
-                wait = CLIENT_CHECK_SECONDS if wait is None else min(wait, CLIENT_CHECK_SECONDS)
-            cond.wait(wait)
-        return None
-    finally:
-        queue.remove(ticket)
-        cond.notify_all()
+        self.thread.join()  # within a TICK: stop leaves no thread behind
 
 
 class BodyBudget:
@@ -1413,7 +1503,7 @@ class BodyBudget:
             self.in_use -= size
             self.cond.notify_all()
 
-    def drain(self) -> None:
+    def refuse_waiters(self) -> None:
         """Admit no more bodies; those waiting for room are refused."""
         with self.cond:
             self.closed = True
@@ -1707,7 +1797,7 @@ class KCoralServer:
         self.target, self.versions = describe_runtime(device, self.pool)
         self.gpu_count = len(gpu_ids)
         self.httpd = KCoralHTTPServer((self.config.host, self.config.port), RequestHandler, self)
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="kcoral-http", daemon=True)
         self.thread.start()
         self.log.event("server_started", url=self.url, device=device, sandbox=self.config.sandbox,
                        workers=len(self.pool.slots), run_dir=run_dir, instance_id=self.instance_id,
@@ -1936,7 +2026,7 @@ class KCoralServer:
         self.drain_started = time.monotonic()
         self.closing = True
         self.pool.drain()
-        self.bodies.drain()
+        self.bodies.refuse_waiters()
         self.httpd.guard.cut_phase("body", "shutdown")  # uploads still arriving; executions finish
         with self.in_flight_cond:
             self.log.event("shutdown_started", remaining=self.in_flight)
@@ -2006,7 +2096,7 @@ class RequestTooLarge(ValidationError):
 
 
 def split_request(body: Body, content_type: str | None, limits: ServerConfig = DEFAULT_LIMITS) -> RequestParts:
-    """docs/protocol.md §4.3-4.7 -> the request's parts, in the reference's check order: each part's
+    """docs/protocol.md §4.3-4.7 -> the request's parts, in the published package's check order: each part's
     headers as it is parsed (§4.5), then its name, content type and hash (§4.6), whose failure waits
     until every later part's headers have passed (step 2 before step 3)."""
     parts, failure = RequestParts(limits), None
@@ -2090,7 +2180,7 @@ class RequestParts:
 
 def refuse_extra_part(parts: RequestParts, name: str, media: str, payload: memoryview,
                       failure: ValidationError | None) -> NoReturn:
-    """A part beyond the valid program's blobs plus one: what the reference would answer once it read
+    """A part beyond the valid program's blobs plus one: what the published package would answer once it read
     the rest, as far as the parts read so far tell (a later part's bad headers would have won, §4.7):
     an earlier part's error, this part's, or the unreferenced blobs, one of which there must be."""
     if failure is not None:
@@ -2240,7 +2330,7 @@ def find_delimiter(body: Body, delimiter: bytes, start: int) -> int:
 
 def check_close_delimiter_line(body: Body, start: int) -> None:
     """RFC 2046: only transport padding may follow the close delimiter on its line (the
-    reference answers 400 for `--B--junk`); the epilogue starts on the next line."""
+    published package answers 400 for `--B--junk`); the epilogue starts on the next line."""
     end = body.find(b"\n", start)
     rest = bytes(body[start:len(body) if end < 0 else end]).rstrip(b"\r")
     if rest.strip(b" \t"):
@@ -2630,7 +2720,8 @@ class BlobStore:
                 key = (tenant, digest)
                 self.unwritten[key] = (data, self.unwritten.get(key, (data, 0))[1] + 1)
             self.unwritten_bytes += charge
-        return threading.Thread(target=self.write_file_blobs, args=(self.disk, items, charge, tenant))
+        return threading.Thread(target=self.write_file_blobs, args=(self.disk, items, charge, tenant),
+                                name="kcoral-write-blobs")
 
     def write_file_blobs(self, disk: DiskCache, items: list[tuple[str, Buffer]], charge: int, tenant: str) -> None:
         try:
@@ -2925,33 +3016,8 @@ class DiskCache:
 
 # --- 6. the pool and one Execution per request (docs/server.md §3) --------------------------------
 
-class WorkerCrashed(Exception):
-    """The worker process died or stopped talking the protocol."""
-
-
-class WorkerStartTimeout(WorkerCrashed):
-    """A start-up phase outlived its time limit (a multi-GPU request answers 504, docs/server.md §7)."""
-
-
-class ResponseTooLarge(Exception):
-    """A worker announced more returned bytes or parts than the response may carry."""
-
-
-class ClientGone(Exception):
-    """The request's client closed its connection while the request waited or ran: nobody is
-    left to answer, so it is stopped.  `phase`: "queue" (waiting for a worker), "lease" (for the GPU)
-    or "running"."""
-
-    def __init__(self, phase: str) -> None:
-        super().__init__(phase)
-        self.phase = phase
-
-
 class TenantLimit(Exception):
     """A tenant's request over --max-waiting-per-tenant: answered 429 before it waits."""
-
-
-CLIENT_CHECK_SECONDS = 0.25  # how often a waiting or running request checks that its client is still there
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # eq=False: tickets are told apart by identity
@@ -2975,7 +3041,7 @@ class FairQueue:
         self.arrivals = 0
 
     def __len__(self) -> int:
-        return sum(len(queue) for queue in self.tenants.values())
+        return sum(len(line) for line in self.tenants.values())
 
     def waiting(self, tenant: str) -> int:
         return len(self.tenants.get(tenant, ()))
@@ -2987,14 +3053,14 @@ class FairQueue:
         return ticket
 
     def remove(self, ticket: Ticket) -> None:
-        queue = self.tenants[ticket.tenant]
-        queue.remove(ticket)
-        if not queue:
+        line = self.tenants[ticket.tenant]
+        line.remove(ticket)
+        if not line:
             del self.tenants[ticket.tenant]
 
     def first(self, eligible: Callable[[str], bool]) -> Ticket | None:
         """The ticket served next among the tenants `eligible` says may take a slot now."""
-        heads = [queue[0] for tenant, queue in self.tenants.items() if eligible(tenant)]
+        heads = [line[0] for tenant, line in self.tenants.items() if eligible(tenant)]
         return min(heads, key=lambda t: (t.rank, t.number), default=None)
 
 
@@ -3383,7 +3449,7 @@ class Pool:
             self.refusing = self.refusing or refuse_queued
             self.cond.notify_all()
         if self.arbiter is not None and refuse_queued:
-            self.arbiter.drain()
+            self.arbiter.refuse_waiters()
 
     def stop(self) -> None:
         """Once drained and idle: end every worker and sandbox (and wait for replacements under way)."""
@@ -3850,12 +3916,6 @@ HALTED_EXIT_SECONDS = 5.0  # Worker.kill: a halted worker's exit waited for befo
 EXIT_POLL_SECONDS = 0.0002  # exit_code_once_exiting: a worker begins its exit microseconds after its last message
 
 
-def process_parent(pid: int) -> int | None:
-    """A process's parent pid (/proc/PID/stat field 4), None once it is gone."""
-    fields = kcoral_worker.proc_stat(pid)
-    return int(fields[1]) if fields is not None else None
-
-
 def exit_code_once_exiting(pid: int, deadline: float) -> int | None:
     """The exit code (negative: the signal) of a process that is exiting, read as soon as it is set:
     its /proc stat shows it in its exit with its memory detached (the exit sets the code before it
@@ -4141,36 +4201,6 @@ def own_cgroup_file(name: str) -> str:
     return "/nonexistent"
 
 
-# what a worker may send mid-request
-WORKER_MESSAGES = (kcoral_worker.InstructionStarted, kcoral_worker.StageBlobs, kcoral_worker.ReturnValue,
-                   kcoral_worker.AcquireLease, kcoral_worker.ReleaseLease, kcoral_worker.RequestDone)
-WORKER_PHASE_SECONDS = 60.0  # each start-up phase (docs/server.md §1.1)
-CONTROL_MESSAGE_BYTES = 1 << 16  # any worker or template message but a ReturnValue, which the response budget bounds
-
-
-def expect(conn: Connection, kinds: type | tuple[type, ...], deadline: float, late: str,
-           limit: int = CONTROL_MESSAGE_BYTES, sizes: list[int] | None = None) -> Any:
-    """A worker's or template's next message, which must be one of `kinds` (its frame's size
-    is appended to `sizes`, if given).
-
-    Nothing from those processes is trusted (they run, or ran, uploaded code): a frame that is
-    oversized, malformed or of another kind is WorkerCrashed, as is a closed pipe; no message
-    by `deadline` is WorkerStartTimeout(`late`), which the conversation turns into a 504."""
-    try:
-        message, size = kcoral_worker.receive_message(conn, limit, deadline)
-    except TimeoutError:
-        raise WorkerStartTimeout(late) from None
-    except kcoral_worker.UnexpectedMessage as exc:
-        raise WorkerCrashed(f"protocol violation: {exc}") from None
-    except (EOFError, OSError) as exc:
-        raise WorkerCrashed(f"the pipe broke: {exc}") from None
-    if not isinstance(message, kinds):
-        raise WorkerCrashed(f"protocol violation: an unexpected {type(message).__name__}")
-    if sizes is not None:
-        sizes.append(size)
-    return message
-
-
 STAGED_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL  # Execution.stage_blobs
 PIPE_BYTES = 1 << 20  # capture pipe capacity (Linux's default pipe-max-size) and OutputReader's read size
 
@@ -4192,7 +4222,7 @@ class OutputReader:
         self.fds = (out_fd, err_fd)
         self.names = {out_fd: "stdout", err_fd: "stderr"}
         self.on_output = on_output
-        self.thread = threading.Thread(target=self.read_until_closed, daemon=True)
+        self.thread = threading.Thread(target=self.read_until_closed, name="kcoral-output-reader", daemon=True)
         self.thread.start()
 
     def read_until_closed(self) -> None:
@@ -4484,6 +4514,12 @@ def torch_has_dlpack_exchange_api() -> bool:
     return importlib.util.find_spec("torch_c_dlpack_ext") is not None
 
 
+def process_parent(pid: int) -> int | None:
+    """A process's parent pid (/proc/PID/stat field 4), None once it is gone."""
+    fields = kcoral_worker.proc_stat(pid)
+    return int(fields[1]) if fields is not None else None
+
+
 class Worker:
     """One worker process forked from the template (a slot's sandbox template, if any), with its pipe."""
     process: SandboxedProcess | multiprocessing.process.BaseProcess
@@ -4655,8 +4691,8 @@ def nvml_gpu_ids() -> list[str]:
 
 def same_gpu(seen: str, expected: str) -> bool:
     """docs/server.md §1.1: UUIDs compare without the GPU- prefix, case-insensitively; unknown ones pass."""
-    def bare(uuid: str) -> str:
-        return uuid.lower().removeprefix("gpu-")
+    def bare(name: str) -> str:
+        return name.lower().removeprefix("gpu-")
 
     return not seen or not expected.lower().startswith("gpu-") or bare(seen) == bare(expected)
 
@@ -4730,8 +4766,8 @@ class LeaseArbiter:
             self.quarantined.update(gpus)
             self.cond.notify_all()
 
-    def drain(self) -> None:
-        """A quarantine's drain: requests still waiting for "any n" GPUs are refused (a graceful
+    def refuse_waiters(self) -> None:
+        """A quarantine's refusal: requests still waiting for "any n" GPUs are refused (a graceful
         shutdown lets them run: the leases they wait for are released as the requests before finish)."""
         with self.cond:
             self.closing = True
@@ -5701,7 +5737,7 @@ def main(argv: list[str] | None = None) -> None:
         return haproxy_config_main(argv[1:])
     if argv[:1] == ["run"]:  # the client-side command line lives in client.py
         sys.exit(load_client().run_command(argv[1:]))
-    if argv[:1] == ["server"]:  # the reference's `kcoral server ...` spelling
+    if argv[:1] == ["server"]:  # the published package's `kcoral server ...` spelling
         argv = argv[1:]
     KCoralServer(parse_args(argv)).serve_forever()
 
@@ -5738,7 +5774,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             value = field.metadata["parse"](value)
         elif field.metadata["flag"]:
             value = tuple(value)
-        elif types_of[field.name] == str | None and value == "":  # '' disables, as in the reference
+        elif types_of[field.name] == str | None and value == "":  # '' disables, as in the published package
             value = None
         values[field.name] = value
     return ServerConfig(**values)
@@ -5868,10 +5904,7 @@ client"}}}}' hdr Retry-After 10 if {{ sc_http_req_rate(2) gt {source_requests} }
     # from then to a node's reading it is the wait in HAProxy (its queue, retries).  set-header
     # replaces any value a client sent.
     http-request set-header X-Request-Start t=%[date(0,us)]{proxy_secret}
-{local_edits}    # Requests carrying blobs (the client sends {header}) go where their largest blob is cached.
-    use_backend kcoral_affinity if {{ req.hdr({header}) -m found }}
-    default_backend kcoral_spread
-
+{local_edits}{routing}
 backend kcoral_spread
     # Least connections; maxconn = the node's worker slots, the rest wait in HAProxy's queue.
     balance leastconn
@@ -5888,7 +5921,12 @@ backend kcoral_affinity
 backend kcoral_rates
     # requests in the last 10 s per client (frontend kcoral): its tenant's name, or its address
     stick-table type string len 64 size 100k expire 60s store http_req_rate(10s)
-{tenant_table}{stats}"""
+{tenant_table}{tenant_limits}{stats}"""
+HAPROXY_ROUTING = """\
+    # Requests carrying blobs (the client sends {header}) go where their largest blob is cached.
+    use_backend kcoral_affinity if {{ req.hdr({header}) -m found }}
+    default_backend kcoral_spread
+"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -6032,6 +6070,41 @@ backend kcoral_tenants
     # requests in flight per tenant (its trackers), for the priority class set in frontend kcoral
     stick-table type string len 64 size 10k expire 1h
 """
+# Per-tenant limits across the cohort (docs/scaling.md "Per-tenant limits"): the nodes' rule, held by the
+# proxy for the whole cohort.  Only with --max-running-per-tenant; the nodes then run without their own.
+HAPROXY_TENANT_GATE = """\
+    # Per-tenant limits across the cohort: each tenant's requests pass a gate of its own (backend
+    # kcoral_tenant_limits), which lets at most {running} of them into the cohort at once; the
+    # rest wait at the gate, leaving the nodes' slots to the other tenants.
+{waiting}    default_backend kcoral_tenant_limits
+"""
+HAPROXY_TENANT_WAITING = """\
+    # A tenant with {waiting} requests waiting at its gate already: 429 busy, nothing ran.
+    http-request set-var(txn.gate) str(kcoral_tenant_limits/),concat(,txn.tenant,)
+    http-request deny deny_status 429 content-type application/json lf-string '{{"status":"ERROR",\
+"request_id":"%[unique-id]","error":{{"kind":"busy","message":"tenant %[var(txn.tenant)] has {waiting} requests \
+waiting already, the most it may (--max-waiting-per-tenant); retry once one has started"}}}}' hdr Retry-After 1 \
+if {{ var(txn.gate),srv_queue ge {waiting} }}
+"""
+HAPROXY_TENANT_LIMITS = """
+backend kcoral_tenant_limits
+    # One gate per tenant (bare tokens share "-"): maxconn {running} is how many of its requests may
+    # be in the cohort at once, at a node or in the cohort's queue; its others wait here, first
+    # come, first served, up to --queue-timeout (then 503 busy).  Past its gate a request goes
+    # through the local socket to frontend kcoral_cohort, which spreads it over the nodes.  The
+    # server timeout covers the cohort's queue and the execution; a 503 from there is the cohort's
+    # own answer, its retries done, so only a failed connection to the socket is retried, at the
+    # same gate (another would be another tenant's).
+    timeout server {gate_timeout}
+    retry-on conn-failure
+    no option redispatch
+{use_servers}{servers}
+frontend kcoral_cohort
+    # Requests past their tenant's gate: only the gates reach this socket (mode 600).  The PROXY
+    # protocol keeps the client's address for the log.  Each request has a log line here (its node)
+    # and one in frontend kcoral (its gate: kcoral_tenant_limits/TENANT, and its wait there).
+    bind unix@{socket} mode 600{owner} accept-proxy
+"""  # then the request id, tenant and fair-order rules and the routing of frontend kcoral without gates
 # The keywords that open a section: an --include file's lines all belong to frontend kcoral.
 HAPROXY_SECTIONS = frozenset({"global", "defaults", "frontend", "backend", "listen", "resolvers", "peers",
                               "userlist", "mailers", "program", "http-errors", "ring", "cache"})
@@ -6043,6 +6116,9 @@ class ProxyLimits:
     header_timeout: float = ServerConfig.header_timeout_seconds
     source_connections: int = 256
     source_requests: int = 1000  # per 10 s
+    # the nodes' per-tenant limits, held cohort-wide (0: none)
+    max_running_per_tenant: int = ServerConfig.max_running_per_tenant
+    max_waiting_per_tenant: int = ServerConfig.max_waiting_per_tenant
 
 
 @dataclasses.dataclass(frozen=True)
@@ -6076,13 +6152,23 @@ def haproxy_config(listen: str, nodes: list[CohortNode], tokens: list[str], queu
                          if value)
     if user_group:
         user_group = "    # HAProxy starts as root (ports, certificate, this file), then runs as:\n" + user_group
+    routing, tenant_limits = HAPROXY_ROUTING.format(header=AFFINITY_HEADER), ""
+    request_id = HAPROXY_REQUEST_ID.format(header=CLIENT_REQUEST_ID_HEADER)
+    order = tenant_order(tenants or {}, limits.max_running_per_tenant > 0)
+    if limits.max_running_per_tenant:  # frontend kcoral sends to the gates, a frontend behind them to the nodes
+        cohort_rules = request_id + order["tenant_names"] + order["tenant_order"] + routing
+        routing, tenant_limits = gate_sections(limits, runtime, list((tenants or {}).values()),
+                                               queue_timeout + server_timeout)
+        tenant_limits += cohort_rules
+        order["tenant_order"] = ""  # the fair order is the cohort's queue's, behind the gates
     return HAPROXY_TEMPLATE.format(
         version=__version__, total=sum(typing.cast(int, n.slots) for n in nodes), node_list=node_list, listen=listen,
         servers=servers, header=AFFINITY_HEADER, queue_timeout=haproxy_time(queue_timeout),
         server_timeout=haproxy_time(server_timeout), header_timeout=haproxy_time(limits.header_timeout),
         keepalive_timeout=haproxy_time(ServerConfig.keepalive_timeout_seconds),
         source_connections=limits.source_connections, source_requests=limits.source_requests,
-        request_id=HAPROXY_REQUEST_ID.format(header=CLIENT_REQUEST_ID_HEADER),
+        request_id=request_id, routing=routing,
+        tenant_limits=tenant_limits,
         token_check=HAPROXY_TOKEN_CHECK.format(accepted=accepted) if tokens else "",
         rate_key=HAPROXY_TENANT_RATE_KEY if tenants else "",
         check_auth=f' hdr Authorization "Bearer {tokens[0]}"' if tokens else "", check_header=BALANCER_CHECK_HEADER,
@@ -6091,18 +6177,36 @@ def haproxy_config(listen: str, nodes: list[CohortNode], tokens: list[str], queu
         user_group=user_group, pidfile=runtime.pidfile, stats_socket=runtime.stats_socket,
         tls=f" ssl crt {runtime.tls_cert}" if runtime.tls_cert else "", local_edits=runtime.local_edits,
         stats=HAPROXY_STATS.format(stats_listen=runtime.stats_listen) if runtime.stats_listen else "",
-        **tenant_order(tenants or {}))
+        **order)
 
 
-def tenant_order(tenants: Mapping[str, str]) -> dict[str, str]:
+def tenant_order(tenants: Mapping[str, str], limited: bool = False) -> dict[str, str]:
     """The frontend's tenant rules and their table, for a cohort with named tenants ({token: name});
-    none without, so a cohort of bare tokens keeps its plain first-come queue."""
-    if not tenants:
-        return {"tenant_names": "", "tenant_order": "", "tenant_table": ""}
+    none without, so a cohort of bare tokens keeps its plain first-come queue (`limited`: its one
+    tenant "-" is still named, for its gate)."""
     names = "".join(f'    http-request set-var(txn.tenant) str({name}) if {{ req.fhdr(authorization,1) -m str '
                     f'"Bearer {token}" }}\n' for token, name in tenants.items())
-    return {"tenant_names": HAPROXY_TENANT_NAMES.format(names=names), "tenant_order": HAPROXY_TENANT_ORDER,
-            "tenant_table": HAPROXY_TENANT_TABLE}
+    return {"tenant_names": HAPROXY_TENANT_NAMES.format(names=names) if tenants or limited else "",
+            "tenant_order": HAPROXY_TENANT_ORDER if tenants else "",
+            "tenant_table": HAPROXY_TENANT_TABLE if tenants else ""}
+
+
+def gate_sections(limits: ProxyLimits, runtime: ProxyRuntime, names: list[str], gate_timeout: float) -> tuple[str, str]:
+    """Frontend kcoral's routing through the tenants' gates, and the gates' backend with the frontend
+    behind them (whose own rules the caller appends): a gate per named tenant and one for "-"."""
+    socket_path = runtime.stats_socket + ".tenants"  # beside the admin socket, in a directory of HAProxy's own
+    gates = sorted({name for name in names if name} | {"-"})
+    waiting = limits.max_waiting_per_tenant
+    front = HAPROXY_TENANT_GATE.format(running=limits.max_running_per_tenant,
+                                       waiting=HAPROXY_TENANT_WAITING.format(waiting=waiting) if waiting else "")
+    use_servers = "".join(f"    use-server {gate} if {{ var(txn.tenant) -m str -- {gate} }}\n" for gate in gates)
+    servers = "".join(f"    server {gate} unix@{socket_path} maxconn {limits.max_running_per_tenant} send-proxy-v2 "
+                      "no-check\n" for gate in gates)
+    owner = f" user {runtime.user}" if runtime.user else ""
+    backend = HAPROXY_TENANT_LIMITS.format(running=limits.max_running_per_tenant, use_servers=use_servers,
+                                           gate_timeout=haproxy_time(gate_timeout), servers=servers,
+                                           socket=socket_path, owner=owner)
+    return front, backend
 
 
 def local_edits(paths: list[str]) -> str:
@@ -6205,6 +6309,11 @@ def haproxy_config_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-requests-per-source", type=int, default=ProxyLimits.source_requests,
                    help="requests one client address may send in any 10 s; more are answered 429 "
                         "(default: %(default)s)")
+    for name in ("max_running_per_tenant", "max_waiting_per_tenant"):  # the nodes' rule, for the whole cohort
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(ProxyLimits, name),
+                       help=f"the nodes' flag of this name, held by the proxy for the whole cohort: "
+                            f"{ServerConfig.__dataclass_fields__[name].metadata['help'].replace(' on this node', '')}; "
+                            "start the nodes without it (docs/scaling.md)")
     return p
 
 
@@ -6236,12 +6345,18 @@ def haproxy_config_main(argv: list[str]) -> None:
         p.error("--queue-timeout, --server-timeout and --header-timeout must be positive numbers of seconds")
     if args.max_connections_per_source < 1 or args.max_requests_per_source < 1:
         p.error("--max-connections-per-source and --max-requests-per-source must be at least 1")
+    if min(args.max_running_per_tenant, args.max_waiting_per_tenant) < 0:
+        p.error("the per-tenant limits must be >= 0")
+    if args.max_waiting_per_tenant and not args.max_running_per_tenant:
+        p.error("--max-waiting-per-tenant counts the requests waiting at their tenant's gate, which "
+                "--max-running-per-tenant sets: give both")
     try:
         tenants = proxy_tokens(args)
         tokens = list(tenants)
         runtime = proxy_runtime(args)
         nodes = with_slots([parse_node(text) for text in args.nodes], tokens[0] if tokens else None)
-        limits = ProxyLimits(args.header_timeout, args.max_connections_per_source, args.max_requests_per_source)
+        limits = ProxyLimits(args.header_timeout, args.max_connections_per_source, args.max_requests_per_source,
+                             args.max_running_per_tenant, args.max_waiting_per_tenant)
         secret = read_proxy_secret(args.proxy_secret_file) if args.proxy_secret_file else None
         text = haproxy_config(args.listen, nodes, tokens, args.queue_timeout, args.server_timeout, limits, runtime,
                               {token: name for token, name in tenants.items() if name}, secret)

@@ -49,7 +49,13 @@ CUDA's guards); last, `kcoral.builtins` and `kcoral.errors`, what uploaded code 
 `evaluate`'s kernel processes (a fresh interpreter per kernel under test, its own messages).
 
 A worker's device is fixed when it starts: `worker_main` builds one `Runtime` and hands it
-down to each request; nothing module-level changes per process or per request.
+down to each request.  Eight module-level names change in a worker, each once per process or as a
+cache its requests may share (a worker serves one request by default): `FLUSH_HOOKS_INSTALLED`,
+`_library_runtimes_loaded` and `_cute_preloaded` (set the first time), `SANDBOXED` (set by a
+sandboxed request's init), `_cudarts` (the libcudart
+handles loaded), `_cupti_used` (set by a request's profiler guard, cleared before the next) and
+`_compiled` (compiled executables by structural hash); in evaluate's kernel processes,
+`IN_PLACE_DTYPES` (which dtypes' bytes are as sent).  Nothing else module-level changes.
 """
 
 from __future__ import annotations
@@ -174,13 +180,13 @@ def write_batches(write: Callable[[list[memoryview]], int], buffers: Iterable[Bu
     """Hand `buffers` to `write` (os.writev, socket.sendmsg: -> bytes written, which may stop
     anywhere, short of 2 GiB at most) up to WRITE_BATCH at a time: a folder's 500 files take a
     few system calls instead of one each."""
-    queue = collections.deque(view for view in (memoryview(b).cast("B") for b in buffers) if view.nbytes)
-    while queue:
-        sent = write(list(itertools.islice(queue, WRITE_BATCH)))
-        while sent and sent >= queue[0].nbytes:
-            sent -= queue.popleft().nbytes
+    pending = collections.deque(view for view in (memoryview(b).cast("B") for b in buffers) if view.nbytes)
+    while pending:
+        sent = write(list(itertools.islice(pending, WRITE_BATCH)))
+        while sent and sent >= pending[0].nbytes:
+            sent -= pending.popleft().nbytes
         if sent:
-            queue[0] = queue[0][sent:]
+            pending[0] = pending[0][sent:]
 
 
 def recv_raw(conn: Connection, size: int, deadline: float | None = None) -> bytearray:
@@ -351,6 +357,12 @@ def receive_message(conn: Connection, limit: int = 1 << 30, deadline: float | No
     UnexpectedMessage for a frame over `limit` bytes, malformed JSON, an unknown type, a missing
     or extra key or a value of the wrong type; TimeoutError past `deadline`; EOFError when the
     peer closed the pipe."""
+    payload = receive_frame(conn, limit, deadline)
+    return decode_message(payload), MESSAGE_HEADER.size + len(payload)
+
+
+def receive_frame(conn: Connection, limit: int = 1 << 30, deadline: float | None = None) -> bytearray:
+    """The next message's payload off the pipe, not yet decoded (receive_message's errors but the checks)."""
     fd = conn.fileno()
     header = bytearray(MESSAGE_HEADER.size)
     read_into(fd, memoryview(header), deadline)
@@ -359,7 +371,7 @@ def receive_message(conn: Connection, limit: int = 1 << 30, deadline: float | No
         raise UnexpectedMessage(f"a message of {size} bytes (at most {limit} allowed here)")
     payload = bytearray(size)
     read_into(fd, memoryview(payload), deadline)
-    return decode_message(payload), MESSAGE_HEADER.size + size
+    return payload
 
 
 def decode_message(payload: bytes | bytearray) -> object:
@@ -1281,8 +1293,8 @@ def initialize_gpu() -> GpuInitialized:
     suffix = "a" if major >= 9 else ""
     # later CPU-only compiles then need not query the driver
     os.environ.setdefault("TVM_FFI_CUDA_ARCH_LIST", f"{major}.{minor}{suffix}")
-    uuid = getattr(torch.cuda.get_device_properties(0), "uuid", None)
-    return GpuInitialized(f"sm_{major}{minor}{suffix}", torch.version.cuda, str(uuid or ""))
+    gpu_uuid = getattr(torch.cuda.get_device_properties(0), "uuid", None)
+    return GpuInitialized(f"sm_{major}{minor}{suffix}", torch.version.cuda, str(gpu_uuid or ""))
 
 
 def serve_request(conn: Connection, request: JobRequest, runtime: Runtime) -> bool:
@@ -2983,6 +2995,9 @@ EVAL_FRAME_BYTES = 1 << 20  # one answer's frame: specs only, the bytes follow i
 EVAL_ROUND_BYTES = 512 << 20
 EVAL_MAX_CALLS = 1000  # calls per round, whatever the kernel's time: make_inputs runs once per call
 EVAL_ALIGN = 64  # each tensor in the region starts at a cache line
+# a race round's tensors start up to this far into the region, at random: an address the two
+# processes keep would otherwise give one of them a lasting edge (4K aliasing between inputs and outputs)
+EVAL_SHIFT_SPAN = 4096
 EVAL_MAX_WARMUP_ROUNDS = 10  # past them, the calls per round stay as they are
 # rtol, atol per output dtype when the caller sets none: torch.testing.assert_close's defaults,
 # float8's from its mantissa (3 and 2 bits); integers and bool compare exactly (check_close)
@@ -3081,10 +3096,11 @@ def read_values(conn: Connection, specs: list[dict], deadline: float | None) -> 
     return values
 
 
-def staged_layout(calls: list[list[EvalValue]]) -> tuple[list[list[dict]], list[tuple[int, EvalValue]], int]:
-    """Where each call's tensors go in a region: (the specs per call, each tensor with its `offset`;
-    (offset, value) for every tensor; the bytes the region needs)."""
-    specs, placed, end = [], [], 0
+def staged_layout(calls: list[list[EvalValue]], shift: int = 0) -> tuple[list[list[dict]], list[tuple[int, EvalValue]],
+                                                                        int]:
+    """Where each call's tensors go in a region, from `shift` on: (the specs per call, each tensor with
+    its `offset`; (offset, value) for every tensor; the bytes the region needs)."""
+    specs, placed, end = [], [], shift
     for args in calls:
         call = []
         for value in args:
@@ -3188,7 +3204,7 @@ def kernel_process_main(fd: int) -> None:
             elif isinstance(msg, EvalGo):
                 send_message(conn, EvalDone(kernel.go(msg.call), None))
             elif isinstance(msg, EvalPublish):
-                send_values(conn, kernel.held[msg.index])
+                send_values(conn, kernel.publish(msg.index))
             elif isinstance(msg, EvalInputsBack):
                 kernel.inputs_back()
                 send_message(conn, EvalDone([], None))
@@ -3229,6 +3245,40 @@ def address_of(data: Any) -> int:
     return int(numpy.frombuffer(data, dtype=numpy.uint8).__array_interface__["data"][0]) if len(data) else 0
 
 
+def result_location(value: Any, where: str) -> tuple[dict[str, Any], Any]:
+    """A result's spec with the `address` of its bytes in this process, and the object that keeps
+    them there.  On the clock, once per call: a contiguous CPU array or tensor of a known dtype is
+    described in place (a few us); anything else goes through eval_value's checks and host copy."""
+    numpy, torch = sys.modules.get("numpy"), sys.modules.get("torch")
+    if numpy is not None and type(value) is numpy.ndarray and value.flags.c_contiguous:
+        dtype = in_place_dtype(value.dtype)
+        if dtype is not None:
+            return {"kind": "numpy", "dtype": dtype, "shape": list(value.shape), "device": "cpu",
+                    "address": value.ctypes.data}, value
+    if (torch is not None and type(value) is torch.Tensor and value.device.type == "cpu" and value.is_contiguous()
+            and not value.is_conj() and not value.is_neg()):
+        dtype = in_place_dtype(value.dtype)
+        if dtype is not None:
+            return {"kind": "torch", "dtype": dtype, "shape": list(value.shape), "device": "cpu",
+                    "address": value.data_ptr()}, value
+    held = eval_value(value, where, copy=False, output=True)
+    return {**held.spec(), "address": address_of(held.data)}, held
+
+
+IN_PLACE_DTYPES: dict[Any, str | None] = {}  # a NumPy or torch dtype -> its name where its bytes are as sent
+
+
+def in_place_dtype(dtype: Any) -> str | None:
+    """The name of a dtype whose elements lie in memory as evaluate reads them (little-endian, the
+    size DTYPE_SIZES says), else None; cached, since a dtype's name costs microseconds to form."""
+    if dtype not in IN_PLACE_DTYPES:
+        name = str(dtype).removeprefix("torch.") if type(dtype).__module__ == "torch" else dtype.name
+        size = dtype.itemsize
+        native = getattr(dtype, "isnative", True) and sys.byteorder == "little"
+        IN_PLACE_DTYPES[dtype] = name if native and DTYPE_SIZES.get(name) == size else None
+    return IN_PLACE_DTYPES[dtype]
+
+
 class KernelUnderTest:
     """A kernel process's side: the loaded function, the staged arguments (views of the shared
     region), and every result of the last round held in host memory, where evaluate reads it; with
@@ -3247,7 +3297,7 @@ class KernelUnderTest:
         self.on_device = False  # some of them belong on a GPU
         self.built: list[list[Any]] = []  # the last round's arguments on their devices
         self.results: list[list[Any]] = []
-        self.held: list[list[EvalValue]] = []
+        self.held: list[list[Any]] = []  # what keeps each result's bytes where go said they lie
 
     def stage(self, calls: list[list[dict]], fd: int | None, size: int) -> None:
         if fd is not None:  # pages mapped now, not on the kernel's first touch inside the window
@@ -3279,9 +3329,13 @@ class KernelUnderTest:
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():
             torch.cuda.synchronize()
-        self.held = [[eval_value(v, f"output {i}", copy=False, output=True) for i, v in enumerate(results)]
-                     for results in self.results]
-        return [[{**v.spec(), "address": address_of(v.data)} for v in values] for values in self.held]
+        located = [[result_location(v, f"output {i}") for i, v in enumerate(results)] for results in self.results]
+        self.held = [[keep for _, keep in results] for results in located]
+        return [[spec for spec, _ in results] for results in located]
+
+    def publish(self, index: int) -> list[EvalValue]:
+        """Call `index`'s results as bytes (the reference's, which evaluate cannot read in place)."""
+        return [eval_value(v, f"output {i}", copy=False, output=True) for i, v in enumerate(self.results[index])]
 
     def call(self, args: list[Any]) -> list[Any]:
         self.set_inputs(args)
@@ -3364,15 +3418,15 @@ class KernelProcess:
         self.answer(EvalOutputs)
         self.halt()
 
-    def stage(self, calls: list[list[EvalValue]]) -> list[tuple[int, EvalValue]]:
-        """The next round's arguments placed in the region (a larger one made when they do not fit),
-        written while the process is stopped -> where each tensor lies."""
-        specs, placed, size = staged_layout(calls)
+    def stage(self, calls: list[list[EvalValue]], shift: int = 0) -> list[tuple[int, EvalValue]]:
+        """The next round's arguments placed in the region from `shift` on (a larger region made when
+        they do not fit), written while the process is stopped -> where each tensor lies."""
+        specs, placed, size = staged_layout(calls, shift)
         fresh = self.region is None or self.region.size < size
         if fresh:
             if self.region is not None:
                 self.region.close()
-            self.region = SharedRegion(size)
+            self.region = SharedRegion(size - shift + EVAL_SHIFT_SPAN)
         assert self.region is not None
         self.resume()
         send_message(self.conn, EvalStage(specs, self.region.size if fresh else 0))
@@ -3388,14 +3442,16 @@ class KernelProcess:
         it was done -> (its results' specs per call, each with its address there; ms).  Nothing it
         writes after the clock stops, since it is stopped: every thread, and its group's other
         processes as the same signal reaches them."""
+        go = encode_message(EvalGo(call))  # before the clock starts
         start = time.perf_counter()
         self.resume()
-        send_message(self.conn, EvalGo(call))
+        send_raw(self.conn, go)
         try:
-            done = self.answer(EvalDone)
+            frame = self.answer(EvalDone, decode=False)  # decoded off the clock, below
         finally:
             self.halt()
         elapsed = (time.perf_counter() - start) * 1e3
+        done = self.answer(EvalDone, frame)
         for results in done:
             for spec in results:
                 self.result_size(spec)
@@ -3444,11 +3500,16 @@ class KernelProcess:
         finally:
             self.halt()
 
-    def answer(self, expected: type) -> Any:
-        """The next message, of type `expected`: EvalOutputs with their bytes, or EvalDone's specs."""
+    def answer(self, expected: type, frame: bytearray | None = None, decode: bool = True) -> Any:
+        """The next message (or `frame`, one already read), of type `expected`: EvalOutputs with
+        their bytes, or EvalDone's specs; without `decode`, only its frame, read."""
         deadline = time.monotonic() + self.timeout
         try:
-            msg = receive_message(self.conn, EVAL_FRAME_BYTES, deadline)[0]
+            if frame is None:
+                frame = receive_frame(self.conn, EVAL_FRAME_BYTES, deadline)
+            if not decode:
+                return frame
+            msg = decode_message(frame)
             if not isinstance(msg, (EvalOutputs, EvalDone)) or not isinstance(msg, expected):
                 raise UnexpectedMessage(f"{type(msg).__name__} where {expected.__name__} was expected")
             if msg.error is not None:
@@ -3469,19 +3530,19 @@ class KernelProcess:
             return "still running, its channel closed"
         return f"killed by signal {-code}" if code < 0 else f"exit status {code}"
 
-    def signal(self, sig: int) -> None:
+    def send_signal(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, sig)
 
     def resume(self) -> None:
-        self.signal(signal.SIGCONT)
+        self.send_signal(signal.SIGCONT)
 
     def halt(self) -> None:
         """SIGSTOP to the whole group, until the process has stopped: nothing of this one (a
         spinning thread, a helper process) competes with the other kernel meanwhile, or writes
         its results once they are read.  A signal is delivered when the process next runs: a
         process woken to stop would otherwise compete with the other kernel at the start of its call."""
-        self.signal(signal.SIGSTOP)
+        self.send_signal(signal.SIGSTOP)
         if self.proc.returncode is not None:
             return
         pid, status = os.waitpid(self.proc.pid, os.WUNTRACED)
@@ -3489,7 +3550,7 @@ class KernelProcess:
             self.proc.returncode = os.waitstatus_to_exitcode(status)
 
     def close(self) -> None:
-        self.signal(signal.SIGKILL)
+        self.send_signal(signal.SIGKILL)
         self.proc.wait()
         self.conn.close()
         if self.region is not None:
@@ -3498,7 +3559,7 @@ class KernelProcess:
 
 def evaluate(candidate: str, reference: str, make_inputs: Callable[[int], Any], *, entry: str = "kernel",
              seeds: int = 3, rtol: float | None = None, atol: float | None = None, timing: bool = True,
-             warmup_ms: float = 100.0, target_rse: float = 0.01, budget_ms: float = 2000.0, min_rounds: int = 10,
+             warmup_ms: float = 100.0, target_rse: float = 0.01, budget_ms: float = 2000.0, min_rounds: int = 20,
              max_rounds: int = 1000, round_ms: float = 20.0, flush_l2: bool = True, cuda_graph: bool = False,
              implausible_speedup: float = 10.0, confidence: float = 0.95,
              call_timeout_s: float = 60.0) -> dict[str, Any]:
@@ -3575,10 +3636,12 @@ class Evaluation:
             report.update(status="error", correct=False, message=str(exc))
         return report
 
-    def inputs(self, seed: int) -> list[EvalValue]:
+    def inputs(self, seed: int, copy: bool = True) -> list[EvalValue]:
+        """make_inputs(seed) as values: over copies of their bytes, or (`copy=False`, bytes only ever
+        written to the regions and compared with them) over the arrays make_inputs returned."""
         args = self.make_inputs(seed)
-        values = [eval_value(v, f"make_inputs' value {i}") for i, v in enumerate(args if type(args) in (tuple, list)
-                                                                                 else [args])]
+        values = [eval_value(v, f"make_inputs' value {i}", copy=copy)
+                  for i, v in enumerate(args if type(args) in (tuple, list) else [args])]
         if any(v.device == "cuda" for v in values):
             self.device = "cuda"
         return values
@@ -3665,19 +3728,28 @@ class Evaluation:
         while settled < 2 or time.perf_counter() - start < opts["warmup_ms"] / 1e3:
             warm += 1
             call_bytes = self.round(f"warm-up round {warm}", calls, warming)  # the same protocol as a timed one
-            estimates.append((warming["reference"][-1] - warming["echo"][-1]) / calls)
-            # the median of the rounds after the first, which pays for first touches
-            wanted = calls_per_round(median(estimates[1:] or estimates), call_bytes, opts["round_ms"])
+            # the kernel's time per call where this round resolved it (its window at least twice the
+            # quickest empty round trip so far, which it is taken less: load only lengthens one):
+            # the median of those after the first, which pays for first touches; none yet, 4x the calls
+            echo = min(warming["echo"])
+            if warming["reference"][-1] > 2 * echo:
+                estimates.append((warming["reference"][-1] - echo) / calls)
+            kernel_ms = median(estimates[1:] or estimates) if estimates else opts["round_ms"] / (4 * calls)
+            wanted = calls_per_round(kernel_ms, call_bytes, opts["round_ms"])
             settled = settled + 1 if wanted <= calls or warm >= EVAL_MAX_WARMUP_ROUNDS else 0
             calls = max(calls, wanted) if warm < EVAL_MAX_WARMUP_ROUNDS else calls
         start, stopped = time.perf_counter(), "max_rounds"
+        least = next(n for n in itertools.count(3) if sign_test_ranks(n, opts["confidence"])[0] is not None)
         for index in range(opts["max_rounds"]):
             self.round(f"timed round {index + 1}", calls, samples)
             rse = {role: relative_standard_error(samples[role], samples["echo"]) for role in ("reference", "candidate")}
-            if index + 1 >= opts["min_rounds"] and max(rse.values()) <= opts["target_rse"]:
+            rse["speedup"] = speedup_standard_error(samples)
+            # on each kernel's own: the speedup's, lower, would stop a race after the few rounds of a
+            # stretch of steady load, over which both processes' lot differs (where each runs)
+            if index + 1 >= opts["min_rounds"] and max(rse["reference"], rse["candidate"]) <= opts["target_rse"]:
                 stopped = "target_rse"
                 break
-            if index + 1 >= 3 and (time.perf_counter() - start) * 1e3 >= opts["budget_ms"]:
+            if index + 1 >= least and (time.perf_counter() - start) * 1e3 >= opts["budget_ms"]:
                 stopped = "budget"
                 break
         result = race_statistics(samples, opts["confidence"], calls)
@@ -3693,25 +3765,26 @@ class Evaluation:
         return result
 
     def round(self, label: str, calls: int, samples: dict[str, list[float]]) -> int:
-        """One A/B round of `calls` calls, each on fresh inputs: each kernel's round timed while the
-        other's process group is stopped, then the reference's empty round trip; the candidate's
-        results of one call drawn at random (after the round) checked against the reference's on
-        the same inputs, and all its inputs unchanged.  -> the bytes of a call's inputs and outputs."""
+        """One round of `calls` calls, each on fresh inputs: both kernels' arguments staged, then their
+        turns back to back, in alternating order (AB, BA: an order effect cancels over two rounds),
+        each timed while the other's process group is stopped, then the reference's empty round
+        trip; the candidate's results of one call drawn at random (after the round) checked against
+        the reference's on the same inputs, and all its inputs unchanged.  -> the bytes of a call's
+        inputs and outputs."""
         import secrets
-        sets = [self.inputs(random_seed()) for _ in range(calls)]
+        sets = [self.inputs(random_seed(), copy=False) for _ in range(calls)]
         index = secrets.randbelow(calls)
-        placed, layout, elapsed = {}, {}, {}
+        placed = {role: process.stage(sets, secrets.randbelow(EVAL_SHIFT_SPAN // EVAL_ALIGN) * EVAL_ALIGN)
+                  for role, process in self.processes.items()}
+        layout, elapsed = {}, {}
         for role in ("reference", "candidate") if len(samples["echo"]) % 2 == 0 else ("candidate", "reference"):
-            process = self.processes[role]
-            placed[role] = process.stage(sets)
             if role == "reference":
                 self.report["flags"].update(foreign_flag(self.processes.values()))
             self.flush()
-            layout[role], elapsed[role] = process.go(True)
+            layout[role], elapsed[role] = self.processes[role].go(True)
             samples[role].append(elapsed[role])
-            if role == "reference":  # the exchange alone, in the trusted process: both kernels' baseline
-                self.flush()
-                samples["echo"].append(process.go(False)[1])
+        self.flush()  # the exchange alone, in the trusted process: both kernels' baseline
+        samples["echo"].append(self.reference.go(False)[1])
         expected = self.reference.publish(index)
         self.check_call(layout["candidate"], calls, index, expected, placed["candidate"], elapsed["candidate"],
                         f"in {label} (call {index + 1} of {calls}), against the reference on the same inputs")
@@ -3841,30 +3914,63 @@ def relative_standard_error(windows: list[float], echoes: list[float]) -> float:
     return 1.2533 * spread / math.sqrt(len(windows)) / kernel if kernel > 0 else math.inf
 
 
-def race_statistics(samples: dict[str, list[float]], confidence: float, calls: int = 1,
-                    resamples: int = 2000) -> dict[str, Any]:
-    """Each kernel's time per call (median window less median echo, over the `calls` of a round; ms)
-    and the speedup reference / candidate, with a bootstrap interval over rounds (resampled whole:
-    a round's drift hits both kernels)."""
-    import numpy
-    arrays = {k: numpy.asarray(v, dtype=numpy.float64) for k, v in samples.items()}
-    rounds = len(arrays["echo"])
-    picks = numpy.random.default_rng(random_seed()).integers(0, rounds, size=(resamples, rounds))
+def speedup_standard_error(samples: dict[str, list[float]]) -> float:
+    """The relative standard error of the speedup (the median of the rounds' ratios): from the
+    median absolute deviation of their logarithms, as relative_standard_error.  A load common to
+    both turns of a round cancels in its ratio, so this falls where each kernel's own does not."""
+    echo = median(samples["echo"])
+    logs = [math.log(r) for r in (round_ratio(r - echo, c - echo) for r, c in zip(samples["reference"],
+                                                                                   samples["candidate"]))
+            if 0 < r < math.inf]
+    if len(logs) < 2 or len(logs) < len(samples["echo"]) / 2:
+        return math.inf
+    middle = median(logs)
+    return 1.2533 * 1.4826 * median([abs(v - middle) for v in logs]) / math.sqrt(len(logs))
 
-    def kernel_ms(role: str, index: Any = slice(None)) -> Any:
-        return (numpy.median(arrays[role][index], axis=-1) - numpy.median(arrays["echo"][index], axis=-1)) / calls
-    reference, candidate = float(kernel_ms("reference")), float(kernel_ms("candidate"))
+
+def race_statistics(samples: dict[str, list[float]], confidence: float, calls: int = 1) -> dict[str, Any]:
+    """Each kernel's time per call (median window less median echo, over the `calls` of a round; ms)
+    and the speedup reference / candidate: the median of the rounds' own ratios (each round times
+    both kernels back to back, so the load of that moment hits both), with the distribution-free
+    interval of a median (sign_test_ranks): no assumption on the shape of the noise, and a few
+    descheduled rounds move it by a rank each, not by their size."""
+    echo = median(samples["echo"])
+    reference = (median(samples["reference"]) - echo) / calls
+    candidate = (median(samples["candidate"]) - echo) / calls
     result: dict[str, Any] = {"reference_ms": reference, "candidate_ms": candidate, "speedup": None,
                               "speedup_ci": None, "confidence": confidence}
     if reference > 0 and candidate > 0:
-        numerators, denominators = kernel_ms("reference", picks), kernel_ms("candidate", picks)
-        with numpy.errstate(divide="ignore", invalid="ignore"):
-            ratios = numpy.where(denominators > 0, numpy.maximum(numerators, 0) / denominators, numpy.inf)
-        low = numpy.quantile(ratios, (1 - confidence) / 2, method="lower")  # no interpolation: inf stays inf
-        high = numpy.quantile(ratios, (1 + confidence) / 2, method="higher")
-        result.update(speedup=reference / candidate,
-                      speedup_ci=[float(low), float(high) if numpy.isfinite(high) else None])
+        ratios = sorted(round_ratio(r - echo, c - echo) for r, c in zip(samples["reference"], samples["candidate"]))
+        low, high = sign_test_ranks(len(ratios), confidence)
+        middle = math.exp(median([log_or_infinite(r) for r in ratios]))
+        result.update(speedup=middle if 0 < middle < math.inf else reference / candidate,  # half the rounds unresolved
+                      speedup_ci=[ratios[low] if low is not None else 0.0,
+                                  ratios[high] if high is not None and math.isfinite(ratios[high]) else None])
     return result
+
+
+def round_ratio(reference: float, candidate: float) -> float:
+    """One round's speedup from the kernels' times (the echo taken off): 0 where the reference's is
+    not above the echo, inf where the candidate's is not."""
+    if candidate <= 0:
+        return math.inf
+    return max(reference, 0.0) / candidate
+
+
+def log_or_infinite(ratio: float) -> float:
+    return math.log(ratio) if ratio > 0 else -math.inf
+
+
+def sign_test_ranks(n: int, confidence: float) -> tuple[int | None, int | None]:
+    """The 0-based ranks (low, high) among n sorted samples that bound their population's median
+    with at least `confidence`: the k-th smallest and k-th largest, k the largest with
+    P(Binomial(n, 1/2) < k) <= (1 - confidence) / 2 (exact, in integers).  (None, None) where n is
+    too small for any (5 or fewer at 95%)."""
+    k, cumulative = 0, 0
+    while k < n and (cumulative + math.comb(n, k)) / 2 ** n <= (1 - confidence) / 2:  # int / int: no overflow
+        cumulative += math.comb(n, k)
+        k += 1
+    return (k - 1, n - k) if k else (None, None)
 
 
 def race_flags(result: dict[str, Any], implausible: float) -> dict[str, str]:
@@ -3876,6 +3982,10 @@ def race_flags(result: dict[str, Any], implausible: float) -> dict[str, str]:
         return flags
     if speedup > implausible:
         flags["implausible_speedup"] = f"{speedup:.3g}x is beyond {implausible:g}x: check what the candidate skips"
+    overhead, fastest = result.get("overhead_ms_per_call", 0.0), min(result["reference_ms"], result["candidate_ms"])
+    if overhead > fastest:  # the subtraction, and its noise, outweigh what is left of a kernel
+        flags["harness_dominates"] = (f"the harness's cost per call ({overhead:.3g} ms, subtracted) exceeds a kernel's "
+                                      f"time per call ({fastest:.3g} ms): raise round_ms, or budget_ms")
     if interval[0] <= 1 and (interval[1] is None or interval[1] >= 1):
         high = "inf" if interval[1] is None else f"{interval[1]:.3g}"
         flags["within_noise"] = f"the {result['confidence']:.0%} interval {interval[0]:.3g}-{high} contains 1"
@@ -3899,8 +4009,8 @@ def gpu_conditions() -> dict[str, Any] | None:
         import pynvml  # type: ignore[import-not-found]
         import torch
         pynvml.nvmlInit()
-        uuid = str(torch.cuda.get_device_properties(0).uuid)
-        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+        gpu_uuid = str(torch.cuda.get_device_properties(0).uuid)
+        handle = pynvml.nvmlDeviceGetHandleByUUID(gpu_uuid if gpu_uuid.startswith("GPU-") else f"GPU-{gpu_uuid}")
         return {"sm_clock_mhz": pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
                 "memory_clock_mhz": pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_MEM),
                 "temperature_c": pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU),

@@ -225,6 +225,20 @@ def prometheus_server(workdir, scrape_configs, rule_files=()):
         prometheus.wait(30)
 
 
+def scrapes_after(query, moment, count=1, timeout=30.0):
+    """Wait until Prometheus (a `prometheus_server` query) has scraped `count` times since the wall-clock
+    `moment`: a sample's timestamp is its scrape's start, so those scrapes read everything done before."""
+    for _ in range(count):
+        assert wait_for(lambda: (scalar(query, "timestamp(up)") or 0) > moment, timeout), query.log()
+        moment = scalar(query, "timestamp(up)")
+
+
+def scalar(query, promql):
+    """The value of a PromQL query answering one sample (None while there is none)."""
+    result = query(promql)
+    return result[0][1] if result else None
+
+
 @contextlib.contextmanager
 def proxy_in_front(url, workdir):
     """A HAProxy configured by `haproxy-config` in front of one node; the test skips without haproxy."""

@@ -31,6 +31,7 @@ from tests.support import (
     reference_popen_options,
     reference_server_argv,
     request,
+    wait_for,
 )
 
 CLI_ENV = {k: v for k, v in os.environ.items() if k not in ("KCORAL_URL", "KCORAL_TOKEN")}
@@ -74,15 +75,14 @@ def reference_url():
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
+        def healthy():
             assert proc.poll() is None, "the reference server exited while starting"
             try:
-                if request("GET", url + "/health", timeout=5)[0] == 200:
-                    break
+                return request("GET", url + "/health", timeout=5)[0] == 200
             except OSError:
-                assert time.monotonic() < deadline, "the reference server did not start in 60 s"
-                time.sleep(0.1)
+                return False
+
+        assert wait_for(healthy, timeout=60, interval=0.1), "the reference server did not answer 200 in 60 s"
         yield url
     finally:
         proc.terminate()  # the server stops its workers itself; a group-wide signal races that

@@ -486,9 +486,119 @@ def test_the_speedup_and_its_interval_are_over_kernel_times():
     noisy = kcoral_worker.race_statistics({"reference": [3.0, 1.2] * 10, "candidate": [1.2, 3.0] * 10,
                                            "echo": [1.0] * 20}, 0.95)
     assert "within_noise" in kcoral_worker.race_flags(noisy, 10.0)
+    short = dict(kcoral_worker.race_statistics({"reference": [3.0] * 20, "candidate": [2.2] * 20, "echo": [2.0] * 20},
+                                               0.95), overhead_ms_per_call=2.0)  # rounds of one call, under load
+    assert "harness_dominates" in kcoral_worker.race_flags(short, 10.0)
+    assert "harness_dominates" not in kcoral_worker.race_flags(dict(result, overhead_ms_per_call=0.5), 10.0)
     below = kcoral_worker.race_statistics({"reference": [1.0] * 5, "candidate": [1.0] * 5, "echo": [1.0] * 5}, 0.95)
     assert below["speedup"] is None and "below_resolution" in kcoral_worker.race_flags(below, 10.0)
     json.dumps(below, allow_nan=False)  # returnable
+
+
+def self_race(rng, rounds):
+    """Windows of a kernel raced against itself on a loaded machine: a round's load (a factor
+    between 1 and 3) hits both turns alike; on top, each turn's own noise, and a third of the turns
+    descheduled for up to 10 ms (1 ms kernels, 0.2 ms empty round trip)."""
+    load = rng.uniform(1, 3, rounds)
+
+    def turn():
+        return 0.2 + load * rng.lognormal(0, 0.05, rounds) + rng.exponential(3, rounds) * (rng.random(rounds) < 1 / 3)
+    return {"reference": list(turn()), "candidate": list(turn()), "echo": [0.2] * rounds}
+
+
+def test_the_interval_of_a_self_race_contains_1_as_often_as_it_claims():
+    """The interval is the distribution-free one of the median of the rounds' own ratios: over
+    many synthetic self-races of 12 rounds (where a bootstrap of medians claims more than it
+    holds), it contains 1 at least 95% of the time less the simulation's error."""
+    import numpy
+    rng = numpy.random.default_rng(7)
+    results = [kcoral_worker.race_statistics(self_race(rng, 12), 0.95) for _ in range(400)]
+    covered = sum(r["speedup_ci"][0] <= 1 <= r["speedup_ci"][1] for r in results)
+    assert covered >= 0.94 * len(results), covered
+
+
+def test_the_speedup_pairs_each_rounds_turns():
+    """A candidate 1.3x slower than the reference in every round, under a load that triples some
+    rounds: each round's ratio is 1/1.3, so the interval is that alone; so it stays with a load
+    that drifts and the candidate descheduled in a few early rounds (where the ratio of each
+    kernel's median is far off); an order effect (the turn timed second 10% slower), in
+    alternating order, leaves the reference against itself at 1."""
+    load = [1, 3, 1.5, 2.5, 1, 2] * 4
+    slower = {"reference": [0.2 + f for f in load], "candidate": [0.2 + 1.3 * f for f in load], "echo": [0.2] * 24}
+    result = kcoral_worker.race_statistics(slower, 0.95)
+    assert result["speedup"] == pytest.approx(1 / 1.3) and result["speedup_ci"] == pytest.approx([1 / 1.3] * 2)
+    drift = [1 + i / 10 for i in range(20)]  # a load growing through the race, and the candidate
+    descheduled = {"reference": [0.2 + f for f in drift],  # descheduled for 5 ms in 8 of its early rounds
+                   "candidate": [0.2 + 1.3 * f + (5 if i < 8 else 0) for i, f in enumerate(drift)],
+                   "echo": [0.2] * 20}
+    result = kcoral_worker.race_statistics(descheduled, 0.95)  # the two medians' ratio would read 0.54
+    assert result["speedup"] == pytest.approx(1 / 1.3) and result["speedup_ci"][1] == pytest.approx(1 / 1.3)
+    assert kcoral_worker.speedup_standard_error(slower) == 0.0  # the load cancels in each round's ratio,
+    assert kcoral_worker.relative_standard_error(slower["candidate"], slower["echo"]) > 0.1  # not in a kernel's
+    second = [1.1 if i % 2 else 1.0 for i in range(24)]  # rounds alternate AB, BA: the second turn is slower
+    ordered = {"reference": [0.2 + s for s in second], "candidate": [0.2 + (2.1 - s) for s in second],
+               "echo": [0.2] * 24}
+    result = kcoral_worker.race_statistics(ordered, 0.95)
+    assert result["speedup"] == pytest.approx(1.0) and result["speedup_ci"] == pytest.approx([1 / 1.1, 1.1])
+
+
+def test_the_median_interval_ranks_are_the_sign_tests():
+    assert kcoral_worker.sign_test_ranks(5, 0.95) == (None, None)  # 2/32 > 5%: no interval
+    assert kcoral_worker.sign_test_ranks(6, 0.95) == (0, 5)
+    assert kcoral_worker.sign_test_ranks(20, 0.95) == (5, 14)  # the 6th smallest and largest
+    for n in (6, 12, 40, 200, 2000):
+        low, high = kcoral_worker.sign_test_ranks(n, 0.95)
+        outside = sum(math.comb(n, j) for j in range(low + 1)) / 2 ** n  # P(median below the low rank)
+        tighter = sum(math.comb(n, j) for j in range(low + 2)) / 2 ** n
+        assert high == n - 1 - low and outside <= 0.025 < tighter
+    few = kcoral_worker.race_statistics({"reference": [2.0] * 4, "candidate": [1.5] * 4, "echo": [1.0] * 4}, 0.95)
+    assert few["speedup"] == 2.0 and few["speedup_ci"] == [0.0, None]  # 4 rounds bound nothing
+
+
+SLEEPER = """
+import time
+
+def kernel(x):
+    time.sleep(0.002)
+    return x * 2
+"""
+
+
+def test_a_spent_budget_still_races_the_rounds_an_interval_needs():
+    """The median's interval needs 6 rounds at 95%: a race out of budget at once runs those."""
+    import numpy
+    verdict = kcoral_worker.evaluate(SLEEPER, SLEEPER, lambda seed: numpy.full(4, seed % 7, numpy.float32),
+                                     seeds=1, warmup_ms=0, budget_ms=0, round_ms=0)
+    timing = verdict["timing"]
+    assert timing["stopped"] == "budget" and timing["rounds"] == 6, timing
+    assert timing["speedup_ci"][1] is not None and timing["speedup_ci"][0] > 0, timing
+
+
+def test_results_are_described_in_place_where_their_bytes_are_as_sent():
+    """On the clock, a contiguous little-endian CPU array or tensor is described where it lies; any
+    other result is copied as before: either way the bytes at the address are eval_value's."""
+    import ml_dtypes
+    import numpy
+    import torch
+    cases = [(numpy.arange(6, dtype=numpy.float32), True), (numpy.ones(4, ml_dtypes.bfloat16), True),
+             (numpy.array([True, False]), True), (torch.arange(5, dtype=torch.int64), True),
+             (numpy.arange(6, dtype=">f4"), False), (numpy.ones((3, 2)).T, False), (torch.ones(3, 2).t(), False),
+             (numpy.float32(2.5), False), (7, False)]
+    for value, in_place in cases:
+        spec, keep = kcoral_worker.result_location(value, "output 0")
+        expected = kcoral_worker.eval_value(value, "output 0", copy=False, output=True)
+        shape = {k: spec[k] for k in kcoral_worker.EVAL_SPEC_KEYS}
+        size = kcoral_worker.value_size(shape)
+        assert shape == expected.spec() and (keep is value) == in_place, (value, spec)
+        assert kcoral_worker.read_process_memory(os.getpid(), spec["address"], size) == bytes(expected.data)
+
+
+def test_a_race_rounds_inputs_start_at_a_shift():
+    args = [kcoral_worker.EvalValue("numpy", "float32", [3], data=bytes(12)), kcoral_worker.EvalValue("json", data=2)]
+    specs, placed, size = kcoral_worker.staged_layout([args, args], shift=128)
+    assert [offset for offset, _ in placed] == [128, 192] and size == 204
+    assert specs[1] == [{"kind": "numpy", "dtype": "float32", "shape": [3], "device": "cpu", "offset": 192},
+                        {"kind": "json", "value": 2}]
 
 
 def test_gpu_condition_flags():

@@ -25,7 +25,9 @@ from tests.support import (
     prog,
     prometheus_server,
     request,
+    scalar,
     scrape_when,
+    scrapes_after,
     simple_program,
     up_blob,
     wait_for,
@@ -137,13 +139,14 @@ def test_label_values_stay_bounded_whatever_clients_send(node):
         post(node.url, program, headers={**AUTH, "X-Request-ID": str(uuid.uuid4())})
         post(node.url, {"instructions": str(uuid.uuid4())}, headers=AUTH)
     settled = series()
-    for _ in range(20):
-        unique = str(uuid.uuid4())
+    sent = [str(uuid.uuid4()) for _ in range(20)]
+    for unique in sent:
         post(node.url, program, headers={**AUTH, "X-Request-ID": unique, "X-KCoral-Client-Request-ID": unique})
         post(node.url, {"instructions": unique}, headers=AUTH)
         request("GET", node.url + "/" + unique, headers=AUTH)
     assert series() == settled
-    assert str(uuid.uuid4())[:8] not in scrape(node.url)
+    exposed = scrape(node.url)
+    assert [unique for unique in sent if unique[:8] in exposed] == []
 
 
 def test_the_proxy_queue_stamp_counts_in_queue_ms(node):
@@ -171,11 +174,6 @@ def prometheus_scraping(url, tmp_path, rule_files=()):
                "authorization": {"type": "Bearer", "credentials_file": str(token_file)}}]
     with prometheus_server(tmp_path, scrape, rule_files) as query:
         yield query
-
-
-def scalar(query, promql):
-    result = query(promql)
-    return result[0][1] if result else None
 
 
 @needs_prometheus
@@ -218,11 +216,11 @@ def test_prometheus_keeps_scraping_through_a_token_rotation(tmp_path):
         node_accepts("rotated-token-9c2e", TOKEN)
         reload_tokens()
         (tmp_path / "token").write_text("rotated-token-9c2e")  # prometheus_scraping's credentials file
-        time.sleep(3)
+        scrapes_after(query, time.time(), 2)  # Prometheus reads the file at each scrape: NEW from now on
         node_accepts("rotated-token-9c2e")
         reload_tokens()
         started = time.monotonic()
-        time.sleep(4)
+        scrapes_after(query, time.time(), 4)  # with OLD gone
         assert request("GET", fresh.url + "/metrics", headers=AUTH)[0] == 401  # OLD is refused now
         window = f"{int(time.monotonic() - started) + 8}s"
         assert scalar(query, f"min_over_time(up[{window}])") == 1
@@ -274,7 +272,7 @@ def test_prometheus_quantiles_match_the_measured_latencies(tmp_path):
         assert len(durations) == 16
         count = 'sum(kcoral_request_duration_seconds_count{job="kcoral"})'
         assert wait_for(lambda: (scalar(query, count) or 0) >= 16, timeout=60), query.log()
-        time.sleep(2)  # one more scrape: every histogram of the last request is in
+        scrapes_after(query, time.time())  # every histogram of the last request is in
         for name, measured in (("kcoral_request_queue_seconds", queued),
                                ("kcoral_request_duration_seconds", durations)):
             for q in (0.5, 0.95):
