@@ -80,8 +80,9 @@ nothing new while admitted work, queued included, runs on (`Pool`); `refuse_wait
 nothing new and turns away whoever waits (`BodyBudget`, `LeaseArbiter`); `stop` ends gracefully
 and releases everything once work is done, waiting until no thread or process of it is left
 (`KCoralServer`, `Pool`, `Worker`, `ConnectionGuard`, `MemoryWatch`); `kill` ends processes now,
-by signal (`Worker`, `SandboxTemplate`); `close` releases a file or descriptor only (`EventLog`,
-`SavedPrograms`).
+by signal (`Worker`, `SandboxTemplate`); `halt` signals a worker's process group and waits for
+nothing, its exit and reaping left to a later kill (`Worker`); `close` releases a file or
+descriptor only (`EventLog`, `SavedPrograms`).
 
 The client lives in client.py; `from kcoral import Client, Program` loads it
 lazily from beside this file (`load_client`), so the server needs only this
@@ -3138,19 +3139,24 @@ class Slot:
 
 class SpareWorker:
     """A slot's next worker, started in the background while the current one serves its last
-    request, so that neither its start nor (on GPU) its CUDA context is on the next request's path."""
+    request, so that neither its start nor (on GPU) its CUDA context is on the next request's path.
+
+    Its fork waits until that request is done or has run SPARE_DELAY_SECONDS: a short request is
+    over before then, and a fork of the template (page tables for all of torch) and the new
+    worker's start would take the CPU it runs on, more than doubling it on two cores."""
 
     def __init__(self, pool: Pool, slot: Slot) -> None:
         self.worker: Worker | None = None
         self.error = ""
-        self.gpu_free = threading.Event()  # set once the running request is done with the GPU
+        self.request_done = threading.Event()  # set once the running request is done (with the GPU, too)
         self.thread = threading.Thread(target=self.start, args=(pool, slot), name=f"kcoral-spare-{slot.name}",
                                        daemon=True)
         self.thread.start()
 
     def start(self, pool: Pool, slot: Slot) -> None:
+        self.request_done.wait(SPARE_DELAY_SECONDS)
         try:
-            self.worker = pool.start_worker(slot.gpus, before_gpu=self.gpu_free)
+            self.worker = pool.start_worker(slot.gpus, before_gpu=self.request_done)
         except Exception as exc:  # reported by whoever takes it; as text, since a traceback kept here
             self.error = f"{type(exc).__name__}: {exc}"  # would keep a failed start's pipes open (a cycle)
 
@@ -3160,6 +3166,9 @@ class SpareWorker:
         if self.worker is None:
             raise WorkerCrashed(f"the spare worker did not start: {self.error}")
         return self.worker
+
+
+SPARE_DELAY_SECONDS = 0.05  # SpareWorker: several trivial requests; under a third of a warm worker's start on GPU
 
 
 class Pool:
@@ -3274,7 +3283,7 @@ class Pool:
                     outcome, retire = execution.run()
                 finally:
                     if slot.spare is not None:
-                        slot.spare.gpu_free.set()
+                        slot.spare.request_done.set()
                     if retire:  # removed on the replacement thread, once the worker's tree is gone
                         cleanup = execution.remove_root if slot.worker.template is None else None
                     else:
@@ -3905,13 +3914,27 @@ class Execution:
         return error
 
     def retire_worker(self, error: ErrorObject | None) -> ErrorObject | None:
-        """The worker exits after its last request; teardown counts toward the timeout."""
-        self.worker.process.join(max(0.0, self.deadline - time.monotonic()))
-        if self.worker.process.exitcode is None:
-            raise TimeoutError
-        if group_members(self.worker.pid):
-            return self.background_processes(error)
-        code = self.worker.process.exitcode
+        """The worker's last request is done and it exits: the answer waits until it has begun its exit
+        (its exit code set, nothing of the program running any more) and its group is killed, not for
+        the exit itself: a torch-sized process takes milliseconds to tear down, which the disposal
+        after the answer waits for and reaps, its tree swept as every retired worker's is
+        (Pool.replace).  On a GPU the whole exit is waited for: its CUDA teardown happens under this
+        request's lease.  Counts toward the timeout."""
+        if self.pool.arbiter is not None:
+            self.worker.process.join(max(0.0, self.deadline - time.monotonic()))
+            code = self.worker.process.exitcode
+            if code is None:
+                raise TimeoutError
+        else:
+            code = exit_code_once_exiting(self.worker.pid, self.deadline)
+            # reaped already, or its parent (which reports the exit, and kills it dying) killed: as before,
+            # the status its Process gets (a program that killed the forkserver fails: 255)
+            if code is None or self.worker.parent_dying():
+                self.worker.process.join(max(0.0, self.deadline - time.monotonic()))
+                code = self.worker.process.exitcode
+                if code is None:
+                    raise TimeoutError
+        self.worker.halt()  # what the program left running the worker ended and reported (terminate_descendants)
         if code != 0 and error is None:
             return self.teardown_error(f"worker exited with code {code} during teardown")
         return error
@@ -3999,6 +4022,22 @@ class Execution:
 
 
 CRASH_STATUS_WAIT_SECONDS = 1.0  # Execution.exit_code_of_crashed_worker
+HALTED_EXIT_SECONDS = 5.0  # Worker.kill: a halted worker's exit waited for before its tree is swept
+EXIT_POLL_SECONDS = 0.0002  # exit_code_once_exiting: a worker begins its exit microseconds after its last message
+
+
+def exit_code_once_exiting(pid: int, deadline: float) -> int | None:
+    """The exit code (negative: the signal) of a process that is exiting, read as soon as it is set:
+    its /proc stat shows it in its exit with its memory detached (the exit sets the code before it
+    detaches the memory, and frees it after), or a zombie.  Before the slow part of an exit, and
+    before the reaping.  None once it is gone (reaped); TimeoutError at `deadline`."""
+    while (fields := kcoral_worker.proc_stat(pid)) is not None:
+        if fields[0] == b"Z" or int(fields[6]) & kcoral_worker.PF_EXITING and int(fields[20]) == 0:
+            return os.waitstatus_to_exitcode(int(fields[49]))
+        if time.monotonic() >= deadline:
+            raise TimeoutError
+        time.sleep(EXIT_POLL_SECONDS)
+    return None
 FAULT_SIGNALS = (signal.SIGSEGV, signal.SIGFPE, signal.SIGABRT, signal.SIGBUS, signal.SIGILL)  # faulthandler's
 
 
@@ -4128,7 +4167,8 @@ class MemoryWatch:
                                        daemon=True) if limit else None
         if self.thread is not None:
             self.thread.start()
-            self.entered.wait(MEMORY_SAMPLE_SECONDS)  # the IPC limits are set before the program starts
+            if sandboxed:  # the IPC limits are set before the program starts
+                self.entered.wait(MEMORY_SAMPLE_SECONDS)
 
     def watch(self, sandboxed: bool) -> None:
         try:
@@ -4584,6 +4624,12 @@ def torch_has_dlpack_exchange_api() -> bool:
     return importlib.util.find_spec("torch_c_dlpack_ext") is not None
 
 
+def process_parent(pid: int) -> int | None:
+    """A process's parent pid (/proc/PID/stat field 4), None once it is gone."""
+    fields = kcoral_worker.proc_stat(pid)
+    return int(fields[1]) if fields is not None else None
+
+
 class Worker:
     """One worker process forked from the template (a slot's sandbox template, if any), with its pipe."""
     process: SandboxedProcess | multiprocessing.process.BaseProcess
@@ -4610,8 +4656,10 @@ class Worker:
             child.close()
         assert self.process.pid is not None  # started
         self.pid = self.process.pid
+        self.parent = process_parent(self.pid)  # the forkserver or, sandboxed, the request's init
         self.served = 0
         self.exiting = False  # killed, but its tree outlived kill_wait in its exit (kill)
+        self.halted = False  # its group SIGKILLed (halt), its exit perhaps still under way
         try:
             message = expect(self.conn, (kcoral_worker.WorkerReady, kcoral_worker.WorkerFailed),
                              time.monotonic() + phase_timeout, f"worker did not start within {phase_timeout:.0f} s")
@@ -4642,6 +4690,8 @@ class Worker:
     def kill(self, grace: float, orphans: bool = False) -> bool:
         """-> whether the whole tree is confirmed gone (else its GPUs must be quarantined).
         In a sandbox, survivors end with their container, which the slot then replaces."""
+        if self.halted:  # its exit first: until then each sweep below finds it, and sweeps again
+            self.process.join(HALTED_EXIT_SECONDS)
         if self.template is not None:  # its container holds exactly what this worker started
             gone = self.template.kill_requests(grace, self.pid)
             if not gone:
@@ -4656,6 +4706,17 @@ class Worker:
         self.process.join(5)
         self.conn.close()
         return gone
+
+    def parent_dying(self) -> bool:
+        """Whether the process that forked this worker is gone or in its exit (a program may kill it)."""
+        return self.parent is None or killed_already(self.parent)
+
+    def halt(self) -> None:
+        """SIGKILL the worker's process group, now: the worker (every thread of its program) and
+        anything in its group, a fork in progress included; their exit and reaping are left to `kill`."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+        self.halted = True
 
     def stop(self, grace: float) -> None:
         """Tell an idle worker to exit; kill its group if it does not."""

@@ -591,7 +591,7 @@ class ReleaseLease:
 class RequestDone:
     """Worker -> front-end, the last message of a request."""
     error: dict | None  # the FAILED result's error object
-    poisoned: bool  # the CUDA context is unusable: retire the worker
+    poisoned: bool  # the worker must not serve again (its CUDA context unusable, or its program left processes)
 
 
 @message
@@ -674,7 +674,7 @@ def die_with_parent() -> None:
 # Finding: `group_members` (a worker's group and its leader's descendants), `marked_processes` (by
 # the environment mark, after a crash), `descendants`, `escaped_descendants` (the worker's, outside
 # its group).  Ending: `terminate`, which every caller goes through (`kill_group`, the worker's
-# `terminate_escaped`, the sandbox's template), or, in a request's own PID namespace, kill(-1).
+# `terminate_descendants`, the sandbox's template), or, in a request's own PID namespace, kill(-1).
 # Confirming: `terminate`'s result, and `killed_already` for a tree the kernel still tears down.
 # What to do when a tree will not go (quarantine a GPU, replace a container) stays with its owner.
 
@@ -774,17 +774,20 @@ def escaped_descendants() -> list[int]:
     return [pid for pid in descendants(os.getpid()) if (fields := proc_stat(pid)) and int(fields[2]) != group]
 
 
-def terminate_escaped(grace: float) -> bool:
-    """SIGTERM the escaped descendants, SIGKILL them after `grace` s, sweep after sweep (reaping
-    them as their subreaper); -> whether there were any."""
+def terminate_descendants(grace: float) -> bool:
+    """SIGTERM what the program left running, SIGKILL it after `grace` s, sweep after sweep (reaping
+    it as its subreaper); -> whether there was any.  Every descendant, in the worker's group or
+    not: a retiring worker's front-end then only kills the group at once (it looks for nothing
+    before the answer); a reused worker's still checks the group itself.  A child whose parent
+    thread is exiting may be in no thread's child list for a moment, which `waitpid` still counts:
+    `terminate`'s second look, a moment later, finds it."""
     if SANDBOXED["worker"]:
         return end_request_namespace(grace)
-    found = reap_children() and bool(escaped_descendants())
 
-    def remaining() -> list[int]:
-        reap_children()  # as their subreaper we reap them, or they linger as zombies
-        return escaped_descendants()
+    def remaining() -> list[int]:  # as their subreaper we reap them, or they linger as zombies
+        return descendants(os.getpid()) if reap_children() else []
 
+    found = bool(remaining()) or reap_children()
     if found:
         terminate(remaining, grace, 10.0)
     return found
@@ -1054,7 +1057,7 @@ def worker_exit_code(status_pipe: int) -> int:
     return os.waitstatus_to_exitcode(WAIT_STATUS.unpack(status)[0]) if len(status) == 4 else -signal.SIGKILL
 
 
-SANDBOXED = {"worker": False}  # set in a request's init: its worker ends its namespace's strays (terminate_escaped)
+SANDBOXED = {"worker": False}  # set in a request's init: its worker ends its namespace's strays (terminate_descendants)
 
 
 def enter_request_space(space: RequestSpace, others: int, seccomp: bytes) -> None:
@@ -1399,9 +1402,10 @@ def serve_request(conn: Connection, request: JobRequest, runtime: Runtime) -> bo
         program = ProgramRun(conn, request, staged, root_fd, lease, runtime)
         error = program.run()
         error, poisoned = finish_on_device(program, error, lease, reused=not request.retire)
-        if terminate_escaped(request.grace) and error is None:
-            error = program.error_at_last("runtime", "program left background processes running; "
-                                          "they were terminated")
+        if terminate_descendants(request.grace):  # a worker whose program left processes retires too
+            poisoned = True
+            error = error or program.error_at_last("runtime", "program left background processes running; "
+                                                   "they were terminated")
     finally:
         staged.close()  # the views it handed out stay mapped
         os.close(root_fd)

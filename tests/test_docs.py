@@ -161,7 +161,7 @@ def test_the_worker_message_table_lists_every_message_type():
         f"listed but no message: {sorted(listed - set(kcoral_worker.MESSAGE_TYPES))}")
 
 
-VERBS = ("start", "drain", "refuse_waiters", "stop", "kill", "close")
+VERBS = ("start", "drain", "refuse_waiters", "stop", "kill", "halt", "close")
 
 
 def glossary_classes():

@@ -1698,10 +1698,10 @@ def test_a_spare_gpu_worker_creates_its_context_once_the_request_is_done_with_th
     assert slot.spare is not None
     pool.arbiter.acquire("the-request", [0])  # the running request uses its GPU
     # started (host work), and now waiting for the GPU: a waiter on the event the request sets (CPython's Event)
-    assert wait_for(lambda: slot.spare.gpu_free._cond._waiters, 5), "the spare never waited for the GPU"
+    assert wait_for(lambda: slot.spare.request_done._cond._waiters, 5), "the spare never waited for the GPU"
     assert pool.inits == []  # context not yet
     pool.arbiter.release("the-request", [0])
-    slot.spare.gpu_free.set()  # Pool.run_job, once the request's execution is over
+    slot.spare.request_done.set()  # Pool.run_job, once the request's execution is over
     spare = slot.spare.take()
     assert pool.inits == [{0: kcoral.STARTUP_OWNER}]
     retired = slot.worker
@@ -1713,7 +1713,7 @@ def test_a_spare_gpu_worker_creates_its_context_once_the_request_is_done_with_th
 def test_a_retired_gpu_worker_not_confirmed_gone_leaves_its_slot_without_the_spare(monkeypatch):
     pool, slot = spare_pool(monkeypatch)
     pool.start_spare(slot)
-    slot.spare.gpu_free.set()
+    slot.spare.request_done.set()
     spare = slot.spare.take()
     slot.worker.gone = False  # its tree outlived SIGKILL
     pool.dispose = types.MethodType(kcoral.Pool.dispose, pool)

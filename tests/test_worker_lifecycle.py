@@ -1,9 +1,13 @@
 """A worker's life between requests, against a real CPU server: a reused worker starts each
-request with torch's settings as it started (docs/server.md §3.3)."""
+request with torch's settings as it started (docs/server.md §3.3); a retired one is killed before
+the answer, which does not wait for its exit (docs/server.md §1.3)."""
 
+import os
 import time
 
-from tests.support import ServerProcess, plain, post
+import pytest
+
+from tests.support import ServerProcess, is_alive, mem_available, plain, post, simple_program
 
 TORCH_STATE = ("import torch\n"
                "def f(change):\n"
@@ -74,3 +78,123 @@ def test_the_next_fresh_worker_starts_while_the_request_runs(tmp_path):
             waited, ran = timed_sleep(server, SLOW_START_SECONDS * 1.5)
             overheads.append(waited - ran)
     assert max(overheads[1:]) < SLOW_START_SECONDS / 2, overheads
+
+
+# A retiring worker holding this much touched memory takes ~0.1 s to exit (the kernel frees it page by page).
+EXIT_MEMORY = 1 << 30
+HOLDS_MEMORY = f"""
+import os, time
+held = None
+def f():
+    global held
+    held = bytearray({EXIT_MEMORY})
+    held[::4096] = b"\\1" * ({EXIT_MEMORY} // 4096)  # every page touched: the exit must free each
+    return [time.time(), os.getpid()]
+"""
+
+
+def exit_seconds_of_held_memory():
+    """How long a process holding EXIT_MEMORY of touched memory takes to exit and be reaped, here and now."""
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        held = bytearray(EXIT_MEMORY)
+        held[::4096] = b"\1" * (EXIT_MEMORY // 4096)
+        os.write(ready_w, b"+")
+        os._exit(0)
+    os.close(ready_w)
+    os.read(ready_r, 1)
+    os.close(ready_r)
+    started = time.monotonic()
+    os.waitpid(pid, 0)
+    return time.monotonic() - started
+
+
+@pytest.mark.skipif(mem_available() < 3 * EXIT_MEMORY, reason="the host lacks room for a worker holding 1 GiB")
+def test_the_answer_does_not_wait_for_the_retired_workers_exit(tmp_path):
+    """The worker that served its last request is killed before the answer, which then waits for no
+    part of its exit (before: the answer waited until the worker's memory was freed and it was reaped);
+    the slot's next request still gets a fresh worker, once the old one is gone."""
+    exit_seconds = sorted(exit_seconds_of_held_memory() for _ in range(3))[1]
+    with ServerProcess(workers=1, tmp_path=tmp_path) as server:
+        status, _, body = post(server.url, simple_program(HOLDS_MEMORY))
+        answered = time.time()
+        assert status == 200 and body["status"] == "COMPLETED", body
+        returned, first_pid = plain(body["results"]["out"])
+        status, _, body = post(server.url, simple_program(HOLDS_MEMORY))
+        assert status == 200 and body["status"] == "COMPLETED", body
+        second_pid = plain(body["results"]["out"])[1]
+    assert answered - returned < exit_seconds / 2, (answered - returned, exit_seconds)
+    assert second_pid != first_pid and not is_alive(first_pid)
+
+
+KEEPS_WRITING = """
+import os, signal, threading, time
+def keep_writing(path, tag):
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    while True:
+        os.write(fd, tag)
+        time.sleep(0.001)
+def f(path):
+    if os.fork() == 0:  # a child in the worker's group that ignores SIGTERM
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        keep_writing(path, b"c")
+    threading.Thread(target=keep_writing, args=(path, b"t"), daemon=True).start()
+    time.sleep(0.05)
+    return 1
+"""
+
+
+def test_nothing_a_retired_worker_ran_acts_after_the_answer(tmp_path):
+    """A program's thread still running in the worker after its last message, and a child it forked,
+    are both stopped before the answer: what they write stops growing by the time it arrives."""
+    path = tmp_path / "written"
+    with ServerProcess(workers=1, tmp_path=tmp_path) as server:
+        status, _, body = post(server.url, simple_program(KEEPS_WRITING, args=[str(path)]))
+        at_answer = path.read_bytes()
+        time.sleep(0.3)
+        later = path.read_bytes()
+        assert status == 200 and body["status"] == "FAILED", body
+        assert body["error"]["message"] == "program left background processes running; they were terminated"
+        status, _, body = post(server.url, simple_program("def f():\n    return 5\n"))  # the slot serves on
+        assert status == 200 and plain(body["results"]["out"]) == 5, body
+    assert b"c" in at_answer and b"t" in at_answer
+    assert later == at_answer
+
+
+NEVER_EXITS = """
+import os, time
+def f():
+    os._exit = lambda code: time.sleep(3600)  # the worker's own exit, after its last message, now hangs
+    return os.getpid()
+"""
+
+
+def test_a_worker_that_does_not_exit_is_killed_and_its_slot_serves_on(tmp_path):
+    """The answer waits for the retiring worker to begin its exit, within the request's timeout: one
+    that never does is a timeout in its teardown, killed, and the slot's next request gets a fresh worker."""
+    with ServerProcess(workers=1, tmp_path=tmp_path) as server:
+        status, _, body = post(server.url, simple_program(NEVER_EXITS, options={"timeout_seconds": 2}))
+        assert status == 504 and "in the worker's teardown after instruction 3" in body["error"]["message"], body
+        status, _, body = post(server.url, simple_program("import os\ndef f():\n    return os.getpid()\n"))
+        assert status == 200 and body["status"] == "COMPLETED", body
+        assert server.health()["load"]["request_capacity"] == 1
+
+
+LEAVES_A_CHILD = """
+import os, subprocess
+def f():
+    subprocess.Popen(['sleep', '30'])
+    return os.getpid()
+"""
+
+
+def test_a_reused_worker_whose_program_left_a_process_retires(tmp_path):
+    """docs/server.md §1.3: the worker itself ends what its program left, and then serves no other request."""
+    with ServerProcess("--max-requests-per-worker", "0", workers=1, tmp_path=tmp_path) as server:
+        status, _, body = post(server.url, simple_program(LEAVES_A_CHILD))
+        assert status == 200 and body["error"]["message"] == ("program left background processes running; "
+                                                              "they were terminated"), body
+        first = plain(body["results"]["out"])
+        status, _, body = post(server.url, simple_program("import os\ndef f():\n    return os.getpid()\n"))
+        assert status == 200 and plain(body["results"]["out"]) != first, body
