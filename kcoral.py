@@ -66,7 +66,7 @@ traces one request, unsandboxed and sandboxed, and holds this list to the calls 
     §4 `decode_program` -> §3 `strict_json`: the program part is strict JSON as every part is
     §6 `Execution.run` -> §0 `delegated_cgroup`: a setting resolved at start
 Two more cross into kcoral_worker.py: `Execution.converse` (§6) talks to the worker's
-`serve_request` over the pipe, and ending a worker (§8's `Worker.kill`, through `Pool.dispose`)
+`serve_request` over the pipe, and ending a worker (§8's `Worker.kill`, through `Pool.end_worker`)
 goes through the worker file's process trees (`kill_group`, `terminate`).  Everything else is
 a call down the file: §1 asks §2 whose tenant and request it is, §1 and §2 record through §11
 (`event`, `save_program`), §6 and §8 count through §11's `Metrics.add` and §6 writes through its
@@ -82,7 +82,10 @@ and releases everything once work is done, waiting until no thread or process of
 (`KCoralServer`, `Pool`, `Worker`, `ConnectionGuard`, `MemoryWatch`); `kill` ends processes now,
 by signal (`Worker`, `SandboxTemplate`); `halt` signals a worker's process group and waits for
 nothing, its exit and reaping left to a later kill (`Worker`); `close` releases a file or
-descriptor only (`EventLog`, `SavedPrograms`).
+descriptor only (`EventLog`, `SavedPrograms`).  A worker that has a slot ends one way,
+`Pool.end_worker` (its kill, and the quarantine of a GPU it cannot confirm gone; `Execution`
+takes the GPU lease first), which tests/test_map.py holds; a request's `MemoryWatch` only
+SIGKILLs a worker over its limit, which the conversation then sees end as any crash.
 
 The client lives in client.py; `from kcoral import Client, Program` loads it
 lazily from beside this file (`load_client`), so the server needs only this
@@ -3264,7 +3267,7 @@ class Pool:
         try:
             if slot.worker is not None and not slot.worker.process.is_alive():
                 # it died while idle (a program killed the forkserver, say): a fresh one, not a 500
-                slot.worker.kill(0)
+                self.end_worker(slot.worker)
                 slot.worker = None
                 try:
                     slot.worker = self.start_slot_worker(slot)
@@ -3364,8 +3367,9 @@ class Pool:
             self.busy[slot.tenant] += time.monotonic() - slot.since
         slot.since = None
 
-    def dispose(self, worker: Worker, grace: float = 0, orphans: bool = False) -> bool:
-        """Kill a worker's tree; its GPUs are quarantined when the kill cannot be confirmed.
+    def end_worker(self, worker: Worker, grace: float = 0, orphans: bool = False) -> bool:
+        """The one way a worker ends once it has served (or failed to serve) a request: kill its
+        tree; its GPUs are quarantined when the kill cannot be confirmed.
         -> whether it is confirmed gone.  A tree still in its exit (Worker.exiting: a kernel
         spinning at the kill keeps the driver busy) runs no program code any more: it counts as
         gone, and the slot's next worker, whose CUDA start under the lease probes the GPU,
@@ -3385,13 +3389,13 @@ class Pool:
         the request if there is one.  The disposal comes first: a GPU whose old tree is not confirmed
         gone is quarantined and gets no worker."""
         spare, slot.spare = slot.spare, None
-        gone = retired is None or self.dispose(retired)
+        gone = retired is None or self.end_worker(retired)
         if cleanup is not None:
             cleanup()
         try:
             if not gone and self.arbiter is not None:  # its GPU is quarantined: no replacement there
                 if spare is not None:
-                    self.dispose(spare.take())
+                    self.end_worker(spare.take())
                 slot.worker = None
             else:
                 slot.worker = self.next_worker(slot, spare)
@@ -3419,7 +3423,7 @@ class Pool:
         """docs/server.md §2.1: a tree whose exit is unconfirmed may still use its GPUs.  Nobody gets
         them again, and the pool begins shutting down (later requests: 503 busy)."""
         self.log.event("gpu_quarantined", "ERROR", gpu_ids=list(gpus), reason=reason)
-        assert self.arbiter is not None  # only GPU pools quarantine (dispose)
+        assert self.arbiter is not None  # only GPU pools quarantine (end_worker)
         self.arbiter.quarantine(gpus)
         self.drain(refuse_queued=True)
 
@@ -3461,14 +3465,14 @@ class Pool:
             self.arbiter.release(job.request_id, gpus)
         startup_s = time.monotonic() - started
         if startup_s >= job.timeout:
-            self.dispose(worker)
+            self.end_worker(worker)
             return Outcome(504, "timeout", "execution timed out")
         job.timeout -= startup_s
         execution = Execution(self, worker, gpus, job, queue_ms)
         execution.lease_wait_ms, execution.lease_held_ms = wait_ms, startup_s * 1e3
         execution.single_use = True  # so it exits under the lease, inside the request
         outcome, _ = execution.run()
-        self.dispose(worker)
+        self.end_worker(worker)
         if outcome.body is not None:
             outcome.body["gpu_ids"] = list(gpus)
             outcome.body["gpu_count"] = len(gpus)
@@ -3627,26 +3631,26 @@ class Execution:
             elif group_members(self.worker.pid, exclude=(self.worker.pid,)):
                 error, retire = self.background_processes(error), True
         except TimeoutError:
-            if not self.kill_worker():
+            if not self.end_worker_under_lease():
                 return Outcome(500, "engine", "the timed-out worker could not be confirmed gone"), True
             return self.timeout_outcome(), True
         except WorkerCrashed:
             exit_code = self.exit_code_of_crashed_worker()
             self.count_crash(exit_code)
-            if not self.kill_worker():
+            if not self.end_worker_under_lease():
                 return Outcome(500, "engine", "the crashed worker could not be confirmed gone"), True
             if self.last_index is None:
                 return Outcome(500, "engine", f"worker crashed: {self.crash_cause(exit_code)}"), True
             error, retire = self.crash_error(exit_code), True
         except ResponseTooLarge:  # the program ran; what it returned is dropped (docs/protocol.md §11)
-            if not self.kill_worker():
+            if not self.end_worker_under_lease():
                 return Outcome(500, "engine", "the worker could not be confirmed gone"), True
             return Outcome(500, "response_too_large", "results exceed the configured response-size limit"), True
         except LeaseRefused as exc:  # its GPU was quarantined while it waited
-            self.worker.kill(self.config.worker_termination_grace_seconds, orphans=True)
+            self.pool.end_worker(self.worker, self.config.worker_termination_grace_seconds, orphans=True)
             return Outcome(503, "busy", str(exc)), True
         except ClientGone:  # nobody waits for the answer: the worker goes as a timed-out one does
-            self.kill_worker()
+            self.end_worker_under_lease()
             raise
         finally:
             self.memory.stop()
@@ -3995,8 +3999,8 @@ class Execution:
         return {"kind": "runtime", "message": message, "instruction_index": index,
                 "instruction_op": ins["op"], "instruction_id": ins.get("id"), "traceback": ""}
 
-    def kill_worker(self) -> bool:
-        """Kill the tree holding the GPU lease: its CUDA teardown must not overlap someone's measurement.
+    def end_worker_under_lease(self) -> bool:
+        """Pool.end_worker, holding the GPU lease: its CUDA teardown must not overlap someone's measurement.
         -> whether it is confirmed gone (if not, the pool quarantines its GPUs)."""
         if self.pool.arbiter is not None and self.lease_since is None:
             try:
@@ -4005,7 +4009,7 @@ class Execution:
                 pass
             except TimeoutError:  # every holder ends by its own deadline: this is no normal wait
                 self.pool.log.event("lease_wait_for_kill_timed_out", "WARNING", request_id=self.job.request_id)
-        return self.pool.dispose(self.worker, self.config.worker_termination_grace_seconds, orphans=True)
+        return self.pool.end_worker(self.worker, self.config.worker_termination_grace_seconds, orphans=True)
 
     def remove_workspace(self) -> None:
         """Remove an unsandboxed workspace on a thread of its own: the answer needs nothing from it
@@ -4701,7 +4705,7 @@ class Worker:
                 self.exiting = self.exiting or not gone and killed_already(self.template.pid or 0)
         else:  # a tree found in its exit before is not waited for again (its disposal after the answer)
             gone = not self.exiting and kill_group(self.pid, grace, orphans=orphans)
-            # still there past kill_wait, yet killed: a busy GPU's teardown, for the pool to probe (dispose)
+            # still there past kill_wait, yet killed: a busy GPU's teardown, for the pool to probe (end_worker)
             self.exiting = self.exiting or not gone and all(map(killed_already, tree_members(self.pid, (), orphans)))
         self.process.join(5)
         self.conn.close()

@@ -209,7 +209,7 @@ def raised_flags(function):
 
 
 SIGNALLING = {"kill", "killpg", "kill_group", "kill_requests", "terminate", "send_signal"}
-ENDING = SIGNALLING | {"join", "wait", "stop", "shutdown", "close", "dispose"}
+ENDING = SIGNALLING | {"join", "wait", "stop", "shutdown", "close", "end_worker"}
 
 
 def verb_breaches(verb, function):

@@ -291,6 +291,9 @@ class FakeWorker:
         self.conn.close()
         return self.gone
 
+    def halt(self):  # its group SIGKILLed once it exited: nobody is in it
+        self.halted = True
+
 
 def fake_pool(gpus=(0,)):
     """The parts of a Pool an Execution uses; quarantines are recorded and reach the real arbiter."""
@@ -302,7 +305,7 @@ def fake_pool(gpus=(0,)):
         pool.quarantined.append(list(gpus))
         pool.arbiter.quarantine(gpus)
     pool.quarantine = quarantine
-    pool.dispose = types.MethodType(kcoral.Pool.dispose, pool)
+    pool.end_worker = types.MethodType(kcoral.Pool.end_worker, pool)
     return pool
 
 
@@ -1507,12 +1510,14 @@ def test_a_worker_left_only_in_its_exit_is_marked_and_not_waited_for_twice(monke
     monkeypatch.setattr(kcoral, "killed_already", lambda pid: pid == 4194001)
     worker = object.__new__(kcoral.Worker)
     worker.pid, worker.template, worker.exiting, worker.process = 4194000, None, False, FakeProcess()
+    worker.halted = False  # not halted before its kill
     worker.conn = types.SimpleNamespace(close=lambda: None)
     assert worker.kill(0.1, orphans=True) is False and worker.exiting
     assert worker.kill(0) is False and waits == [4194000]  # the second kill did not wait again
     survivors.append(4194002)  # one that could still run code: no slow exit, but a lost tree
     fresh = object.__new__(kcoral.Worker)
     fresh.pid, fresh.template, fresh.exiting, fresh.process, fresh.conn = 4194000, None, False, FakeProcess(), worker.conn
+    fresh.halted = False
     assert fresh.kill(0) is False and not fresh.exiting
 
 
@@ -1537,7 +1542,7 @@ def test_a_worker_still_in_its_exit_after_the_kill_is_a_timeout_not_a_quarantine
 def test_after_a_slow_exit_the_next_workers_start_probes_the_gpu(monkeypatch, exiting, probe_fails, quarantined,
                                                                   replaced):
     pool, slot = spare_pool(monkeypatch)
-    pool.dispose = types.MethodType(kcoral.Pool.dispose, pool)
+    pool.end_worker = types.MethodType(kcoral.Pool.end_worker, pool)
     if probe_fails:
         def initialize(self, expected_uuid, phase_timeout=60.0):
             raise kcoral.WorkerCrashed("GPU worker failed to initialize: CUDA error: unknown error")
@@ -1716,7 +1721,7 @@ def test_a_retired_gpu_worker_not_confirmed_gone_leaves_its_slot_without_the_spa
     slot.spare.request_done.set()
     spare = slot.spare.take()
     slot.worker.gone = False  # its tree outlived SIGKILL
-    pool.dispose = types.MethodType(kcoral.Pool.dispose, pool)
+    pool.end_worker = types.MethodType(kcoral.Pool.end_worker, pool)
     pool.release(slot, True)
     assert wait_for(lambda: slot in pool.idle, 5)
     assert pool.quarantined == [[0]] and slot.worker is None and spare.killed

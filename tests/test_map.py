@@ -321,3 +321,21 @@ def test_a_busy_server_runs_only_the_threads_the_map_lists(sandbox, tmp_path):
     if sandbox == "none":  # a container forks one worker at a time: no spare beside it
         driven.add("kcoral-spare-{slot}")
     assert driven <= seen, f"the test no longer drives {driven - seen}"
+
+
+# --- one way to end a worker -------------------------------------------------------------------
+
+def test_a_worker_is_ended_only_by_the_pool():
+    """Once a worker has a slot, `Pool.end_worker` is the only caller of its `kill`: the quarantine
+    of a GPU whose worker cannot be confirmed gone is decided there and nowhere else.  (A `Worker`
+    whose start fails kills itself; it has no slot yet.)"""
+    with open(SOURCE, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    callers = []
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name != "Worker"):
+        for method in (m for m in cls.body if isinstance(m, ast.FunctionDef)):
+            for node in ast.walk(method):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "kill" \
+                        and "worker" in ast.unparse(node.func.value).lower():
+                    callers.append(f"{cls.name}.{method.name}")
+    assert callers == ["Pool.end_worker"], callers
