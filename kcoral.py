@@ -39,7 +39,7 @@ holds the list to `threading.enumerate()` on a busy server and to every `threadi
     kcoral-spawner: starts the containers, from one thread that lives as long as the server
 
 Before §0, what several sections rely on: `wait_turn`, the one FIFO wait of the three admission
-points (body memory, worker slots, GPU leases), and `expect`, a worker's or container's next
+points (body memory, worker slots, GPU leases), and `receive_checked`, a worker's or container's next
 message, checked (and the exceptions both raise).
 
 Sections, in the order a request travels (each section's functions in call order):
@@ -233,7 +233,7 @@ class WorkerCrashed(Exception):
 
 
 class WorkerStartTimeout(WorkerCrashed):
-    """A start-up phase outlived its time limit (a multi-GPU request answers 504, docs/server.md §7)."""
+    """A start-up step outlived its time limit (a multi-GPU request answers 504, docs/server.md §7)."""
 
 
 class ResponseTooLarge(Exception):
@@ -283,11 +283,11 @@ def wait_turn(cond: threading.Condition, line: Any, ticket: object, turn: Callab
 # what a worker may send mid-request
 WORKER_MESSAGES = (kcoral_worker.InstructionStarted, kcoral_worker.StageBlobs, kcoral_worker.ReturnValue,
                    kcoral_worker.AcquireLease, kcoral_worker.ReleaseLease, kcoral_worker.RequestDone)
-WORKER_PHASE_SECONDS = 60.0  # each start-up phase (docs/server.md §1.1)
+WORKER_STEP_SECONDS = 60.0  # each start-up step (docs/server.md §1.1)
 CONTROL_MESSAGE_BYTES = 1 << 16  # any worker or template message but a ReturnValue, which the response budget bounds
 
 
-def expect(conn: Connection, kinds: type | tuple[type, ...], deadline: float, late: str,
+def receive_checked(conn: Connection, kinds: type | tuple[type, ...], deadline: float, late: str,
            limit: int = CONTROL_MESSAGE_BYTES, sizes: list[int] | None = None) -> Any:
     """A worker's or template's next message, which must be one of `kinds` (its frame's size
     is appended to `sizes`, if given).
@@ -3453,10 +3453,10 @@ class Pool:
                              template: SandboxTemplate | None) -> Outcome:
         assert self.arbiter is not None  # as in run_multi_gpu
         started = time.monotonic()
-        phase_timeout = min(WORKER_PHASE_SECONDS, job.timeout)  # start-up is part of the request's timeout
+        step_timeout = min(WORKER_STEP_SECONDS, job.timeout)  # start-up is part of the request's timeout
         try:
-            worker = Worker(self, gpus, phase_timeout, template=template)
-            worker.initialize(self.gpu_names[gpus[0]], phase_timeout)
+            worker = Worker(self, gpus, step_timeout, template=template)
+            worker.initialize(self.gpu_names[gpus[0]], step_timeout)
         except WorkerStartTimeout:
             return Outcome(504, "timeout", "execution timed out while the multi-GPU worker started")
         except WorkerCrashed:
@@ -3787,7 +3787,8 @@ class Execution:
             self.wait_for_worker()
             room, sizes = self.config.max_response_bytes - self.response_bytes, list[int]()
             try:
-                message = expect(conn, WORKER_MESSAGES, self.deadline, "", CONTROL_MESSAGE_BYTES + max(room, 0), sizes)
+                message = receive_checked(conn, WORKER_MESSAGES, self.deadline, "",
+                                          CONTROL_MESSAGE_BYTES + max(room, 0), sizes)
             except WorkerStartTimeout:
                 raise TimeoutError from None
             match message:
@@ -3816,7 +3817,7 @@ class Execution:
                     return self.attribute_gpu_access(self.checked_error(message.error))
 
     def wait_for_worker(self) -> None:
-        """Wait until the worker has something to say (or the deadline passes: `expect` then raises the
+        """Wait until the worker has something to say (or the deadline passes: `receive_checked` then raises the
         timeout), checking every CLIENT_CHECK_SECONDS that the client is still there (ClientGone)."""
         client_gone = self.job.client_gone
         while client_gone is not None and time.monotonic() < self.deadline:
@@ -4638,7 +4639,7 @@ class Worker:
     """One worker process forked from the template (a slot's sandbox template, if any), with its pipe."""
     process: SandboxedProcess | multiprocessing.process.BaseProcess
 
-    def __init__(self, pool: Pool, gpus: list[int], phase_timeout: float = WORKER_PHASE_SECONDS,
+    def __init__(self, pool: Pool, gpus: list[int], step_timeout: float = WORKER_STEP_SECONDS,
                  template: SandboxTemplate | None = None) -> None:
         self.gpus = gpus
         self.template = template
@@ -4647,7 +4648,7 @@ class Worker:
         visible = [pool.gpu_names[g] for g in gpus]
         if template is not None:
             try:
-                self.process = template.fork(child, pool.device, visible, phase_timeout)
+                self.process = template.fork(child, pool.device, visible, step_timeout)
             finally:
                 child.close()
         else:
@@ -4665,8 +4666,8 @@ class Worker:
         self.exiting = False  # killed, but its tree outlived kill_wait in its exit (kill)
         self.halted = False  # its group SIGKILLed (halt), its exit perhaps still under way
         try:
-            message = expect(self.conn, (kcoral_worker.WorkerReady, kcoral_worker.WorkerFailed),
-                             time.monotonic() + phase_timeout, f"worker did not start within {phase_timeout:.0f} s")
+            message = receive_checked(self.conn, (kcoral_worker.WorkerReady, kcoral_worker.WorkerFailed),
+                             time.monotonic() + step_timeout, f"worker did not start within {step_timeout:.0f} s")
             if isinstance(message, kcoral_worker.WorkerFailed):
                 raise WorkerCrashed(f"worker did not start: {message.reason:.500}")
         except WorkerCrashed:
@@ -4674,15 +4675,15 @@ class Worker:
             raise
         self.log.metrics.add("kcoral_worker_starts_total")
 
-    def initialize(self, expected_uuid: str, phase_timeout: float = WORKER_PHASE_SECONDS) -> None:
+    def initialize(self, expected_uuid: str, step_timeout: float = WORKER_STEP_SECONDS) -> None:
         """GPU workers: create the CUDA context (the caller holds the lease) and check the pinning."""
         try:
             try:
                 kcoral_worker.send_message(self.conn, kcoral_worker.InitGpu())
             except OSError as exc:
                 raise WorkerCrashed(str(exc)) from exc
-            reply = expect(self.conn, kcoral_worker.GpuInitialized, time.monotonic() + phase_timeout,
-                           f"worker did not initialize its GPU within {phase_timeout:.0f} s")
+            reply = receive_checked(self.conn, kcoral_worker.GpuInitialized, time.monotonic() + step_timeout,
+                           f"worker did not initialize its GPU within {step_timeout:.0f} s")
             self.arch, self.cuda = reply.arch[:32], reply.cuda and reply.cuda[:32]
             if not same_gpu(reply.uuid, expected_uuid):
                 raise WorkerCrashed(f"worker's device 0 is {reply.uuid:.80}, expected {expected_uuid}")
@@ -5085,7 +5086,7 @@ class SandboxTemplate:
         if self.pid is not None:
             return
         try:
-            template_pid = expect(self.conn, kcoral_worker.WorkerReady, time.monotonic() + timeout,
+            template_pid = receive_checked(self.conn, kcoral_worker.WorkerReady, time.monotonic() + timeout,
                                   f"the sandbox did not start within {timeout:.0f} s").pid
             self.pid = next((p for p in children_of(self.process.pid) if inner_pid(p) == template_pid), None)
             if self.pid is None:
@@ -5113,7 +5114,7 @@ class SandboxTemplate:
                 reduction.send_handle(self.conn, conn.fileno(), self.pid)
             except OSError as exc:
                 raise WorkerCrashed("the sandbox's template is gone") from exc
-            forked = expect(self.conn, kcoral_worker.WorkerForked, time.monotonic() + 60,
+            forked = receive_checked(self.conn, kcoral_worker.WorkerForked, time.monotonic() + 60,
                             "the sandbox's template did not fork")
             holder = next((p for p in children_of(self.pid) if inner_pid(p) == forked.pid), None)
             init = next(iter(children_of(holder)), None) if holder is not None else None
@@ -5180,7 +5181,7 @@ class SandboxedProcess:
         if self.exitcode is None:
             try:
                 if self.template.conn.poll(timeout):
-                    self.exitcode = expect(self.template.conn, kcoral_worker.WorkerExited,
+                    self.exitcode = receive_checked(self.template.conn, kcoral_worker.WorkerExited,
                                            time.monotonic() + 5, "the sandbox's template stalled").exit_code
             except WorkerCrashed:  # a template that breaks the protocol takes its container down
                 self.template.kill()

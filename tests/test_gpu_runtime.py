@@ -1544,7 +1544,7 @@ def test_after_a_slow_exit_the_next_workers_start_probes_the_gpu(monkeypatch, ex
     pool, slot = spare_pool(monkeypatch)
     pool.end_worker = types.MethodType(kcoral.Pool.end_worker, pool)
     if probe_fails:
-        def initialize(self, expected_uuid, phase_timeout=60.0):
+        def initialize(self, expected_uuid, step_timeout=60.0):
             raise kcoral.WorkerCrashed("GPU worker failed to initialize: CUDA error: unknown error")
         monkeypatch.setattr(FakeSlotWorker, "initialize", initialize)
     retired = slot.worker
@@ -1614,8 +1614,8 @@ def test_multi_gpu_start_up_failures(monkeypatch, failure, status, kind):
     pool.config = kcoral.ServerConfig()
     phases = []
 
-    def worker(pool_, gpus, phase_timeout, template=None):
-        phases.append(phase_timeout)
+    def worker(pool_, gpus, step_timeout, template=None):
+        phases.append(step_timeout)
         raise failure("did not start")
     monkeypatch.setattr(kcoral, "Worker", worker)
     job = kcoral.Job("r", kcoral.ValidProgram([], {"gpu_count": 2}, {}, []), {}, timeout=3.0, output_limit=0)
@@ -1653,7 +1653,7 @@ def test_a_multi_gpu_sandbox_starts_before_the_leases_are_waited_for(monkeypatch
     monkeypatch.setattr(kcoral, "SandboxTemplate", FakeSandboxTemplate)
     workers = []
 
-    def worker(pool_, gpus, phase_timeout, template=None):
+    def worker(pool_, gpus, step_timeout, template=None):
         workers.append((list(gpus), template))
         raise kcoral.WorkerCrashed("did not start")
     monkeypatch.setattr(kcoral, "Worker", worker)
@@ -1670,11 +1670,11 @@ def test_a_multi_gpu_sandbox_starts_before_the_leases_are_waited_for(monkeypatch
 class FakeSlotWorker:
     """A started worker as the pool sees it: initialize() records who held the GPU's lease then."""
 
-    def __init__(self, pool, gpus, phase_timeout=60.0, template=None):
+    def __init__(self, pool, gpus, step_timeout=60.0, template=None):
         self.pool, self.gpus, self.template, self.served, self.killed = pool, gpus, template, 0, False
         self.gone, self.exiting = True, False
 
-    def initialize(self, expected_uuid, phase_timeout=60.0):
+    def initialize(self, expected_uuid, step_timeout=60.0):
         self.pool.inits.append(dict(self.pool.arbiter.holder))
 
     def kill(self, grace, orphans=False):
