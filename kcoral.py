@@ -52,26 +52,29 @@ Sections, in the order a request travels (each section's functions in call order
  3. wire rules, envelope: `split_request`, the multipart parser, strict JSON
  4. wire rules, program: `parse_program` and its checks
  5. the blob store: `BlobStore` over `MemoryCache` and `DiskCache`
- 6. the pool and one execution: `Pool.run_job` -> `Execution.run` (the worker conversation)
- 7. workspaces: created per request, removed without following links
- 8. launching workers: the forkserver template and its imports, `Worker`
- 9. GPUs and the lease: `LeaseArbiter`
-10. the sandbox: `SandboxTemplate`, `bwrap_command`
-11. what the application records: `EventLog`, `SavedPrograms`, `Metrics`
-12. the command line, 13. `haproxy-config`
+ 6. the pool: `FairQueue`, `Slot`, `SpareWorker`, `Pool.run_job` (a slot, in fair order)
+ 7. one execution: `Execution.run` (the worker conversation), `OutputReader`
+ 8. a request's limits: `RequestCgroup`, `MemoryWatch`
+ 9. workspaces: created per request, removed without following links
+10. launching workers: the forkserver template and its imports, `Worker`
+11. GPUs and the lease: `LeaseArbiter`
+12. the sandbox: `SandboxTemplate`, `bwrap_command`
+13. what the application records: `EventLog`, `SavedPrograms`, `Metrics`
+14. the command line, 15. `haproxy-config`
 
-Read downwards, a request goes §1 -> §2 -> §3 -> §4 -> §5 -> §6 -> §7 -> §8, §2 calling each
-of §3-§6 in protocol order.  The jumps, the calls that go back up the file (tests/test_map.py
-traces one request, unsandboxed and sandboxed, and holds this list to the calls it makes):
+Read downwards, a request goes §1 -> §2 -> §3 -> §4 -> §5 -> §6 -> §7 -> §8 -> §9 -> §10, §2
+calling each of §3-§6 in protocol order.  The jumps, the calls that go back up the file
+(tests/test_map.py traces one request, unsandboxed and sandboxed, and holds this list to the
+calls it makes):
     §4 `decode_program` -> §3 `strict_json`: the program part is strict JSON as every part is
-    §6 `Execution.run` -> §0 `delegated_cgroup`: a setting resolved at start
-Two more cross into kcoral_worker.py: `Execution.converse` (§6) talks to the worker's
-`serve_request` over the pipe, and ending a worker (§8's `Worker.kill`, through `Pool.end_worker`)
-goes through the worker file's process trees (`kill_group`, `terminate`).  Everything else is
-a call down the file: §1 asks §2 whose tenant and request it is, §1 and §2 record through §11
-(`event`, `save_program`), §6 and §8 count through §11's `Metrics.add` and §6 writes through its
-`write_all`.  GPU workers take the lease of §9 and, sandboxed, start in §10's container, both set
-up at start-up.
+    §7 `Execution.run` -> §0 `delegated_cgroup`: a setting resolved at start
+Two more cross into kcoral_worker.py: `Execution.converse` (§7) talks to the worker's
+`serve_request` over the pipe, and ending a worker (§10's `Worker.kill`, through §6's
+`Pool.end_worker`) goes through the worker file's process trees (`kill_group`, `terminate`).
+Everything else is a call down the file: §1 asks §2 whose tenant and request it is, §1 and §2
+record through §13 (`event`, `save_program`), §6, §7 and §10 count through §13's `Metrics.add` and
+§7 writes through §13's `write_all`.  GPU workers take the lease of §11 and, sandboxed, start in
+§12's container, both set up at start-up.
 
 Lifecycle verbs mean one thing each, across the classes (tests/test_docs.py holds them to it, by
 name and by what each such method calls):
@@ -3079,7 +3082,7 @@ class DiskCache:
                     pass
 
 
-# --- 6. the pool and one Execution per request (docs/server.md §3) --------------------------------
+# --- 6. the pool: slots, the fair order, spare workers (docs/server.md §3) ------------------------
 
 class TenantLimit(Exception):
     """A tenant's request over --max-waiting-per-tenant: answered 429 before it waits."""
@@ -3532,6 +3535,8 @@ class Pool:
             if slot.template is not None:
                 slot.template.kill()
 
+
+# --- 7. one execution: a request's conversation with its worker, and its output -------------------
 
 class SealedBlob(mmap.mmap):
     """A blob alone in a sealed memfd, where kcoral_worker.MappedBytes maps it (blob_layout), read here
@@ -4065,6 +4070,84 @@ def worker_exit_cause(exit_code: int | None) -> str:
     return cause
 
 
+STAGED_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL  # Execution.stage_blobs
+PIPE_BYTES = 1 << 20  # capture pipe capacity (Linux's default pipe-max-size) and OutputReader's read size
+
+
+CAPTURED_TAIL_BYTES = 64 << 10  # of a truncated stream, its end kept beside its head: where the error usually is
+
+
+class OutputReader:
+    """Reads a worker's stdout/stderr pipes, keeping the first `limit` bytes of each and, past
+    them, the last min(limit, CAPTURED_TAIL_BYTES); what it keeps within `limit` also goes to
+    `on_output` as it arrives (a streamed answer, docs/protocol.md §13)."""
+
+    def __init__(self, out_fd: int, err_fd: int, limit: int,
+                 on_output: Callable[[str, bytes], None] | None = None) -> None:
+        self.limit = limit
+        self.data = {out_fd: bytearray(), err_fd: bytearray()}
+        self.tails = {out_fd: bytearray(), err_fd: bytearray()}
+        self.produced = {out_fd: 0, err_fd: 0}
+        self.fds = (out_fd, err_fd)
+        self.names = {out_fd: "stdout", err_fd: "stderr"}
+        self.on_output = on_output
+        self.thread = threading.Thread(target=self.read_until_closed, name="kcoral-output-reader", daemon=True)
+        self.thread.start()
+
+    def read_until_closed(self) -> None:
+        tail_bytes = min(self.limit, CAPTURED_TAIL_BYTES)
+        with selectors.DefaultSelector() as sel:
+            for fd in self.fds:
+                sel.register(fd, selectors.EVENT_READ)
+            open_fds = len(self.fds)
+            while open_fds:
+                for key, _ in sel.select():
+                    chunk = os.read(key.fd, PIPE_BYTES)
+                    if not chunk:
+                        sel.unregister(key.fd)
+                        os.close(key.fd)
+                        open_fds -= 1
+                        continue
+                    self.produced[key.fd] += len(chunk)
+                    room = self.limit - len(self.data[key.fd])
+                    if room > 0:
+                        self.data[key.fd] += chunk[:room]
+                        if self.on_output:
+                            self.on_output(self.names[key.fd], chunk[:room])
+                    if len(chunk) > room:
+                        tail = self.tails[key.fd]
+                        tail += chunk[max(room, 0):]
+                        if len(tail) > 2 * tail_bytes:  # trimmed now and then, not per chunk
+                            del tail[:-tail_bytes]
+
+    def result(self, wait: float) -> tuple[str, str, bool, bool]:
+        """(stdout, stderr, stdout_truncated, stderr_truncated) once the writers are gone.
+
+        A process that escaped the group may hold a pipe open; then the
+        thread keeps reading (and closes the pipe) on its own.
+        """
+        self.thread.join(wait)
+        texts = [(self.data[fd].decode("utf-8", "replace"), self.produced[fd] > self.limit) for fd in self.fds]
+        return texts[0][0], texts[1][0], texts[0][1], texts[1][1]
+
+    def truncation_fields(self, max_limit: int) -> dict[str, Json]:
+        """For a stream cut at the limit, what an answer adds beside its `*_truncated` flag (docs/protocol.md
+        §8.7): the bytes it produced, its end, the limit applied and the server's cap on it; {} when none was."""
+        fields: dict[str, Json] = {}
+        for fd in self.fds:
+            if self.produced[fd] > self.limit:
+                name = self.names[fd]
+                tail = bytes(self.tails[fd][-min(self.limit, CAPTURED_TAIL_BYTES):])
+                start = next((i for i, byte in enumerate(tail[:4]) if byte & 0xC0 != 0x80), 0)  # whole characters
+                fields[f"{name}_bytes"] = self.produced[fd]
+                fields[f"{name}_tail"] = tail[start:].decode("utf-8", "replace")
+        if fields:
+            fields.update(output_limit_bytes=self.limit, max_output_limit_bytes=max_limit)
+        return fields
+
+
+# --- 8. a request's limits: its cgroup and its memory watch (docs/sandbox.md) ---------------------
+
 def enter_delegated_cgroup(config: ServerConfig) -> str:
     """--cgroup resolved at start -> the delegated cgroup v2 directory requests get children in, or
     "none".  The server first moves itself into a leaf of its own, SERVER_CGROUP (cgroup v2 lets
@@ -4316,83 +4399,7 @@ def own_cgroup_file(name: str) -> str:
     return "/nonexistent"
 
 
-STAGED_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL  # Execution.stage_blobs
-PIPE_BYTES = 1 << 20  # capture pipe capacity (Linux's default pipe-max-size) and OutputReader's read size
-
-
-CAPTURED_TAIL_BYTES = 64 << 10  # of a truncated stream, its end kept beside its head: where the error usually is
-
-
-class OutputReader:
-    """Reads a worker's stdout/stderr pipes, keeping the first `limit` bytes of each and, past
-    them, the last min(limit, CAPTURED_TAIL_BYTES); what it keeps within `limit` also goes to
-    `on_output` as it arrives (a streamed answer, docs/protocol.md §13)."""
-
-    def __init__(self, out_fd: int, err_fd: int, limit: int,
-                 on_output: Callable[[str, bytes], None] | None = None) -> None:
-        self.limit = limit
-        self.data = {out_fd: bytearray(), err_fd: bytearray()}
-        self.tails = {out_fd: bytearray(), err_fd: bytearray()}
-        self.produced = {out_fd: 0, err_fd: 0}
-        self.fds = (out_fd, err_fd)
-        self.names = {out_fd: "stdout", err_fd: "stderr"}
-        self.on_output = on_output
-        self.thread = threading.Thread(target=self.read_until_closed, name="kcoral-output-reader", daemon=True)
-        self.thread.start()
-
-    def read_until_closed(self) -> None:
-        tail_bytes = min(self.limit, CAPTURED_TAIL_BYTES)
-        with selectors.DefaultSelector() as sel:
-            for fd in self.fds:
-                sel.register(fd, selectors.EVENT_READ)
-            open_fds = len(self.fds)
-            while open_fds:
-                for key, _ in sel.select():
-                    chunk = os.read(key.fd, PIPE_BYTES)
-                    if not chunk:
-                        sel.unregister(key.fd)
-                        os.close(key.fd)
-                        open_fds -= 1
-                        continue
-                    self.produced[key.fd] += len(chunk)
-                    room = self.limit - len(self.data[key.fd])
-                    if room > 0:
-                        self.data[key.fd] += chunk[:room]
-                        if self.on_output:
-                            self.on_output(self.names[key.fd], chunk[:room])
-                    if len(chunk) > room:
-                        tail = self.tails[key.fd]
-                        tail += chunk[max(room, 0):]
-                        if len(tail) > 2 * tail_bytes:  # trimmed now and then, not per chunk
-                            del tail[:-tail_bytes]
-
-    def result(self, wait: float) -> tuple[str, str, bool, bool]:
-        """(stdout, stderr, stdout_truncated, stderr_truncated) once the writers are gone.
-
-        A process that escaped the group may hold a pipe open; then the
-        thread keeps reading (and closes the pipe) on its own.
-        """
-        self.thread.join(wait)
-        texts = [(self.data[fd].decode("utf-8", "replace"), self.produced[fd] > self.limit) for fd in self.fds]
-        return texts[0][0], texts[1][0], texts[0][1], texts[1][1]
-
-    def truncation_fields(self, max_limit: int) -> dict[str, Json]:
-        """For a stream cut at the limit, what an answer adds beside its `*_truncated` flag (docs/protocol.md
-        §8.7): the bytes it produced, its end, the limit applied and the server's cap on it; {} when none was."""
-        fields: dict[str, Json] = {}
-        for fd in self.fds:
-            if self.produced[fd] > self.limit:
-                name = self.names[fd]
-                tail = bytes(self.tails[fd][-min(self.limit, CAPTURED_TAIL_BYTES):])
-                start = next((i for i, byte in enumerate(tail[:4]) if byte & 0xC0 != 0x80), 0)  # whole characters
-                fields[f"{name}_bytes"] = self.produced[fd]
-                fields[f"{name}_tail"] = tail[start:].decode("utf-8", "replace")
-        if fields:
-            fields.update(output_limit_bytes=self.limit, max_output_limit_bytes=max_limit)
-        return fields
-
-
-# --- 7. workspaces: private directories, removed without following a link -------------------------
+# --- 9. workspaces: private directories, removed without following a link -------------------------
 
 WORKSPACE = re.compile(r"kcoral-(?:program|sandbox)-(\d+)\.(\d+)-")  # sandbox: left by earlier versions
 
@@ -4536,7 +4543,7 @@ def next_directory_to_empty(fd: int) -> str | None:
     return None
 
 
-# --- 8. launching workers: the forkserver template and its imports, a Worker ----------------------
+# --- 10. launching workers: the forkserver template and its imports, a Worker ---------------------
 
 def isolate_import_path() -> None:
     """Drop the server's start directory from the import path its workers inherit: a `numpy.py`
@@ -4731,7 +4738,7 @@ class Worker:
         self.kill(grace)
 
 
-# --- 9. GPUs and the lease (docs/server.md §1-2) --------------------------------------------------
+# --- 11. GPUs and the lease (docs/server.md §1-2) -------------------------------------------------
 
 def resolve_device(config: ServerConfig) -> tuple[str, list[int], dict[int, str]]:
     """-> ("cpu" | "cuda", configured GPU ids, {id: CUDA_VISIBLE_DEVICES name})."""
@@ -4922,7 +4929,7 @@ class LeaseArbiter:
         return None
 
 
-# --- 10. the sandbox (docs/sandbox.md) ------------------------------------------------------------
+# --- 12. the sandbox (docs/sandbox.md) ------------------------------------------------------------
 
 def resolve_sandbox(config: ServerConfig) -> tuple[str, str | None]:
     """--sandbox auto -> ("bubblewrap", None) when a working bwrap is found, else ("none", why,
@@ -5419,7 +5426,7 @@ def serve_spawns(requests: queue.SimpleQueue) -> None:
             reply.put(exc)
 
 
-# --- 11. what the application records: event log, saved programs, metrics (docs/server.md §10) ----
+# --- 13. what the application records: event log, saved programs, metrics (docs/server.md §10) ----
 
 # The log and the saved programs hold every tenant's requests: they are for the server's user alone,
 # whatever the umask (the modes are given where the files are created; a umask can only narrow them).
@@ -5851,7 +5858,7 @@ def label_text(labels: Labels) -> str:
     return "{" + ",".join(f'{key}="{value}"' for (key, _), value in zip(labels, escaped)) + "}"
 
 
-# --- 12. command line (docs/server.md §9.2) -------------------------------------------------------
+# --- 14. command line (docs/server.md §9.2) -------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -5930,7 +5937,7 @@ def parse_args(argv: list[str]) -> ServerConfig:
     return config
 
 
-# --- 13. a cohort of nodes behind HAProxy (`python -m kcoral haproxy-config`, docs/scaling.md) ----
+# --- 15. a cohort of nodes behind HAProxy (`python -m kcoral haproxy-config`, docs/scaling.md) ----
 
 AFFINITY_HEADER = "X-KCoral-Affinity"  # client.py sets it to the sha256 of a request's largest blob
 HAPROXY_TEMPLATE = """\
