@@ -669,6 +669,17 @@ def die_with_parent() -> None:
     prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+def set_oom_score(value: int) -> None:
+    """This process's oom_score_adj (-1000..1000): raising it needs no privilege, lowering it does."""
+    with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as f:
+        f.write(str(value))
+
+
+def oom_score() -> int:
+    with open("/proc/self/oom_score_adj") as f:
+        return int(f.read())
+
+
 # --- process trees: finding a request's processes, ending them with a grace, confirming them gone --
 #
 # Finding: `group_members` (a worker's group and its leader's descendants), `marked_processes` (by
@@ -1145,17 +1156,6 @@ def keep_mount(source: str, target: str) -> None:
 def resource_limit(name: str, value: int) -> None:
     import resource
     resource.setrlimit(getattr(resource, name), (value, value))
-
-
-def set_oom_score(value: int) -> None:
-    """This process's oom_score_adj (-1000..1000): raising it needs no privilege, lowering it does."""
-    with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as f:
-        f.write(str(value))
-
-
-def oom_score() -> int:
-    with open("/proc/self/oom_score_adj") as f:
-        return int(f.read())
 
 
 def wait_for_child(pid: int) -> int:
