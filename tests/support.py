@@ -5,6 +5,7 @@ Import them as `from tests.support import ...` (the repository root is on sys.pa
 pytest runs, and for `python -m bench.<script>`).
 """
 
+import ast
 import collections
 import contextlib
 import fcntl
@@ -33,6 +34,15 @@ from client import Client, KCoralError, Program, TransportError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = sys.executable
+
+
+def bound_names(node):
+    """The names a top-level statement of a module (or of a class body) binds: a def, a class, an
+    assignment's plain targets."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return [node.name]
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+    return [t.id for t in targets if isinstance(t, ast.Name)]
 
 
 def free_port():

@@ -13,6 +13,7 @@ from kcoral import Client, KCoralError, Program
 from tests.support import (
     ROOT,
     ServerProcess,
+    bound_names,
     documented_log_events,
     log_records,
     one_call,
@@ -115,13 +116,6 @@ def defined_names(paths):
             if isinstance(node, ast.ClassDef):
                 defined.update(f"{node.name}.{member}" for member in class_members(node))
     return defined
-
-
-def bound_names(node):
-    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-        return [node.name]
-    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
-    return [t.id for t in targets if isinstance(t, ast.Name)]
 
 
 def class_members(cls):

@@ -15,7 +15,7 @@ import pytest
 
 import kcoral
 from kcoral import Client, Program
-from tests.support import ROOT
+from tests.support import ROOT, bound_names
 
 SOURCE = os.path.join(ROOT, "kcoral.py")
 NAME = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
@@ -50,19 +50,12 @@ def definitions(tree):
     methods and class attributes."""
     found = []
     for node in tree.body:
-        for name in bound(node):
+        for name in bound_names(node):
             found.append((name, node.lineno))
         if isinstance(node, ast.ClassDef):
-            found += [(f"{node.name}.{name}", member.lineno) for member in node.body for name in bound(member)]
-            found += [(name, member.lineno) for member in node.body for name in bound(member)]
+            found += [(f"{node.name}.{name}", member.lineno) for member in node.body for name in bound_names(member)]
+            found += [(name, member.lineno) for member in node.body for name in bound_names(member)]
     return found
-
-
-def bound(node):
-    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-        return [node.name]
-    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
-    return [t.id for t in targets if isinstance(t, ast.Name)]
 
 
 def test_each_name_the_map_places_in_a_section_is_defined_in_that_section():
@@ -91,7 +84,18 @@ def listed_jumps(doc):
     return jumps
 
 
-class CallTrace:
+class ThreadProfile:
+    """Calls `profile` in every thread started while it is entered."""
+
+    def __enter__(self):
+        threading.setprofile(self.profile)
+        return self
+
+    def __exit__(self, *exc):
+        threading.setprofile(None)
+
+
+class CallTrace(ThreadProfile):
     """The calls between kcoral.py's functions made by the threads started while it records, as
     {(caller section, caller, callee section, callee)}; a nested function or lambda counts as the
     function that defines it, and stdlib frames in between (socketserver, threading) are skipped."""
@@ -100,13 +104,6 @@ class CallTrace:
         self.ranges = section_ranges()
         self.calls = set()
         self.lock = threading.Lock()
-
-    def __enter__(self):
-        threading.setprofile(self.profile)
-        return self
-
-    def __exit__(self, *exc):
-        threading.setprofile(None)
 
     def profile(self, frame, event, arg):
         if event != "call" or frame.f_code.co_filename != SOURCE:
@@ -240,7 +237,7 @@ def test_every_thread_the_server_starts_has_a_name_the_map_lists():
     assert listed_threads(kcoral.__doc__) == set(started) | {"MainThread"}
 
 
-class ThreadNames:
+class ThreadNames(ThreadProfile):
     """The final name of every thread started while it records that ran code of kcoral.py (a
     thread may rename itself: socketserver's connection threads do), plus what
     `threading.enumerate()` shows of them whenever `snapshot` is called."""
@@ -248,13 +245,6 @@ class ThreadNames:
     def __init__(self):
         self.names = {}
         self.before = set(threading.enumerate())
-
-    def __enter__(self):
-        threading.setprofile(self.profile)
-        return self
-
-    def __exit__(self, *exc):
-        threading.setprofile(None)
 
     def profile(self, frame, event, arg):
         if frame.f_code.co_filename == SOURCE:
