@@ -7,8 +7,8 @@ on a GPU server, the CPU otherwise).  Three runs show what the configuration cha
 
 * defaults: 25 ms warm-up and 100 ms measurement *budgets*, turned into call counts.  Each
   call is preceded by an untimed cache flush, and the budgets pay for it too: on a CPU
-  server the flush (a 64 MiB memset, several ms) dominates a microsecond kernel, so the
-  default measures only a few dozen calls;
+  server the flush (a 64 MiB memset, a millisecond or more) dominates a microsecond kernel,
+  so the default measures only a hundred calls or fewer;
 * explicit counts (`warmup`, `repeat`) override the budgets: 500 calls however long;
 * `flush_l2: False` measures warm-cache latency, and the same budget buys far more calls.
 

@@ -91,12 +91,14 @@ def test_example(run_example, path):
 
 def test_default_benchmark_is_short_of_calls_on_cpu(run_example):
     """What benchmark_kernel.py's comments claim: on a CPU server the cache flush eats the default
-    budget, so the defaults measure far fewer calls than the warm-cache run with the same budget."""
+    budget (the kernel's own time is under a tenth of the 100 ms measurement budget), so the
+    defaults measure far fewer calls than the warm-cache run with the same budget."""
     done = run_example("benchmark_kernel.py")
     assert done.returncode == 0, done.stderr
-    defaults, warm = (int(re.search(rf"^{label}.* over (\d+) calls", done.stdout, re.M).group(1))
-                      for label in ("defaults", "no cache flush"))
-    assert defaults < 100 and warm > 10 * defaults, done.stdout
+    (median_us, defaults), (_, warm) = ((float(m.group(1)), int(m.group(2))) for m in (
+        re.search(rf"^{label}.* median ([\d.]+) us over (\d+) calls", done.stdout, re.M)
+        for label in ("defaults", "no cache flush")))
+    assert defaults * median_us < 0.1 * 100_000 and warm > 10 * defaults, done.stdout
 
 
 def test_broken_kernel_fails_its_check_and_still_reports(run_example):
