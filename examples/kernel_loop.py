@@ -77,7 +77,7 @@ def gate(out, expected):
 
 def bench(kernel, alpha, x, y, out):
     # Explicit counts: on a CPU server each call's cache flush costs milliseconds, and the
-    # default 100 ms budget would buy only a few dozen calls (docs/guide.md, "Benchmarking").
+    # default 100 ms budget would buy only a hundred calls or fewer (docs/guide.md, "Benchmarking").
     return benchmark(kernel, alpha, x, y, out, {"warmup": 10, "repeat": 100})
 """
 
