@@ -287,6 +287,7 @@ def wait_turn(cond: threading.Condition, line: Any, ticket: object, turn: Callab
 WORKER_MESSAGES = (kcoral_worker.InstructionStarted, kcoral_worker.StageBlobs, kcoral_worker.ReturnValue,
                    kcoral_worker.AcquireLease, kcoral_worker.ReleaseLease, kcoral_worker.RequestDone)
 WORKER_STEP_SECONDS = 60.0  # each start-up step (docs/server.md §1.1)
+PROGRESS_READS = 16  # x 64 KiB at most off the progress pipe, well over its 64 KiB capacity
 CONTROL_MESSAGE_BYTES = 1 << 16  # any worker or template message but a ReturnValue, which the response budget bounds
 
 
@@ -3579,7 +3580,8 @@ class Execution:
     lease_since: float | None  # time.monotonic() when the GPU lease was granted; None while not held
     retiring: bool  # the worker exits after this request (JobRequest.retire, or it reported a poisoned context)
     reader: OutputReader | None  # reads the program's stdout and stderr, when captured
-    last_index: int | None  # the instruction the worker last reported starting
+    last_index: int | None  # the instruction the worker last reported starting (reported_start)
+    progress: int | None  # the progress pipe's read end (kcoral_worker.file_upload_continues)
     results: dict[str, Json]  # return key -> encoded value
     parts: list[Buffer]  # the raw parts those values refer to
     output: tuple[str, str, bool, bool] | None  # (stdout, stderr, truncated flags), once collected
@@ -3619,7 +3621,7 @@ class Execution:
         started = time.monotonic()
         self.deadline = started + self.job.timeout
         self.last_moment = started + 2 * self.job.timeout
-        self.reader, self.output, self.program_done = None, None, False
+        self.reader, self.output, self.program_done, self.progress = None, None, False, None
         self.oom_kills = oom_kill_count()
         # with a delegated cgroup the kernel holds the limit; without, the front-end samples
         root = delegated_cgroup(self.config)
@@ -3662,6 +3664,8 @@ class Execution:
             if self.cgroup is not None:
                 self.cgroup.leave(self.worker.pid, self.pool.log)
             self.release_lease()
+            if self.progress is not None:
+                os.close(self.progress)
             output = self.captured_output()
             if not self.keep_workspace:
                 self.remove_workspace()
@@ -3685,6 +3689,7 @@ class Execution:
     def timeout_outcome(self) -> Outcome:
         """504 naming the limit and the instruction that was running (or the teardown after it), with
         the output captured until the kill: what a user needs to tell a hang from a slow loop."""
+        self.reported_start()
         output = dict(zip(("stdout", "stderr", "stdout_truncated", "stderr_truncated"), self.captured_output()))
         output.update(self.truncation)
         message = f"execution timed out after {self.job.timeout:g} s"
@@ -3707,7 +3712,9 @@ class Execution:
             workspace=os.path.join(self.inside, "work"),
             blob_index=self.blob_index(), capture=self.job.output_limit > 0,
             grace=self.config.worker_termination_grace_seconds, max_response_bytes=self.config.max_response_bytes,
-            max_response_parts=self.config.max_response_parts)
+            max_response_parts=self.config.max_response_parts,
+            progress=any(kcoral_worker.file_upload_continues(program.instructions, i)
+                         for i in range(len(program.instructions))))
         self.retiring = request.retire
         conn = self.worker.conn
         try:
@@ -3725,8 +3732,36 @@ class Execution:
                 finally:  # the reader sees end-of-file once the worker's copies are gone too
                     os.close(out_w)
                     os.close(err_w)
+            if request.progress:
+                self.progress, progress_w = os.pipe()
+                os.set_blocking(self.progress, False)
+                try:
+                    reduction.send_handle(conn, progress_w, self.worker.pid)
+                finally:
+                    os.close(progress_w)
         except OSError as exc:
             raise WorkerCrashed(str(exc)) from exc
+
+    def reported_start(self) -> None:
+        """Take the progress pipe's announcements into last_index: the highest index reported on
+        either channel is the last instruction started (kcoral_worker.file_upload_continues).  The
+        worker is gone (or done); an index out of range, or not a file upload continuing a run, is
+        ignored (the worker ran uploaded code, which may have written there).  Reads are bounded:
+        a process the program forked may still hold the pipe."""
+        if self.progress is None or self.last_index is None:
+            return
+        tail = b""
+        with contextlib.suppress(OSError):  # BlockingIOError: drained
+            for _ in range(PROGRESS_READS):
+                chunk = os.read(self.progress, 1 << 16)
+                if not chunk:
+                    break
+                tail = (tail + chunk)[-kcoral_worker.PROGRESS_RECORD.size:]
+        if len(tail) == kcoral_worker.PROGRESS_RECORD.size:
+            (index,) = kcoral_worker.PROGRESS_RECORD.unpack(tail)
+            instructions = self.job.program.instructions
+            if self.last_index < index < len(instructions) and kcoral_worker.file_upload_continues(instructions, index):
+                self.last_index = index
 
     def blob_index(self) -> dict[str, tuple[int, int, int]]:
         """{hash: (file, offset, size)}: where stage_blobs puts each of the job's blobs
@@ -4000,6 +4035,7 @@ class Execution:
         return "worker exited while executing the instruction" + worker_exit_cause(exit_code)
 
     def teardown_error(self, message: str) -> ErrorObject:
+        self.reported_start()
         index = self.last_index or 0
         ins = self.job.program.instructions[index]
         return {"kind": "runtime", "message": message, "instruction_index": index,

@@ -683,7 +683,7 @@ def fake_cupti(monkeypatch):
 def job_request(instructions, workspace="", retire=False):
     return kcoral_worker.JobRequest(instructions=instructions, retire=retire, workspace=workspace,
                                     blob_index={}, capture=False, grace=0.1, max_response_bytes=1 << 20,
-                                    max_response_parts=1000)
+                                    max_response_parts=1000, progress=False)
 
 
 def run_cpu_only(source, cpu_only=True):
@@ -693,7 +693,7 @@ def run_cpu_only(source, cpu_only=True):
         {"op": "get_function", "id": "f", "module": {"$ref": "m"}, "name": "f", "cpu_only": cpu_only},
         {"op": "run", "id": "r", "fn": {"$ref": "f"}}])
     program = kcoral_worker.ProgramRun(FakeConn(), request, kcoral_worker.StagedBlobs(FakeConn(), {}), None,
-                                       kcoral_worker.NoLease(), kcoral_worker.Runtime("cuda"))
+                                       kcoral_worker.NoLease(), kcoral_worker.Runtime("cuda"), None)
     return program.run(), program
 
 

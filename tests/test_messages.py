@@ -5,8 +5,15 @@ its own frames, not the worker's (§9.7); a timeout names the instruction and ke
 (§9.8); a value that cannot be returned is named by its return key and its path (§9.5).
 """
 
+import contextlib
+import os
+import types
+from multiprocessing.connection import Connection
+
 import pytest
 
+import kcoral
+import kcoral_worker
 from client import Client, KCoralError, Program
 from tests.support import ServerProcess, post, simple_program
 
@@ -136,3 +143,78 @@ def test_a_timeout_in_a_return_names_its_key(client):
         client.execute(program, timeout_seconds=1)
     assert info.value.message == "execution timed out after 1 s in instruction 3 (return 'late')"
     assert (info.value.instruction_op, info.value.instruction_id) == ("return", None)
+
+
+def file_uploads_then(program, count):
+    for i in range(count):
+        program.upload_file(path=f"in/f{i}.txt", blob=b"x%d" % i)
+    return program
+
+
+def test_a_timeout_after_a_run_of_file_uploads_names_the_instruction_running(client):
+    program = file_uploads_then(Program(), 40)
+    fn = program.get_function(module=program.upload(kind="module", source=SLOW, id="m"), name="f", id="fn")
+    program.run(fn=fn, id="r")
+    with pytest.raises(KCoralError) as info:
+        client.execute(program, timeout_seconds=2)
+    assert info.value.message == "execution timed out after 2 s in instruction 42 (run 'r')"
+    assert info.value.instruction_index == 42
+
+
+FILES = [{"op": "upload", "id": f"f{i}", "kind": "file", "path": f"f{i}", "blob": "0" * 64} for i in range(3)]
+MODULE = {"op": "upload", "id": "m", "kind": "module", "source": ""}
+
+
+def announced(instructions, progress_full=False):
+    """(indices sent as InstructionStarted, indices written to the progress pipe) by ProgramRun.announce_start."""
+    conn_r, conn_w = os.pipe()
+    progress_r, progress_w = os.pipe()
+    os.set_blocking(progress_w, False)
+    with Connection(conn_r) as conn, Connection(conn_w) as conn_writer, open(progress_r, "rb", closefd=True) as pipe:
+        with contextlib.suppress(BlockingIOError):
+            while progress_full:
+                os.write(progress_w, b"\0" * 4096)
+        request = kcoral_worker.JobRequest(instructions=instructions, retire=False, workspace="", blob_index={},
+                                           capture=False, grace=0.1, max_response_bytes=1 << 20,
+                                           max_response_parts=1000, progress=True)
+        run = kcoral_worker.ProgramRun(conn_writer, request, None, None, kcoral_worker.NoLease(), None, progress_w)
+        for index in range(len(instructions)):
+            run.announce_start(index)
+        os.close(progress_w)
+        messages = []
+        while conn.poll(0):
+            messages.append(kcoral_worker.receive_message(conn)[0].index)
+        records = pipe.read() if not progress_full else b""
+    return messages, [kcoral_worker.PROGRESS_RECORD.unpack_from(records, i)[0] for i in range(0, len(records), 4)]
+
+
+def test_file_uploads_continuing_a_run_are_announced_on_the_progress_pipe_without_a_message():
+    assert announced([*FILES, MODULE, *FILES]) == ([0, 3, 4], [1, 2, 5, 6])
+
+
+def test_a_full_progress_pipe_falls_back_to_messages():
+    assert announced([*FILES, MODULE], progress_full=True)[0] == [0, 1, 2, 3]
+
+
+def reported(records, last_index, instructions):
+    """Execution.reported_start's last_index after the worker wrote `records` to the progress pipe."""
+    progress_r, progress_w = os.pipe()
+    os.set_blocking(progress_r, False)
+    os.write(progress_w, records)
+    os.close(progress_w)
+    execution = types.SimpleNamespace(progress=progress_r, last_index=last_index,
+                                      job=types.SimpleNamespace(program=types.SimpleNamespace(instructions=instructions)))
+    try:
+        kcoral.Execution.reported_start(execution)
+    finally:
+        os.close(progress_r)
+    return execution.last_index
+
+
+def test_the_front_end_takes_the_last_file_upload_reported_on_the_progress_pipe():
+    record = kcoral_worker.PROGRESS_RECORD.pack
+    assert reported(record(1) + record(2), 0, [*FILES, MODULE]) == 2
+    assert reported(record(1), 3, [*FILES, MODULE, *FILES]) == 3  # an older record: the message is later
+    assert reported(record(3), 0, [*FILES, MODULE]) == 0  # not a file upload continuing a run
+    assert reported(record(9), 0, [*FILES, MODULE]) == 0  # out of range
+    assert reported(b"\1\0", 0, [*FILES, MODULE]) == 0  # not a whole record
