@@ -440,6 +440,9 @@ class ServerConfig:
     # responses and captured output
     send_timeout_seconds: float = option(30.0, "drop a client that takes longer than this to take 1 MiB "
                                          "of its response")
+    lingering_close_seconds: float = option(2.0, "after refusing a body it left unread, read and drop what "
+                                            "the client still sends for up to this long before closing, so "
+                                            "that it reads the refusal rather than a connection reset")
     max_response_bytes: int = option(LARGE_REQUEST_BYTES, "response size limit (500 response_too_large beyond "
                                      "it); the default holds a returned 1 GiB tensor and 64 MiB more")
     max_response_parts: int = option(100_000, "binary parts one response may carry (returned bytes, tensors "
@@ -962,7 +965,7 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
                 self.close_connection = not keep_open
             body = (self.read_chunked(self.app.config.max_request_bytes, reservation) if size is None
                     else self.read_body(size, reservation))
-        self.body_done = True
+        self.body_done = body is not None
         if body is None:  # chunked, past the limit: its whole size is unknown
             return Outcome(413, "request_too_large", request_too_large_message(None, self.app.config.max_request_bytes))
         return body
@@ -1150,14 +1153,14 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         the client awaits `100 Continue`: it has sent nothing and needs no body read)."""
         if self.body_done:
             return
-        self.body_done = True
         size = declared_length(self.headers.get("Content-Length", "0"))
         assert size is not None  # a body is pending only once parse_request (framing_problem) accepted the head
         if self.headers.get("Transfer-Encoding") or self.expects_continue or size > DRAIN_LIMIT:
-            self.close_connection = True
+            self.close_connection = True  # finish() lingers
             return
         try:
             self.read_body(size)
+            self.body_done = True
         except (OSError, BodyCut):
             self.close_connection = True
 
@@ -1185,6 +1188,30 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
     def finish(self) -> None:
         self.unwatch()  # whatever ended the connection, the guard forgets it
         super().finish()
+        if self.close_connection and self.body_left_unread() and not self.cut_reason:
+            self.linger()
+
+    def body_left_unread(self) -> bool:
+        if self.body_done:
+            return False
+        return "Transfer-Encoding" in self.headers or declared_length(self.headers.get("Content-Length", "0")) != 0
+
+    def linger(self) -> None:
+        """Stop sending, then read and drop what the client still sends until it closes, for at
+        most --lingering-close-seconds (a time bound alone: dropped bytes cost no memory).  A
+        client sends its whole body before it reads the answer; closing with bytes of it unread
+        makes the kernel answer them with a reset, which breaks the client's send and can
+        destroy the refusal before it is read."""
+        deadline = time.monotonic() + self.app.config.lingering_close_seconds
+        sink = bytearray(1 << 16)
+        try:
+            self.connection.shutdown(socket.SHUT_WR)
+            while (wait := deadline - time.monotonic()) > 0:
+                self.connection.settimeout(wait)
+                if not self.connection.recv_into(sink):
+                    return
+        except OSError:  # reset, or the time is up
+            pass
 
     def log_message(self, format: str, *args: Any) -> None:  # one structured line per request instead
         pass

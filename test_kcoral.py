@@ -23,6 +23,7 @@ import math
 import os
 import re
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -1852,6 +1853,43 @@ def test_request_limit_declared_and_chunked(limits_server):
             assert data["error"]["kind"] == "request_too_large"
             assert data["error"]["message"] == ("request exceeds the server's size limit of 65536 bytes "
                                                 "(max_request_bytes; the server's --max-request-bytes flag raises it)")
+
+
+def refuse_with_body_unread(sock: socket.socket, body: bytes) -> bytes:
+    """POST /execute declaring 1 GiB, over the limit, send `body` whole (a broken pipe here is a
+    failure: the server reset the connection), then read the answer -> what came back."""
+    sock.sendall(f"POST /execute HTTP/1.1\r\nHost: x\r\nContent-Type: {CT}\r\n"
+                 f"Content-Length: {1 << 30}\r\n\r\n".encode())
+    sock.sendall(body)
+    answer = b""
+    while chunk := sock.recv(1 << 16):  # the server stops sending (its FIN) once it answered
+        answer += chunk
+    return answer
+
+
+def test_a_refused_body_is_drained_so_the_client_reads_the_refusal(limits_server):
+    """A client sends its whole body before it reads: the server refuses 1 GiB at the head (413)
+    and keeps reading what follows until the client closes (--lingering-close-seconds), so the
+    8 MiB already in flight, far more than the sockets' buffers, meets no reset."""
+    with socket.create_connection(("127.0.0.1", limits_server.port), timeout=30) as sock:
+        answer = refuse_with_body_unread(sock, os.urandom(8 << 20))
+    assert answer.startswith(b"HTTP/1.1 413 ") and b'"request_too_large"' in answer
+    assert_completed(execute_ok(limits_server.url, call_program("def f():\n    return 1\n", "f")))
+
+
+def test_a_refused_connection_lingers_for_a_bounded_time(limits_server):
+    """A client that never closes but keeps sending holds its refused connection for
+    --lingering-close-seconds (2 s by default), not longer: then the server closes it, and the
+    next bytes the client sends meet a reset."""
+    with socket.create_connection(("127.0.0.1", limits_server.port), timeout=30) as sock:
+        assert refuse_with_body_unread(sock, b"x" * 1000).startswith(b"HTTP/1.1 413 ")
+        answered = time.monotonic()
+        with pytest.raises(OSError):  # EPIPE or ECONNRESET, once the server has closed
+            while time.monotonic() - answered < 8:
+                sock.sendall(b"x" * 100)
+                time.sleep(0.05)
+        held = time.monotonic() - answered
+    assert 1.5 <= held <= 6.0, held
 
 
 def test_unusable_disk_cache_never_rejects_a_request(limits_server):

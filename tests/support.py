@@ -197,6 +197,32 @@ PROMETHEUS = shutil.which("prometheus")
 
 
 @contextlib.contextmanager
+def mounted_ext4(workdir):
+    """A fresh 64 MiB ext4 without a journal (as the workspaces' disk here) mounted from an image
+    in `workdir`: eight 8 MiB block groups with nothing in them, so where ext4 places a directory
+    is not decided by what the host's disk happens to hold.  Skips where it cannot be made or
+    mounted; unmounted (which frees the loop device) and removed afterwards."""
+    image, mount_point = os.path.join(workdir, "ext4.img"), os.path.join(workdir, "mnt")
+    if shutil.which("mkfs.ext4") is None or shutil.which("mount") is None:
+        pytest.skip("mkfs.ext4 or mount is missing")
+    with open(image, "wb") as f:
+        f.truncate(64 << 20)
+    os.mkdir(mount_point)
+    made = subprocess.run(["mkfs.ext4", "-q", "-F", "-b", "1024", "-O", "^has_journal,^flex_bg,^sparse_super,^resize_inode", image],
+                          capture_output=True, text=True)
+    mounted = made.returncode == 0 and subprocess.run(["mount", "-o", "loop", image, mount_point],
+                                                      capture_output=True).returncode == 0
+    try:
+        if not mounted:
+            pytest.skip(f"no ext4 image could be made and mounted here: {made.stderr.strip()}")
+        yield mount_point
+    finally:
+        if mounted:
+            subprocess.run(["umount", mount_point], check=True)
+        os.remove(image)
+
+
+@contextlib.contextmanager
 def prometheus_server(workdir, scrape_configs, rule_files=()):
     """A real Prometheus (Debian's package) scraping every second with `scrape_configs` (as its YAML
     would hold them) -> a function answering a PromQL query: [(labels, value)...], or None while
