@@ -155,6 +155,10 @@ class HAProxyProcess:
         names = header.split(",")
         return [dict(zip(names, row.split(","), strict=False)) for row in rows if row]
 
+    def row(self, proxy, server="BACKEND"):
+        """`show stat`'s row of one server of `proxy` (BACKEND: the proxy as a whole)."""
+        return next(row for row in self.stats() if row["pxname"] == proxy and row["svname"] == server)
+
     def worker_pid(self):
         """The pid of the worker answering the admin socket (None while a reload rebinds it)."""
         try:
@@ -194,6 +198,15 @@ class HAProxyProcess:
 
 
 PROMETHEUS = shutil.which("prometheus")
+
+
+def requests_the_node_logged(log_dir, settle=2.0):
+    """(event, tenant) of each request a node (logging under `log_dir`) finished or cancelled, read
+    `settle` seconds on: time enough for a proxy to have sent on whatever it still held."""
+    time.sleep(settle)
+    [run_dir] = run_directories(log_dir)
+    return [(r["event"], r.get("tenant")) for r in log_records(run_dir)
+            if r["event"] in ("request_finished", "request_cancelled")]
 
 
 @contextlib.contextmanager

@@ -445,8 +445,8 @@ def test_fair_order_through_a_cohort(tmp_path):
     proxy = HAProxyProcess([f"{n.url}=1" for n in nodes], tmp_path, flags=["--token-file", tokens])
     try:
         def in_proxy():
-            return sum(int(row["scur"] or 0) + int(row["qcur"] or 0) for row in proxy.stats()
-                       if row["pxname"] == "kcoral_spread" and row["svname"] == "BACKEND")
+            backend = proxy.row("kcoral_spread")
+            return int(backend["scur"] or 0) + int(backend["qcur"] or 0)
         statuses, finished = measure_fairness(proxy.url, in_proxy)
         assert statuses == [200] * 4
         assert len(finished) == 4 and finished[0] < 3, finished  # B's first: behind one request per slot at most
