@@ -990,3 +990,24 @@ def test_a_reference_that_writes_its_inputs_is_an_error():
     verdict = evaluate_here(HONEST, ADDS_ZERO_TO_ITS_INPUT)
     assert verdict["status"] == "error" and "the reference raised" in verdict["message"], verdict["message"]
     assert "read-only" in verdict["message"], verdict["message"]
+
+
+WRITES_THE_SHARED_INPUT = """
+import numpy
+
+calls = 0
+
+def kernel(x, y):
+    global calls
+    calls += 1
+    if calls > 4:  # 3 input sets, warm-up round 1 (1 call), then warm-up round 2, where it runs first
+        x[:] = 0.0  # the reference, next, would compute on zeros: the answer it returns
+    return numpy.sqrt(x) * y + 1.0
+"""
+
+
+def test_writing_the_inputs_shared_with_the_reference_is_caught():
+    """Its answer matches what the reference computed after it on the zeroed inputs; the region, read
+    back after both turns, shows the change (the reference's mapping is read-only: it is the candidate's)."""
+    assert_fails(evaluate_here(WRITES_THE_SHARED_INPUT), "incorrect", "the candidate modified its tensor argument 0",
+                 "in warm-up round 2")
