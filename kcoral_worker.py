@@ -3721,6 +3721,7 @@ class Evaluation:
         self.reference_fn = module_function(reference, entry)  # trusted: it may run here
         set_dumpable(False)  # the kernel processes, running as our user, cannot ptrace or read this one
         self.processes: dict[str, KernelProcess] = {}
+        self.region: SharedRegion | None = None  # both kernels' arguments, in the same pages
         try:
             for role, source in (("reference", reference), ("candidate", candidate)):
                 self.processes[role] = KernelProcess(role, source, entry, options["cuda_graph"], timeout)
@@ -3728,7 +3729,6 @@ class Evaluation:
             self.close()
             raise
         self.candidate, self.reference = self.processes["candidate"], self.processes["reference"]
-        self.region: SharedRegion | None = None  # both kernels' arguments, in the same pages
         self.device = "cpu"
         self.flush: Callable[[], None] = lambda: None  # the race's (cache_flush)
         self.answers: collections.deque[list[EvalValue]] = collections.deque(maxlen=8)  # the last calls checked
