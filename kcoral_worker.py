@@ -87,6 +87,7 @@ import time
 import traceback
 import types
 import typing
+import warnings
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
@@ -3055,19 +3056,23 @@ class EvalLoad:
     """evaluate -> kernel process, once: run `source` as a module and call its `entry` from now on
     (through one captured CUDA graph with `cuda_graph`); answered by an empty EvalOutputs.  With
     `readable` the process stays dumpable: evaluate reads its results out of its memory itself
-    (the candidate's; the reference's process, which the candidate could read, is not)."""
+    (the candidate's; the reference's process, which the candidate could read, is not).  Without
+    `writable_inputs` the shared region is mapped read-only (the reference's: the candidate's inputs
+    lie in the same pages, and a change to them is the candidate's, which the reference cannot cause)."""
     source: str
     entry: str
     cuda_graph: bool
     readable: bool
+    writable_inputs: bool
 
 
 @message
 class EvalStage:
     """evaluate -> kernel process: the arguments of the next calls, one list of value specs per call,
-    a tensor's bytes at its `offset` in the shared region (a memfd evaluate created; a new one
-    follows the frame, by SCM_RIGHTS, when `region_bytes` is not 0).  Answered by an empty EvalDone.
-    Evaluate writes the bytes afterwards, with the process stopped: it sees them only at EvalGo."""
+    a tensor's bytes at its `offset` in the shared region (a memfd evaluate created, the same for
+    both kernel processes; a new one follows the frame, by SCM_RIGHTS, when `region_bytes` is not 0).
+    Answered by an empty EvalDone.  Evaluate writes the bytes afterwards, with the process stopped:
+    it sees them only at EvalGo."""
     calls: list[list[dict]]
     region_bytes: int
 
@@ -3115,8 +3120,9 @@ EVAL_FRAME_BYTES = 1 << 20  # one answer's frame: specs only, the bytes follow i
 EVAL_ROUND_BYTES = 512 << 20
 EVAL_MAX_CALLS = 1000  # calls per round, whatever the kernel's time: make_inputs runs once per call
 EVAL_ALIGN = 64  # each tensor in the region starts at a cache line
-# a race round's tensors start up to this far into the region, at random: an address the two
-# processes keep would otherwise give one of them a lasting edge (4K aliasing between inputs and outputs)
+# a race round's tensors start up to this far into the region, at random (the same for both kernels,
+# which share the region): an address kept for the whole race would give a kernel a lasting edge or
+# handicap (4K aliasing between its inputs and its outputs)
 EVAL_SHIFT_SPAN = 4096
 EVAL_MAX_WARMUP_ROUNDS = 10  # past them, the calls per round stay as they are
 # rtol, atol per output dtype when the caller sets none: torch.testing.assert_close's defaults,
@@ -3412,6 +3418,7 @@ class KernelUnderTest:
         self.inputs: list[Any] = []  # the arguments of the call in progress (a graph's: its static buffers)
         self.graph_outputs: Any = None
         self.region: mmap.mmap | None = None
+        self.writable_inputs = load.writable_inputs
         self.staged: list[list[EvalValue]] = []
         self.host_args: list[list[Any]] = []  # the staged arguments, over the region
         self.on_device = False  # some of them belong on a GPU
@@ -3421,8 +3428,9 @@ class KernelUnderTest:
 
     def stage(self, calls: list[list[dict]], fd: int | None, size: int) -> None:
         if fd is not None:  # pages mapped now, not on the kernel's first touch inside the window
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if self.writable_inputs else 0)
             try:
-                self.region = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+                self.region = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=prot)
             finally:
                 os.close(fd)
         view = memoryview(self.region) if self.region is not None else memoryview(b"")
@@ -3431,8 +3439,11 @@ class KernelUnderTest:
                                   view[spec["offset"]:spec["offset"] + value_size(spec, EVAL_SPEC_KEYS | {"offset"})])
                         for spec in call] for call in calls]
         # views of the region, made now, while it does not yet hold this round's bytes; a device's
-        # copies are made on the clock (go), where they belong to the kernel's time
-        self.host_args = [[v.build("cpu", copy=False) for v in args] for args in self.staged]
+        # copies are made on the clock (go), where they belong to the kernel's time.  Read-only views
+        # where the mapping is (torch warns of them, once: they are meant so)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "The given buffer is not writable")
+            self.host_args = [[v.build("cpu", copy=False) for v in args] for args in self.staged]
         self.on_device = any(v.device != "cpu" for args in self.staged for v in args if v.kind == "torch")
 
     def go(self, call: bool) -> list[list[dict]]:
@@ -3525,37 +3536,31 @@ class KernelProcess:
         import socket
         import subprocess
         self.role, self.timeout = role, timeout
-        self.region: SharedRegion | None = None
+        self.mapped: SharedRegion | None = None  # the region its process has mapped
         ours, theirs = socket.socketpair()
         with ours, theirs:
             self.proc = subprocess.Popen(
                 [sys.executable, "-I", "-c", KERNEL_PROCESS_BOOT, os.path.dirname(os.path.abspath(__file__)),
                  str(theirs.fileno())], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True)
             self.conn = Connection(os.dup(ours.fileno()))
-        send_message(self.conn, EvalLoad(source, entry, cuda_graph, readable=role == "candidate"))
+        send_message(self.conn, EvalLoad(source, entry, cuda_graph, readable=role == "candidate",
+                                         writable_inputs=role == "candidate"))
 
     def loaded(self) -> None:
         self.answer(EvalOutputs)
         self.halt()
 
-    def stage(self, calls: list[list[EvalValue]], shift: int = 0) -> list[tuple[int, EvalValue]]:
-        """The next round's arguments placed in the region from `shift` on (a larger region made when
-        they do not fit), written while the process is stopped -> where each tensor lies."""
-        specs, placed, size = staged_layout(calls, shift)
-        fresh = self.region is None or self.region.size < size
-        if fresh:
-            if self.region is not None:
-                self.region.close()
-            self.region = SharedRegion(size - shift + EVAL_SHIFT_SPAN)
-        assert self.region is not None
+    def stage(self, specs: list[list[dict]], region: SharedRegion) -> None:
+        """The next round's arguments, where they will lie in `region` (passed to the process if it
+        has not mapped it yet); the process stopped again before evaluate writes their bytes."""
+        fresh = region is not self.mapped
         self.resume()
-        send_message(self.conn, EvalStage(specs, self.region.size if fresh else 0))
+        send_message(self.conn, EvalStage(specs, region.size if fresh else 0))
         if fresh:
-            reduction.send_handle(self.conn, self.region.fd, self.proc.pid)
+            reduction.send_handle(self.conn, region.fd, self.proc.pid)
+        self.mapped = region
         self.answer(EvalDone)
         self.halt()
-        self.region.write(placed)
-        return placed
 
     def go(self, call: bool) -> tuple[list[list[dict]], float]:
         """The round on the clock, this process's own: from its SIGCONT to its stop, after it said
@@ -3673,8 +3678,6 @@ class KernelProcess:
         self.send_signal(signal.SIGKILL)
         self.proc.wait()
         self.conn.close()
-        if self.region is not None:
-            self.region.close()
 
 
 def evaluate(candidate: str, reference: str, make_inputs: Callable[[int], Any], *, entry: str = "kernel",
@@ -3718,6 +3721,7 @@ class Evaluation:
         self.reference_fn = module_function(reference, entry)  # trusted: it may run here
         set_dumpable(False)  # the kernel processes, running as our user, cannot ptrace or read this one
         self.processes: dict[str, KernelProcess] = {}
+        self.region: SharedRegion | None = None  # both kernels' arguments, in the same pages
         try:
             for role, source in (("reference", reference), ("candidate", candidate)):
                 self.processes[role] = KernelProcess(role, source, entry, options["cuda_graph"], timeout)
@@ -3735,6 +3739,8 @@ class Evaluation:
     def close(self) -> None:
         for process in self.processes.values():
             process.close()
+        if self.region is not None:
+            self.region.close()
         set_dumpable(True)  # as the worker was (template_main)
 
     def verdict(self, seeds: int, timing: bool) -> dict[str, Any]:
@@ -3775,7 +3781,7 @@ class Evaluation:
         expected = [eval_value(v, f"reference output {i}", output=True)
                     for i, v in enumerate(list(result) if type(result) in (tuple, list) else [result])]
         self.report["flags"].update(nonfinite_flag(expected))
-        placed = self.candidate.stage([sent])
+        placed = self.stage([sent], [self.candidate])
         layout, elapsed = self.candidate.go(True)
         reports = self.check_call(layout, 1, 0, expected, placed, elapsed,
                                   f"on input set {len(self.report['seeds'])} (seed {seed})", full=True)
@@ -3800,8 +3806,8 @@ class Evaluation:
             raise Incorrect(f"{exc}{self.likely_cause(actual, expected, layout[index], elapsed)}", exc.report) from None
         if any(v.kind == "torch" and v.device != "cpu" for _, v in placed):
             self.candidate.inputs_back()
-        assert self.candidate.region is not None
-        changed = self.candidate.region.first_changed(placed)
+        assert self.region is not None
+        changed = self.region.first_changed(placed)
         if changed is not None:
             raise Incorrect(f"the candidate modified its tensor argument {changed % (len(placed) // calls)} {where}")
         self.answers.append(expected)
@@ -3832,6 +3838,23 @@ class Evaluation:
             return (f"; the {before} right: most likely it behaves differently from some point on (once timed, "
                     "or after some number of calls)")
         return ""
+
+    def stage(self, calls: list[list[EvalValue]], processes: list[KernelProcess], shift: int = 0
+              ) -> list[tuple[int, EvalValue]]:
+        """The next round's arguments placed in the shared region from `shift` on (a larger region made
+        when they do not fit), staged in each of `processes`, then written while they are stopped ->
+        where each tensor lies.  One region for both kernels: the same bytes in the same pages at the
+        same offsets, so that neither kernel's inputs lie in memory that is lastingly faster to read
+        (two regions, one per process, gave one of two identical kernels a lasting edge of 3-12 %)."""
+        specs, placed, size = staged_layout(calls, shift)
+        if self.region is None or self.region.size < size:
+            if self.region is not None:
+                self.region.close()
+            self.region = SharedRegion(size - shift + EVAL_SHIFT_SPAN)
+        for process in processes:
+            process.stage(specs, self.region)
+        self.region.write(placed)
+        return placed
 
     def race(self) -> dict[str, Any]:
         """Warm-up rounds (which set the calls per round), then interleaved timed rounds until the
@@ -3885,7 +3908,8 @@ class Evaluation:
         return result
 
     def round(self, label: str, calls: int, samples: dict[str, list[float]]) -> int:
-        """One round of `calls` calls, each on fresh inputs: both kernels' arguments staged, then their
+        """One round of `calls` calls, each on fresh inputs: both kernels' arguments staged (in the same
+        region, which the reference's process maps read-only), then their
         turns back to back, in alternating order (AB, BA: an order effect cancels over two rounds),
         each timed while the other's process group is stopped, then the reference's empty round
         trip; the candidate's results of one call drawn at random (after the round) checked against
@@ -3894,8 +3918,8 @@ class Evaluation:
         import secrets
         sets = [self.inputs(random_seed(), copy=False) for _ in range(calls)]
         index = secrets.randbelow(calls)
-        placed = {role: process.stage(sets, secrets.randbelow(EVAL_SHIFT_SPAN // EVAL_ALIGN) * EVAL_ALIGN)
-                  for role, process in self.processes.items()}
+        shift = secrets.randbelow(EVAL_SHIFT_SPAN // EVAL_ALIGN) * EVAL_ALIGN
+        placed = self.stage(sets, list(self.processes.values()), shift)
         layout, elapsed = {}, {}
         for role in ("reference", "candidate") if len(samples["echo"]) % 2 == 0 else ("candidate", "reference"):
             if role == "reference":
@@ -3906,7 +3930,7 @@ class Evaluation:
         self.flush()  # the exchange alone, in the trusted process: both kernels' baseline
         samples["echo"].append(self.reference.go(False)[1])
         expected = self.reference.publish(index)
-        self.check_call(layout["candidate"], calls, index, expected, placed["candidate"], elapsed["candidate"],
+        self.check_call(layout["candidate"], calls, index, expected, placed, elapsed["candidate"],
                         f"in {label} (call {index + 1} of {calls}), against the reference on the same inputs")
         return sum(len(v.data) for v in [*sets[0], *expected] if v.kind != "json")
 

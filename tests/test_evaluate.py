@@ -670,7 +670,7 @@ def test_a_captured_graph_takes_new_tensors_but_not_new_python_values():
     """cuda_graph's input handling, with tensors on the CPU standing in for the captured buffers."""
     import torch
     kernel = kcoral_worker.KernelUnderTest(kcoral_worker.EvalLoad("def kernel(x, s):\n    return x * s\n", "kernel", True,
-                                                                    False))
+                                                                    False, False))
     static = torch.zeros(3)
     kernel.set_inputs([static, 2.0])
     kernel.graph = "captured"  # from now on the inputs are copied into the captured buffers
@@ -945,3 +945,69 @@ def test_a_50_us_kernel_is_resolved():
     assert timing["overhead_ms_per_call"] < timing["reference_ms"], timing
     same = kcoral_worker.evaluate(sines(0), sines(0), make_inputs, budget_ms=3000)["timing"]
     assert 0.75 < same["speedup"] < 1.33, (same["speedup"], same["speedup_ci"])
+
+
+REPORTS_WHERE_ITS_INPUT_LIES = """
+import os
+
+import numpy
+
+def kernel(x, y):  # appends: its process, the file its input lies in, and the offset there
+    address = x.ctypes.data
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            low, high = (int(v, 16) for v in fields[0].split("-"))
+            if low <= address < high:
+                with open("where.txt", "a") as out:
+                    out.write(f"{os.getpid()} {fields[4]} {int(fields[2], 16) + address - low}\\n")
+    return numpy.sqrt(x) * y + 1.0
+"""
+
+
+def test_both_kernels_read_their_inputs_from_the_same_pages(tmp_path, monkeypatch):
+    """A round's inputs lie in one region at the same offsets for both kernels: two regions, one
+    per process, gave one of two identical kernels a lasting edge (docs/evaluate.md)."""
+    monkeypatch.chdir(tmp_path)
+    verdict = evaluate_here(REPORTS_WHERE_ITS_INPUT_LIES, REPORTS_WHERE_ITS_INPUT_LIES, seeds=1)
+    assert verdict["status"] == "correct", verdict["message"]
+    seen: dict[str, set[tuple[str, str]]] = {}
+    for line in (tmp_path / "where.txt").read_text().splitlines():
+        pid, inode, offset = line.split()
+        if int(pid) != os.getpid():  # this process runs the reference too, on copies of the inputs
+            seen.setdefault(pid, set()).add((inode, offset))
+    assert len(seen) == 2, seen.keys()
+    reference, candidate = sorted(seen.values(), key=len)  # the candidate also ran the correctness calls
+    assert reference and reference <= candidate, (reference, candidate)
+
+
+ADDS_ZERO_TO_ITS_INPUT = "import numpy\n\ndef kernel(x, y):\n    x += 0.0\n    return numpy.sqrt(x) * y + 1.0\n"
+
+
+def test_a_reference_that_writes_its_inputs_is_an_error():
+    """The candidate's inputs are the reference's too, which its process maps read-only: a reference
+    writing them would otherwise change what the candidate is checked on."""
+    verdict = evaluate_here(HONEST, ADDS_ZERO_TO_ITS_INPUT)
+    assert verdict["status"] == "error" and "the reference raised" in verdict["message"], verdict["message"]
+    assert "read-only" in verdict["message"], verdict["message"]
+
+
+WRITES_THE_SHARED_INPUT = """
+import numpy
+
+calls = 0
+
+def kernel(x, y):
+    global calls
+    calls += 1
+    if calls > 4:  # 3 input sets, warm-up round 1 (1 call), then warm-up round 2, where it runs first
+        x[:] = 0.0  # the reference, next, would compute on zeros: the answer it returns
+    return numpy.sqrt(x) * y + 1.0
+"""
+
+
+def test_writing_the_inputs_shared_with_the_reference_is_caught():
+    """Its answer matches what the reference computed after it on the zeroed inputs; the region, read
+    back after both turns, shows the change (the reference's mapping is read-only: it is the candidate's)."""
+    assert_fails(evaluate_here(WRITES_THE_SHARED_INPUT), "incorrect", "the candidate modified its tensor argument 0",
+                 "in warm-up round 2")
