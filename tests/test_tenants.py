@@ -215,8 +215,11 @@ def test_kcoral_run_interrupted_stops_the_remote_program(tmp_path):
                           f"print('started', flush=True)\n"  # the streamed answer has begun
                           f"os.rename({marker!r} + '.tmp', {marker!r})\ntime.sleep(60)\n")
         threads = len(os.listdir(f"/proc/{server.proc.pid}/task"))
+        # as from a terminal: a suite started in the background (`&`) inherits SIGINT ignored, and
+        # Python keeps an ignored SIGINT ignored, which would make this Ctrl+C a no-op
         run = subprocess.Popen([PYTHON, "-m", "kcoral", "run", "python", "--url", server.url, "--send", str(script),
-                                "--", "job.py"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                "--", "job.py"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         pids = started_pids(marker)
         run.send_signal(signal.SIGINT)  # Ctrl+C
         _, stderr = run.communicate(timeout=30)
