@@ -843,12 +843,15 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             return self.route_error()
         started, self.request_bytes = time.monotonic(), 0
         self.stream = OutputStream(self, request_id) if self.wants_stream() else None
+        self.answered = threading.Event()  # Job.answered
         with self.app.request_in_flight():  # a graceful shutdown waits until the answer is out
             try:
                 outcome = self.outcome_of_post(request_id)
             except ClientGone as gone:
+                self.answered.set()
                 return self.cancelled(request_id, gone.where, started)
             outcome, size, lost = self.send_outcome(request_id, outcome)
+            self.answered.set()
         fields = {"client_request_id": self.client_request_id,
                   "request_bytes": self.request_bytes, "tenant": self.tenant or None,
                   **request_fields(request_id, outcome, started)}
@@ -944,7 +947,8 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             return self.app.handle_execute(request_id, body, self.headers.get("Content-Type"),
                                            self.proxy_wait_ms(),
                                            self.stream.feed if self.stream else None,
-                                           tenant=self.tenant, client_gone=self.client_gone)
+                                           tenant=self.tenant, client_gone=self.client_gone,
+                                           answered=self.answered)
         finally:
             reservation.release()
 
@@ -1687,6 +1691,8 @@ class Job:
     on_output: Callable[[str, bytes], None] | None = None  # ("stdout"|"stderr", bytes kept) as captured
     tenant: str = ""  # the name its token has in --token-file ("": anonymous)
     client_gone: Callable[[], bool] | None = None  # whether its client closed the connection (ClientGone)
+    # set once its answer is written (or will not be): what waits for the answer to have the CPU to itself
+    answered: threading.Event = dataclasses.field(default_factory=threading.Event)
     # hash -> the blob in a SealedBlob of its own, once staging made one: the cache keeps it (run_program)
     sealed: dict[str, memoryview] = dataclasses.field(default_factory=dict)
 
@@ -2018,8 +2024,8 @@ class KCoralServer:
 
     def handle_execute(self, request_id: str, body: Body, content_type: str | None,
                        proxy_queue_ms: float = 0.0, on_output: Callable[[str, bytes], None] | None = None,
-                       tenant: str = "",
-                       client_gone: Callable[[], bool] | None = None) -> Outcome:
+                       tenant: str = "", client_gone: Callable[[], bool] | None = None,
+                       answered: threading.Event | None = None) -> Outcome:
         """A request body, read -> Outcome.  The checks run in protocol order (docs/protocol.md §4.7): the first
         that fails decides the answer.
         ClientGone when `client_gone` says the client left while the program waited or ran."""
@@ -2038,7 +2044,7 @@ class KCoralServer:
                                          "missing_blobs": missing})
                 self.check_gpu_count(program)
                 return self.run_program(request_id, data, program, blobs, proxy_queue_ms, on_output,
-                                        tenant, client_gone)
+                                        tenant, client_gone, answered)
             finally:
                 if disk_writes is not None:  # once answered, the client may count on its file blobs being cached
                     self.blob_store.settle_file_blobs(disk_writes)
@@ -2054,7 +2060,8 @@ class KCoralServer:
 
     def run_program(self, request_id: str, data: memoryview, program: ValidProgram, blobs: Blobs,
                     proxy_queue_ms: float = 0.0, on_output: Callable[[str, bytes], None] | None = None,
-                    tenant: str = "", client_gone: Callable[[], bool] | None = None) -> Outcome:
+                    tenant: str = "", client_gone: Callable[[], bool] | None = None,
+                    answered: threading.Event | None = None) -> Outcome:
         """A valid program with all its blobs -> a worker's Outcome (or 503 busy: nothing ran)."""
         if self.closing:
             return self.refuse_while_draining()
@@ -2065,7 +2072,8 @@ class KCoralServer:
                               config.max_timeout_seconds),
                   output_limit=min(options.get("output_limit_bytes", config.output_limit_bytes),
                                    config.max_output_limit_bytes),
-                  proxy_queue_ms=proxy_queue_ms, on_output=on_output, tenant=tenant, client_gone=client_gone)
+                  proxy_queue_ms=proxy_queue_ms, on_output=on_output, tenant=tenant, client_gone=client_gone,
+                  answered=answered or threading.Event())
         with self.blob_store.pinned(program):
             outcome = self.pool.run_job(job)
             self.blob_store.keep_sealed(blobs, job.sealed)
@@ -3175,20 +3183,20 @@ class SpareWorker:
     """A slot's next worker, started in the background while the current one serves its last
     request, so that neither its start nor (on GPU) its CUDA context is on the next request's path.
 
-    Its fork waits until that request is done or has run SPARE_DELAY_SECONDS: a short request is
-    over before then, and a fork of the template (page tables for all of torch) and the new
-    worker's start would take the CPU it runs on, more than doubling it on two cores."""
+    Its fork waits until that request is answered or has run SPARE_DELAY_SECONDS: a short request
+    is over before then, and a fork of the template (page tables for all of torch) and the new
+    worker's start would take the CPU its answer needs, more than doubling it on two cores."""
 
-    def __init__(self, pool: Pool, slot: Slot) -> None:
+    def __init__(self, pool: Pool, slot: Slot, answered: threading.Event) -> None:
         self.worker: Worker | None = None
         self.error = ""
         self.request_done = threading.Event()  # set once the running request is done (with the GPU, too)
-        self.thread = threading.Thread(target=self.start, args=(pool, slot), name=f"kcoral-spare-{slot.name}",
-                                       daemon=True)
+        self.thread = threading.Thread(target=self.start, args=(pool, slot, answered),
+                                       name=f"kcoral-spare-{slot.name}", daemon=True)
         self.thread.start()
 
-    def start(self, pool: Pool, slot: Slot) -> None:
-        self.request_done.wait(SPARE_DELAY_SECONDS)
+    def start(self, pool: Pool, slot: Slot, answered: threading.Event) -> None:
+        answered.wait(SPARE_DELAY_SECONDS)
         try:
             self.worker = pool.start_worker(slot.gpus, before_gpu=self.request_done)
         except Exception as exc:  # reported by whoever takes it; as text, since a traceback kept here
@@ -3202,7 +3210,9 @@ class SpareWorker:
         return self.worker
 
 
-SPARE_DELAY_SECONDS = 0.05  # SpareWorker: several trivial requests; under a third of a warm worker's start on GPU
+# SpareWorker, Pool.replace: what waits for a request's answer waits this long at most (a slow
+# client's answer may take minutes): several trivial requests; under a third of a warm worker's start on GPU
+SPARE_DELAY_SECONDS = 0.05
 
 
 class Pool:
@@ -3310,7 +3320,7 @@ class Pool:
             if gpu_count:
                 outcome, retire = self.run_multi_gpu(slot, job, gpu_count, queue_ms), False
             else:
-                self.start_spare(slot)
+                self.start_spare(slot, job.answered)
                 execution = Execution(self, slot.worker, slot.gpus, job, queue_ms)
                 execution.keep_workspace = True  # a retired worker's goes after the answer, with the worker
                 try:
@@ -3325,15 +3335,15 @@ class Pool:
             outcome.worker_id = slot.name
             return outcome
         finally:
-            self.release(slot, retire, cleanup)
+            self.release(slot, retire, cleanup, job.answered)
 
-    def start_spare(self, slot: Slot) -> None:
+    def start_spare(self, slot: Slot, answered: threading.Event) -> None:
         """docs/server.md §1.3: when this request is the worker's last, start the next one now.  Not in a
         sandbox, whose container forks one worker at a time (its next one waits for this one's exit)."""
         limit, worker = self.config.max_requests_per_worker, slot.worker
         if (slot.spare is None and slot.template is None and worker is not None and limit
                 and worker.served + 1 >= limit and not self.closing):
-            slot.spare = SpareWorker(self, slot)
+            slot.spare = SpareWorker(self, slot, answered)
 
     def acquire(self, timeout: float, tenant: str = "", client_gone: Callable[[], bool] | None = None) -> Slot | None:
         """Wait for an idle slot, in the FairQueue's order; None after `timeout` seconds, when the
@@ -3373,12 +3383,13 @@ class Pool:
         busy = [s for s in self.slots if s not in self.idle]
         return sum(1 for s in busy if s.gpus == slot.gpus), self.slots.index(slot)
 
-    def release(self, slot: Slot, retire: bool, cleanup: Callable[[], None] | None = None) -> None:
+    def release(self, slot: Slot, retire: bool, cleanup: Callable[[], None] | None = None,
+                answered: threading.Event | None = None) -> None:
         """Give the slot back; a retired worker is disposed of (and `cleanup` run) on the replacement
-        thread, while the answer is written."""
+        thread, once the request is `answered`."""
         if retire:
             retired, slot.worker = slot.worker, None
-            thread = threading.Thread(target=self.replace, args=(slot, retired, cleanup),
+            thread = threading.Thread(target=self.replace, args=(slot, retired, cleanup, answered),
                                       name=f"kcoral-replace-{slot.name}", daemon=True)
             with self.cond:
                 self.free(slot)
@@ -3414,11 +3425,15 @@ class Pool:
             self.quarantine(worker.gpus, "a worker's process tree outlived SIGKILL")
         return gone
 
-    def replace(self, slot: Slot, retired: Worker | None = None, cleanup: Callable[[], None] | None = None) -> None:
-        """Off the request's critical path: dispose of the retired worker (its tree and pipe, then
-        `cleanup`: its workspace), then put the slot's next worker in place, the spare started during
-        the request if there is one.  The disposal comes first: a GPU whose old tree is not confirmed
-        gone is quarantined and gets no worker."""
+    def replace(self, slot: Slot, retired: Worker | None = None, cleanup: Callable[[], None] | None = None,
+                answered: threading.Event | None = None) -> None:
+        """Off the request's critical path: once the request is `answered` (its answer needs the CPU),
+        dispose of the retired worker (its tree and pipe, then `cleanup`: its workspace), then put the
+        slot's next worker in place, the spare started during the request if there is one.  The
+        disposal comes first: a GPU whose old tree is not confirmed gone is quarantined and gets no
+        worker.  (The retired worker's program was stopped before the answer: Execution.retire_worker.)"""
+        if answered is not None:
+            answered.wait(SPARE_DELAY_SECONDS)
         spare, slot.spare = slot.spare, None
         gone = retired is None or self.end_worker(retired)
         if cleanup is not None:
@@ -4621,7 +4636,7 @@ def isolate_import_path() -> None:
 
 def start_forkserver(context: multiprocessing.context.BaseContext) -> None:
     """Start the workers' template process from our own directory (see isolate_import_path);
-    nothing else runs yet, so the process-wide chdir is seen by no one."""
+    nothing else runs yet, so the process-wide chdir and environment are seen by no one."""
     start = os.getcwd()
     os.chdir(PROJECT_DIR)
     # It ignores SIGINT itself; SIGTERM it inherits blocked from this thread, and keeps so: a signal to
@@ -4630,9 +4645,11 @@ def start_forkserver(context: multiprocessing.context.BaseContext) -> None:
     # (The resource tracker first: starting it unblocks SIGTERM in the thread that does.)
     multiprocessing.resource_tracker.ensure_running()
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    os.environ[kcoral_worker.TEMPLATE_MARK] = "1"  # its memory in huge pages (collapse_template_memory)
     try:
         multiprocessing.forkserver.ensure_running()
     finally:
+        del os.environ[kcoral_worker.TEMPLATE_MARK]
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         os.chdir(start)
 

@@ -49,8 +49,9 @@ CUDA's guards); last, `kcoral.builtins` and `kcoral.errors`, what uploaded code 
 `evaluate`'s kernel processes (a fresh interpreter per kernel under test, its own messages).
 
 A worker's device is fixed when it starts: `worker_main` builds one `Runtime` and hands it
-down to each request.  Eight module-level names change in a worker, each once per process or as a
-cache its requests may share (a worker serves one request by default): `FLUSH_HOOKS_INSTALLED`,
+down to each request.  Nine module-level names change in a worker or its template, each once per
+process or as a cache its requests may share (a worker serves one request by default):
+`TEMPLATE_MEMORY_COLLAPSED` (set in a template before it forks: its workers inherit it), `FLUSH_HOOKS_INSTALLED`,
 `_library_runtimes_loaded` and `_cute_preloaded` (set the first time), `SANDBOXED` (set by a
 sandboxed request's init), `_cudarts` (the libcudart
 handles loaded), `_cupti_used` (set by a request's profiler guard, cleared before the next) and
@@ -698,6 +699,44 @@ def oom_score() -> int:
         return int(f.read())
 
 
+def collapse_template_memory() -> None:
+    """Once a template has imported (a sandbox container's; the forkserver's before its first fork,
+    TEMPLATE_MARK): its private
+    anonymous memory, some 150 MiB once torch is imported, into huge pages where the kernel can
+    (MADV_COLLAPSE, Linux 6.1; whatever the THP setting but "never").  A fork then copies one
+    page-table entry per 2 MiB instead of 512, and the child's exit frees as few; a child's
+    write still copies only 4 KiB (the kernel splits the huge page under it).  Measured on a
+    2-core machine: a fork 4.3 -> 1.4 ms, a fork and a worker's exit 17 -> 11 ms of CPU; the
+    collapse itself costs ~0.35 s, once per template.  Best effort: where the kernel refuses
+    (older, THP off, no free huge pages), the memory stays as it is.  Once per process, and never
+    in what a template forks (they inherit the flag set): a program's forks are its own."""
+    global TEMPLATE_MEMORY_COLLAPSED
+    if TEMPLATE_MEMORY_COLLAPSED:
+        return
+    TEMPLATE_MEMORY_COLLAPSED = True
+    with contextlib.suppress(OSError, AttributeError):
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split()
+                if fields[1][:2] != "rw" or fields[1][3] != "p" or fields[5:] not in ([], ["[heap]"]):
+                    continue
+                low, high = (int(bound, 16) for bound in fields[0].split("-"))
+                start, end = -(-low // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES, high // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+                if end > start:
+                    madvise(start, end - start, MADV_COLLAPSE)
+
+
+TEMPLATE_MEMORY_COLLAPSED = False  # collapse_template_memory: done in this process, or in its parent before the fork
+HUGE_PAGE_BYTES, MADV_COLLAPSE = 2 << 20, 25  # x86-64's and arm64's (4 KiB pages) PMD size; Linux's constant
+# In the environment of the forkserver kcoral.start_forkserver starts, and only there: that process
+# runs none of our code but the imports, so its first fork collapses it.  Taken out at once, so
+# that nothing it forks, nor any other process that imports this module, is touched.
+TEMPLATE_MARK = "KCORAL_WORKER_TEMPLATE"
+if os.environ.pop(TEMPLATE_MARK, None) == "1":
+    os.register_at_fork(before=collapse_template_memory)
+
 # --- process trees: finding a request's processes, ending them with a grace, confirming them gone --
 #
 # Finding: `group_members` (a worker's group and its leader's descendants), `marked_processes` (by
@@ -961,6 +1000,7 @@ def template_main(fd: int, preload: list[str], import_env: dict[str, str], space
             del os.environ[name]
         else:
             os.environ[name] = value
+    collapse_template_memory()  # each request's three forks (holder, init, worker) copy less
     conn = Connection(fd)
     send_message(conn, WorkerReady(os.getpid()))
     for message in messages(conn):

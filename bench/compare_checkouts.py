@@ -109,7 +109,7 @@ def main():
         servers = start_servers(checkouts, scratch)
         try:
             clients = {server.name: client.Client(server.url) for server in servers}
-            trivial = scenarios.scenario_trivial(servers, clients, args.trivial, client.Program)
+            trivial = scenarios.scenario_trivial(servers, clients, client.Client, args.trivial, client.Program)
             burst, cpu = bursts(servers, args.bursts, client.Client, client.Program)
         finally:
             for server in servers:

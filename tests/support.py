@@ -1203,6 +1203,28 @@ def mem_available():
     return meminfo()["MemAvailable"]
 
 
+@functools.cache
+def huge_pages_collapse():
+    """Whether this kernel collapses anonymous memory into huge pages on request (MADV_COLLAPSE,
+    Linux 6.1, THP not "never"): tried on a region of this process's own, freed after."""
+    import ctypes
+    import mmap
+    region = mmap.mmap(-1, 2 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.write(b"\1" * len(region))
+    cells = (ctypes.c_char * len(region)).from_buffer(region)
+    try:
+        start = -(-ctypes.addressof(cells) // HUGE_PAGE) * HUGE_PAGE
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return madvise(start, HUGE_PAGE, 25) == 0  # MADV_COLLAPSE
+    finally:
+        del cells
+        region.close()
+
+
+HUGE_PAGE = 2 << 20
+
+
 def meminfo():
     with open("/proc/meminfo") as f:
         return {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[-1] == "kB"}

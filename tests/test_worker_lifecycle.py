@@ -7,7 +7,16 @@ import time
 
 import pytest
 
-from tests.support import ServerProcess, is_alive, mem_available, plain, post, simple_program
+from tests.support import (
+    ServerProcess,
+    execute_ok,
+    huge_pages_collapse,
+    is_alive,
+    mem_available,
+    plain,
+    post,
+    simple_program,
+)
 
 TORCH_STATE = ("import torch\n"
                "def f(change):\n"
@@ -198,3 +207,24 @@ def test_a_reused_worker_whose_program_left_a_process_retires(tmp_path):
         first = plain(body["results"]["out"])
         status, _, body = post(server.url, simple_program("import os\ndef f():\n    return os.getpid()\n"))
         assert status == 200 and plain(body["results"]["out"]) != first, body
+
+
+TEMPLATE_VIEW = """
+import os, sys
+def f():
+    worker = sys.modules["kcoral_worker"]
+    with open("/proc/self/smaps_rollup") as rollup:
+        huge = [int(line.split()[1]) for line in rollup if line.startswith("AnonHugePages:")]
+    return {"huge_kib": huge[0], "collapsed": worker.TEMPLATE_MEMORY_COLLAPSED,
+            "marked": worker.TEMPLATE_MARK in os.environ}
+"""
+
+
+@pytest.mark.skipif(not huge_pages_collapse(), reason="this kernel does not collapse memory into huge pages")
+def test_a_worker_is_forked_from_a_template_held_in_huge_pages(server):
+    """kcoral_worker.collapse_template_memory: the template's memory (torch's, shared with each
+    worker until written) is in huge pages, which a fork copies 512 times fewer entries of; the
+    worker does not collapse its own again when its program forks, nor passes the mark on."""
+    seen = plain(execute_ok(server.url, simple_program(TEMPLATE_VIEW))["results"]["out"])
+    assert seen["huge_kib"] >= 16 << 10, seen  # the template holds ~110 MiB of them; writes split some
+    assert seen["collapsed"] is True and seen["marked"] is False, seen
