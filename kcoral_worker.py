@@ -700,16 +700,16 @@ def oom_score() -> int:
 
 
 def collapse_template_memory() -> None:
-    """Once a template has imported (a sandbox container's; the forkserver's before its first fork,
-    TEMPLATE_MARK): its private
-    anonymous memory, some 150 MiB once torch is imported, into huge pages where the kernel can
-    (MADV_COLLAPSE, Linux 6.1; whatever the THP setting but "never").  A fork then copies one
-    page-table entry per 2 MiB instead of 512, and the child's exit frees as few; a child's
-    write still copies only 4 KiB (the kernel splits the huge page under it).  Measured on a
-    2-core machine: a fork 4.3 -> 1.4 ms, a fork and a worker's exit 17 -> 11 ms of CPU; the
-    collapse itself costs ~0.35 s, once per template.  Best effort: where the kernel refuses
-    (older, THP off, no free huge pages), the memory stays as it is.  Once per process, and never
-    in what a template forks (they inherit the flag set): a program's forks are its own."""
+    """Once a template has imported (a sandbox container's; the forkserver's before its first
+    fork, TEMPLATE_MARK): its private anonymous memory, some 150 MiB once torch is imported, into
+    huge pages where the kernel can (MADV_COLLAPSE, Linux 6.1; whatever the THP setting but
+    "never").  A fork then copies one page-table entry per 2 MiB instead of 512, and the child's
+    exit frees as few; a child's write still copies only 4 KiB (the kernel splits the huge page
+    under it).  Measured on a 2-core machine: a fork 4.3 -> 1.4 ms, a fork and a worker's exit
+    17 -> 11 ms of CPU; the collapse itself ~0.35 s, once per template.  Best effort: where the
+    kernel refuses (older, THP off, no free huge pages), the memory stays as it is.  Once per
+    process, and never in what a template forks (they inherit the flag set): a program's forks
+    are its own."""
     global TEMPLATE_MEMORY_COLLAPSED
     if TEMPLATE_MEMORY_COLLAPSED:
         return
@@ -717,19 +717,36 @@ def collapse_template_memory() -> None:
     with contextlib.suppress(OSError, AttributeError):
         madvise = ctypes.CDLL(None, use_errno=True).madvise
         madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                fields = line.split()
-                if fields[1][:2] != "rw" or fields[1][3] != "p" or fields[5:] not in ([], ["[heap]"]):
-                    continue
-                low, high = (int(bound, 16) for bound in fields[0].split("-"))
-                start, end = -(-low // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES, high // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-                if end > start:
-                    madvise(start, end - start, MADV_COLLAPSE)
+        deadline = time.monotonic() + COLLAPSE_SECONDS
+        for low, high in dense_anonymous_regions():
+            first = -(-low // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES  # the huge pages wholly inside
+            for start in range(first, high - HUGE_PAGE_BYTES + 1, HUGE_PAGE_BYTES):
+                if time.monotonic() > deadline:  # compaction on a fragmented host: the rest stays as it is
+                    return
+                madvise(start, HUGE_PAGE_BYTES, MADV_COLLAPSE)
+
+
+def dense_anonymous_regions() -> list[tuple[int, int]]:
+    """This process's private anonymous mappings (the heap, unnamed ones) at least half resident:
+    a collapse fills a huge page's missing pages, which in a sparse mapping (a thread's stack, an
+    allocator's reserve) would add memory, not save page-table entries.  -> [(start, end)]."""
+    regions, current = [], None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0]:  # a mapping's first line: range, permissions, offset, device, inode, name
+                bounds = [int(bound, 16) for bound in fields[0].split("-")]
+                private_anonymous = fields[1][:2] == "rw" and fields[1][3] == "p" and fields[5:] in ([], ["[heap]"])
+                current = bounds if private_anonymous else None
+            elif fields[0] == "Anonymous:" and current is not None:
+                if int(fields[1]) << 10 >= (current[1] - current[0]) // 2:
+                    regions.append((current[0], current[1]))
+    return regions
 
 
 TEMPLATE_MEMORY_COLLAPSED = False  # collapse_template_memory: done in this process, or in its parent before the fork
 HUGE_PAGE_BYTES, MADV_COLLAPSE = 2 << 20, 25  # x86-64's and arm64's (4 KiB pages) PMD size; Linux's constant
+COLLAPSE_SECONDS = 2.0  # collapse_template_memory's budget: a template's start-up waits for it
 # In the environment of the forkserver kcoral.start_forkserver starts, and only there: that process
 # runs none of our code but the imports, so its first fork collapses it.  Taken out at once, so
 # that nothing it forks, nor any other process that imports this module, is touched.
