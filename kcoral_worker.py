@@ -788,9 +788,10 @@ def is_live(pid: int) -> bool:
     return fields is not None and fields[0] not in (b"Z", b"X")
 
 
-def children_of(pid: int | None) -> list[int]:
-    """Live children of a process, from the kernel's per-thread child lists: a few small reads
-    instead of a scan of every process on the machine (this runs on every request)."""
+def children_of(pid: int | None, live: bool = True) -> list[int]:
+    """Children of a process (only the live ones unless `live` is False), from the kernel's
+    per-thread child lists: a few small reads instead of a scan of every process on the machine
+    (this runs on every request)."""
     found: list[int] = []
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
@@ -799,7 +800,7 @@ def children_of(pid: int | None) -> list[int]:
     for tid in tasks:
         with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/children") as f:
             found += [int(child) for child in f.read().split()]
-    return [child for child in found if is_live(child)]
+    return [child for child in found if is_live(child)] if live else found
 
 
 def descendants(pid: int | None) -> list[int]:
@@ -814,19 +815,36 @@ def descendants(pid: int | None) -> list[int]:
 
 def group_members(pgid: int, exclude: Collection[int] = ()) -> list[int]:
     """Live processes in a process group, plus the leader's live descendants in other groups
-    (a program may start new sessions); zombies of ours found on the way are reaped."""
-    members, me = [], os.getpid()
-    own_group = os.getpgrp()  # the forkserver and resource tracker: multiprocessing reaps those
-    for pid, state, ppid, pgrp in process_table():
-        if pid in exclude:
-            continue
-        if state == b"Z":
-            if ppid == me and pgrp != own_group:  # an orphan of some program, ended up with us
-                with contextlib.suppress(ChildProcessError):
-                    os.waitpid(pid, os.WNOHANG)
-        elif pgrp == pgid:
-            members.append(pid)
+    (a program may start new sessions); our adopted orphans' zombies are reaped first."""
+    reap_adopted_orphans()
+    if group_gone(pgid):  # the usual end of a worker: no /proc scan (milliseconds on a busy host)
+        return []
+    members = [pid for pid, state, _, pgrp in process_table() if pgrp == pgid and state != b"Z" and pid not in exclude]
     return members + [pid for pid in descendants(pgid) if pid not in members and pid not in exclude]
+
+
+def group_gone(pgid: int) -> bool:
+    """Whether a process group has no process left, zombies included (one signal-0 system call, which
+    the kernel answers for the whole group at once, a fork in progress included), and its leader,
+    were it now in another group, is gone too: nothing group_members could find."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return proc_stat(pgid) is None
+    except PermissionError:  # a member of another user's (a sandbox's uid): it exists
+        pass
+    return False
+
+
+def reap_adopted_orphans() -> None:
+    """Reap the zombies among our children in a group not our own: orphans of programs that ended
+    up with us, their subreaper (multiprocessing and subprocess reap the children they started,
+    which stay in our group)."""
+    me, own_group = os.getpid(), os.getpgrp()
+    for child in children_of(me, live=False):
+        if (fields := proc_stat(child)) is not None and fields[0] == b"Z" and int(fields[2]) != own_group:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(child, os.WNOHANG)
 
 
 def marked_processes(worker_pid: int) -> list[int]:

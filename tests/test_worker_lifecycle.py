@@ -3,10 +3,13 @@ request with torch's settings as it started (docs/server.md §3.3); a retired on
 the answer, which does not wait for its exit (docs/server.md §1.3)."""
 
 import os
+import signal
+import subprocess
 import time
 
 import pytest
 
+import kcoral_worker
 from tests.support import (
     ServerProcess,
     execute_ok,
@@ -228,3 +231,23 @@ def test_a_worker_is_forked_from_a_template_held_in_huge_pages(server):
     seen = plain(execute_ok(server.url, simple_program(TEMPLATE_VIEW))["results"]["out"])
     assert seen["huge_kib"] >= 16 << 10, seen  # the template holds ~110 MiB of them; writes split some
     assert seen["collapsed"] is True and seen["marked"] is False, seen
+
+
+def test_a_group_with_nothing_left_is_confirmed_gone_without_reading_every_process(monkeypatch):
+    """kcoral_worker.group_members, as a retired worker's disposal calls it: a group that still has
+    a member once its leader is gone is found by a scan of /proc; a group with nothing left (the
+    usual end of a worker) is confirmed by one signal-0 call, not a read of every process's stat."""
+    scans = []
+    table = kcoral_worker.process_table
+    monkeypatch.setattr(kcoral_worker, "process_table", lambda: scans.append(1) or table())
+    leader = subprocess.Popen(["sh", "-c", "sleep 60 & echo $!"], start_new_session=True, stdout=subprocess.PIPE)
+    left = int(leader.stdout.readline())
+    leader.wait()  # the leader reaped, a member of its group left
+    try:
+        assert kcoral_worker.group_members(leader.pid) == [left] and scans == [1]
+    finally:
+        os.kill(left, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while not kcoral_worker.group_gone(leader.pid) and time.monotonic() < deadline:  # its new parent reaps it
+        time.sleep(0.01)
+    assert kcoral_worker.group_members(leader.pid) == [] and scans == [1]
