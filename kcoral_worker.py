@@ -840,6 +840,9 @@ def reap_adopted_orphans() -> None:
     """Reap the zombies among our children in a group not our own: orphans of programs that ended
     up with us, their subreaper (multiprocessing and subprocess reap the children they started,
     which stay in our group)."""
+    with contextlib.suppress(ChildProcessError):  # none at all
+        if os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+            return  # no child has ended (the usual case): one system call, where our threads' child lists are many
     me, own_group = os.getpid(), os.getpgrp()
     for child in children_of(me, live=False):
         if (fields := proc_stat(child)) is not None and fields[0] == b"Z" and int(fields[2]) != own_group:
