@@ -1699,7 +1699,7 @@ def spare_pool(monkeypatch):
 def test_a_spare_gpu_worker_creates_its_context_once_the_request_is_done_with_the_gpu(monkeypatch):
     """docs/server.md §1.3: the spare starts with the request; its CUDA context waits for the GPU."""
     pool, slot = spare_pool(monkeypatch)
-    pool.start_spare(slot)
+    pool.start_spare(slot, threading.Event())  # its answer not written: the fork waits SPARE_DELAY_SECONDS
     assert slot.spare is not None
     pool.arbiter.acquire("the-request", [0])  # the running request uses its GPU
     # started (host work), and now waiting for the GPU: a waiter on the event the request sets (CPython's Event)
@@ -1717,7 +1717,7 @@ def test_a_spare_gpu_worker_creates_its_context_once_the_request_is_done_with_th
 
 def test_a_retired_gpu_worker_not_confirmed_gone_leaves_its_slot_without_the_spare(monkeypatch):
     pool, slot = spare_pool(monkeypatch)
-    pool.start_spare(slot)
+    pool.start_spare(slot, threading.Event())  # its answer not written: the fork waits SPARE_DELAY_SECONDS
     slot.spare.request_done.set()
     spare = slot.spare.take()
     slot.worker.gone = False  # its tree outlived SIGKILL
