@@ -256,8 +256,8 @@ import sys
 import time
 
 def kernel(x, y):
-    frame = json.dumps({"type": "EvalDone", "error": None, "calls": [[{"kind": "numpy", "dtype": "float32",
-                        "shape": [1 << 40], "device": "cpu", "address": 4096}]]}).encode()
+    frame = json.dumps({"type": "EvalDone", "error": None, "forms": [{"kind": "numpy", "dtype": "float32",
+                        "shape": [1 << 40], "device": "cpu"}], "calls": [[[0, 4096]]]}).encode()
     os.write(int(sys.argv[2]), struct.pack("!I", len(frame)) + frame)  # the channel's descriptor
     time.sleep(60)
 """
@@ -585,12 +585,12 @@ def test_results_are_described_in_place_where_their_bytes_are_as_sent():
              (numpy.arange(6, dtype=">f4"), False), (numpy.ones((3, 2)).T, False), (torch.ones(3, 2).t(), False),
              (numpy.float32(2.5), False), (7, False)]
     for value, in_place in cases:
-        spec, keep = kcoral_worker.result_location(value, "output 0")
+        (kind, dtype, shape, device), address, keep = kcoral_worker.result_location(value, "output 0")
         expected = kcoral_worker.eval_value(value, "output 0", copy=False, output=True)
-        shape = {k: spec[k] for k in kcoral_worker.EVAL_SPEC_KEYS}
-        size = kcoral_worker.value_size(shape)
-        assert shape == expected.spec() and (keep is value) == in_place, (value, spec)
-        assert kcoral_worker.read_process_memory(os.getpid(), spec["address"], size) == bytes(expected.data)
+        spec = {"kind": kind, "dtype": dtype, "shape": list(shape), "device": device}
+        size = kcoral_worker.value_size(spec)
+        assert spec == expected.spec() and (keep is value) == in_place, (value, spec)
+        assert kcoral_worker.read_process_memory(os.getpid(), address, size) == bytes(expected.data)
 
 
 def test_a_race_rounds_inputs_start_at_a_shift():
@@ -1011,3 +1011,46 @@ def test_writing_the_inputs_shared_with_the_reference_is_caught():
     back after both turns, shows the change (the reference's mapping is read-only: it is the candidate's)."""
     assert_fails(evaluate_here(WRITES_THE_SHARED_INPUT), "incorrect", "the candidate modified its tensor argument 0",
                  "in warm-up round 2")
+
+
+def test_an_honest_kernel_process_stops_itself_after_every_answer(monkeypatch):
+    """evaluate's own stop is for a process that runs on after answering; an honest race never needs it
+    (its stop is the kernel process's, right after its answer: two wake-ups fewer on the clock)."""
+    forced = []
+    real_halt = kcoral_worker.KernelProcess.halt
+    monkeypatch.setattr(kcoral_worker.KernelProcess, "halt", lambda self: forced.append(self.role) or real_halt(self))
+    verdict = evaluate_here(HONEST)
+    assert verdict["status"] == "correct" and verdict["timing"]["rounds"] >= 3, verdict
+    assert forced == []
+
+
+SLOW_TO_STOP = """
+import os
+import time
+
+import numpy
+
+real_killpg = os.killpg
+
+def late_killpg(group, sig):  # the harness's own stop after each answer, 20 ms late (a thread holding the GIL)
+    time.sleep(0.02)
+    real_killpg(group, sig)
+
+os.killpg = late_killpg
+
+def kernel(x, y):
+    return numpy.sqrt(x) * y + 1.0
+"""
+
+
+def test_a_process_slow_to_stop_itself_is_stopped_and_its_late_stop_absorbed(monkeypatch):
+    """Stopped by evaluate before its own stop (due 20 ms after each answer, the grace 5 ms here), the
+    process stops itself once more as soon as it is continued; the next resume absorbs that, and the
+    race goes on to its verdict instead of waiting for an answer that never comes."""
+    monkeypatch.setattr(kcoral_worker, "EVAL_STOP_GRACE", 0.005)
+    forced = []
+    real_halt = kcoral_worker.KernelProcess.halt
+    monkeypatch.setattr(kcoral_worker.KernelProcess, "halt", lambda self: forced.append(self.role) or real_halt(self))
+    verdict = evaluate_here(SLOW_TO_STOP, call_timeout_s=5)
+    assert verdict["status"] == "correct" and verdict["timing"]["rounds"] >= 3, verdict
+    assert forced and set(forced) == {"candidate"}
