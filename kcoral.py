@@ -591,7 +591,7 @@ def request_too_large_message(size: int | None, limit: int) -> str:
 def memory_unseen(config: ServerConfig) -> str:
     """What the memory limit cannot see here (for /health): the fallback's honest blind spots."""
     if delegated_cgroup(config):
-        return "the processes the request's init and holder were forked as (before the worker joined its cgroup)"
+        return "the process the request's init was forked as (before the worker joined its cgroup)"
     sandboxed = config.sandbox == "bubblewrap"
     unseen = ["kernel memory other than page tables (pipe and socket buffers, inode and dentry caches, "
               "the kernel's own objects)", "a burst on a GPU worker between two samples"
@@ -5175,7 +5175,8 @@ class SandboxTemplate:
         try:
             template_pid = receive_checked(self.conn, kcoral_worker.WorkerReady, time.monotonic() + timeout,
                                   f"the sandbox did not start within {timeout:.0f} s").pid
-            self.pid = next((p for p in children_of(self.process.pid) if inner_pid(p) == template_pid), None)
+            self.pid = next((p for p in children_of(self.process.pid) if namespace_pids(p)[-1:] == [template_pid]),
+                            None)
             if self.pid is None:
                 raise WorkerCrashed("the sandbox's template is gone")
         except WorkerCrashed as exc:
@@ -5203,8 +5204,8 @@ class SandboxTemplate:
                 raise WorkerCrashed("the sandbox's template is gone") from exc
             forked = receive_checked(self.conn, kcoral_worker.WorkerForked, time.monotonic() + 60,
                             "the sandbox's template did not fork")
-            holder = next((p for p in children_of(self.pid) if inner_pid(p) == forked.pid), None)
-            init = next(iter(children_of(holder)), None) if holder is not None else None
+            # the request's init, by its id in the container's namespace (the template's): PID 1 in its own
+            init = next((p for p in children_of(self.pid) if namespace_pids(p)[1:2] == [forked.pid]), None)
             worker = next(iter(children_of(init)), None) if init is not None else None
             if worker is None:
                 raise WorkerCrashed("the sandbox's new worker is gone")
@@ -5461,13 +5462,13 @@ def ensure_gpu_control_nodes(log: EventLog) -> list[str]:
     return missing
 
 
-def inner_pid(pid: int) -> int | None:
-    """A process's id in its own (innermost) PID namespace."""
+def namespace_pids(pid: int) -> list[int]:
+    """A process's id in each PID namespace it is in, the host's first (NSpid); [] once it is gone."""
     try:
         with open(f"/proc/{pid}/status") as f:
-            return int(next(line for line in f if line.startswith("NSpid:")).split()[-1])
+            return [int(n) for n in next(line for line in f if line.startswith("NSpid:")).split()[1:]]
     except (OSError, StopIteration, ValueError):
-        return None
+        return []
 
 
 SPAWNS: dict[str, Any] = {"queue": None, "lock": threading.Lock()}

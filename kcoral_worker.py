@@ -639,8 +639,8 @@ class ForkWorker:
 
 @message
 class WorkerForked:
-    """Sandbox template -> front-end: the pid, inside the container, of the process holding the new
-    worker's namespaces (its only child is the request's init, PID 1 there; the worker is PID 2)."""
+    """Sandbox template -> front-end: the pid, inside the container, of the new worker's request's
+    init (PID 1 in its own PID namespace; the worker, its only child, is PID 2 there)."""
     pid: int
 
 
@@ -1040,16 +1040,17 @@ def template_main(fd: int, preload: list[str], import_env: dict[str, str], space
             del os.environ[name]
         else:
             os.environ[name] = value
-    collapse_template_memory()  # each request's three forks (holder, init, worker) copy less
+    collapse_template_memory()  # each request's two forks (init, worker) copy less
+    own_pids = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)  # where its own children go back to
     conn = Connection(fd)
     send_message(conn, WorkerReady(os.getpid()))
     for message in messages(conn):
         if not isinstance(message, ForkWorker):
             raise UnexpectedMessage(f"a sandbox template cannot serve {message!r}")
         pipe = reduction.recv_handle(conn)
-        holder, status_pipe = fork_request(conn, pipe, message, space, seccomp)
-        send_message(conn, WorkerForked(holder))
-        wait_for_child(holder)
+        init, status_pipe = fork_request(conn, pipe, message, space, seccomp, own_pids)
+        send_message(conn, WorkerForked(init))
+        wait_for_child(init)
         send_message(conn, WorkerExited(worker_exit_code(status_pipe)))
 
 
@@ -1109,50 +1110,56 @@ def become_sandbox_user(space: RequestSpace) -> None:
 
 
 def fork_request(conn: Connection, pipe: int, message: ForkWorker, space: RequestSpace,
-                 seccomp: bytes) -> tuple[int, int]:
-    """Fork the holder of a request's new mount, PID and IPC namespaces -> (its pid, once the
-    request's worker exists; the pipe on which the worker's wait status follows).  In them, an
-    init (PID 1) sets up the request's space (`enter_request_space`) and forks the worker (PID 2),
-    then only waits for it: when the worker ends, the init writes its status and ends too, and
-    the kernel with the init everything left in the namespace.  The worker is not the init
-    itself, since an init takes no signal it does not handle from inside its namespace: a
-    program's kill(getpid(), SIGKILL) would do nothing (and neither could the init pass on a
+                 seccomp: bytes, own_pids: int) -> tuple[int, int]:
+    """Fork the init of a request's new PID namespace -> (its pid, once the request's worker
+    exists; the pipe on which the worker's wait status follows).  The init (PID 1) takes new
+    mount and IPC namespaces, sets up the request's space (`enter_request_space`) and forks the
+    worker (PID 2), then only waits for it: when the worker ends, the init writes its status and
+    ends too, and the kernel with the init everything left in the namespace.  The worker is not
+    the init itself, since an init takes no signal it does not handle from inside its namespace:
+    a program's kill(getpid(), SIGKILL) would do nothing (and neither could the init pass on a
     signal it died of: it reports the status instead).
+
+    The template's next child goes into a new PID namespace (unshare), and its children after
+    into its own again (setns to `own_pids`): no process in between, which was one fork and exit
+    of all the template's memory more per request.
 
     The worker sees none of the container's processes, starts its PIDs afresh, and writes only to
     a tmpfs of its own, sized by the limits; the tmpfs and IPC objects go with the last process."""
     tasks = len(os.listdir("/proc/self/task"))  # the template's threads count against the uid too
     status_r, status_w = os.pipe()
-    holder = os.fork()
-    if holder == 0:
+    libc_call("unshare", CLONE_NEWPID)
+    try:
+        init = os.fork()
+    except BaseException:
+        libc_call("setns", own_pids, CLONE_NEWPID)
+        raise
+    if init != 0:  # the template: its later children in its own namespace again
+        libc_call("setns", own_pids, CLONE_NEWPID)
+    else:
         try:
             conn.close()
             os.close(status_r)
-            libc_call("unshare", CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC)
-            init = os.fork()
-            if init == 0:
-                enter_request_space(space, tasks + 2, seccomp)  # + the holder and this init
-                if message.device == "cpu" and space.memory_bytes:
-                    limit_private_memory(space.memory_bytes)
-                worker = os.fork()
-                if worker == 0:
-                    os.close(status_w)
-                    set_dumpable(True)
-                    worker_main(Connection(pipe), message.device, message.visible_gpus)
-                os.close(pipe)
-                os.write(status_w, b"+")
-                os.write(status_w, WAIT_STATUS.pack(wait_for_child(worker)))
-                os._exit(0)
+            os.close(own_pids)  # the template's namespace: nothing a request may hold
+            libc_call("unshare", CLONE_NEWNS | CLONE_NEWIPC)
+            enter_request_space(space, tasks + 1, seccomp)  # + this init
+            if message.device == "cpu" and space.memory_bytes:
+                limit_private_memory(space.memory_bytes)
+            worker = os.fork()
+            if worker == 0:
+                os.close(status_w)
+                set_dumpable(True)
+                worker_main(Connection(pipe), message.device, message.visible_gpus)
             os.close(pipe)
-            os.close(status_w)
-            wait_for_child(init)
+            os.write(status_w, b"+")
+            os.write(status_w, WAIT_STATUS.pack(wait_for_child(worker)))
             os._exit(0)
         finally:
             os._exit(1)
     os.close(pipe)
     os.close(status_w)
     os.read(status_r, 1)  # written once the worker exists, or never if its set-up failed
-    return holder, status_r
+    return init, status_r
 
 
 WAIT_STATUS = struct.Struct("=i")
@@ -1174,8 +1181,8 @@ def enter_request_space(space: RequestSpace, others: int, seccomp: bytes) -> Non
     changes the host read-only), no further user namespaces, a fresh tmpfs for everything the
     request may write (sized by --disk-limit-bytes and --file-limit), its own message queues; then
     no capabilities, at most --process-limit processes and threads for what it forks (counted per
-    uid in the container's user namespace, where `others` are the template's threads, the holder
-    and the init), no core dumps, and last the seccomp filter (`install_seccomp_filter`), which no
+    uid in the container's user namespace, where `others` are the template's threads and the
+    init), no core dumps, and last the seccomp filter (`install_seccomp_filter`), which no
     later process can shed."""
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     own_gpus = os.listdir(NVIDIA_PROC_GPUS) if os.path.isdir(NVIDIA_PROC_GPUS) else []  # the container shows its own

@@ -259,6 +259,33 @@ def f():
     assert processes <= 8 and pid < 10  # init, template, worker, shell, ls, grep: nothing of the host
 
 
+def test_a_requests_init_is_the_templates_own_child(sandboxed):
+    """Two forks of the template per request, not three: the worker (PID 2 of the request's PID
+    namespace) is the child of the request's init (PID 1 there), whose parent is the template
+    itself (PID 1 of the container), with no process in between."""
+    import kcoral_worker
+
+    def nspids(pid):  # its ids in each PID namespace it is in, the host's first
+        with open(f"/proc/{pid}/status") as f:
+            return [int(n) for n in next(line for line in f if line.startswith("NSpid:")).split()[1:]]
+    slow = call_program("import time\ndef f():\n    time.sleep(3)\n    return 1\n", "f")
+    request = threading.Thread(target=post, args=(sandboxed.url, slow))
+    request.start()
+    try:
+        def running_worker():
+            return next((pid for pid in kcoral_worker.descendants(sandboxed.proc.pid)
+                         if len(nspids(pid)) == 3 and nspids(pid)[-1] == 2), None)
+        worker = wait_for(running_worker, 30)
+        assert worker, "no request's worker appeared"
+        init = int(kcoral_worker.proc_stat(worker)[1])  # fields after the name: state, ppid, ...
+        template = int(kcoral_worker.proc_stat(init)[1])
+        assert len(nspids(init)) == 3 and nspids(init)[-1] == 1
+        assert len(nspids(template)) == 2 and nspids(template)[-1] == 1, \
+            f"the init's parent {template} is not the template: {nspids(template)}"
+    finally:
+        join_threads([request], 60)
+
+
 def test_c_compiler_builds_and_runs_in_the_workspace(sandboxed):
     source = r"""import os, subprocess
 def f():
