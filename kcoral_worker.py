@@ -3714,9 +3714,9 @@ class KernelProcess:
         frame = self.settle(EvalDone, decode=False)  # decoded off the clock, below
         elapsed = (time.perf_counter() - start) * 1e3
         forms, calls = self.answer(EvalDone, frame)
-        sizes = [self.result_size(spec) for spec in forms]
-        if any(type(result) is not list or len(result) != 2 or not 0 <= result[0] < len(sizes) or sizes[result[0]] < 0
-               for results in calls for result in results):
+        for spec in forms:
+            self.result_size(spec)
+        if any(len(result) != 2 or not 0 <= result[0] < len(forms) for results in calls for result in results):
             raise KernelFailed(f"the {self.role}'s process broke the channel: results described as {calls!r:.200}")
         return [[{**forms[form], "address": address} for form, address in results] for results in calls], elapsed
 
