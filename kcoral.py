@@ -2976,9 +2976,15 @@ class MemoryCache:
             self.evict()
 
 
+DISK_BLOCK = 4096  # the block of ext4, xfs and tmpfs as formatted by default
+
+
 def disk_cost(info: os.stat_result) -> int:
-    """What a file costs its file system: the blocks it occupies (a 1-byte file takes a whole block)."""
-    return info.st_blocks * 512
+    """What a file costs its file system: the blocks it occupies (a 1-byte file takes a whole block), and
+    never less than its size in whole DISK_BLOCKs: ext4 reports no blocks at all for a file whose
+    blocks writeback is allocating at that moment, and one such read let the cache keep a block more
+    than its capacity."""
+    return max(info.st_blocks * 512, -(-info.st_size // DISK_BLOCK) * DISK_BLOCK)
 
 
 class DiskCache:

@@ -145,6 +145,18 @@ def test_disk_cache_charges_blocks_and_counts_files(tmp_path):
     assert cache_usage(os.path.dirname(by_blocks.root))[0] < 3000
 
 
+def test_a_file_read_with_no_blocks_during_writeback_is_still_charged_its_blocks(tmp_path):
+    """ext4 reports st_blocks 0 for a file while writeback allocates its blocks: the cache charges
+    such a file its size in whole blocks (it kept a 257th 4 KiB blob in 1 MiB when it charged 0)."""
+    written = tmp_path / "blob"
+    written.write_bytes(b"8 bytes!")
+    info = os.stat(written)
+    mid_writeback = os.stat_result(tuple(info[:10]), {"st_blocks": 0, "st_blksize": info.st_blksize})
+    assert mid_writeback.st_blocks == 0 and mid_writeback.st_size == 8
+    assert kcoral.disk_cost(mid_writeback) == kcoral.DISK_BLOCK
+    assert kcoral.disk_cost(info) == max(info.st_blocks * 512, kcoral.DISK_BLOCK)
+
+
 def file_blob_store(tmp_path, release):
     """A BlobStore whose disk writes wait for `release`: the answer must not."""
     store = kcoral.BlobStore(dataclasses.replace(kcoral.DEFAULT_LIMITS, disk_cache_dir=str(tmp_path),
