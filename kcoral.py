@@ -3629,7 +3629,7 @@ class Execution:
     retiring: bool  # the worker exits after this request (JobRequest.retire, or it reported a poisoned context)
     reader: OutputReader | None  # reads the program's stdout and stderr, when captured
     last_index: int | None  # the instruction the worker last reported starting (reported_start)
-    progress: int | None  # the progress pipe's read end (kcoral_worker.file_upload_continues)
+    progress: int | None  # the progress pipe's read end (kcoral_worker.announced_by_record)
     results: dict[str, Json]  # return key -> encoded value
     parts: list[Buffer]  # the raw parts those values refer to
     output: tuple[str, str, bool, bool] | None  # (stdout, stderr, truncated flags), once collected
@@ -3761,8 +3761,7 @@ class Execution:
             blob_index=self.blob_index(), capture=self.job.output_limit > 0,
             grace=self.config.worker_termination_grace_seconds, max_response_bytes=self.config.max_response_bytes,
             max_response_parts=self.config.max_response_parts,
-            progress=any(kcoral_worker.file_upload_continues(program.instructions, i)
-                         for i in range(len(program.instructions))))
+            progress=any(map(kcoral_worker.announced_by_record, range(len(program.instructions)))))
         self.retiring = request.retire
         conn = self.worker.conn
         try:
@@ -3792,10 +3791,9 @@ class Execution:
 
     def reported_start(self) -> None:
         """Take the progress pipe's announcements into last_index: the highest index reported on
-        either channel is the last instruction started (kcoral_worker.file_upload_continues).  The
-        worker is gone (or done); an index out of range, or not a file upload continuing a run, is
-        ignored (the worker ran uploaded code, which may have written there).  Reads are bounded:
-        a process the program forked may still hold the pipe."""
+        either channel is the last instruction started (kcoral_worker.announced_by_record).  The
+        worker is gone (or done); an index out of range or not later than the last message is
+        ignored (the worker ran uploaded code, which may have written there).  Reads are bounded: a process the program forked may still hold the pipe."""
         if self.progress is None or self.last_index is None:
             return
         tail = b""
@@ -3808,7 +3806,7 @@ class Execution:
         if len(tail) == kcoral_worker.PROGRESS_RECORD.size:
             (index,) = kcoral_worker.PROGRESS_RECORD.unpack(tail)
             instructions = self.job.program.instructions
-            if self.last_index < index < len(instructions) and kcoral_worker.file_upload_continues(instructions, index):
+            if self.last_index < index < len(instructions):
                 self.last_index = index
 
     def blob_index(self) -> dict[str, tuple[int, int, int]]:
@@ -4651,7 +4649,7 @@ def start_forkserver(context: multiprocessing.context.BaseContext) -> None:
     # (The resource tracker first: starting it unblocks SIGTERM in the thread that does.)
     multiprocessing.resource_tracker.ensure_running()
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    os.environ[kcoral_worker.TEMPLATE_MARK] = "1"  # its memory in huge pages (collapse_template_memory)
+    os.environ[kcoral_worker.TEMPLATE_MARK] = "1"  # warmed, its memory in huge pages (prepare_template)
     try:
         multiprocessing.forkserver.ensure_running()
     finally:

@@ -53,8 +53,8 @@ CUDA's guards); last, `kcoral.builtins` and `kcoral.errors`, what uploaded code 
 A worker's device is fixed when it starts: `worker_main` builds one `Runtime` and hands it
 down to each request.  Nine module-level names change in a worker or its template, each once per
 process or as a cache its requests may share (a worker serves one request by default):
-`TEMPLATE_MEMORY_COLLAPSED` (set in a template before it forks: its workers inherit it), `FLUSH_HOOKS_INSTALLED`,
-`_library_runtimes_loaded` and `_cute_preloaded` (set the first time), `SANDBOXED` (set by a
+`TEMPLATE_PREPARED` and `FLUSH_HOOKS_INSTALLED` (set in a template before it forks: its workers
+inherit them), `_library_runtimes_loaded` and `_cute_preloaded` (set the first time), `SANDBOXED` (set by a
 sandboxed request's init), `_cudarts` (the libcudart
 handles loaded), `_cupti_used` (set by a request's profiler guard, cleared before the next) and
 `_compiled` (compiled executables by structural hash); in evaluate's kernel processes,
@@ -535,7 +535,7 @@ class GpuInitialized:
 class JobRequest:
     """Front-end -> worker, once per request; with `capture`, the write ends of the stdout and
     stderr pipes follow as two passed file descriptors, then with `progress` the write end of the
-    progress pipe (file_upload_continues).  `blob_index` (hash -> (file, offset, size))
+    progress pipe (announced_by_record).  `blob_index` (hash -> (file, offset, size))
     describes the memfds the worker gets when it asks for them (StageBlobs), file 0 first."""
     instructions: list[dict]
     retire: bool  # exit after this request
@@ -555,23 +555,24 @@ class StopWorker:
 
 @message
 class InstructionStarted:
-    """Worker -> front-end, before each instruction: a crash from here on is attributed to it
-    (a file upload continuing a run of them is announced on the progress pipe instead)."""
+    """Worker -> front-end, before the first instruction (and any whose record found the progress
+    pipe full): a crash from here on is attributed to it (announced_by_record)."""
     index: int
 
 
 PROGRESS_RECORD = struct.Struct("<I")  # on the progress pipe: the index of a file upload starting
 
 
-def file_upload_continues(instructions: Sequence[dict], index: int) -> bool:
-    """Whether instruction `index` is a file upload right after another: it runs no uploaded code
-    and prints nothing, so the worker announces it with a 4-byte record on the progress pipe,
-    which wakes nobody, instead of an InstructionStarted the front-end wakes up for (500 of them
-    cost a 500-file folder tens of ms).  The front-end reads that pipe when it attributes a crash
-    or timeout: indices only grow, so the last instruction started is the highest index either
-    channel reported."""
-    return index > 0 and all(instructions[i]["op"] == "upload" and instructions[i]["kind"] == "file"
-                             for i in (index - 1, index))
+def announced_by_record(index: int) -> bool:
+    """Whether instruction `index` is announced with a 4-byte record on the progress pipe, which
+    wakes nobody, instead of an InstructionStarted the front-end wakes up for (500 file uploads
+    cost a folder tens of ms, the 3 instructions after a trivial program's first ~0.5 ms): every
+    instruction but the first.  The front-end reads the pipe when it attributes a crash or
+    timeout: indices only grow, so the last instruction started is the highest index either
+    channel reported.  The first is a message: a worker that dies before it is the server's
+    fault, and uploaded code, which runs in this process and may write to either channel, can
+    then only blur which of its own instructions failed, never shift the blame to the server."""
+    return index > 0
 
 
 @message
@@ -701,21 +702,37 @@ def oom_score() -> int:
         return int(f.read())
 
 
-def collapse_template_memory() -> None:
-    """Once a template has imported (a sandbox container's; the forkserver's before its first
-    fork, TEMPLATE_MARK): its private anonymous memory, some 150 MiB once torch is imported, into
-    huge pages where the kernel can (MADV_COLLAPSE, Linux 6.1; whatever the THP setting but
-    "never").  A fork then copies one page-table entry per 2 MiB instead of 512, and the child's
-    exit frees as few; a child's write still copies only 4 KiB (the kernel splits the huge page
-    under it).  Measured on a 2-core machine: a fork 4.3 -> 1.4 ms, a fork and a worker's exit
-    17 -> 11 ms of CPU; the collapse itself ~0.35 s, once per template.  Best effort: where the
-    kernel refuses (older, THP off, no free huge pages), the memory stays as it is.  Once per
-    process, and never in what a template forks (they inherit the flag set): a program's forks
-    are its own."""
-    global TEMPLATE_MEMORY_COLLAPSED
-    if TEMPLATE_MEMORY_COLLAPSED:
+def prepare_template() -> None:
+    """Once a template has imported (a sandbox container's; the forkserver's before its first fork,
+    TEMPLATE_MARK): what each fresh worker would set up for itself, set up once here
+    (warm_request_path), then its memory into huge pages (collapse_template_memory).  Once per
+    process, and never in what a template forks (they inherit the flag set): a program's forks are
+    its own."""
+    global TEMPLATE_PREPARED
+    if TEMPLATE_PREPARED:
         return
-    TEMPLATE_MEMORY_COLLAPSED = True
+    TEMPLATE_PREPARED = True
+    warm_request_path()
+    collapse_template_memory()
+
+
+def warm_request_path() -> None:
+    """What a request sets up on first use for its whole process, done in the template and inherited
+    by every worker forked from it, instead of on each fresh worker's request clock: OpenSSL's
+    digest tables (a module's filename is a SHA-1: 0.3 ms the first time) and the flush hooks
+    (install_flush_hooks wraps nine functions: 0.3 ms)."""
+    hashlib.sha1(b"")
+    install_flush_hooks()
+
+
+def collapse_template_memory() -> None:
+    """A template's private anonymous memory, some 150 MiB once torch is imported, into huge pages
+    where the kernel can (MADV_COLLAPSE, Linux 6.1; whatever the THP setting but "never").  A fork
+    then copies one page-table entry per 2 MiB instead of 512, and the child's exit frees as few;
+    a child's write still copies only 4 KiB (the kernel splits the huge page under it).  Measured
+    on a 2-core machine: a fork 4.3 -> 1.4 ms, a fork and a worker's exit 17 -> 11 ms of CPU; the
+    collapse itself ~0.35 s, once per template.  Best effort: where the kernel refuses (older, THP
+    off, no free huge pages), the memory stays as it is."""
     with contextlib.suppress(OSError, AttributeError):
         madvise = ctypes.CDLL(None, use_errno=True).madvise
         madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -746,15 +763,15 @@ def dense_anonymous_regions() -> list[tuple[int, int]]:
     return regions
 
 
-TEMPLATE_MEMORY_COLLAPSED = False  # collapse_template_memory: done in this process, or in its parent before the fork
+TEMPLATE_PREPARED = False  # prepare_template: done in this process, or in its parent before the fork
 HUGE_PAGE_BYTES, MADV_COLLAPSE = 2 << 20, 25  # x86-64's and arm64's (4 KiB pages) PMD size; Linux's constant
 COLLAPSE_SECONDS = 2.0  # collapse_template_memory's budget: a template's start-up waits for it
 # In the environment of the forkserver kcoral.start_forkserver starts, and only there: that process
-# runs none of our code but the imports, so its first fork collapses it.  Taken out at once, so
+# runs none of our code but the imports, so its first fork prepares it.  Taken out at once, so
 # that nothing it forks, nor any other process that imports this module, is touched.
 TEMPLATE_MARK = "KCORAL_WORKER_TEMPLATE"
 if os.environ.pop(TEMPLATE_MARK, None) == "1":
-    os.register_at_fork(before=collapse_template_memory)
+    os.register_at_fork(before=prepare_template)
 
 # --- process trees: finding a request's processes, ending them with a grace, confirming them gone --
 #
@@ -1040,7 +1057,7 @@ def template_main(fd: int, preload: list[str], import_env: dict[str, str], space
             del os.environ[name]
         else:
             os.environ[name] = value
-    collapse_template_memory()  # each request's two forks (init, worker) copy less
+    prepare_template()  # each request's two forks (init, worker) copy less
     own_pids = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)  # where its own children go back to
     conn = Connection(fd)
     send_message(conn, WorkerReady(os.getpid()))
@@ -1740,8 +1757,8 @@ class ProgramRun:
         return None
 
     def announce_start(self, index: int) -> None:
-        """From here on a crash is attributed to instruction `index` (file_upload_continues)."""
-        if self.progress is not None and file_upload_continues(self.request.instructions, index):
+        """From here on a crash is attributed to instruction `index` (announced_by_record)."""
+        if self.progress is not None and announced_by_record(index):
             with contextlib.suppress(BlockingIOError):  # a record is atomic: written whole or not at all
                 os.write(self.progress, PROGRESS_RECORD.pack(index))
                 return
@@ -2014,8 +2031,9 @@ def flush_output() -> None:
 
 
 def install_flush_hooks() -> None:
-    """Once per process: flush_output() before every fork, exec, spawn and system(), and before
-    os._exit() and os.abort(), which skip the flush at interpreter exit."""
+    """Once per process (a template's workers inherit them: warm_request_path): flush_output() before
+    every fork, exec, spawn and system(), and before os._exit() and os.abort(), which skip the flush
+    at interpreter exit."""
     global FLUSH_HOOKS_INSTALLED
     if FLUSH_HOOKS_INSTALLED:
         return

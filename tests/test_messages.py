@@ -188,8 +188,9 @@ def announced(instructions, progress_full=False):
     return messages, [kcoral_worker.PROGRESS_RECORD.unpack_from(records, i)[0] for i in range(0, len(records), 4)]
 
 
-def test_file_uploads_continuing_a_run_are_announced_on_the_progress_pipe_without_a_message():
-    assert announced([*FILES, MODULE, *FILES]) == ([0, 3, 4], [1, 2, 5, 6])
+def test_every_instruction_but_the_first_is_announced_on_the_progress_pipe_without_a_message():
+    assert announced([*FILES, MODULE, *FILES]) == ([0], [1, 2, 3, 4, 5, 6])
+    assert announced([MODULE]) == ([0], [])
 
 
 def test_a_full_progress_pipe_falls_back_to_messages():
@@ -211,10 +212,10 @@ def reported(records, last_index, instructions):
     return execution.last_index
 
 
-def test_the_front_end_takes_the_last_file_upload_reported_on_the_progress_pipe():
+def test_the_front_end_takes_the_last_instruction_reported_on_the_progress_pipe():
     record = kcoral_worker.PROGRESS_RECORD.pack
     assert reported(record(1) + record(2), 0, [*FILES, MODULE]) == 2
+    assert reported(record(1) + record(3), 0, [*FILES, MODULE]) == 3
     assert reported(record(1), 3, [*FILES, MODULE, *FILES]) == 3  # an older record: the message is later
-    assert reported(record(3), 0, [*FILES, MODULE]) == 0  # not a file upload continuing a run
     assert reported(record(9), 0, [*FILES, MODULE]) == 0  # out of range
     assert reported(b"\1\0", 0, [*FILES, MODULE]) == 0  # not a whole record

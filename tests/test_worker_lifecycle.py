@@ -218,7 +218,7 @@ def f():
     worker = sys.modules["kcoral_worker"]
     with open("/proc/self/smaps_rollup") as rollup:
         huge = [int(line.split()[1]) for line in rollup if line.startswith("AnonHugePages:")]
-    return {"huge_kib": huge[0], "collapsed": worker.TEMPLATE_MEMORY_COLLAPSED,
+    return {"huge_kib": huge[0], "prepared": worker.TEMPLATE_PREPARED,
             "marked": worker.TEMPLATE_MARK in os.environ}
 """
 
@@ -230,7 +230,7 @@ def test_a_worker_is_forked_from_a_template_held_in_huge_pages(server):
     worker does not collapse its own again when its program forks, nor passes the mark on."""
     seen = plain(execute_ok(server.url, simple_program(TEMPLATE_VIEW))["results"]["out"])
     assert seen["huge_kib"] >= 16 << 10, seen  # the template holds ~110 MiB of them; writes split some
-    assert seen["collapsed"] is True and seen["marked"] is False, seen
+    assert seen["prepared"] is True and seen["marked"] is False, seen
 
 
 def test_a_group_with_nothing_left_is_confirmed_gone_without_reading_every_process(monkeypatch):
