@@ -3793,7 +3793,8 @@ class Execution:
         """Take the progress pipe's announcements into last_index: the highest index reported on
         either channel is the last instruction started (kcoral_worker.announced_by_record).  The
         worker is gone (or done); an index out of range or not later than the last message is
-        ignored (the worker ran uploaded code, which may have written there).  Reads are bounded: a process the program forked may still hold the pipe."""
+        ignored (the worker ran uploaded code, which may have written there).  Reads are bounded:
+        a process the program forked may still hold the pipe."""
         if self.progress is None or self.last_index is None:
             return
         tail = b""

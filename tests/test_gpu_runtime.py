@@ -321,7 +321,9 @@ def execution(pool, script, timeout=10.0, request_id="req-1", gpus=(0,), gone=Tr
     job = kcoral.Job(request_id, program, blobs or {}, timeout=timeout, output_limit=0)
 
     def play():
-        kcoral_worker.receive_message(theirs)  # the request
+        request = kcoral_worker.receive_message(theirs)[0]
+        if request.progress:  # its pipe's write end follows, as a real worker takes it
+            os.close(reduction.recv_handle(theirs))
         try:
             script(theirs)
         except (EOFError, OSError):
