@@ -851,10 +851,11 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
                 self.answered.set()
                 return self.cancelled(request_id, gone.where, started)
             outcome, size, lost = self.send_outcome(request_id, outcome)
+            answered_at = time.monotonic()  # before the worker's disposal, which `answered` wakes, takes the CPU
             self.answered.set()
         fields = {"client_request_id": self.client_request_id,
                   "request_bytes": self.request_bytes, "tenant": self.tenant or None,
-                  **request_fields(request_id, outcome, started)}
+                  **request_fields(request_id, outcome, started, answered_at)}
         if size is None:
             self.disconnected("response", error=lost, **fields)
         else:
@@ -1174,8 +1175,8 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
         try:
             size = self.send_error_body(outcome.http_status, request_id, outcome.kind, outcome.message, headers)
         finally:  # also when the client is gone (OSError): the refusal is logged either way
-            self.app.log.event("request_refused", "WARNING", peer=self.client_address[0],
-                               response_bytes=size, **request_fields(request_id, outcome, self.head_started))
+            self.app.log.event("request_refused", "WARNING", peer=self.client_address[0], response_bytes=size,
+                               **request_fields(request_id, outcome, self.head_started, time.monotonic()))
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """What http.server rejects itself (bad request line, oversized headers) gets the
@@ -1361,14 +1362,15 @@ def proxy_queue_ms(stamp: str | None, arrived: float) -> float:
     return waited if 0 <= waited <= 3.6e6 else 0.0
 
 
-def request_fields(request_id: str, outcome: Outcome, started: float) -> dict[str, Any]:
-    """What every request event says about a request (request_finished, request_refused, a disconnect)."""
+def request_fields(request_id: str, outcome: Outcome, started: float, ended: float) -> dict[str, Any]:
+    """What every request event says about a request (request_finished, request_refused, a disconnect);
+    its total_ms runs from `started` to `ended`, when its answer was sent (or given up on)."""
     body = outcome.body or {}
     return {"request_id": request_id, "http_status": outcome.http_status, "status": body.get("status", "ERROR"),
             "error_kind": (body.get("error") or {}).get("kind") or outcome.kind or None,
             "worker_id": outcome.worker_id or None, "queue_ms": body.get("queue_ms"),
             "lease_wait_ms": body.get("lease_wait_ms"), "lease_held_ms": body.get("lease_held_ms"),
-            "elapsed_ms": body.get("elapsed_ms"), "total_ms": (time.monotonic() - started) * 1e3}
+            "elapsed_ms": body.get("elapsed_ms"), "total_ms": (ended - started) * 1e3}
 
 
 def multipart_result(body: Json, parts: list[Buffer]) -> tuple[str, list[Buffer]]:
