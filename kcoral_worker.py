@@ -560,18 +560,18 @@ class InstructionStarted:
     index: int
 
 
-PROGRESS_RECORD = struct.Struct("<I")  # on the progress pipe: the index of a file upload starting
+PROGRESS_RECORD = struct.Struct("<I")  # on the progress pipe: the index of an instruction starting
 
 
 def announced_by_record(index: int) -> bool:
     """Whether instruction `index` is announced with a 4-byte record on the progress pipe, which
-    wakes nobody, instead of an InstructionStarted the front-end wakes up for (500 file uploads
-    cost a folder tens of ms, the 3 instructions after a trivial program's first ~0.5 ms): every
-    instruction but the first.  The front-end reads the pipe when it attributes a crash or
-    timeout: indices only grow, so the last instruction started is the highest index either
-    channel reported.  The first is a message: a worker that dies before it is the server's
-    fault, and uploaded code, which runs in this process and may write to either channel, can
-    then only blur which of its own instructions failed, never shift the blame to the server."""
+    wakes nobody, instead of an InstructionStarted the front-end wakes up for (500 of them cost
+    a 500-file folder tens of ms; a trivial program has three): every instruction but the first.
+    The front-end reads the pipe when it attributes a crash or timeout: indices only grow, so the
+    last instruction started is the highest index either channel reported.  The first is a
+    message: a worker that dies before it is the server's fault, and uploaded code, which runs in
+    this process and may write to either channel, can then only blur which of its own
+    instructions failed, never shift the blame to the server."""
     return index > 0
 
 
