@@ -11,8 +11,9 @@ process tree (front-end, forkserver or sandbox containers, the workers they reap
 Prints the medians and, per checkout, sandboxed / unsandboxed.  On a shared machine the figures
 move with its load: compare the checkouts within one run only.  Its trivial latency is biased by
 a few milliseconds: one commit checked out twice read the first checkout's unsandboxed trivial
-request 1.4-3.5 ms slower and its sandboxed one 1.6-1.8 ms faster (docs/performance.md); its
-burst CPU per request agreed within 4 %.
+request 1.4-3.5 ms slower and its sandboxed one 1.6-1.8 ms faster, and with the two swapped in
+the list the other way round: the bias goes with a server's place, not its code
+(docs/performance.md).  Its burst CPU per request agreed within 4 %.
 """
 
 import argparse
