@@ -2975,6 +2975,7 @@ def make_timer(flush_l2: bool) -> HostTimer:
     request, a CPU worker never does); the host clock otherwise."""
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_initialized():
+        keep_freed_memory()  # time the kernel as evaluate's kernel processes do, not glibc's page faults
         return HostTimer(flush_l2)
     try:
         from cupti import cupti
@@ -3471,7 +3472,10 @@ def answer_and_stop(conn: Connection, answer: EvalOutputs | EvalDone | list[Eval
 def keep_freed_memory() -> None:
     """glibc keeps freed memory for reuse instead of returning it to the system (M_TRIM_THRESHOLD,
     M_MMAP_THRESHOLD at their maximum): a kernel's fresh output then lands on pages already
-    mapped, as in a long-running loop, and not on new ones whose faults would be timed with it."""
+    mapped, as in a long-running loop, and not on new ones whose faults would be timed with it.
+    By default glibc trims the heap's top past 32 MiB free: a kernel with a 16 MiB output and a
+    16 MiB temporary faulted 4 MiB afresh every call (8.5 ms a call, not 5.2, on a VM's ~6 us
+    faults).  For the rest of the process: evaluate's kernel processes and a CPU benchmark's worker."""
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None)
         libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD

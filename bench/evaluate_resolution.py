@@ -1,6 +1,8 @@
 """evaluate's resolution on this machine: the reference itself, and candidates doing 1.3x and 2x its
 work, for a ~1 ms kernel with 16 MiB in and 16 MiB out and a ~50 us one with 352 KiB each way;
-with benchmark's ratio (best of interleaved runs, same process) beside each; and an empty kernel
+with benchmark's ratio (best of interleaved runs, same process) beside each, flushed before every
+call (its default: every call's inputs cold) and warm (flush_l2 False: like evaluate's calls, which
+run back to back with the cache flushed once a round); and an empty kernel
 (it returns its input) against itself, whose time per call is what the harness's call loop adds
 to a kernel's and does not subtract.
 
@@ -45,7 +47,7 @@ def inputs_for(shape: tuple[int, ...]):
     return make_inputs
 
 
-def benchmark_ratio(reference: str, candidate: str, x) -> float:
+def benchmark_ratio(reference: str, candidate: str, x, flush_l2: bool) -> float:
     kernels = []
     for text in (reference, candidate):
         namespace: dict = {}
@@ -54,7 +56,8 @@ def benchmark_ratio(reference: str, candidate: str, x) -> float:
     best: list[list[float]] = [[], []]
     for _ in range(5):
         for i, kernel in enumerate(kernels):
-            best[i].append(kcoral_worker.benchmark(kernel, x, {"warmup_ms": 10, "repeat_ms": 60})["latency_ms_median"])
+            best[i].append(kcoral_worker.benchmark(kernel, x, {"warmup_ms": 10, "repeat_ms": 60,
+                                                                        "flush_l2": flush_l2})["latency_ms_median"])
     return min(best[0]) / min(best[1])
 
 
@@ -76,8 +79,8 @@ def main() -> None:
     options = {"budget_ms": args.budget_ms} | ({"round_ms": args.round_ms} if args.round_ms is not None else {})
     print(f"budget_ms={args.budget_ms:g} round_ms={args.round_ms or 'default'}; load average {os.getloadavg()}")
     print("| kernel | candidate work | speedup (95% interval) | flags | kernel ms (ref) | overhead ms/call "
-          "| calls/round x rounds | benchmark ratio | goal met |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| calls/round x rounds | benchmark ratio, flushed | benchmark ratio, warm | goal met |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     outcomes: dict[tuple[str, float], list[tuple[float, bool]]] = {}
     for _ in range(args.repeat):
         for name, (shape, op, works) in KERNELS.items():
@@ -91,17 +94,17 @@ def main() -> None:
                 if timing is None or timing["speedup"] is None:  # an empty kernel: its time is what the loop adds
                     numbers = ("| | | |" if timing is None else f"| {timing['reference_ms']:.4f} "
                                f"| {timing['overhead_ms_per_call']:.4f} | {timing['calls_per_round']} x {timing['rounds']} |")
-                    print(f"| {name} | {work}x | {verdict['message']} | {', '.join(verdict['flags'])} {numbers} - | no |")
+                    print(f"| {name} | {work}x | {verdict['message']} | {', '.join(verdict['flags'])} {numbers} - | - | no |")
                     outcomes.setdefault((name, work), []).append((float("nan"), False))
                     continue
                 low, high = timing["speedup_ci"]
                 ok = met(work, timing["speedup"], low, high)
                 outcomes.setdefault((name, work), []).append((timing["speedup"], ok))
                 overhead = timing.get("overhead_ms_per_call", numpy.median(timing["samples_ms"]["echo"]))
-                ratio = benchmark_ratio(reference, candidate, make_inputs(1)) if op != "x" else float("nan")
+                flushed, warm = (benchmark_ratio(reference, candidate, make_inputs(1), flush) for flush in (True, False))
                 print(f"| {name} | {work}x | {timing['speedup']:.3f} ({low:.3f}-{high if high is None else f'{high:.3f}'}) "
                       f"| {', '.join(verdict['flags']) or '-'} | {timing['reference_ms']:.4f} | {overhead:.4f} "
-                      f"| {timing.get('calls_per_round', 1)} x {timing['rounds']} | {ratio:.3f} "
+                      f"| {timing.get('calls_per_round', 1)} x {timing['rounds']} | {flushed:.3f} | {warm:.3f} "
                       f"| {'yes' if ok else 'no'} |", flush=True)
     if args.repeat > 1:
         print("\n| kernel | candidate work | speedups over the repeats (min / median / max) | goal met |")
