@@ -255,9 +255,11 @@ import subprocess
 import sys
 import time
 
+SHAPE, ADDRESSES = [1 << 40], struct.pack("<Q", 4096).hex()
+
 def kernel(x, y):
     frame = json.dumps({"type": "EvalDone", "error": None, "forms": [{"kind": "numpy", "dtype": "float32",
-                        "shape": [1 << 40], "device": "cpu"}], "calls": [[[0, 4096]]]}).encode()
+                        "shape": SHAPE, "device": "cpu"}], "calls": [[0]], "addresses": ADDRESSES}).encode()
     os.write(int(sys.argv[2]), struct.pack("!I", len(frame)) + frame)  # the channel's descriptor
     time.sleep(60)
 """
@@ -378,9 +380,14 @@ def test_knowing_a_seed_in_advance_is_useless(client):
     assert_fails(judge(client, KNOWS_A_SEED), "incorrect", "on input set 1")
 
 
-def test_a_forged_frame_on_the_channel_is_refused(client):
-    assert_fails(judge(client, FORGES_A_FRAME), "error", "the candidate's process broke the channel",
-                 "values of more than 1073741824 bytes")
+@pytest.mark.parametrize("shape, addresses, why", [
+    ("[1 << 40]", 'struct.pack("<Q", 4096).hex()', "values of more than 1073741824 bytes"),
+    ("[4]", '"zz"', "results described as [[0]] at 'zz'"),
+    ("[4]", 'struct.pack("<2Q", 4096, 8192).hex()', "results described as [[0]] at '0010"),
+], ids=["too-large", "not-hex", "two-addresses-for-one-result"])
+def test_a_forged_frame_on_the_channel_is_refused(client, shape, addresses, why):
+    forged = FORGES_A_FRAME.replace("SHAPE, ADDRESSES = ", f"SHAPE, ADDRESSES = {shape}, {addresses}  # ", 1)
+    assert_fails(judge(client, forged), "error", "the candidate's process broke the channel", why)
 
 
 def test_a_candidate_that_dies_or_hangs_is_an_error_and_the_server_carries_on(client):
@@ -475,6 +482,39 @@ def test_from_a_kcoral_run_script(server, tmp_path, candidate, status, code):
 
 
 # --- the pure parts, in this process ------------------------------------------------------------
+
+@pytest.mark.parametrize("outputs", [
+    lambda x: [x * 2],
+    lambda x: [x[::-1] * 2, (x[:3] + 1).astype("int64")],
+], ids=["one-array", "two-arrays-of-two-forms"])
+def test_a_round_of_same_form_arrays_is_described_as_result_by_result(monkeypatch, outputs):
+    """same_form_columns, the C-loop description of a kernel's usual round, says exactly what
+    result_location says result by result: the same forms, indexes and addresses."""
+    import numpy
+    kernel = kcoral_worker.KernelUnderTest.__new__(kcoral_worker.KernelUnderTest)
+    kernel.results = [outputs(numpy.arange(8, dtype=numpy.float32) + seed) for seed in range(5)]
+    fast = kernel.describe()
+    assert kcoral_worker.same_form_columns(kernel.results) is not None
+    monkeypatch.setattr(kcoral_worker, "same_form_columns", lambda results: None)
+    assert kernel.describe() == fast
+    forms, calls, addresses = fast
+    located = iter(struct.unpack(f"<{sum(map(len, calls))}Q", bytes.fromhex(addresses)))
+    for results, indexes in zip(kernel.results, calls):
+        for result, index in zip(results, indexes):
+            assert forms[index]["shape"] == list(result.shape) and next(located) == result.ctypes.data
+
+
+@pytest.mark.parametrize("results", [
+    "[[zeros(4)], [zeros(5)]]",  # shapes differ
+    "[[zeros(4)], [zeros(4, dtype='float32')]]",  # dtypes differ
+    "[[zeros(4)], [zeros(4), zeros(4)]]",  # not as many results per call
+    "[[zeros((4, 4))[:, 0]]]",  # not contiguous
+    "[[zeros(4)], [1.0]]",  # not an array
+], ids=["shapes", "dtypes", "counts", "strided", "number"])
+def test_a_round_of_mixed_results_is_left_to_result_location(results):
+    from numpy import zeros
+    assert kcoral_worker.same_form_columns(eval(results, {"zeros": zeros})) is None
+
 
 def test_the_speedup_and_its_interval_are_over_kernel_times():
     samples = {"reference": [3.0] * 20, "candidate": [2.0] * 20, "echo": [1.0] * 20}  # kernels: 2 ms and 1 ms
