@@ -145,6 +145,23 @@ def test_disk_cache_charges_blocks_and_counts_files(tmp_path):
     assert cache_usage(os.path.dirname(by_blocks.root))[0] < 3000
 
 
+def test_a_new_blob_is_linked_for_its_tenant_even_over_a_link_to_a_lost_copy(tmp_path):
+    """A new blob is linked for its tenant while still staged, then renamed into place; where the
+    tenant's link already exists (to a copy whose <hash> was lost), it is replaced once the new one
+    is in place.  Nothing staged is left behind, and another tenant never finds it."""
+    cache = kcoral.DiskCache(str(tmp_path), 1 << 20, 100)
+    data = b"a blob"
+    digest = hashlib.sha256(data).hexdigest()
+    cache.put(digest, data, "alice")
+    assert cache.get(digest, "alice") == data and cache.get(digest, "bob") is None
+    os.unlink(cache.path(digest))  # alice's link outlives the copy it named
+    assert cache.get(digest, "alice") is None
+    cache.put(digest, data, "alice")
+    assert cache.get(digest, "alice") == data and cache.get(digest, "bob") is None
+    assert os.path.samefile(cache.path(digest), cache.path(digest) + "+alice")
+    assert sorted(os.listdir(os.path.dirname(cache.path(digest)))) == [digest, digest + "+alice"]
+
+
 def test_a_file_read_with_no_blocks_during_writeback_is_still_charged_its_blocks(tmp_path):
     """ext4 reports st_blocks 0 for a file while writeback allocates its blocks: the cache charges
     such a file its size in whole blocks (it kept a 257th 4 KiB blob in 1 MiB when it charged 0)."""
