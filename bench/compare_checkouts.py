@@ -1,13 +1,15 @@
 """Per-request latency and CPU of two checkouts of this repository, side by side in one run.
 
     git worktree add /tmp/before main      # with .venv linked in, as in this checkout
-    .venv/bin/python -m bench.compare_checkouts --before /tmp/before --trivial 50 --bursts 9
+    .venv/bin/python -m bench.compare_checkouts --before /tmp/before --trivial 50 --bursts 9 --folders 20
 
 Starts four servers (each checkout, `--sandbox none` and `--sandbox bubblewrap`, 2 CPU workers
 each) and drives them with our client: sequential trivial requests, alternating server by server,
 each sample once every server is idle (bench/scenarios.py), then bursts of 4 clients x 10 trivial
-requests, likewise alternating.  For each burst it also reads the CPU time of the server's whole
-process tree (front-end, forkserver or sandbox containers, the workers they reaped), per request.
+requests, likewise alternating, then 500-file folders up and back (bench/scenarios.py, fresh files
+each round).  For each burst it also reads the CPU time of the server's whole process tree
+(front-end, forkserver or sandbox containers, the workers they reaped), per request, and likewise
+over all the folder requests (their disk cache writes, which finish after the answer, included).
 Prints the medians and, per checkout, sandboxed / unsandboxed.  On a shared machine the figures
 move with its load: compare the checkouts within one run only.  Its trivial latency is biased by
 a few milliseconds: one commit checked out twice read the first checkout's unsandboxed trivial
@@ -22,6 +24,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 
 from bench import scenarios
 from bench.bench_servers import ROOT, Server
@@ -88,17 +91,26 @@ def bursts(servers, rounds, client_class, program_class):
     return times, cpu
 
 
-def report(checkouts, servers, trivial, burst, cpu):
+def folders(servers, rounds, clients, client_class, program_class, scratch):
+    """-> ({server: folder request ms}, {server: server CPU ms per folder request})."""
+    before = {server.name: tree_cpu_seconds(server.pid) for server in servers}
+    times = scenarios.scenario_folder(servers, clients, client_class, rounds, scratch, program_class)
+    time.sleep(2)  # the last requests' disk cache writes, which follow their answers
+    return times, {server.name: (tree_cpu_seconds(server.pid) - before[server.name]) / rounds * 1e3
+                   for server in servers}
+
+
+def report(checkouts, servers, columns):
+    """A row per server, a column per scenario run (its median), then sandboxed / unsandboxed."""
     print(f"load average {os.getloadavg()}")
-    print(f"{'server':24} {'trivial ms':>10} {'burst ms':>9} {'server CPU ms/request':>22}")
+    print(f"{'server':24}" + "".join(f" {title:>14}" for title in columns))
     for server in servers:
-        name = server.name
-        print(f"{name:24} {statistics.median(trivial[name]):10.2f} {statistics.median(burst[name]):9.0f} "
-              f"{statistics.median(cpu[name]):22.1f}")
+        print(f"{server.name:24}" + "".join(f" {statistics.median(samples[server.name]):14.1f}"
+                                            for samples in columns.values()))
     for name in checkouts:
-        ratios = [statistics.median(samples[f"{name}-bubblewrap"]) / statistics.median(samples[f"{name}-none"])
-                  for samples in (trivial, burst)]
-        print(f"{name}: sandboxed / unsandboxed, trivial {ratios[0]:.2f}, burst {ratios[1]:.2f}")
+        ratios = [f"{title} {statistics.median(samples[f'{name}-bubblewrap']) / statistics.median(samples[f'{name}-none']):.2f}"
+                  for title, samples in columns.items() if "CPU" not in title]
+        print(f"{name}: sandboxed / unsandboxed, {', '.join(ratios)}")
 
 
 def main():
@@ -106,6 +118,7 @@ def main():
     parser.add_argument("--before", required=True, help="the other checkout (its .venv is used)")
     parser.add_argument("--trivial", type=int, default=50, help="sequential trivial requests per server")
     parser.add_argument("--bursts", type=int, default=9, help="bursts per server")
+    parser.add_argument("--folders", type=int, default=0, help="500-file folder requests per server")
     args = parser.parse_args()
     checkouts = {"before": os.path.abspath(args.before), "after": ROOT}
     client = load_client()
@@ -113,12 +126,21 @@ def main():
         servers = start_servers(checkouts, scratch)
         try:
             clients = {server.name: client.Client(server.url) for server in servers}
-            trivial = scenarios.scenario_trivial(servers, clients, client.Client, args.trivial, client.Program)
-            burst, cpu = bursts(servers, args.bursts, client.Client, client.Program)
+            columns = {}
+            if args.trivial:
+                columns["trivial ms"] = scenarios.scenario_trivial(servers, clients, client.Client, args.trivial,
+                                                                   client.Program)
+            if args.bursts:
+                columns["burst ms"], columns["burst CPU ms/req"] = bursts(servers, args.bursts, client.Client,
+                                                                          client.Program)
+            if args.folders:
+                columns["folder ms"], cpu = folders(servers, args.folders, clients, client.Client, client.Program,
+                                                    scratch)
+                columns["folder CPU ms/req"] = {name: [ms] for name, ms in cpu.items()}
         finally:
             for server in servers:
                 server.stop()
-    report(checkouts, servers, trivial, burst, cpu)
+    report(checkouts, servers, columns)
 
 
 if __name__ == "__main__":
