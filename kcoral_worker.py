@@ -3662,11 +3662,12 @@ class KernelUnderTest:
         if columns is not None:  # each result holds its own bytes
             calls = [[forms.setdefault(form, len(forms)) for form, _ in columns]] * len(self.results)
             addresses = [address for row in zip(*(column for _, column in columns)) for address in row]
-        for results in self.results if columns is None else ():
-            located = [result_location(v, i) for i, v in enumerate(results)]
-            calls.append([forms.setdefault(form, len(forms)) for form, _, _ in located])
-            addresses += [address for _, address, _ in located]
-            self.held.append([keep for _, _, keep in located])
+        else:
+            for results in self.results:
+                located = [result_location(v, i) for i, v in enumerate(results)]
+                calls.append([forms.setdefault(form, len(forms)) for form, _, _ in located])
+                addresses += [address for _, address, _ in located]
+                self.held.append([keep for _, _, keep in located])
         return ([{"kind": kind, "dtype": dtype, "shape": list(shape), "device": device}
                  for kind, dtype, shape, device in forms], calls, struct.pack(f"<{len(addresses)}Q", *addresses).hex())
 
