@@ -3059,11 +3059,12 @@ class DiskCache:
             return
         try:
             target = self.path(digest)
+            name = target + "+" + tenant
             if os.path.exists(target):
                 os.utime(target)
-                self.link(target, target + "+" + tenant)
+                self.link(target, name)
             else:
-                self.write(target, data, target + "+" + tenant)
+                self.write(target, data, name)
         except OSError:
             pass
 
@@ -3072,11 +3073,12 @@ class DiskCache:
         linked, then renamed into place.  Six system calls where a folder's 500 small blobs took
         ten each (a tempfile name, its directory made again, the link staged and renamed): 100 ms
         of the front-end's CPU per such request on a VM, twice the rest of its work."""
-        staging, flags = staging_name(os.path.dirname(target)), os.O_WRONLY | os.O_EXCL | NEW_FILE_FLAGS
+        directory = os.path.dirname(target)
+        staging, flags = staging_name(directory), os.O_WRONLY | os.O_EXCL | NEW_FILE_FLAGS
         try:
             fd = os.open(staging, flags, 0o600)
         except FileNotFoundError:  # the blob's <ab> directory, made as the first blob arrives
-            os.makedirs(os.path.dirname(target), mode=0o700, exist_ok=True)
+            os.makedirs(directory, mode=0o700, exist_ok=True)
             fd = os.open(staging, flags, 0o600)
         try:
             with open(fd, "wb") as f:

@@ -2985,16 +2985,12 @@ def make_timer(flush_l2: bool) -> HostTimer:
     return CuptiTimer(flush_l2, cupti)
 
 
-HOST_FLUSH_BUFFER: list[Any] = []  # this process's one host flush buffer, once a flush needed it
-
-
+@functools.cache
 def host_flush_buffer() -> Any:
     """64 MiB of host memory, more than a last-level cache holds, made once a process: a fresh one
     took ~40 ms of page faults a benchmark or evaluate call on a VM (16 384 of them), more than a
     short benchmark's own time.  It stays resident for the rest of the request."""
-    if not HOST_FLUSH_BUFFER:
-        HOST_FLUSH_BUFFER.append((ctypes.c_char * (64 << 20))())
-    return HOST_FLUSH_BUFFER[0]
+    return (ctypes.c_char * (64 << 20))()
 
 
 class HostTimer:
