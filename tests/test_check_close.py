@@ -160,3 +160,75 @@ def test_bool_is_compared_exactly():
     report = check_close(torch.tensor([True, False, True]), np.array([True, True, True]), atol=1.0)
     assert report["mismatches"] == 1 and report["first_mismatches"][0] == {"index": [1], "actual": False,
                                                                            "expected": True, "abs_error": 1}
+
+
+def whole_array_report(a, e, rtol, atol, equal_nan):
+    """The fields check_close reports, computed over the whole arrays at once (its formulas before it
+    compared in chunks): the oracle for the chunked comparison."""
+    a, e = a.astype("float64"), e.astype("float64")
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        close = np.isclose(a, e, rtol=rtol, atol=atol, equal_nan=equal_nan)
+        abs_error = np.abs(a - e)
+        rel_error = np.where(e != 0, abs_error / np.abs(e), 0.0)
+        abs_error, rel_error = (np.where(close & ~np.isfinite(x), 0.0, x) for x in (abs_error, rel_error))
+        excess = abs_error / (atol + rtol * np.abs(e))
+    wrong = np.flatnonzero(~close)
+    flat_excess = np.where(np.isfinite(excess), excess, np.inf).reshape(-1)
+    worst = int(wrong[np.argmax(flat_excess[wrong])]) if wrong.size else None
+    return {"mismatches": int(wrong.size), "max_abs_error": repr_number(abs_error.max(initial=0.0)),
+            "max_rel_error": repr_number(rel_error.max(initial=0.0)),
+            "worst": None if worst is None else [int(i) for i in np.unravel_index(worst, a.shape)],
+            "worst_rel": None if worst is None else repr_number(rel_error.reshape(-1)[worst]),
+            "first": [[int(i) for i in np.unravel_index(int(k), a.shape)] for k in wrong[:5]],
+            "nan": int(np.isnan(a.reshape(-1)[wrong]).sum()), "inf": int(np.isinf(a.reshape(-1)[wrong]).sum())}
+
+
+def repr_number(x):
+    return float(x) if math.isfinite(x) else repr(float(x))
+
+
+@pytest.mark.parametrize("chunk", [7, 64, 1 << 16])
+@pytest.mark.parametrize("seed", range(6))
+def test_a_comparison_in_chunks_reports_what_the_whole_arrays_do(monkeypatch, chunk, seed):
+    """Chunk boundaries anywhere (7 elements, 64, more than the array): the same count, maxima (a NaN
+    error as NaN), worst element (the first of several infinitely far), its rel error, first
+    mismatches and non-finite counts as over the whole arrays; and an array of 16 MiB compared."""
+    import kcoral_worker
+    monkeypatch.setattr(kcoral_worker, "CHECK_CHUNK", chunk)
+    rng = np.random.default_rng(seed)
+    expected = rng.normal(size=(37, 29)).astype(np.float32)
+    actual = expected + rng.normal(scale=1e-6, size=expected.shape).astype(np.float32)
+    specials = np.array([np.nan, np.inf, -np.inf, 0.0, 1e30], dtype=np.float32)
+    for target in (actual, expected):
+        where = rng.choice(actual.size, size=40, replace=False)
+        target.reshape(-1)[where] = rng.choice(specials, size=40)
+    for equal_nan in (False, True):
+        report = check_close(actual, expected, rtol=1e-5, atol=1e-6, equal_nan=equal_nan, max_reported=5)
+        oracle = whole_array_report(actual, expected, 1e-5, 1e-6, equal_nan)
+        assert oracle["mismatches"] > 0, "the arrays should differ somewhere"
+        got = {"mismatches": report["mismatches"], "max_abs_error": report["max_abs_error"],
+               "max_rel_error": report["max_rel_error"], "worst": report["worst"]["index"],
+               "worst_rel": report["worst"]["rel_error"], "first": [m["index"] for m in report["first_mismatches"]],
+               "nan": report["nonfinite_mismatches"]["nan"], "inf": report["nonfinite_mismatches"]["inf"]}
+        assert got == oracle, (equal_nan, got, oracle)
+        assert strict_json(report) == report
+
+
+def test_comparing_two_16_mib_arrays_needs_little_more_memory_than_they_hold():
+    """In a fresh process: the peak RSS that check_close adds to two float32 arrays of 16 MiB, each
+    with a mismatch: less than one more copy of either.  Whole-array float64 temporaries added
+    40-200 MiB (as much as glibc did not hand back between them); chunks add ~3 MiB."""
+    script = (
+        "import resource, numpy\n"
+        "from kcoral.builtins import check_close\n"
+        "x = numpy.random.default_rng(0).random((1024, 4096), dtype=numpy.float32)\n"
+        "y = x.copy(); y[5, 7] += 1; y[1000, 4000] = numpy.nan\n"
+        "check_close(x[:2], y[:2])  # its imports, before the baseline\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "report = check_close(x, y)\n"
+        "assert report['mismatches'] == 2, report['summary']\n"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)\n")
+    done = run_python("http://unused", "-c", script)
+    assert done.returncode == 0, done.stderr
+    added_kib = int(done.stdout.split()[-1])
+    assert added_kib < 16 * 1024, f"check_close added {added_kib} KiB of peak RSS to two 16 MiB arrays"

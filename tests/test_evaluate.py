@@ -9,6 +9,7 @@ and benchmark), where they do fool it."""
 
 import json
 import math
+import mmap
 import os
 import re
 import socket
@@ -693,6 +694,25 @@ def test_values_round_trip_with_their_bytes():
     assert (number.kind, number.dtype, number.shape, number.build()) == ("numpy", "float64", [], 3.5)
     with pytest.raises(TypeError, match="output 0 is a str, not a torch.Tensor, a numpy.ndarray or a number"):
         kcoral_worker.eval_value("3.5", "output 0", output=True)
+
+
+def test_same_bytes_finds_a_difference_anywhere_and_in_length():
+    """The race's check that inputs came back unchanged and outputs equal the reference's byte for
+    byte: memcmp over every byte of either kind of buffer the race holds (a mapping, bytes)."""
+    data = bytes(range(256)) * 4096
+    region = mmap.mmap(-1, len(data))
+    region[:] = data
+    view = memoryview(region)
+    try:
+        assert kcoral_worker.same_bytes(view, data) and kcoral_worker.same_bytes(b"", bytearray())
+        for where in (0, len(data) // 2, len(data) - 1):
+            changed = bytearray(data)
+            changed[where] ^= 1
+            assert not kcoral_worker.same_bytes(view, changed), where
+        assert not kcoral_worker.same_bytes(view, data[:-1]) and not kcoral_worker.same_bytes(view[:-1], data)
+    finally:
+        view.release()
+        region.close()
 
 
 def test_the_worst_element_is_check_closes_a_nan_first_then_the_furthest_out():
