@@ -2895,7 +2895,7 @@ def mismatch_report(a: Any, e: Any, rtol: float, atol: float, equal_nan: bool, m
     """The comparison of two arrays of one shape as float64, as check_close reports it
     (listed_mismatches); the worst element is the one furthest outside the tolerance, a NaN or
     infinity first.  CHECK_CHUNK elements at a time: a whole 16 MiB float32 pair took 200-500 ms
-    and ~250 MiB of float64 temporaries, each faulted in afresh, where chunks stay in the cache."""
+    and 40-200 MiB of float64 temporaries, faulted in afresh, where chunks stay in the cache."""
     import numpy
     flat_a, flat_e = a.reshape(-1), e.reshape(-1)
     wrong_parts: list[Any] = []  # the mismatches' flat indices, chunk by chunk
