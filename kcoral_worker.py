@@ -2841,12 +2841,16 @@ def check_close(actual: Any, expected: Any, *, rtol: float = 1e-5, atol: float =
 
 
 def as_numpy(value: Any) -> tuple[Any, str]:
-    """A torch tensor (any device; a floating one as float64, since bfloat16 and float8 have no NumPy
-    view) or anything numpy.asarray takes -> (a NumPy array, the original dtype's name)."""
+    """A torch tensor (any device; a host one viewed, not copied; bfloat16 and float8, which have no
+    NumPy dtype, as float32, which holds each of their values exactly) or anything numpy.asarray
+    takes -> (a NumPy array, the original dtype's name)."""
     import numpy
     if hasattr(value, "detach") and hasattr(value, "cpu"):
-        host = value.detach().cpu()
-        return (host.double() if host.is_floating_point() else host).numpy(), str(value.dtype).removeprefix("torch.")
+        host = value.detach().cpu().resolve_neg()
+        name = str(value.dtype).removeprefix("torch.")
+        if host.is_floating_point() and name not in ("float16", "float32", "float64"):
+            host = host.float()
+        return host.numpy(), name
     array = numpy.asarray(value)
     return array, array.dtype.name
 

@@ -214,21 +214,24 @@ def test_a_comparison_in_chunks_reports_what_the_whole_arrays_do(monkeypatch, ch
         assert strict_json(report) == report
 
 
-def test_comparing_two_16_mib_arrays_needs_little_more_memory_than_they_hold():
-    """In a fresh process: the peak RSS that check_close adds to two float32 arrays of 16 MiB, each
-    with a mismatch: less than one more copy of either.  Whole-array float64 temporaries added
-    40-200 MiB (as much as glibc did not hand back between them); chunks add ~3 MiB."""
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_comparing_two_16_mib_arrays_needs_little_more_memory_than_they_hold(kind):
+    """In a fresh process: the peak RSS that check_close adds to two float32 arrays (or host
+    tensors) of 16 MiB, each with a mismatch: less than one more copy of either.  Whole-array
+    float64 temporaries added 40-200 MiB (as much as glibc did not hand back between them), and
+    a tensor was copied as float64 first; chunks over views of the tensors add ~3 MiB."""
     script = (
-        "import resource, numpy\n"
+        "import resource, numpy, torch\n"
         "from kcoral.builtins import check_close\n"
         "x = numpy.random.default_rng(0).random((1024, 4096), dtype=numpy.float32)\n"
         "y = x.copy(); y[5, 7] += 1; y[1000, 4000] = numpy.nan\n"
+        f"x, y = {'(torch.from_numpy(x), torch.from_numpy(y))' if kind == 'torch' else '(x, y)'}\n"
         "check_close(x[:2], y[:2])  # its imports, before the baseline\n"
         "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
         "report = check_close(x, y)\n"
-        "assert report['mismatches'] == 2, report['summary']\n"
+        "assert report['mismatches'] == 2 and report['dtype'] == 'float32', report['summary']\n"
         "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)\n")
     done = run_python("http://unused", "-c", script)
     assert done.returncode == 0, done.stderr
     added_kib = int(done.stdout.split()[-1])
-    assert added_kib < 16 * 1024, f"check_close added {added_kib} KiB of peak RSS to two 16 MiB arrays"
+    assert added_kib < 16 * 1024, f"check_close added {added_kib} KiB of peak RSS to two 16 MiB {kind} arrays"
