@@ -2846,7 +2846,7 @@ def as_numpy(value: Any) -> tuple[Any, str]:
     takes -> (a NumPy array, the original dtype's name)."""
     import numpy
     if hasattr(value, "detach") and hasattr(value, "cpu"):
-        host = value.detach().cpu().resolve_neg()
+        host = value.detach().cpu().resolve_neg()  # a negated view has no NumPy form: numpy() refuses it
         name = str(value.dtype).removeprefix("torch.")
         if host.is_floating_point() and name not in ("float16", "float32", "float64"):
             host = host.float()

@@ -192,7 +192,7 @@ def repr_number(x):
 def test_a_comparison_in_chunks_reports_what_the_whole_arrays_do(monkeypatch, chunk, seed):
     """Chunk boundaries anywhere (7 elements, 64, more than the array): the same count, maxima (a NaN
     error as NaN), worst element (the first of several infinitely far), its rel error, first
-    mismatches and non-finite counts as over the whole arrays; and an array of 16 MiB compared."""
+    mismatches and non-finite counts as over the whole arrays."""
     import kcoral_worker
     monkeypatch.setattr(kcoral_worker, "CHECK_CHUNK", chunk)
     rng = np.random.default_rng(seed)

@@ -433,8 +433,8 @@ MARGIN = 1.25  # how far outside evaluate's interval a ratio may lie: benchmark'
 def test_honest_speedups_agree_with_benchmark(client, times):
     """A candidate of 1, 2 or 4 units of work against a 2-unit reference: benchmark's speedup (the
     median of side-by-side rounds, in the same worker) lies in evaluate's interval, widened by
-    MARGIN, and the estimate says which is faster.  How narrow the interval gets depends on the machine's load:
-    the race runs until its relative standard error is 2%, or 3 s."""
+    MARGIN, and the estimate says which is faster.  How narrow the interval gets depends on the
+    machine's load: the race runs until its relative standard error is 2%, or 3 s."""
     out = call(client, "race", times, {"budget_ms": 3000, "target_rse": 0.02})
     verdict, measured = out["verdict"], out["benchmark_speedup"]
     assert verdict["status"] == "correct", verdict
