@@ -675,6 +675,29 @@ def test_the_channel_refuses_a_bad_output_spec(spec):
             kcoral_worker.read_values(Connection(os.dup(ours.fileno())), [spec], None)
 
 
+@pytest.mark.parametrize("calls, fits", [
+    ([[0, 1], [], [2]], True),
+    ([[0, True]], False),        # a bool is not an int
+    ([[0], 1], False),           # a call that is not a list
+    ([[0], [[1]]], False),       # a result that is a list
+    ([[0], ["1"]], False),
+    ([[0], [1.0]], False),
+])
+def test_a_long_message_is_checked_element_by_element(calls, fits):
+    """EvalDone's list of lists and EvalStage's list of lists of dicts, checked in C loops, refuse
+    what the element-by-element check refused, wherever in a long list it lies."""
+    done = {"type": "EvalDone", "forms": [], "calls": [[0]] * 999 + calls, "addresses": "", "error": None}
+    as_specs = [[{} if type(i) is int else i for i in call] if type(call) is list else call for call in calls]
+    stage = {"type": "EvalStage", "calls": [[{}]] * 999 + as_specs, "region_bytes": 0}
+    for message in (done, stage):
+        frame = json.dumps(message).encode()
+        if fits:
+            assert type(kcoral_worker.decode_message(frame)).__name__ == message["type"]
+        else:
+            with pytest.raises(kcoral_worker.UnexpectedMessage, match="calls is not"):
+                kcoral_worker.decode_message(frame)
+
+
 def test_values_round_trip_with_their_bytes():
     import numpy
     import torch
