@@ -3213,20 +3213,23 @@ class SpareWorker:
     """A slot's next worker, started in the background while the current one serves its last
     request, so that neither its start nor (on GPU) its CUDA context is on the next request's path.
 
-    Its fork waits until that request is answered or has run SPARE_DELAY_SECONDS: a short request
-    is over before then, and a fork of the template (page tables for all of torch) and the new
-    worker's start would take the CPU its answer needs, more than doubling it on two cores."""
+    Unless a request is `queued` for a slot already, its fork waits until that request is answered
+    or has run SPARE_DELAY_SECONDS: a short request is over before then, and a fork of the template
+    (page tables for all of torch) and the new worker's start would take the CPU its answer needs,
+    more than doubling it on two cores.  With one queued the next request is certain, and the slot
+    would stand idle for the spare's start after the answer (4-5 ms here, of every request in a burst)."""
 
-    def __init__(self, pool: Pool, slot: Slot, answered: threading.Event) -> None:
+    def __init__(self, pool: Pool, slot: Slot, answered: threading.Event, queued: bool) -> None:
         self.worker: Worker | None = None
         self.error = ""
         self.request_done = threading.Event()  # set once the running request is done (with the GPU, too)
-        self.thread = threading.Thread(target=self.start, args=(pool, slot, answered),
+        self.thread = threading.Thread(target=self.start, args=(pool, slot, answered, queued),
                                        name=f"kcoral-spare-{slot.name}", daemon=True)
         self.thread.start()
 
-    def start(self, pool: Pool, slot: Slot, answered: threading.Event) -> None:
-        answered.wait(SPARE_DELAY_SECONDS)
+    def start(self, pool: Pool, slot: Slot, answered: threading.Event, queued: bool) -> None:
+        if not queued:
+            answered.wait(SPARE_DELAY_SECONDS)
         try:
             self.worker = pool.start_worker(slot.gpus, before_gpu=self.request_done)
         except Exception as exc:  # reported by whoever takes it; as text, since a traceback kept here
@@ -3373,7 +3376,9 @@ class Pool:
         limit, worker = self.config.max_requests_per_worker, slot.worker
         if (slot.spare is None and slot.template is None and worker is not None and limit
                 and worker.served + 1 >= limit and not self.closing):
-            slot.spare = SpareWorker(self, slot, answered)
+            with self.cond:
+                queued = len(self.waiters) > 0
+            slot.spare = SpareWorker(self, slot, answered, queued)
 
     def acquire(self, timeout: float, tenant: str = "", client_gone: Callable[[], bool] | None = None) -> Slot | None:
         """Wait for an idle slot, in the FairQueue's order; None after `timeout` seconds, when the
@@ -3458,16 +3463,28 @@ class Pool:
     def replace(self, slot: Slot, retired: Worker | None = None, cleanup: Callable[[], None] | None = None,
                 answered: threading.Event | None = None) -> None:
         """Off the request's critical path: once the request is `answered` (its answer needs the CPU),
-        dispose of the retired worker (its tree and pipe, then `cleanup`: its workspace), then put the
-        slot's next worker in place, the spare started during the request if there is one.  The
+        dispose of the retired worker (its tree and pipe, then `cleanup`: its workspace) and put the
+        slot's next worker in place, the spare started during the request if there is one.  On GPU the
         disposal comes first: a GPU whose old tree is not confirmed gone is quarantined and gets no
-        worker.  (The retired worker's program was stopped before the answer: Execution.retire_worker.)"""
+        worker.  On CPU nothing waits on that verdict, so a slot with a spare serves again first and the
+        disposal (the retired worker's exit: milliseconds of unmapping) follows.  (The retired worker's
+        program was stopped before the answer: Execution.retire_worker.)"""
         if answered is not None:
             answered.wait(SPARE_DELAY_SECONDS)
         spare, slot.spare = slot.spare, None
+        serve_first = spare is not None and self.arbiter is None
+        if serve_first:
+            self.install_next_worker(slot, spare, retired, gone=True)
         gone = retired is None or self.end_worker(retired)
         if cleanup is not None:
             cleanup()
+        if not serve_first:
+            self.install_next_worker(slot, spare, retired, gone)
+        with self.cond:
+            self.replacing.discard(threading.current_thread())
+
+    def install_next_worker(self, slot: Slot, spare: SpareWorker | None, retired: Worker | None, gone: bool) -> None:
+        """The slot's next worker in place (none on a GPU whose retired tree is not `gone`), then the slot idle."""
         try:
             if not gone and self.arbiter is not None:  # its GPU is quarantined: no replacement there
                 if spare is not None:
@@ -3483,7 +3500,6 @@ class Pool:
                 self.quarantine(slot.gpus, f"after a worker's slow exit its GPU failed the probe: {exc}")
         with self.cond:
             self.idle.append(slot)
-            self.replacing.discard(threading.current_thread())
             self.cond.notify_all()
 
     def next_worker(self, slot: Slot, spare: SpareWorker | None) -> Worker:

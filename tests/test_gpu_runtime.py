@@ -1727,6 +1727,7 @@ def spare_pool(monkeypatch):
     pool.config = kcoral.ServerConfig(sandbox="none")
     pool.arbiter, pool.gpu_names, pool.inits, pool.closing = kcoral.LeaseArbiter([0]), {0: "0"}, [], False
     pool.cond, pool.idle, pool.replacing, pool.quarantined = threading.Condition(), [], set(), []
+    pool.waiters = kcoral.FairQueue()
     pool.in_progress, pool.running = 1, collections.Counter({"": 1})  # the request whose slot is released
     pool.log = types.SimpleNamespace(event=lambda *a, **k: None, metrics=kcoral.Metrics())
     pool.quarantine = lambda gpus, reason: pool.quarantined.append(list(gpus))
@@ -1764,3 +1765,50 @@ def test_a_retired_gpu_worker_not_confirmed_gone_leaves_its_slot_without_the_spa
     pool.release(slot, True)
     assert wait_for(lambda: slot in pool.idle, 5)
     assert pool.quarantined == [[0]] and slot.worker is None and spare.killed
+
+
+def cpu_spare_pool(monkeypatch):
+    """spare_pool's pool without GPUs: a CPU server's slot and its spare."""
+    pool, _ = spare_pool(monkeypatch)
+    pool.arbiter, pool.gpu_names = None, {}
+    slot = kcoral.Slot("cpu/w0", [])
+    slot.worker = FakeSlotWorker(pool, [])
+    return pool, slot
+
+
+def test_a_cpu_slot_serves_with_its_spare_while_the_retired_worker_is_disposed_of(monkeypatch):
+    """docs/server.md §1.3: on CPU no GPU waits on the disposal's verdict, so the retired worker's exit
+    does not hold its slot; on GPU it does (the test above)."""
+    pool, slot = cpu_spare_pool(monkeypatch)
+    pool.start_spare(slot, threading.Event())
+    spare, retired, exited = slot.spare.take(), slot.worker, threading.Event()
+
+    def slow_exit(grace, orphans=False):
+        exited.wait(30)
+        retired.killed = True
+        return True
+    retired.kill = slow_exit
+    pool.release(slot, True)
+    assert wait_for(lambda: slot in pool.idle, 5), "the slot waited for the retired worker's exit"
+    assert slot.worker is spare and not retired.killed and pool.replacing  # the disposal still under way
+    exited.set()
+    assert wait_for(lambda: not pool.replacing, 5)
+    assert retired.killed and not spare.killed
+
+
+def test_a_spare_forks_at_once_when_a_request_is_queued(monkeypatch):
+    """docs/server.md §1.3: alone, a spare waits for its request's answer before it forks; with a request
+    queued for a slot, the next request is certain and the spare forks at once."""
+    monkeypatch.setattr(kcoral, "SPARE_DELAY_SECONDS", 30.0)
+    pool, slot = cpu_spare_pool(monkeypatch)
+    answered = threading.Event()
+    pool.start_spare(slot, answered)
+    time.sleep(0.2)
+    assert slot.spare.worker is None  # waiting for the answer
+    answered.set()
+    assert slot.spare.take() is not None
+    pool.waiters.add("someone", 0)
+    queued_slot = kcoral.Slot("cpu/w1", [])
+    queued_slot.worker = FakeSlotWorker(pool, [])
+    pool.start_spare(queued_slot, threading.Event())  # its answer never written
+    assert wait_for(lambda: queued_slot.spare.worker is not None, 5), "the spare waited for the answer"
