@@ -18,6 +18,7 @@ module-scoped server: `server` (unsandboxed, then sandboxed) where a worker runs
 
 import hashlib
 import http.client
+import io
 import json
 import math
 import os
@@ -1736,6 +1737,23 @@ def test_instance_header_on_every_kind_of_response(server):
     finally:
         conn.close()
     assert [h["x-kcoral-instance"] for h in seen] == [instance] * len(seen)
+
+
+def test_a_request_head_is_parsed_without_compiling_its_multipart_boundary(monkeypatch):
+    """email's parser, which http.server runs over a head, compiles a regular expression for each
+    request's new multipart boundary (0.3 ms a request); kcoral.RequestHead gives the same headers
+    without it, and keeps what follows a line that is not a header as the payload parse_request refuses."""
+    heads = [f"Host: x\r\nContent-Type: multipart/form-data; boundary={uuid.uuid4().hex}\r\n"
+             f"Content-Length: 10\r\n\r\n".encode() for _ in range(3)]
+    heads.append(heads[0].replace(b"Content-Length", b"no colon here\r\nContent-Length"))
+    stock = [http.client.parse_headers(io.BytesIO(head)) for head in heads]
+    compiled, real_compile = [], re.compile
+    monkeypatch.setattr(re, "compile", lambda pattern, flags=0: compiled.append(pattern) or real_compile(pattern, flags))
+    ours = [http.client.parse_headers(io.BytesIO(head), _class=kcoral.RequestHandler.MessageClass) for head in heads]
+    assert compiled == []
+    assert [list(h.items()) for h in ours] == [list(h.items()) for h in stock]
+    assert [h.get_payload() for h in ours[:3]] == ["", "", ""]
+    assert ours[3].get_payload().startswith("no colon here") and ours[3]["Content-Length"] is None
 
 
 def test_large_parts_answer_intact_between_other_parts(server):
