@@ -3711,7 +3711,7 @@ class Execution:
         # <root>/work is the program's working directory (its blobs are staged in a memfd: stage_blobs).
         # In a sandbox it is in the worker's own tmpfs, SANDBOX_ROOT, which no host path reaches.
         if worker.template is None:
-            self.root: str | None = tempfile.mkdtemp(prefix=workspace_prefix())
+            self.root: str | None = tempfile.mkdtemp(prefix=workspace_prefix(os.getpid()))
             spread_subdirectories(self.root)
         else:
             self.root = None
@@ -4550,10 +4550,11 @@ def process_start_ticks(pid: int) -> int | None:
         return None
 
 
-def workspace_prefix() -> str:
+@functools.cache  # the server's own for its lifetime: a /proc read less per request
+def workspace_prefix(pid: int) -> str:
     """`kcoral-program-<server pid>.<its start ticks>-`: the owner is in the name, so the next
     start can tell the directories of a killed server from a live one's."""
-    return f"kcoral-program-{os.getpid()}.{process_start_ticks(os.getpid())}-"
+    return f"kcoral-program-{pid}.{process_start_ticks(pid)}-"
 
 
 def remove_dead_workspaces(directory: str) -> int:
