@@ -5278,10 +5278,12 @@ class SandboxTemplate:
         """Kill the worker at once (its request's init ends with it, and the kernel ends everything
         in their namespace with the init), then everything else below the template, SIGTERM first,
         SIGKILL after `grace`, sweep after sweep.  -> whether it is all gone; if not, the caller
-        ends the container."""
+        ends the container.  One sweep that finds nothing is final: everything below the template
+        is in a request's PID namespace, whose init is reaped only once the kernel has emptied it,
+        and a listed init keeps the sweeps going (terminate's second look is for forks it could miss)."""
         spared = [os.getpgid(self.pid)] if self.pid and is_live(self.pid) else []
         return kcoral_worker.terminate(lambda: descendants(self.pid), grace, KILL_SWEEP_SECONDS,
-                                       keep_groups=spared, at_once=(worker_pid,))
+                                       keep_groups=spared, at_once=(worker_pid,), second_look=False)
 
     def kill(self) -> None:
         """End the container: its init, the template, is SIGKILLed, which takes down every process

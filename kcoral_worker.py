@@ -974,7 +974,7 @@ def reap_children() -> bool:
 
 
 def terminate(remaining: Callable[[], list[int]], grace: float, kill_for: float, group: int | None = None,
-              keep_groups: Collection[int] = (), at_once: Collection[int] = ()) -> bool:
+              keep_groups: Collection[int] = (), at_once: Collection[int] = (), second_look: bool = True) -> bool:
     """SIGTERM each process `remaining()` lists (SIGKILL those in `at_once`: workers, which
     ignore SIGTERM, see ignore_tree_signals), then, once `grace` has passed, freeze and kill
     what is left, for up to `kill_for` seconds.  -> whether none is left.
@@ -1010,6 +1010,8 @@ def terminate(remaining: Callable[[], list[int]], grace: float, kill_for: float,
     deadline, seen = time.monotonic() + kill_for, set[int]()
     while True:
         if not pids:
+            if not second_look:
+                return True
             # a second look: a process forking while /proc was read can be missed by one snapshot
             # (its parent gone, itself not listed yet), not by two a moment apart
             time.sleep(0.005)

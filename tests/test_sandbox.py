@@ -286,6 +286,23 @@ def test_a_requests_init_is_the_templates_own_child(sandboxed):
         join_threads([request], 60)
 
 
+def test_a_sweep_below_the_template_that_finds_nothing_is_final(monkeypatch):
+    """A sandboxed worker's disposal takes no second look (terminate's, 5 ms later, for a fork a
+    snapshot of /proc can miss): everything below the template is in a request's PID namespace,
+    which the kernel empties before its init can be reaped, and a listed init keeps the sweeps going."""
+    stand_in = subprocess.Popen(["sleep", "30"])  # the template, with nothing below it
+    sweeps = []
+    monkeypatch.setattr(kcoral, "descendants", lambda pid: sweeps.append(pid) or [])
+    template = object.__new__(kcoral.SandboxTemplate)
+    template.pid = stand_in.pid
+    try:
+        assert template.kill_requests(0, stand_in.pid)
+    finally:
+        stand_in.kill()
+        stand_in.wait()
+    assert sweeps == [stand_in.pid]
+
+
 def test_c_compiler_builds_and_runs_in_the_workspace(sandboxed):
     source = r"""import os, subprocess
 def f():
