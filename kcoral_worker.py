@@ -985,7 +985,8 @@ def terminate(remaining: Callable[[], list[int]], grace: float, kill_for: float,
     delivers to all members at once, forks in progress included; and each sweep SIGSTOPs what
     it finds (a stopped process cannot fork), SIGKILLing once a sweep finds nothing new.  A
     chain that also starts a new session in every generation can still outrun the sweeps:
-    only a PID namespace (the sandbox's container) ends that for certain."""
+    only a PID namespace (the sandbox's container) ends that for certain.  An empty sweep is
+    looked at again a moment later unless the caller knows it is final (`second_look`)."""
     spared = {os.getpgrp(), *keep_groups}
 
     def signal_all(pids: list[int], sig: int) -> None:
