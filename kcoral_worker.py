@@ -1749,6 +1749,7 @@ class ProgramRun:
         self.request = request
         self.staged = staged
         self.root_fd = root_fd
+        self.upload_dirs = UploadDirectories(root_fd)
         self.lease = lease
         self.handles: dict[str, Any] = {}
         self.last_index = 0
@@ -1758,9 +1759,21 @@ class ProgramRun:
                                request.max_response_parts)
 
     def run(self) -> ErrorObject | None:
+        try:
+            return self.run_instructions()
+        finally:
+            self.upload_dirs.forget()
+
+    def run_instructions(self) -> ErrorObject | None:
+        follows_file_upload = False
         for index, ins in enumerate(self.request.instructions):
             self.last_index = index
-            instruction_boundary()
+            file_upload = ins["op"] == "upload" and ins["kind"] == "file"
+            if not (file_upload and follows_file_upload):  # since the last file upload only our code ran
+                instruction_boundary()
+            if not file_upload:  # code may run now that moves or removes the directories
+                self.upload_dirs.forget()
+            follows_file_upload = file_upload
             self.announce_start(index)
             try:
                 self.lease.before(ins, self.cpu_only)
@@ -1817,7 +1830,7 @@ class ProgramRun:
         elif kind == "library":
             value = self.runtime.load_library(ins["blob"], self.staged.read(ins["blob"]))
         else:
-            materialize(self.root_fd, ins["path"], self.staged, ins["blob"])
+            materialize(self.upload_dirs, ins["path"], self.staged, ins["blob"])
             self.files_added = True
             value = ins["path"]
         self.handles[ins["id"]] = value
@@ -2094,17 +2107,12 @@ def flush_quietly(stream: IO[str]) -> None:
 NOFOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def open_parent(root_fd: int, path: str, create: bool) -> tuple[int, str]:
+def open_parent(root_fd: int, path: str) -> tuple[int, str]:
     """Open the directory holding `path`'s last component without following links."""
     parts = path.split("/")
     fd = os.dup(root_fd)
     try:
         for name in parts[:-1]:
-            if create:
-                try:
-                    os.mkdir(name, 0o700, dir_fd=fd)
-                except FileExistsError:
-                    pass
             child = os.open(name, NOFOLLOW_DIR, dir_fd=fd)
             os.close(fd)
             fd = child
@@ -2114,14 +2122,46 @@ def open_parent(root_fd: int, path: str, create: bool) -> tuple[int, str]:
     return fd, parts[-1]
 
 
-def materialize(root_fd: int, path: str, staged: StagedBlobs, digest: str) -> None:
+class UploadDirectories:
+    """The directories file uploads write into, kept open while uploads follow one another: each
+    of a folder's 500 files is created in its directory's fd, without a walk from the workspace's
+    root first (a mkdir, an open and a close per level).  Forgotten before any other instruction,
+    which may run code that moves or removes them; at most MAX_OPEN open at a time."""
+    MAX_OPEN = 64
+
+    def __init__(self, root_fd: int) -> None:
+        self.root_fd = root_fd
+        self.fds: dict[str, int] = {}  # workspace-relative path -> fd
+
+    def parent_of(self, path: str) -> tuple[int, str]:
+        """-> (fd of the directory holding `path`, made where missing, links not followed; its last component)."""
+        head, _, name = path.rpartition("/")
+        return (self.directory(head) if head else self.root_fd), name
+
+    def directory(self, path: str) -> int:
+        fd = self.fds.get(path)
+        if fd is None:
+            parent_fd, name = self.parent_of(path)
+            try:
+                os.mkdir(name, 0o700, dir_fd=parent_fd)
+            except FileExistsError:
+                pass
+            fd = os.open(name, NOFOLLOW_DIR, dir_fd=parent_fd)
+            if len(self.fds) >= self.MAX_OPEN:
+                self.forget()
+            self.fds[path] = fd
+        return fd
+
+    def forget(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+def materialize(directories: UploadDirectories, path: str, staged: StagedBlobs, digest: str) -> None:
     try:
-        dir_fd, name = open_parent(root_fd, path, create=True)
-        try:
-            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         0o600, dir_fd=dir_fd)
-        finally:
-            os.close(dir_fd)
+        dir_fd, name = directories.parent_of(path)
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
         try:
             os.fchmod(fd, 0o600)
             staged.copy_to(digest, fd)
@@ -2154,7 +2194,7 @@ def read_regular(dir_fd: int, name: str, budget: int, what: str) -> bytearray:
 
 def collect_file(root_fd: int, path: str, budget: int) -> bytearray:
     try:
-        dir_fd, name = open_parent(root_fd, path, create=False)
+        dir_fd, name = open_parent(root_fd, path)
         try:
             return read_regular(dir_fd, name, budget, "file")
         finally:
@@ -2191,7 +2231,7 @@ def collect_folder(root_fd: int, path: str, budget: int) -> tuple[dict[str, byte
                 raise ExecutionError("serialization", f"cannot return folder: {rel!r} is a special file")
 
     try:
-        dir_fd, name = open_parent(root_fd, path, create=False)
+        dir_fd, name = open_parent(root_fd, path)
         try:
             top = os.open(name, NOFOLLOW_DIR, dir_fd=dir_fd)
         finally:

@@ -34,6 +34,7 @@ import numpy
 import pytest
 
 import kcoral
+import kcoral_worker
 from tests.support import (
     BOUNDARY,
     CT,
@@ -1176,6 +1177,42 @@ def test_file_upload_materialised_at_its_position(server):
                    ret("after", "after"))
     results = assert_completed(execute_ok(server.url, program, [data]))
     assert results == {"before": {"type": "boolean", "value": False}, "after": {"type": "boolean", "value": True}}
+
+
+def test_file_uploads_after_code_moved_their_directory_land_at_their_path(server):
+    """The worker keeps the directories of consecutive file uploads open; code that runs between
+    two uploads may move them, and the later upload still lands at its own path."""
+    first, second = b"first file", b"second file"
+    source = ("import os\ndef move():\n    os.rename('in', 'moved')\n"
+              "def tree():\n    return sorted(os.path.join(d, f) for d, _, fs in os.walk('.') for f in fs)\n")
+    program = prog(up_module("m", source), up_blob("a", "file", first, path="in/deep/a.txt"),
+                   get_fn("move", "m", "move"), run("mv", "move"),
+                   up_blob("b", "file", second, path="in/deep/b.txt"), get_fn("tree", "m", "tree"),
+                   run("t", "tree"), ret("tree", "t"))
+    results = assert_completed(execute_ok(server.url, program, [first, second]))
+    assert plain(results["tree"]) == ["./in/deep/b.txt", "./moved/deep/a.txt"]
+
+
+def test_the_upload_directories_held_open_are_capped(tmp_path):
+    """A program uploading files into thousands of directories holds at most MAX_OPEN of them open."""
+    def open_fds():
+        return len(os.listdir("/proc/self/fd"))
+
+    root = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        before = open_fds()
+        dirs = kcoral_worker.UploadDirectories(root)
+        most = 0
+        for i in range(3 * dirs.MAX_OPEN):
+            dirs.parent_of(f"top/d{i}/sub/f.txt")
+            most = max(most, open_fds() - before)
+        assert dirs.MAX_OPEN // 2 < most <= dirs.MAX_OPEN
+        dirs.forget()
+        assert open_fds() == before
+        assert sorted(os.listdir(tmp_path / "top")) == sorted(f"d{i}" for i in range(3 * dirs.MAX_OPEN))
+        assert {(tmp_path / "top" / f"d{i}" / "sub").stat().st_mode & 0o777 for i in range(3 * dirs.MAX_OPEN)} == {0o700}
+    finally:
+        os.close(root)
 
 
 def test_workspace_is_fresh_private_and_removed(server):
