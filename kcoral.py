@@ -2824,7 +2824,7 @@ class BlobStore:
                 self.unwritten[key] = (data, self.unwritten.get(key, (data, 0))[1] + 1)
             self.unwritten_bytes += charge
         return threading.Thread(target=self.write_file_blobs, args=(self.disk, items, charge, tenant),
-                                name="kcoral-write-blobs")
+                                name="kcoral-write-blobs", daemon=False)  # a connection's thread is a daemon
 
     def write_file_blobs(self, disk: DiskCache, items: list[tuple[str, Buffer]], charge: int, tenant: str) -> None:
         try:

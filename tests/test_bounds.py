@@ -211,6 +211,20 @@ def test_file_blobs_not_yet_on_disk_are_found_and_the_memory_they_hold_is_bounde
         assert store.resolve(program, {})[1] == [] and store.disk.get(digest) is not None
 
 
+def test_file_blob_writes_outlive_the_daemon_thread_of_their_connection(tmp_path):
+    """An exiting server finishes its disk writes: their thread is no daemon, although the
+    connection thread that creates it is one (ThreadingHTTPServer.daemon_threads)."""
+    store = file_blob_store(tmp_path, threading.Event())
+    body = bytearray(os.urandom(100))
+    digest = hashlib.sha256(body).hexdigest()
+    made = []
+    connection = threading.Thread(target=lambda: made.append(store.keep_file_blobs(
+        types.SimpleNamespace(blob_kinds={digest: {"file"}}), {digest: memoryview(body)})), daemon=True)
+    connection.start()
+    connection.join(30)
+    assert made[0].daemon is False
+
+
 def cache_usage(directory):
     """(files, bytes of blocks) under a disk cache directory, its lock file left out.  A file is an
     inode, counted once however many names link to it (each tenant that supplied a blob has one)."""
