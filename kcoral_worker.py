@@ -81,6 +81,7 @@ import math
 import mmap
 import operator
 import os
+import resource
 import select
 import signal
 import stat
@@ -693,7 +694,7 @@ def ignore_tree_signals() -> None:
 def prctl(option: int, value: int) -> None:
     """Best effort: a libc without prctl (not Linux) leaves the process as it is."""
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).prctl(option, value, 0, 0, 0)
+        LIBC.prctl(option, value, 0, 0, 0)
 
 
 def set_dumpable(flag: bool) -> None:
@@ -754,7 +755,7 @@ def collapse_template_memory() -> None:
     collapse itself ~0.35 s, once per template.  Best effort: where the kernel refuses (older, THP
     off, no free huge pages), the memory stays as it is."""
     with contextlib.suppress(OSError, AttributeError):
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        madvise = LIBC.madvise
         madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         deadline = time.monotonic() + COLLAPSE_SECONDS
         for low, high in dense_anonymous_regions():
@@ -1111,7 +1112,7 @@ SANDBOX_SPACES = {"/tmp": "tmp", "/var/tmp": "tmp", "/dev/shm": "shm"}  # where 
 
 def libc_call(name: str, *args: Any) -> int:
     """A libc call that sets errno -> its result; OSError naming the call when it fails."""
-    result = getattr(ctypes.CDLL(None, use_errno=True), name)(*args)
+    result = getattr(LIBC, name)(*args)  # one CDLL: a new one makes a class, ~50 us in a fresh fork
     if result == -1:
         err = ctypes.get_errno()
         raise OSError(err, f"{name}: {os.strerror(err)}")
@@ -1299,7 +1300,6 @@ def keep_mount(source: str, target: str) -> None:
 
 
 def resource_limit(name: str, value: int) -> None:
-    import resource
     resource.setrlimit(getattr(resource, name), (value, value))
 
 
@@ -1401,8 +1401,7 @@ def check_seccomp() -> None:
 def keyring_call_refused() -> bool:
     """Whether keyctl(KEYCTL_GET_KEYRING_ID, KEY_SPEC_USER_KEYRING, 0) fails with EPERM, as the
     filter makes it (unfiltered, it answers the user keyring's id)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    return libc.syscall(SECCOMP_DENIED["keyctl"][SECCOMP_ARCHES[os.uname().machine][1]], 0, -4, 0) == -1 \
+    return LIBC.syscall(SECCOMP_DENIED["keyctl"][SECCOMP_ARCHES[os.uname().machine][1]], 0, -4, 0) == -1 \
         and ctypes.get_errno() == errno.EPERM
 
 
@@ -1964,7 +1963,6 @@ def limit_hint(exc: BaseException) -> str:
 
 def private_memory_limited() -> bool:
     """Whether this sandboxed process runs under `limit_private_memory`."""
-    import resource
     return resource.getrlimit(resource.RLIMIT_DATA)[0] != resource.RLIM_INFINITY
 
 
@@ -3515,11 +3513,10 @@ def read_process_memory(pid: int, address: int, size: int) -> bytearray:
     dumpable); OSError where they are not all mapped there."""
     buf = bytearray(size)
     done = 0
-    libc = ctypes.CDLL(None, use_errno=True)
     while done < size:
         local = IoVec(ctypes.addressof((ctypes.c_char * size).from_buffer(buf)) + done, size - done)
         remote = IoVec(address + done, size - done)
-        n = libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        n = LIBC.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
         if n <= 0:
             code = ctypes.get_errno() if n < 0 else errno.EFAULT
             raise OSError(code, f"cannot read {size} bytes at {address:#x} in process {pid}: {os.strerror(code)}")
@@ -3587,9 +3584,8 @@ def keep_freed_memory() -> None:
     16 MiB temporary faulted 4 MiB afresh every call (8.5 ms a call, not 5.2, on a VM's ~6 us
     faults).  For the rest of the process: evaluate's kernel processes and a CPU benchmark's worker."""
     with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None)
-        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
-        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: glibc's largest on 64-bit
+        LIBC.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
+        LIBC.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: glibc's largest on 64-bit
 
 
 def module_function(source: str, entry: str) -> Callable[..., Any]:
