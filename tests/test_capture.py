@@ -69,6 +69,37 @@ def test_output_of_an_instruction_precedes_the_next_ones(server):
     assert body["stdout"] == "".join(f"{i}\n" for i in range(CHATTY)) + "raw\n"
 
 
+HELD_SOURCE = """import sys
+held = {}
+def first(n):
+    held["text"], held["bytes"] = sys.stdout, sys.stdout.buffer
+    for i in range(n):
+        print(i)
+        if i % 100 == 50:
+            held["text"].write(f"t{i}\\n")
+            held["bytes"].write(f"b{i}\\n".encode())
+    held["late"] = sys.stdout
+def second(n):
+    for i in range(n):
+        print(i)
+        if i % 100 == 50:
+            held["late"].write(f"l{i}\\n")
+"""
+
+
+def test_streams_held_across_the_line_budget_keep_the_order_of_writes(server):
+    """Past the line budget sys.stdout is another stream until the next instruction: writes through
+    streams a program took before (or during) that stretch still come out in the order made."""
+    program = prog(up_module("m", HELD_SOURCE), get_fn("first", "m", "first"), get_fn("second", "m", "second"),
+                   run("a", "first", 3 * LINE_BUDGET), run("b", "second", 3 * LINE_BUDGET))
+    body = execute_ok(server.url, program)
+    assert_completed(body)
+
+    def expected(n, extra):
+        return "".join(f"{i}\n" + ("".join(f"{x}{i}\n" for x in extra) if i % 100 == 50 else "") for i in range(n))
+    assert body["stdout"] == expected(3 * LINE_BUDGET, "tb") + expected(3 * LINE_BUDGET, "l")
+
+
 CRASH_SOURCE = """import ctypes, os, signal
 def talk():
     print("earlier-instruction")
