@@ -33,6 +33,7 @@ holds the list to `threading.enumerate()` on a busy server and to every `threadi
     kcoral-replace-{slot}: replaces a retired worker (`Pool.release`)
     kcoral-output-reader: one per request, reads its worker's stdout and stderr (`OutputReader`)
     memory-watch: one per request under a memory limit, samples its processes (`MemoryWatch`)
+    kcoral-helper: a thread that ran one of the four above, idle until it runs another (`Helpers`)
     remove-workspace: removes an unsandboxed request's workspace after the answer
     remove-cgroup: removes a request's cgroup once its processes are gone (`RequestCgroup`)
     sandbox-output: follows a container template's stdout and stderr (`OutputTail`)
@@ -281,6 +282,78 @@ def wait_turn(cond: threading.Condition, line: Any, ticket: object, turn: Callab
     finally:
         line.remove(ticket)
         cond.notify_all()
+
+
+class Helper:
+    """One callable run by `Helpers`; `join` waits for its end as Thread.join would."""
+
+    def __init__(self, target: Callable[..., object], args: tuple[Any, ...], name: str, reuse: bool) -> None:
+        self.target, self.args, self.name, self.reuse = target, args, name, reuse
+        self.done = threading.Event()
+
+    def join(self, timeout: float | None = None) -> None:
+        self.done.wait(timeout)
+
+    def is_alive(self) -> bool:
+        return not self.done.is_set()
+
+
+class Helpers:
+    """The threads a request's helpers run on (its output reader and memory watch, a slot's spare and
+    replacement): each callable on a thread of its own, one that finished an earlier callable where
+    one waits idle.  A new thread's start waits until it runs, 0.15-0.7 ms on a request's path here,
+    four a request; a hand-off to an idle one takes tens of microseconds.  Idle threads exit after
+    HELPER_IDLE_SECONDS, so an idle server keeps none.  `reuse=False`: a thread of its own, which ends
+    with the callable (one that enters a request's namespace, which the thread's successors would share)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.idle: list[queue.SimpleQueue[Helper]] = []
+        self.running = threading.local()  # .helper: the one this thread runs (`current`)
+
+    def current(self) -> Helper | None:
+        return getattr(self.running, "helper", None)
+
+    def start(self, target: Callable[..., object], *args: Any, name: str, reuse: bool = True) -> Helper:
+        helper = Helper(target, args, name, reuse)
+        with self.lock:
+            inbox = self.idle.pop() if self.idle and reuse else None
+        if inbox is None:
+            inbox = queue.SimpleQueue()
+            threading.Thread(target=self.serve, args=(inbox,), name="kcoral-helper", daemon=True).start()
+        inbox.put(helper)
+        return helper
+
+    def serve(self, inbox: queue.SimpleQueue[Helper]) -> None:
+        thread = threading.current_thread()
+        while True:
+            try:
+                helper = inbox.get(timeout=HELPER_IDLE_SECONDS)
+            except queue.Empty:
+                with self.lock:
+                    if inbox in self.idle:  # else a start() took it just now: its callable is on the way
+                        self.idle.remove(inbox)
+                        return
+                continue
+            thread.name, self.running.helper = helper.name, helper
+            try:
+                helper.target(*helper.args)
+            except BaseException:  # reported as a thread's own would be
+                threading.excepthook(threading.ExceptHookArgs((*sys.exc_info(), thread)))
+            finally:
+                helper.done.set()
+                # as Thread.run does: what the callable held goes now (a worker's pipes, say), not when
+                # a cycle through its owner is collected or this thread runs another
+                del helper.target, helper.args
+            if not helper.reuse:
+                return
+            del helper, self.running.helper
+            threading.current_thread().name = "kcoral-helper"
+            with self.lock:
+                self.idle.append(inbox)
+
+
+HELPER_IDLE_SECONDS = 2.0
 
 
 # what a worker may send mid-request
@@ -3247,9 +3320,7 @@ class SpareWorker:
         self.worker: Worker | None = None
         self.error = ""
         self.request_done = threading.Event()  # set once the running request is done (with the GPU, too)
-        self.thread = threading.Thread(target=self.start, args=(pool, slot, answered, queued),
-                                       name=f"kcoral-spare-{slot.name}", daemon=True)
-        self.thread.start()
+        self.thread = pool.helpers.start(self.start, pool, slot, answered, queued, name=f"kcoral-spare-{slot.name}")
 
     def start(self, pool: Pool, slot: Slot, answered: threading.Event, queued: bool) -> None:
         if not queued:
@@ -3308,7 +3379,8 @@ class Pool:
         self.busy: dict[str, float] = collections.defaultdict(float)  # seconds slots were held, per tenant (freed)
         self.closing = False  # draining: no new request is queued
         self.refusing = False  # nor does a queued one get a slot (quarantine: its GPUs may still be in use)
-        self.replacing: set[threading.Thread] = set()  # each leaves when done: nothing stays per request
+        self.replacing: set[Helper] = set()  # each leaves when done: nothing stays per request
+        self.helpers = Helpers()
         if config.sandbox == "bubblewrap":  # probed by resolve_sandbox
             if device == "cuda":
                 ensure_gpu_control_nodes(log)
@@ -3448,12 +3520,10 @@ class Pool:
         thread, once the request is `answered`."""
         if retire:
             retired, slot.worker = slot.worker, None
-            thread = threading.Thread(target=self.replace, args=(slot, retired, cleanup, answered),
-                                      name=f"kcoral-replace-{slot.name}", daemon=True)
-            with self.cond:
+            with self.cond:  # held until it is listed: replace() takes it off the list at its end
                 self.free(slot)
-                self.replacing.add(thread)
-            thread.start()
+                self.replacing.add(self.helpers.start(self.replace, slot, retired, cleanup, answered,
+                                                      name=f"kcoral-replace-{slot.name}"))
         else:
             with self.cond:
                 self.free(slot)
@@ -3505,7 +3575,7 @@ class Pool:
         if not serve_first:
             self.install_next_worker(slot, spare, retired, gone)
         with self.cond:
-            self.replacing.discard(threading.current_thread())
+            self.replacing.discard(self.helpers.current())
 
     def install_next_worker(self, slot: Slot, spare: SpareWorker | None, retired: Worker | None, gone: bool) -> None:
         """The slot's next worker in place (none on a GPU whose retired tree is not `gone`), then the slot idle."""
@@ -3637,8 +3707,8 @@ class Pool:
         """Once drained and idle: end every worker and sandbox (and wait for replacements under way)."""
         with self.cond:
             running = list(self.replacing)
-        for thread in running:
-            thread.join()
+        for helper in running:
+            helper.join()
         for slot in self.slots:
             if slot.spare is not None:  # a request that ended in a crash leaves its slot's spare unused
                 with contextlib.suppress(Exception):
@@ -3738,8 +3808,8 @@ class Execution:
         # with a delegated cgroup the kernel holds the limit; without, the front-end samples
         root = delegated_cgroup(self.config)
         self.cgroup = RequestCgroup(root, self.job.request_id, self.worker.pid, self.config) if root else None
-        self.memory = MemoryWatch(self.worker.pid, 0 if self.cgroup else self.config.memory_limit_bytes or 0,
-                                  sandboxed=self.worker.template is not None)
+        limit = 0 if self.cgroup else self.config.memory_limit_bytes or 0
+        self.memory = MemoryWatch(self.pool.helpers, self.worker.pid, limit, sandboxed=self.worker.template is not None)
         try:
             self.send_job()
             error, retire = self.converse(), False
@@ -3836,7 +3906,7 @@ class Execution:
                 for fd in (out_w, err_w):  # 16x fewer wake-ups than the default 64 KiB for a chatty program
                     with contextlib.suppress(OSError):  # over the user's pipe quota: the default size
                         fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
-                self.reader = OutputReader(out_r, err_r, self.job.output_limit, self.job.on_output)
+                self.reader = OutputReader(self.pool.helpers, out_r, err_r, self.job.output_limit, self.job.on_output)
                 try:
                     for fd in (out_w, err_w):
                         reduction.send_handle(conn, fd, self.worker.pid)
@@ -4229,7 +4299,7 @@ class OutputReader:
     them, the last min(limit, CAPTURED_TAIL_BYTES); what it keeps within `limit` also goes to
     `on_output` as it arrives (a streamed answer, docs/protocol.md §13)."""
 
-    def __init__(self, out_fd: int, err_fd: int, limit: int,
+    def __init__(self, helpers: Helpers, out_fd: int, err_fd: int, limit: int,
                  on_output: Callable[[str, bytes], None] | None = None) -> None:
         self.limit = limit
         self.data = {out_fd: bytearray(), err_fd: bytearray()}
@@ -4238,8 +4308,7 @@ class OutputReader:
         self.fds = (out_fd, err_fd)
         self.names = {out_fd: "stdout", err_fd: "stderr"}
         self.on_output = on_output
-        self.thread = threading.Thread(target=self.read_until_closed, name="kcoral-output-reader", daemon=True)
-        self.thread.start()
+        self.thread = helpers.start(self.read_until_closed, name="kcoral-output-reader")
 
     def read_until_closed(self) -> None:
         tail_bytes = min(self.limit, CAPTURED_TAIL_BYTES)
@@ -4392,16 +4461,15 @@ class MemoryWatch:
     memory segments no process maps any more.  `exempt` holds the (device, inode) of memory files
     the front-end itself passed in (the staged blobs), which are not the request's doing."""
 
-    def __init__(self, pid: int, limit: int, sandboxed: bool) -> None:
+    def __init__(self, helpers: Helpers, pid: int, limit: int, sandboxed: bool) -> None:
         self.pid, self.limit = pid, limit
         self.exceeded = 0
         self.exempt: set[tuple[int, int]] = set()
         self.own_ipc = False  # whether the thread is in the request's IPC namespace
         self.stopped, self.entered = threading.Event(), threading.Event()
-        self.thread = threading.Thread(target=self.watch, args=(sandboxed,), name="memory-watch",
-                                       daemon=True) if limit else None
+        # a thread that entered the request's IPC namespace (a sandboxed request's) ends with it
+        self.thread = helpers.start(self.watch, sandboxed, name="memory-watch", reuse=not sandboxed) if limit else None
         if self.thread is not None:
-            self.thread.start()
             if sandboxed:  # the IPC limits are set before the program starts
                 self.entered.wait(MEMORY_SAMPLE_SECONDS)
 

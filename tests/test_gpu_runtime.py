@@ -336,7 +336,7 @@ def fake_pool(gpus=(0,)):
     """The parts of a Pool an Execution uses; quarantines are recorded and reach the real arbiter."""
     config = kcoral.ServerConfig(max_requests_per_worker=0, worker_termination_grace_seconds=0.1)
     pool = types.SimpleNamespace(config=config, arbiter=kcoral.LeaseArbiter(list(gpus)), quarantined=[],
-                                 log=kcoral.EventLog(config))
+                                 log=kcoral.EventLog(config), helpers=kcoral.Helpers())
 
     def quarantine(gpus, reason):
         pool.quarantined.append(list(gpus))
@@ -1727,6 +1727,7 @@ def spare_pool(monkeypatch):
     pool.config = kcoral.ServerConfig(sandbox="none")
     pool.arbiter, pool.gpu_names, pool.inits, pool.closing = kcoral.LeaseArbiter([0]), {0: "0"}, [], False
     pool.cond, pool.idle, pool.replacing, pool.quarantined = threading.Condition(), [], set(), []
+    pool.helpers = kcoral.Helpers()
     pool.waiters = kcoral.FairQueue()
     pool.in_progress, pool.running = 1, collections.Counter({"": 1})  # the request whose slot is released
     pool.log = types.SimpleNamespace(event=lambda *a, **k: None, metrics=kcoral.Metrics())

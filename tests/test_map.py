@@ -210,12 +210,14 @@ def listed_threads(doc):
 
 def threads_in_source():
     """The name of every thread kcoral.py starts (an f-string's fields read `{slot}`), None for one
-    started without a name, and the names it gives a thread it runs on (`current_thread().name =`)."""
+    started without a name, the names of the callables it hands to its helper threads
+    (`helpers.start`), and the names it gives a thread it runs on (`current_thread().name =`)."""
     with open(SOURCE, encoding="utf-8") as f:
         tree = ast.parse(f.read())
     names = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "Thread":
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and (
+                node.func.attr == "Thread" or node.func.attr == "start" and "helpers" in ast.unparse(node.func.value)):
             name = next((k.value for k in node.keywords if k.arg == "name"), None)
             names.append(None if name is None else literal_name(name))
         elif isinstance(node, ast.Assign) and any(
@@ -238,26 +240,32 @@ def test_every_thread_the_server_starts_has_a_name_the_map_lists():
 
 
 class ThreadNames(ThreadProfile):
-    """The final name of every thread started while it records that ran code of kcoral.py (a
-    thread may rename itself: socketserver's connection threads do), plus what
-    `threading.enumerate()` shows of them whenever `snapshot` is called."""
+    """Every name but the first of every thread started while it records that ran code of
+    kcoral.py, or its only one (a thread may rename itself: socketserver's connection threads do
+    before they serve, a helper thread for each callable it runs), plus what `threading.enumerate()`
+    shows of them whenever `snapshot` is called."""
 
     def __init__(self):
-        self.names = {}
+        self.names = collections.defaultdict(list)
         self.before = set(threading.enumerate())
 
     def profile(self, frame, event, arg):
         if frame.f_code.co_filename == SOURCE:
-            thread = threading.current_thread()
-            self.names[thread] = thread.name
+            self.saw(threading.current_thread())
+
+    def saw(self, thread):
+        names = self.names[thread]
+        if not names or names[-1] != thread.name:
+            names.append(thread.name)
 
     def snapshot(self):
         for thread in threading.enumerate():
             if thread not in self.before and not thread.name.startswith("test-"):
-                self.names[thread] = thread.name
+                self.saw(thread)
 
     def kinds(self):
-        return {SLOT_NAME.sub("-{slot}", name) for name in self.names.values() if not name.startswith("test-")}
+        return {SLOT_NAME.sub("-{slot}", name) for names in self.names.values() for name in names[1:] or names
+                if not name.startswith("test-")}
 
 
 def slow_body(url):
