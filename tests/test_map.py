@@ -10,12 +10,13 @@ import re
 import socket
 import threading
 import time
+import weakref
 
 import pytest
 
 import kcoral
 from kcoral import Client, Program
-from tests.support import ROOT, bound_names
+from tests.support import ROOT, bound_names, wait_for
 
 SOURCE = os.path.join(ROOT, "kcoral.py")
 NAME = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
@@ -266,6 +267,26 @@ class ThreadNames(ThreadProfile):
     def kinds(self):
         return {SLOT_NAME.sub("-{slot}", name) for names in self.names.values() for name in names[1:] or names
                 if not name.startswith("test-")}
+
+
+def test_helper_threads_are_reused_and_keep_nothing_of_what_they_ran(monkeypatch):
+    """`Helpers`: a callable runs on a thread an earlier one finished on; once it returns, the thread
+    holds nothing of it (a retired worker's pipes, say) while it waits, and an idle thread exits."""
+    monkeypatch.setattr(kcoral, "HELPER_IDLE_SECONDS", 0.3)
+    helpers, ran = kcoral.Helpers(), []
+
+    class Held:
+        pass
+
+    held = Held()
+    gone = weakref.ref(held)
+    first = helpers.start(lambda obj: ran.append(threading.get_ident()), held, name="test-helper")
+    first.join(5)
+    del held
+    assert gone() is None, "the idle thread still holds what its callable was given"
+    helpers.start(lambda: ran.append(threading.get_ident()), name="test-helper").join(5)
+    assert len(ran) == 2 and ran[0] == ran[1], ran
+    assert wait_for(lambda: not helpers.idle and all(t.ident != ran[0] for t in threading.enumerate()), 5)
 
 
 def slow_body(url):
