@@ -79,7 +79,7 @@ record through §13 (`event`, `save_program`), §6, §7 and §10 count through �
 
 Lifecycle verbs mean one thing each, across the classes (tests/test_docs.py holds them to it, by
 name and by what each such method calls):
-`start` begins serving, threads or processes (`KCoralServer`, `SpareWorker`); `drain` admits
+`start` begins serving, threads or processes (`KCoralServer`, `SpareWorker`, `Helpers`); `drain` admits
 nothing new while admitted work, queued included, runs on (`Pool`); `refuse_waiters` admits
 nothing new and turns away whoever waits (`BodyBudget`, `LeaseArbiter`); `stop` ends gracefully
 and releases everything once work is done, waiting until no thread or process of it is left
@@ -1965,7 +1965,7 @@ class KCoralServer:
                                   "over this machine",
                            remedy="use --sandbox bubblewrap, or run as an unprivileged user")
         kcoral_worker.set_oom_score(-900)  # the kernel's last choice (needs CAP_SYS_RESOURCE; else it stays)
-        kcoral_worker.keep_freed_memory(FREED_MEMORY_KEPT_BYTES)
+        kcoral_worker.keep_freed_memory(FRONT_END_HEAP_BLOCK_BYTES * 2, FRONT_END_HEAP_BLOCK_BYTES)
         self.device = device
         self.pool = Pool(self.config, device, gpu_ids, gpu_names, self.log)
         self.target, self.versions = describe_runtime(device, self.pool)
@@ -2228,10 +2228,14 @@ class KCoralServer:
             self.in_flight_cond.wait(0.05)
 
 
-# What the front-end's allocator keeps of the memory it frees (kcoral_worker.keep_freed_memory): by
-# default glibc maps each block of over ~4 MiB afresh and returns it at its free, so every 4 MiB answer
-# of captured output faulted ~13 MiB in again (3 300 faults, 7 ms of CPU); a 64 MiB blob is mapped still.
-FREED_MEMORY_KEPT_BYTES = 64 << 20
+# The front-end's allocator (kcoral_worker.keep_freed_memory) takes blocks under this size from its heaps
+# and keeps what it frees for reuse, up to twice this size free at a heap's top: by default glibc maps
+# each block over ~4 MiB afresh and returns it at its free, so every 4 MiB answer of captured output
+# faulted ~13 MiB in again (3 300 faults, 7 ms of CPU).  Larger blocks, a large body once it has grown
+# past this size among them, are mapped still and returned at once.  The price, measured: 8 concurrent
+# 24 MiB uploads peaked 124-134 MiB over idle, not 80-93 (each body's first 8 MiB, freed in a heap);
+# with 32 MiB and 64 MiB, 228-232.
+FRONT_END_HEAP_BLOCK_BYTES = 8 << 20
 
 # The generated HAProxy configuration checks /health every second with this header (`fall 2`): it takes
 # a node that answers capacity 0 out at the second such answer; the margin covers its handling of it.

@@ -3610,17 +3610,18 @@ def answer_and_stop(conn: Connection, answer: EvalOutputs | EvalDone | list[Eval
     os.killpg(0, signal.SIGSTOP)
 
 
-def keep_freed_memory(trim_bytes: int = 1 << 30) -> None:
-    """glibc keeps freed memory for reuse instead of returning it to the system (M_MMAP_THRESHOLD
-    at its maximum, M_TRIM_THRESHOLD at `trim_bytes`): a kernel's fresh output then lands on pages
-    already mapped, as in a long-running loop, and not on new ones whose faults would be timed
+def keep_freed_memory(trim_bytes: int = 1 << 30, mapped_bytes: int = 32 << 20) -> None:
+    """glibc keeps freed memory for reuse instead of returning it to the system: blocks under
+    `mapped_bytes` come from its heaps (M_MMAP_THRESHOLD; by default glibc's largest on 64-bit), whose
+    top it trims only past `trim_bytes` free (M_TRIM_THRESHOLD): a kernel's fresh output then lands on
+    pages already mapped, as in a long-running loop, and not on new ones whose faults would be timed
     with it.  By default glibc trims the heap's top past 32 MiB free: a kernel with a 16 MiB output
     and a 16 MiB temporary faulted 4 MiB afresh every call (8.5 ms a call, not 5.2, on a VM's ~6 us
     faults).  For the rest of the process: evaluate's kernel processes, a CPU benchmark's worker,
-    and the front-end (kcoral.FREED_MEMORY_KEPT_BYTES)."""
+    and the front-end (kcoral.FRONT_END_HEAP_BLOCK_BYTES)."""
     with contextlib.suppress(OSError, AttributeError):
         LIBC.mallopt(-1, trim_bytes)  # M_TRIM_THRESHOLD
-        LIBC.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: glibc's largest on 64-bit
+        LIBC.mallopt(-3, mapped_bytes)  # M_MMAP_THRESHOLD
 
 
 def module_function(source: str, entry: str) -> Callable[..., Any]:
