@@ -294,9 +294,6 @@ class Helper:
     def join(self, timeout: float | None = None) -> None:
         self.done.wait(timeout)
 
-    def is_alive(self) -> bool:
-        return not self.done.is_set()
-
 
 class Helpers:
     """The threads a request's helpers run on (its output reader and memory watch, a slot's spare and
