@@ -168,11 +168,13 @@ class HAProxyProcess:
 
     def reload(self):
         """Reload the configuration as docs/operations.md says: SIGUSR2 to the master named by the
-        pidfile; returns once a new worker answers on the admin socket."""
+        pidfile; returns once a new worker answers on the admin socket and the old one listens on
+        nothing (until then it may still accept a connection and serve it by the old configuration)."""
         old = self.worker_pid()
         with open(self.pidfile) as f:
             os.kill(int(f.read().split()[0]), signal.SIGUSR2)
         assert wait_for(lambda: self.worker_pid() not in (None, old), 20), "haproxy did not reload"
+        assert wait_for(lambda: not listening_sockets(old), 20), "the old haproxy worker still listens"
 
     def log(self):
         """HAProxy's request log (one line per request: `kcoral/<NOSRV>` for those it answered itself)."""
@@ -1122,6 +1124,23 @@ def server_connections(port):
     with open("/proc/net/tcp") as f:
         return [line.split()[3] for line in f.readlines()[1:]
                 if line.split()[1].endswith(f":{port:04X}") and line.split()[3] not in ("0A", "06")]
+
+
+def listening_sockets(pid):
+    """The TCP sockets a process holds in the LISTEN state (its fds' inodes among /proc/net/tcp's and
+    tcp6's); none once it is gone."""
+    inodes = set()
+    with contextlib.suppress(OSError):  # gone (or going): it holds none
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):  # closed meanwhile
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            found |= {fields[9] for fields in map(str.split, f.readlines()[1:]) if fields[3] == "0A"}
+    return inodes & found
 
 
 def thread_count(pid):
