@@ -168,6 +168,27 @@ def test_host_benchmark_makes_its_flush_buffer_once_a_request(server):
     assert plain(body["results"]["out"]) < (64 << 20) // 4096 // 16, "page faults of the second benchmark call"
 
 
+def test_the_host_flush_reads_64_mib_of_pages_of_its_own_and_writes_none():
+    """The flush evicts the cache by reading its buffer: a buffer never written would be the shared
+    zero page (4 KiB, always cached: nothing evicted), and a written one would leave the cache full
+    of dirty lines for the timed call to write back."""
+    script = ("import kcoral_worker, numpy\n"
+              "def rss():\n"
+              "    return int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1]) << 10\n"
+              "before = rss()\n"
+              "timer = kcoral_worker.HostTimer(True)\n"
+              "grown = rss() - before\n"
+              "timer.scratch[::4096] = numpy.arange(0, timer.scratch.size, 4096, dtype=numpy.uint64)\n"
+              "copy = timer.scratch.copy()\n"
+              "timer.flush()\n"
+              "print(grown, timer.scratch.nbytes, bool((timer.scratch == copy).all()))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout.split()
+    grown, size, unchanged = int(out[0]), int(out[1]), out[2] == "True"
+    assert size >= 64 << 20 and grown >= size - (4 << 20), f"resident {grown} of {size} bytes"
+    assert unchanged, "the flush wrote its buffer"
+
+
 def test_benchmark_rejects_a_non_callable(server):
     body = run_source(server, "from kcoral.builtins import benchmark\ndef f():\n    return benchmark(42)\n")
     assert body["status"] == "FAILED" and body["error"]["kind"] == "runtime", body
