@@ -661,7 +661,7 @@ def request_too_large_message(size: int | None, limit: int) -> str:
 def memory_unseen(config: ServerConfig) -> str:
     """What the memory limit cannot see here (for /health): the fallback's honest blind spots."""
     if delegated_cgroup(config):
-        return "the process the request's init was forked as (before the worker joined its cgroup)"
+        return "the process the request's worker was forked as (before it joined its cgroup)"
     sandboxed = config.sandbox == "bubblewrap"
     unseen = ["kernel memory other than page tables (pipe and socket buffers, inode and dentry caches, "
               "the kernel's own objects)", "a burst on a GPU worker between two samples"
@@ -4901,7 +4901,7 @@ class Worker:
             child.close()
         assert self.process.pid is not None  # started
         self.pid = self.process.pid
-        self.parent = process_parent(self.pid)  # the forkserver or, sandboxed, the request's init
+        self.parent = process_parent(self.pid)  # the forkserver or, sandboxed, the template
         self.served = 0
         self.exiting = False  # killed, but its tree outlived kill_wait in its exit (kill)
         self.halted = False  # its group SIGKILLed (halt), its exit perhaps still under way
@@ -5357,26 +5357,29 @@ class SandboxTemplate:
                 raise WorkerCrashed("the sandbox's template is gone") from exc
             forked = receive_checked(self.conn, kcoral_worker.WorkerForked, time.monotonic() + 60,
                             "the sandbox's template did not fork")
-            # the request's init, by its id in the container's namespace (the template's): PID 1 in its own
-            init = next((p for p in children_of(self.pid) if namespace_pids(p)[1:2] == [forked.pid]), None)
-            worker = next(iter(children_of(init)), None) if init is not None else None
+            # by its id in the container's namespace (the template's): PID 2 in its own
+            worker = next((p for p in children_of(self.pid) if namespace_pids(p)[1:2] == [forked.pid]), None)
             if worker is None:
                 raise WorkerCrashed("the sandbox's new worker is gone")
-        except WorkerCrashed as exc:  # with what the template and the request's init printed, if anything
+        except WorkerCrashed as exc:  # with what the template and the request's worker printed, if anything
             self.kill()
             raise type(exc)(f"{exc}{self.output.said()}") from None
         self.current = SandboxedProcess(self, worker)
         return self.current
 
     def kill_requests(self, grace: float, worker_pid: int) -> bool:
-        """Kill the worker at once (its request's init ends with it, and the kernel ends everything
-        in their namespace with the init), then everything else below the template, SIGTERM first,
-        SIGKILL after `grace`, sweep after sweep.  -> whether it is all gone; if not, the caller
-        ends the container.  One sweep that finds nothing is final: everything below the template
-        is in a request's PID namespace, whose init is reaped only once the kernel has emptied it,
-        and a listed init keeps the sweeps going (terminate's second look is for forks it could miss)."""
+        """Kill the worker at once (the template then has its request's init killed, and the kernel
+        ends everything in their namespace with the init), then everything else in a request's
+        namespace below the template, SIGTERM first, SIGKILL after `grace`, sweep after sweep.
+        -> whether it is all gone; if not, the caller ends the container.  One sweep that finds
+        nothing is final: the init is listed until the kernel has emptied its namespace, and a
+        listed init keeps the sweeps going (terminate's second look is for forks it could miss).
+        The template's own child outside them, which makes the inits, lasts."""
         spared = [os.getpgid(self.pid)] if self.pid and is_live(self.pid) else []
-        return kcoral_worker.terminate(lambda: descendants(self.pid), grace, KILL_SWEEP_SECONDS,
+
+        def in_requests() -> list[int]:
+            return [pid for pid in descendants(self.pid) if len(namespace_pids(pid)) > 2]
+        return kcoral_worker.terminate(in_requests, grace, KILL_SWEEP_SECONDS,
                                        keep_groups=spared, at_once=(worker_pid,), second_look=False)
 
     def kill(self) -> None:

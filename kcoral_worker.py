@@ -55,7 +55,7 @@ down to each request.  Nine module-level names change in a worker or its templat
 process or as a cache its requests may share (a worker serves one request by default):
 `TEMPLATE_PREPARED` and `FLUSH_HOOKS_INSTALLED` (set in a template before it forks: its workers
 inherit them), `_library_runtimes_loaded` and `_cute_preloaded` (set the first time), `SANDBOXED` (set by a
-sandboxed request's init), `_cudarts` (the libcudart
+sandboxed request's worker), `_cudarts` (the libcudart
 handles loaded), `_cupti_used` (set by a request's profiler guard, cleared before the next) and
 `_compiled` (compiled executables by structural hash); in evaluate's kernel processes,
 `IN_PLACE_DTYPES` (which dtypes' bytes are as sent).  Nothing else module-level changes.
@@ -661,8 +661,8 @@ class ForkWorker:
 
 @message
 class WorkerForked:
-    """Sandbox template -> front-end: the pid, inside the container, of the new worker's request's
-    init (PID 1 in its own PID namespace; the worker, its only child, is PID 2 there)."""
+    """Sandbox template -> front-end: the pid, inside the container, of the new worker (PID 2 in
+    its request's own PID namespace, whose init is PID 1)."""
     pid: int
 
 
@@ -1058,11 +1058,12 @@ def killed_already(pid: int) -> bool:
 def template_main(fd: int, preload: list[str], import_env: dict[str, str], space_frame: bytes) -> None:
     """Entry point of a slot's template: PID 1 of its bubblewrap container (kcoral.py SandboxTemplate).
 
-    It becomes the sandbox's user (`become_sandbox_user`), imports once (with `import_env` set
-    meanwhile), then per `ForkWorker` (plus the worker's pipe, passed as a handle) starts one worker
-    in namespaces of its own (`fork_request`), answers `WorkerForked` and, once that worker is gone,
-    `WorkerExited`.  It is never dumpable and, as its PID namespace's init, takes no signal it does
-    not handle: no request can trace, read or stop it.
+    It becomes the sandbox's user (`become_sandbox_user`), forks the small process that makes each
+    request's init (`RequestInits`), imports once (with `import_env` set meanwhile), then per
+    `ForkWorker` (plus the worker's pipe, passed as a handle) starts one worker in namespaces of
+    its own (`fork_request`), answers `WorkerForked` and, once that worker and everything in its
+    namespace are gone, `WorkerExited`.  It is never dumpable and, as its PID namespace's init,
+    takes no signal it does not handle: no request can trace, read or stop it.
     """
     import importlib
     space = decode_message(space_frame)
@@ -1072,6 +1073,7 @@ def template_main(fd: int, preload: list[str], import_env: dict[str, str], space
     seccomp = seccomp_filter()  # built once; each request's init installs it
     ignore_tree_signals()
     set_dumpable(False)  # a request may not ptrace or read the process that forks the next one
+    inits = RequestInits(keep=fd)  # before the imports, which it need not copy
     saved = {name: os.environ.get(name) for name in import_env}
     os.environ.update(import_env)
     for name in preload:
@@ -1081,7 +1083,7 @@ def template_main(fd: int, preload: list[str], import_env: dict[str, str], space
             del os.environ[name]
         else:
             os.environ[name] = value
-    prepare_template()  # each request's two forks (init, worker) copy less
+    prepare_template()  # each request's fork copies less
     own_pids = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)  # where its own children go back to
     conn = Connection(fd)
     send_message(conn, WorkerReady(os.getpid()))
@@ -1089,10 +1091,13 @@ def template_main(fd: int, preload: list[str], import_env: dict[str, str], space
         if not isinstance(message, ForkWorker):
             raise UnexpectedMessage(f"a sandbox template cannot serve {message!r}")
         pipe = reduction.recv_handle(conn)
-        init, status_pipe = fork_request(conn, pipe, message, space, seccomp, own_pids)
-        send_message(conn, WorkerForked(init))
-        wait_for_child(init)
-        send_message(conn, WorkerExited(worker_exit_code(status_pipe)))
+        try:
+            worker = fork_request(conn, pipe, message, space, seccomp, inits, own_pids)
+            send_message(conn, WorkerForked(worker))
+            status = wait_for_child(worker)
+        finally:
+            inits.end()  # the request's init, and with it everything left in its namespace
+        send_message(conn, WorkerExited(os.waitstatus_to_exitcode(status)))
 
 
 # Linux's constants (stable ABI) for what the os module lacks before Python 3.12
@@ -1158,71 +1163,145 @@ def become_sandbox_user(space: RequestSpace) -> None:
     set_capabilities(TEMPLATE_CAPS)
 
 
-def fork_request(conn: Connection, pipe: int, message: ForkWorker, space: RequestSpace,
-                 seccomp: bytes, own_pids: int) -> tuple[int, int]:
-    """Fork the init of a request's new PID namespace -> (its pid, once the request's worker
-    exists; the pipe on which the worker's wait status follows).  The init (PID 1) takes new
-    mount and IPC namespaces, sets up the request's space (`enter_request_space`) and forks the
-    worker (PID 2), then only waits for it: when the worker ends, the init writes its status and
-    ends too, and the kernel with the init everything left in the namespace.  The worker is not
-    the init itself, since an init takes no signal it does not handle from inside its namespace:
-    a program's kill(getpid(), SIGKILL) would do nothing (and neither could the init pass on a
-    signal it died of: it reports the status instead).
+class RequestInits:
+    """Each sandboxed request's init, PID 1 of the request's PID namespace, made by a small process
+    the template forks before it imports anything: an init forked from the template itself copied
+    the page tables of all its memory (torch's) and freed them again at its exit, 4.3 ms of CPU a
+    request (a 2-core VM, a sandboxed burst), as much as the worker's own 5.7.  A fork of this
+    process copies a few MiB of them.
 
-    The template's next child goes into a new PID namespace (unshare), and its children after
-    into its own again (setns to `own_pids`): no process in between, which was one fork and exit
-    of all the template's memory more per request.
+    An init only has to be there: its namespace lasts as long as it does, and the kernel
+    re-parents the request's orphans to it, which it reaps at once (SIGCHLD ignored).  It is not
+    dumpable (inherited from the template) and drops every capability, so that a request, which
+    sees it as PID 1, can neither trace nor read it (it stays in the container's mount namespace).
+    The template forks the request's worker into its namespace (`fork_request`) and, once the
+    worker is gone, has it killed (`end`): the kernel then ends everything else in the namespace."""
+
+    def __init__(self, keep: int) -> None:
+        """Fork the maker; `keep`, the template's pipe to the front-end, is closed in it."""
+        import socket
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.maker = os.fork()
+        if self.maker == 0:
+            os.close(keep)
+            self.sock.close()
+            serve_inits(theirs)
+        theirs.close()
+
+    def start(self) -> int:
+        """A new PID namespace whose init is running -> a descriptor of that namespace (the
+        maker's: the init, not dumpable, is not the template's to open in /proc)."""
+        import socket
+        self.sock.sendall(b"n")
+        data, fds, _, _ = socket.recv_fds(self.sock, INIT_STARTED.size, 1)
+        if len(data) < INIT_STARTED.size:
+            raise EOFError("the process that makes requests' inits is gone")
+        failed = INIT_STARTED.unpack(data)[0]
+        if failed or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise OSError(failed, f"a request's init could not start: {os.strerror(failed)}")
+        return fds[0]
+
+    def end(self) -> None:
+        """Kill the last init started, if any, and wait until it is reaped (its namespace is then empty)."""
+        self.sock.sendall(b"e")
+        if self.sock.recv(1) != b"e":
+            raise EOFError("the process that makes requests' inits is gone")
+
+    def close(self) -> None:  # in the worker: nothing of the template's a request may hold
+        self.sock.close()
+
+
+INIT_STARTED = struct.Struct("=i")  # 0, with the namespace's descriptor, or the errno
+
+
+def serve_inits(sock: Any) -> typing.NoReturn:
+    """The init maker's loop: "n" starts an init in a new PID namespace and answers with a
+    descriptor of that namespace (or the errno), "e" kills the last one and answers once it is
+    reaped; the template closing the socket ends it."""
+    import socket
+    init, own_pids = 0, os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+    while command := sock.recv(1):
+        if command == b"n":
+            try:
+                libc_call("unshare", CLONE_NEWPID)  # the next child is PID 1 of a new namespace
+                init = os.fork()
+                if init == 0:
+                    be_request_init(sock, own_pids)
+                # the namespace can be opened once it has its first process
+                namespace = os.open("/proc/self/ns/pid_for_children", os.O_RDONLY | os.O_CLOEXEC)
+                libc_call("setns", own_pids, CLONE_NEWPID)  # unshare again only from its own
+            except OSError as exc:
+                sock.sendall(INIT_STARTED.pack(exc.errno or errno.EAGAIN))
+                continue
+            try:
+                socket.send_fds(sock, [INIT_STARTED.pack(0)], [namespace])
+            finally:
+                os.close(namespace)
+        elif command == b"e":
+            if init:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(init, signal.SIGKILL)
+                os.waitpid(init, 0)
+                init = 0
+            sock.sendall(b"e")
+    os._exit(0)
+
+
+def be_request_init(sock: Any, own_pids: int) -> typing.NoReturn:
+    """PID 1 of a request's namespace, until killed: holds nothing, can do nothing, reaps its orphans."""
+    try:
+        sock.close()
+        os.close(own_pids)
+        set_capabilities(())
+        signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # a child it is given is reaped as it ends
+        while True:
+            signal.pause()
+    finally:
+        os._exit(1)
+
+
+def fork_request(conn: Connection, pipe: int, message: ForkWorker, space: RequestSpace,
+                 seccomp: bytes, inits: RequestInits, own_pids: int) -> int:
+    """Fork a request's worker into the PID namespace of a fresh init (`RequestInits`) -> its pid.
+    The worker is PID 2 there; it takes new mount and IPC namespaces, sets up the request's space
+    (`enter_request_space`) and serves.  The worker is not the init itself, since an init takes no
+    signal it does not handle from inside its namespace: a program's kill(getpid(), SIGKILL) would
+    do nothing.
 
     The worker sees none of the container's processes, starts its PIDs afresh, and writes only to
-    a tmpfs of its own, sized by the limits; the tmpfs and IPC objects go with the last process."""
+    a tmpfs of its own, sized by the limits; the tmpfs and IPC objects go with its last process."""
     tasks = len(os.listdir("/proc/self/task"))  # the template's threads count against the uid too
-    status_r, status_w = os.pipe()
-    libc_call("unshare", CLONE_NEWPID)
+    namespace = inits.start()
     try:
-        init = os.fork()
+        libc_call("setns", namespace, CLONE_NEWPID)  # the template's next child goes there
+    finally:
+        os.close(namespace)
+    try:
+        worker = os.fork()
     except BaseException:
         libc_call("setns", own_pids, CLONE_NEWPID)
         raise
-    if init != 0:  # the template: its later children in its own namespace again
+    if worker != 0:  # the template: its later children in its own namespace again
         libc_call("setns", own_pids, CLONE_NEWPID)
-    else:
-        try:
-            conn.close()
-            os.close(status_r)
-            os.close(own_pids)  # the template's namespace: nothing a request may hold
-            libc_call("unshare", CLONE_NEWNS | CLONE_NEWIPC)
-            enter_request_space(space, tasks + 1, seccomp)  # + this init
-            if message.device == "cpu" and space.memory_bytes:
-                limit_private_memory(space.memory_bytes)
-            worker = os.fork()
-            if worker == 0:
-                os.close(status_w)
-                set_dumpable(True)
-                worker_main(Connection(pipe), message.device, message.visible_gpus)
-            os.close(pipe)
-            os.write(status_w, b"+")
-            os.write(status_w, WAIT_STATUS.pack(wait_for_child(worker)))
-            os._exit(0)
-        finally:
-            os._exit(1)
-    os.close(pipe)
-    os.close(status_w)
-    os.read(status_r, 1)  # written once the worker exists, or never if its set-up failed
-    return init, status_r
+        os.close(pipe)
+        return worker
+    try:
+        conn.close()
+        inits.close()
+        os.close(own_pids)  # the template's namespace: nothing a request may hold
+        libc_call("unshare", CLONE_NEWNS | CLONE_NEWIPC)
+        enter_request_space(space, tasks + 2, seccomp)  # + the init maker and the init
+        if message.device == "cpu" and space.memory_bytes:
+            limit_private_memory(space.memory_bytes)
+        set_dumpable(True)
+        worker_main(Connection(pipe), message.device, message.visible_gpus)
+    finally:
+        os._exit(1)
 
 
-WAIT_STATUS = struct.Struct("=i")
-
-
-def worker_exit_code(status_pipe: int) -> int:
-    """The exit code (negative: the signal) of the worker whose init writes to `status_pipe`;
-    SIGKILL's when the init never could."""
-    with open(status_pipe, "rb") as pipe:
-        status = pipe.read(WAIT_STATUS.size)
-    return os.waitstatus_to_exitcode(WAIT_STATUS.unpack(status)[0]) if len(status) == 4 else -signal.SIGKILL
-
-
-SANDBOXED = {"worker": False}  # set in a request's init: its worker ends its namespace's strays (terminate_descendants)
+SANDBOXED = {"worker": False}  # set by a sandboxed worker: it ends its namespace's strays (terminate_descendants)
 
 
 def enter_request_space(space: RequestSpace, others: int, seccomp: bytes) -> None:
@@ -1269,7 +1348,7 @@ def enter_request_space(space: RequestSpace, others: int, seccomp: bytes) -> Non
 
 def limit_private_memory(memory_bytes: int) -> None:
     """RLIMIT_DATA: no process of the request may hold more than `memory_bytes` of private writable
-    memory beyond what it was forked with (this init's, the template's).  The front-end samples the
+    memory beyond what it was forked with (the template's).  The front-end samples the
     request's memory, all its kinds and processes together; between two samples a program that
     asks for 3 GiB at once (`bytearray(3 << 30)`) would outrun it, and is refused here at once
     instead (MemoryError).  CPU workers only: CUDA's driver maps private memory the request's
@@ -1312,8 +1391,8 @@ def resource_limit(name: str, value: int) -> None:
 
 
 def wait_for_child(pid: int) -> int:
-    """Wait for the child `pid` -> its wait status; an init also reaps every orphan re-parented
-    to it meanwhile."""
+    """Wait for the child `pid` -> its wait status; the template, its container's init, also reaps
+    every orphan re-parented to it meanwhile."""
     while True:
         done, status = os.waitpid(-1, 0)
         if done == pid:
