@@ -259,44 +259,52 @@ def f():
     assert processes <= 8 and pid < 10  # init, template, worker, shell, ls, grep: nothing of the host
 
 
+def nspids(pid):
+    """A process's ids in each PID namespace it is in, the host's first."""
+    with open(f"/proc/{pid}/status") as f:
+        return [int(n) for n in next(line for line in f if line.startswith("NSpid:")).split()[1:]]
+
+
+def parent(pid):
+    return int(kcoral.kcoral_worker.proc_stat(pid)[1])  # fields after the name: state, ppid, ...
+
+
+def while_running(sandboxed, source, look):
+    """Run `source` (a program's f) on the sandboxed server and, while it runs, `look(worker, init)`
+    at its worker (PID 2 of its PID namespace) and that namespace's init -> what look returned."""
+    request = threading.Thread(target=post, args=(sandboxed.url, call_program(source, "f")))
+    request.start()
+    try:
+        def running_worker():
+            return next((pid for pid in kcoral.kcoral_worker.descendants(sandboxed.proc.pid)
+                         if len(nspids(pid)) == 3 and nspids(pid)[-1] == 2), None)
+        worker = wait_for(running_worker, 30)
+        assert worker, "no request's worker appeared"
+        namespace = os.stat(f"/proc/{worker}/ns/pid").st_ino
+        init = next(pid for pid in kcoral.kcoral_worker.descendants(sandboxed.proc.pid)
+                    if nspids(pid)[-1] == 1 and os.stat(f"/proc/{pid}/ns/pid").st_ino == namespace)
+        return look(worker, init)
+    finally:
+        join_threads([request], 60)
+
+
 def test_a_request_forks_the_template_once_and_its_init_is_a_fork_of_a_small_process(sandboxed):
     """One fork of the template per request: the worker (PID 2 of the request's PID namespace) is
     the template's own child (PID 1 of the container).  Its namespace's init (PID 1 there) is a
     fork of the template's small init maker, made before the template imported torch: an init
     forked from the template copied and freed the page tables of all its memory, 4.3 ms of CPU a
     request."""
-    import kcoral_worker
-
-    def nspids(pid):  # its ids in each PID namespace it is in, the host's first
-        with open(f"/proc/{pid}/status") as f:
-            return [int(n) for n in next(line for line in f if line.startswith("NSpid:")).split()[1:]]
-
-    def parent(pid):
-        return int(kcoral_worker.proc_stat(pid)[1])  # fields after the name: state, ppid, ...
-
     def mapped_kib(pid):
         with open(f"/proc/{pid}/status") as f:
             return int(next(line for line in f if line.startswith("VmSize:")).split()[1])
-    slow = call_program("import time\ndef f():\n    time.sleep(3)\n    return 1\n", "f")
-    request = threading.Thread(target=post, args=(sandboxed.url, slow))
-    request.start()
-    try:
-        def running(level_pid):
-            return next((pid for pid in kcoral_worker.descendants(sandboxed.proc.pid)
-                         if len(nspids(pid)) == 3 and nspids(pid)[-1] == level_pid), None)
-        worker = wait_for(lambda: running(2), 30)
-        assert worker, "no request's worker appeared"
-        template = parent(worker)
+
+    def look(worker, init):
+        template, maker = parent(worker), parent(init)
         assert len(nspids(template)) == 2 and nspids(template)[-1] == 1, \
             f"the worker's parent {template} is not the template: {nspids(template)}"
-        namespace = os.stat(f"/proc/{worker}/ns/pid").st_ino
-        init = next(pid for pid in kcoral_worker.descendants(template)
-                    if nspids(pid)[-1] == 1 and os.stat(f"/proc/{pid}/ns/pid").st_ino == namespace)
-        maker = parent(init)
         assert parent(maker) == template and len(nspids(maker)) == 2
         assert mapped_kib(maker) * 4 < mapped_kib(template), (mapped_kib(maker), mapped_kib(template))
-    finally:
-        join_threads([request], 60)
+    while_running(sandboxed, "import time\ndef f():\n    time.sleep(3)\n    return 1\n", look)
 
 
 def test_a_sweep_below_the_template_that_finds_nothing_is_final(monkeypatch):
