@@ -259,12 +259,6 @@ def f():
     assert processes <= 8 and pid < 10  # init, template, worker, shell, ls, grep: nothing of the host
 
 
-def nspids(pid):
-    """A process's ids in each PID namespace it is in, the host's first."""
-    with open(f"/proc/{pid}/status") as f:
-        return [int(n) for n in next(line for line in f if line.startswith("NSpid:")).split()[1:]]
-
-
 def parent(pid):
     return int(kcoral.kcoral_worker.proc_stat(pid)[1])  # fields after the name: state, ppid, ...
 
@@ -277,12 +271,12 @@ def while_running(sandboxed, source, look):
     try:
         def running_worker():
             return next((pid for pid in kcoral.kcoral_worker.descendants(sandboxed.proc.pid)
-                         if len(nspids(pid)) == 3 and nspids(pid)[-1] == 2), None)
+                         if len(kcoral.namespace_pids(pid)) == 3 and kcoral.namespace_pids(pid)[-1] == 2), None)
         worker = wait_for(running_worker, 30)
         assert worker, "no request's worker appeared"
         namespace = os.stat(f"/proc/{worker}/ns/pid").st_ino
         init = next(pid for pid in kcoral.kcoral_worker.descendants(sandboxed.proc.pid)
-                    if nspids(pid)[-1] == 1 and os.stat(f"/proc/{pid}/ns/pid").st_ino == namespace)
+                    if kcoral.namespace_pids(pid)[-1] == 1 and os.stat(f"/proc/{pid}/ns/pid").st_ino == namespace)
         return look(worker, init)
     finally:
         join_threads([request], 60)
@@ -300,9 +294,9 @@ def test_a_request_forks_the_template_once_and_its_init_is_a_fork_of_a_small_pro
 
     def look(worker, init):
         template, maker = parent(worker), parent(init)
-        assert len(nspids(template)) == 2 and nspids(template)[-1] == 1, \
-            f"the worker's parent {template} is not the template: {nspids(template)}"
-        assert parent(maker) == template and len(nspids(maker)) == 2
+        assert len(kcoral.namespace_pids(template)) == 2 and kcoral.namespace_pids(template)[-1] == 1, \
+            f"the worker's parent {template} is not the template: {kcoral.namespace_pids(template)}"
+        assert parent(maker) == template and len(kcoral.namespace_pids(maker)) == 2
         assert mapped_kib(maker) * 4 < mapped_kib(template), (mapped_kib(maker), mapped_kib(template))
     while_running(sandboxed, "import time\ndef f():\n    time.sleep(3)\n    return 1\n", look)
 
