@@ -51,11 +51,11 @@ CUDA's guards); last, `kcoral.builtins` and `kcoral.errors`, what uploaded code 
 `evaluate`'s kernel processes (a fresh interpreter per kernel under test, its own messages).
 
 A worker's device is fixed when it starts: `worker_main` builds one `Runtime` and hands it
-down to each request.  Nine module-level names change in a worker or its template, each once per
+down to each request.  Ten module-level names change in a worker or its template, each once per
 process or as a cache its requests may share (a worker serves one request by default):
-`TEMPLATE_PREPARED` and `FLUSH_HOOKS_INSTALLED` (set in a template before it forks: its workers
-inherit them), `_library_runtimes_loaded` and `_cute_preloaded` (set the first time), `SANDBOXED` (set by a
-sandboxed request's worker), `_cudarts` (the libcudart
+`TEMPLATE_PREPARED`, `TEMPLATE_TORCH_SETTINGS` and `FLUSH_HOOKS_INSTALLED` (set in a template
+before it forks: its workers inherit them), `_library_runtimes_loaded` and `_cute_preloaded` (set
+the first time), `SANDBOXED` (set by a sandboxed request's worker), `_cudarts` (the libcudart
 handles loaded), `_cupti_used` (set by a request's profiler guard, cleared before the next) and
 `_compiled` (compiled executables by structural hash); in evaluate's kernel processes,
 `IN_PLACE_DTYPES` (which dtypes' bytes are as sent).  Nothing else module-level changes.
@@ -742,13 +742,16 @@ def warm_request_path() -> None:
     by every worker forked from it, instead of in each fresh one: OpenSSL's digest tables (a
     module's filename is a SHA-1: 0.3 ms the first time), the flush hooks (install_flush_hooks wraps
     nine functions: 0.3 ms), each message's field types (typing.get_type_hints, ~0.3 ms for a
-    JobRequest) and the module a forkserver's child unpickles its process object with
-    (multiprocessing.popen_forkserver, which each worker imported from disk: ~1.2 ms of CPU)."""
+    JobRequest), the module a forkserver's child unpickles its process object with
+    (multiprocessing.popen_forkserver, which each worker imported from disk: ~1.2 ms of CPU) and
+    torch's settings, which a worker starts with (TorchSettings.at_start: 0.75 ms read in each)."""
     hashlib.sha1(b"")
     install_flush_hooks()
     for cls in MESSAGE_TYPES.values():
         MESSAGE_HINTS.setdefault(cls, typing.get_type_hints(cls))
     import multiprocessing.popen_forkserver  # noqa: F401
+    global TEMPLATE_TORCH_SETTINGS
+    TEMPLATE_TORCH_SETTINGS = TorchSettings.capture()
 
 
 def collapse_template_memory() -> None:
@@ -790,6 +793,7 @@ def dense_anonymous_regions() -> list[tuple[int, int]]:
 
 
 TEMPLATE_PREPARED = False  # prepare_template: done in this process, or in its parent before the fork
+TEMPLATE_TORCH_SETTINGS: TorchSettings | None = None  # read by warm_request_path, for TorchSettings.at_start
 HUGE_PAGE_BYTES, MADV_COLLAPSE = 2 << 20, 25  # x86-64's and arm64's (4 KiB pages) PMD size; Linux's constant
 COLLAPSE_SECONDS = 2.0  # collapse_template_memory's budget: a template's start-up waits for it
 # In the environment of the forkserver kcoral.start_forkserver starts, and only there: that process
@@ -1525,7 +1529,7 @@ def worker_main(conn: Connection, device: str, visible_gpus: list[str]) -> None:
     import gc
     gc.freeze()  # the template's objects are permanent: later collections skip them
     env = dict(os.environ)
-    torch_settings = TorchSettings.capture()
+    torch_settings = TorchSettings.at_start()
     send_message(conn, WorkerReady(os.getpid()))
     for message in messages(conn):
         match message:
@@ -1736,7 +1740,8 @@ class TorchSettings:
     """torch's global settings as a worker started with them, put back between the requests of a
     reused worker (docs/server.md §3.3): default dtype, deterministic algorithms, float32 matmul
     precision, the cudnn/matmul flags and, once CUDA is initialised, the current device and its
-    stream.  Reading them costs microseconds; only what differs is set again."""
+    stream.  Reading them costs microseconds in a warm process (not in a fresh fork: at_start);
+    only what differs is set again."""
 
     def __init__(self, torch: Any) -> None:
         self.torch = torch
@@ -1755,6 +1760,13 @@ class TorchSettings:
         """The settings now, if torch is loaded (the template preloads it); None without torch."""
         torch = sys.modules.get("torch")
         return TorchSettings(torch) if torch is not None and hasattr(torch, "get_default_dtype") else None
+
+    @staticmethod
+    def at_start() -> TorchSettings | None:
+        """A fresh worker's settings: those its template read before the fork (nothing changes them
+        in between; read in each worker, they took 0.75 ms of CPU, first touches of a fork's pages),
+        or, in a process no prepared template forked, read now."""
+        return TEMPLATE_TORCH_SETTINGS if TEMPLATE_PREPARED else TorchSettings.capture()
 
     def owner(self, path: str) -> Any:
         return functools.reduce(getattr, path.split("."), self.torch)

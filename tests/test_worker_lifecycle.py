@@ -238,14 +238,16 @@ def test_a_worker_is_forked_from_a_template_held_in_huge_pages(server):
 def test_a_worker_inherits_what_its_template_resolved_for_every_worker(server):
     """kcoral_worker.warm_request_path: every message's field types are resolved in the template,
     not by each fresh worker as it decodes its first JobRequest (which a worker decodes alone
-    proves it: it never sees most of the types), and the template holds the module its forkserver's
-    children unpickle their process object with, which each of them imported from disk (~1.2 ms
-    of CPU a worker)."""
+    proves it: it never sees most of the types), torch's settings a worker starts with are the
+    ones the template read (0.75 ms of CPU read in each worker), and the template holds the module
+    its forkserver's children unpickle their process object with, which each of them imported from
+    disk (~1.2 ms of CPU a worker)."""
     source = ("import sys\n"
               "def f():\n"
               "    worker = sys.modules['kcoral_worker']\n"
-              "    return sorted(set(worker.MESSAGE_TYPES) - {c.__name__ for c in worker.MESSAGE_HINTS})\n")
-    assert plain(execute_ok(server.url, simple_program(source))["results"]["out"]) == []
+              "    return [sorted(set(worker.MESSAGE_TYPES) - {c.__name__ for c in worker.MESSAGE_HINTS}),\n"
+              "            worker.TEMPLATE_TORCH_SETTINGS is not None]\n")
+    assert plain(execute_ok(server.url, simple_program(source))["results"]["out"]) == [[], True]
     fresh = subprocess.run([sys.executable, "-c", "import sys, kcoral_worker\n"
                             "kcoral_worker.warm_request_path()\n"
                             "print('multiprocessing.popen_forkserver' in sys.modules)"],
