@@ -1079,7 +1079,7 @@ def template_main(fd: int, preload: list[str], import_env: dict[str, str], space
     if not isinstance(space, RequestSpace):
         raise UnexpectedMessage(f"a sandbox template cannot start with {space!r}")
     become_sandbox_user(space)
-    seccomp = seccomp_filter()  # built once; each request's init installs it
+    seccomp = seccomp_filter()  # built once; each request's worker installs it
     ignore_tree_signals()
     set_dumpable(False)  # a request may not ptrace or read the process that forks the next one
     inits = RequestInits(keep=fd)  # before the imports, which it need not copy
@@ -1317,12 +1317,12 @@ SANDBOXED = {"worker": False}  # set by a sandboxed worker: it ends its namespac
 
 
 def enter_request_space(space: RequestSpace, others: int, seccomp: bytes) -> None:
-    """In a request's init, PID 1 of new mount, PID and IPC namespaces: a /proc of its own (what
+    """In a request's worker, PID 2 of its PID namespace, in new mount and IPC namespaces: a /proc of its own (what
     changes the host read-only), no further user namespaces, a fresh tmpfs for everything the
     request may write (sized by --disk-limit-bytes and --file-limit), its own message queues; then
     no capabilities, at most --process-limit processes and threads for what it forks (counted per
-    uid in the container's user namespace, where `others` are the template's threads and the
-    init), no core dumps, and last the seccomp filter (`install_seccomp_filter`), which no
+    uid in the container's user namespace, where `others` are the template's threads, the init
+    maker and the init), no core dumps, and last the seccomp filter (`install_seccomp_filter`), which no
     later process can shed."""
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     own_gpus = os.listdir(NVIDIA_PROC_GPUS) if os.path.isdir(NVIDIA_PROC_GPUS) else []  # the container shows its own
@@ -1420,7 +1420,7 @@ def wait_for_child(pid: int) -> int:
 SECCOMP_DENIED = {
     # the kernel keyring: a key outlives its request and is readable by the next (same uid)
     "keyctl": (250, 219), "add_key": (248, 217), "request_key": (249, 218),
-    # mounts and namespaces: a request's init has set up its space; nothing after it needs them
+    # mounts and namespaces: a request's worker has set up its space before; nothing after needs them
     "mount": (165, 40), "umount2": (166, 39), "pivot_root": (155, 41), "mount_setattr": (442, 442),
     "fsopen": (430, 430), "fsconfig": (431, 431), "fsmount": (432, 432), "fspick": (433, 433),
     "open_tree": (428, 428), "move_mount": (429, 429), "unshare": (272, 97), "setns": (308, 268),
