@@ -2682,7 +2682,8 @@ def check_options(options: Json) -> dict[str, Json]:
         raise ValidationError(f"unknown option(s): {sorted(unknown)}")
     if "timeout_seconds" in options:
         t = options["timeout_seconds"]
-        if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t <= 0:
+        # compared, not converted: an integer past float's range (JSON allows 10**400) is a finite number
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 < t < math.inf:
             raise ValidationError("options.timeout_seconds must be a finite number > 0")
     if "output_limit_bytes" in options:
         n = options["output_limit_bytes"]

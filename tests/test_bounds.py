@@ -40,6 +40,7 @@ from tests.support import (
     ret,
     rss_kib,
     run,
+    simple_program,
     unread_bytes,
     up_blob,
     up_module,
@@ -570,3 +571,20 @@ if __name__ == "__main__":
     for label, check in CHECKS:  # the tests themselves, at full size: the same bounds
         check(pathlib.Path(tempfile.mkdtemp()), lambda _, figures: print(f"{label}: {figures}", flush=True), FULL)
     sys.exit(0)
+
+
+def test_a_timeout_past_floats_range_is_capped_by_the_server_not_an_internal_error():
+    """options.timeout_seconds is any finite number > 0, and JSON's integers have no bound: 10**400
+    is one, which the server's cap then applies to.  The check converted it to a float for
+    math.isfinite: OverflowError, where the property test (test_multipart_and_program_properties)
+    expects a verdict."""
+    program = simple_program("def f():\n    return 1\n")
+    for value, valid in ((10 ** 400, True), (0.5, True), (0, False), (-(10 ** 400), False)):
+        text = json.dumps({**program, "options": {"timeout_seconds": value}}).encode()
+        if valid:
+            assert kcoral.parse_program(kcoral.strict_json(text)).options["timeout_seconds"] == value
+        else:
+            with pytest.raises(kcoral.ValidationError):
+                kcoral.parse_program(kcoral.strict_json(text))
+    with pytest.raises(kcoral.ValidationError):  # 1e400 decodes to inf
+        kcoral.parse_program(kcoral.strict_json(json.dumps(program).encode()[:-1] + b', "options": {"timeout_seconds": 1e400}}'))
