@@ -84,6 +84,7 @@ import os
 import resource
 import select
 import signal
+import socket
 import stat
 import struct
 import sys
@@ -1188,10 +1189,8 @@ class RequestInits:
 
     def __init__(self, keep: int) -> None:
         """Fork the maker; `keep`, the template's pipe to the front-end, is closed in it."""
-        import socket
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.maker = os.fork()
-        if self.maker == 0:
+        if os.fork() == 0:
             os.close(keep)
             self.sock.close()
             serve_inits(theirs)
@@ -1200,7 +1199,6 @@ class RequestInits:
     def start(self) -> int:
         """A new PID namespace whose init is running -> a descriptor of that namespace (the
         maker's: the init, not dumpable, is not the template's to open in /proc)."""
-        import socket
         self.sock.sendall(b"n")
         data, fds, _, _ = socket.recv_fds(self.sock, INIT_STARTED.size, 1)
         if len(data) < INIT_STARTED.size:
@@ -1225,11 +1223,10 @@ class RequestInits:
 INIT_STARTED = struct.Struct("=i")  # 0, with the namespace's descriptor, or the errno
 
 
-def serve_inits(sock: Any) -> typing.NoReturn:
+def serve_inits(sock: socket.socket) -> typing.NoReturn:
     """The init maker's loop: "n" starts an init in a new PID namespace and answers with a
     descriptor of that namespace (or the errno), "e" kills the last one and answers once it is
     reaped; the template closing the socket ends it."""
-    import socket
     init, own_pids = 0, os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
     while command := sock.recv(1):
         if command == b"n":
@@ -1243,10 +1240,11 @@ def serve_inits(sock: Any) -> typing.NoReturn:
                     be_request_init(sock, own_pids)
                 # the namespace can be opened once it has its first process
                 namespace = os.open("/proc/self/ns/pid_for_children", os.O_RDONLY | os.O_CLOEXEC)
-                libc_call("setns", own_pids, CLONE_NEWPID)  # unshare again only from its own
             except OSError as exc:
                 sock.sendall(INIT_STARTED.pack(exc.errno or errno.EAGAIN))
                 continue
+            finally:  # back in its own: unshare fails while its children's namespace is another
+                libc_call("setns", own_pids, CLONE_NEWPID)
             try:
                 socket.send_fds(sock, [INIT_STARTED.pack(0)], [namespace])
             finally:
@@ -1261,7 +1259,7 @@ def serve_inits(sock: Any) -> typing.NoReturn:
     os._exit(0)
 
 
-def be_request_init(sock: Any, own_pids: int) -> typing.NoReturn:
+def be_request_init(sock: socket.socket, own_pids: int) -> typing.NoReturn:
     """PID 1 of a request's namespace, until killed: holds nothing, can do nothing, reaps its orphans."""
     try:
         sock.close()
@@ -3972,7 +3970,6 @@ class KernelProcess:
     does not)."""
 
     def __init__(self, role: str, source: str, entry: str, cuda_graph: bool, timeout: float) -> None:
-        import socket
         import subprocess
         self.role, self.timeout = role, timeout
         self.mapped: SharedRegion | None = None  # the region its process has mapped
